@@ -1,0 +1,38 @@
+# The README's two commands are `make demo` and `make test`; both install what is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
+
+.PHONY: install db demo test test-fast bench stop check
+
+$(STAMP): requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing Python packages into $(VENV) (pinned, requirements.txt)"
+	@$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	@rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+db: install
+	@scripts/pg_local.sh start
+
+demo: db
+	@$(PY) manage.py migrate --noinput -v0
+	@$(PY) manage.py demo
+
+test: install
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+# Skip the slow chaos/race tests locally.
+test-fast: install
+	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: db
+	@$(PY) bench/run.py
+
+check: install
+	@$(PY) manage.py makemigrations --check --dry-run
+
+stop:
+	@scripts/pg_local.sh stop

@@ -1,0 +1,182 @@
+"""ACCS's operational settings: one typed object, read lazily from ``ACC_*`` variables.
+
+Nothing is read at import time. Each property parses its variable the first time it is used and
+raises :class:`SettingError` naming the variable when the value is malformed. The system check in
+:mod:`accs_site.checks` touches every property, so a bad value stops ``manage.py`` at start-up.
+
+Tests and daemons may call :func:`reload` after changing the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from functools import cached_property
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+class SettingError(ImproperlyConfigured):
+    """A malformed ACC_* variable; ``variable`` names it."""
+
+    def __init__(self, variable: str, problem: str) -> None:
+        self.variable = variable
+        super().__init__(f"{variable}: {problem}")
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def _int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingError(name, f"expected a whole number, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise SettingError(name, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SettingError(name, f"must be at most {maximum}, got {value}")
+    return value
+
+
+def _float(name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(name, f"expected a number, got {raw!r}") from None
+    if value < minimum:
+        raise SettingError(name, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def parse_labels(name: str, raw: str | None) -> dict[str, str]:
+    """Parse ``gpu=true,zone=eu`` into a dict; a part without ``=`` is an error naming ``name``."""
+    labels: dict[str, str] = {}
+    if not raw:
+        return labels
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise SettingError(name, f"expected key=value pairs separated by commas, got {part!r}")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+@dataclass(frozen=True)
+class MinioSettings:
+    endpoint: str | None
+    access_key: str | None
+    secret_key: str | None
+    bucket: str
+    region: str
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.endpoint and self.access_key and self.secret_key)
+
+
+class AccsSettings:
+    """Typed view of the ACC_* environment. Every property is parsed on first use."""
+
+    @cached_property
+    def node_name(self) -> str:
+        return _raw("ACC_NODE_NAME") or socket.gethostname()
+
+    @cached_property
+    def node_labels(self) -> dict[str, str]:
+        return parse_labels("ACC_NODE_LABELS", _raw("ACC_NODE_LABELS"))
+
+    @cached_property
+    def max_concurrency(self) -> dict[str, int]:
+        """Per-service caps from ``ACC_MAX_CONCURRENCY_<SERVICE>`` (service key upper-cased, - → _)."""
+        caps: dict[str, int] = {}
+        prefix = "ACC_MAX_CONCURRENCY_"
+        for name in sorted(os.environ):
+            if name.startswith(prefix) and len(name) > len(prefix):
+                caps[name[len(prefix):].lower()] = _int(name, 0, minimum=0)
+        return caps
+
+    def max_concurrency_for(self, service_key: str) -> int | None:
+        """Return the env cap for a service key, or None when no variable names it."""
+        return self.max_concurrency.get(service_key.replace("-", "_").lower())
+
+    @cached_property
+    def backoff_base_sec(self) -> float:
+        return _float("ACC_BACKOFF_BASE_SEC", 15.0)
+
+    @cached_property
+    def backoff_cap_sec(self) -> float:
+        return _float("ACC_BACKOFF_CAP_SEC", 3600.0)
+
+    @cached_property
+    def heartbeat_ttl_sec(self) -> int:
+        return _int("ACC_HEARTBEAT_TTL_SEC", 120, minimum=3)
+
+    @cached_property
+    def notify_channel_prefix(self) -> str:
+        prefix = _raw("ACC_NOTIFY_CHANNEL_PREFIX") or "accs_"
+        if not prefix.replace("_", "").isalnum() or len(prefix) > 30:
+            raise SettingError("ACC_NOTIFY_CHANNEL_PREFIX", f"use letters, digits and '_' only (≤30), got {prefix!r}")
+        return prefix
+
+    @cached_property
+    def slot_cap(self) -> int:
+        return _int("ACC_SLOT_CAP", 20, minimum=1, maximum=1000)
+
+    @cached_property
+    def cpu_budget(self) -> int:
+        return _int("ACC_CPU_BUDGET", 8, minimum=1, maximum=1000)
+
+    @cached_property
+    def poll_interval_sec(self) -> float:
+        return _float("ACC_POLL_INTERVAL_SEC", 2.0, minimum=0.01)
+
+    @cached_property
+    def event_retention_months(self) -> int:
+        return _int("ACC_EVENT_RETENTION_MONTHS", 12, minimum=1)
+
+    @cached_property
+    def event_partitions_ahead(self) -> int:
+        return _int("ACC_EVENT_PARTITIONS_AHEAD", 2, minimum=1, maximum=24)
+
+    @cached_property
+    def metrics_token(self) -> str | None:
+        return _raw("ACC_METRICS_TOKEN")
+
+    @cached_property
+    def minio(self) -> MinioSettings:
+        endpoint = _raw("ACC_MINIO_ENDPOINT")
+        if endpoint and not endpoint.startswith(("http://", "https://")):
+            raise SettingError("ACC_MINIO_ENDPOINT", f"expected an http(s):// URL, got {endpoint!r}")
+        return MinioSettings(
+            endpoint=endpoint,
+            access_key=_raw("ACC_MINIO_ACCESS_KEY"),
+            secret_key=_raw("ACC_MINIO_SECRET_KEY"),
+            bucket=_raw("ACC_MINIO_BUCKET") or "accs",
+            region=_raw("ACC_MINIO_REGION") or "us-east-1",
+        )
+
+    def all_properties(self) -> list[str]:
+        return [name for name, value in type(self).__dict__.items() if isinstance(value, cached_property)]
+
+
+accs = AccsSettings()
+
+
+def reload() -> AccsSettings:
+    """Forget parsed values so the next access reads the environment again."""
+    for name in accs.all_properties():
+        accs.__dict__.pop(name, None)
+    return accs

@@ -1,0 +1,115 @@
+"""Django settings for ACCS.
+
+Only Django's own settings live here, read from ``ACC_*`` environment variables through
+django-environ. ACCS's operational settings (backoff, heartbeat TTL, node identity...) are read
+lazily by :mod:`accs_site.conf` and validated by system checks (:mod:`accs_site.checks`).
+"""
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env")  # optional; real environment variables win
+
+LOCAL_DB_URL = "postgres://postgres@127.0.0.1:54329/accs"
+
+
+def _database_from_url(name: str, default: str) -> dict:
+    """Parse a database URL setting, naming the variable when it is malformed."""
+    raw = env.str(name, default=default)
+    # Seed 000 writes SQLAlchemy-style URLs (postgresql+psycopg://); accept them too.
+    raw = raw.replace("postgresql+psycopg://", "postgresql://", 1)
+    try:
+        cfg = environ.Env.db_url_config(raw)
+    except Exception as exc:  # noqa: BLE001 - django-environ raises several types
+        raise ImproperlyConfigured(f"{name} is not a valid database URL: {exc}") from exc
+    if cfg.get("ENGINE") != "django.db.backends.postgresql":
+        raise ImproperlyConfigured(
+            f"{name} must point at PostgreSQL (postgres://user@host:port/db), got {raw.split(':', 1)[0]}://"
+        )
+    if not cfg.get("NAME"):
+        raise ImproperlyConfigured(f"{name} has no database name: {raw}")
+    return cfg
+
+
+SECRET_KEY = env.str("ACC_SECRET_KEY", default="accs-dev-only-insecure-key-change-me")
+DEBUG = env.bool("ACC_DEBUG", default=False)
+ALLOWED_HOSTS = env.list("ACC_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.postgres",
+    "accs_site",
+    "workflows",
+    "jobs",
+    "nodes",
+    "events",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "accs_site.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "accs_site.wsgi.application"
+
+_db = _database_from_url("ACC_DB_URL", LOCAL_DB_URL)
+_db["CONN_MAX_AGE"] = env.int("ACC_DB_CONN_MAX_AGE", default=600)
+_db["CONN_HEALTH_CHECKS"] = True
+_db.setdefault("OPTIONS", {})
+_db["OPTIONS"].setdefault("application_name", "accs")
+DATABASES = {"default": _db}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / ".local" / "static"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "events.logging.JsonFormatter"}},
+    "handlers": {"stdout": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "root": {"handlers": ["stdout"], "level": env.str("ACC_LOG_LEVEL", default="INFO")},
+    "loggers": {"django.db.backends": {"level": "INFO"}},
+}

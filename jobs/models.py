@@ -1,0 +1,406 @@
+"""What is running and why: tenants, jobs, tasks, attempts, triggers, API tokens.
+
+Every status below is declared once as ``TextChoices`` and held by a CHECK constraint. Only
+:mod:`jobs.transitions` writes ``status`` after a row is created.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
+from django.db import models
+from django.db.models import F, Func, Q, Value
+from django.utils.timezone import now
+
+JOB_ORDER_SEQUENCE = "accs_job_order_seq"
+
+
+def _choices_check(field: str, choices: type[models.TextChoices], name: str) -> models.CheckConstraint:
+    return models.CheckConstraint(condition=Q(**{f"{field}__in": [c.value for c in choices]}), name=name)
+
+
+class Tenant(models.Model):
+    """An isolation boundary: jobs and triggers belong to exactly one tenant."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    slug = models.SlugField(max_length=100, unique=True)
+    name = models.CharField(max_length=200)
+    timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
+    max_in_flight = models.PositiveIntegerField(default=0, help_text="Running jobs at once; 0 = unlimited.")
+    created_at = models.DateTimeField(default=now)
+
+    class Meta:
+        db_table = "accs_tenant"
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+DEFAULT_TENANT_SLUG = "default"
+
+
+class TenantRole(models.TextChoices):
+    """What a member may do inside a tenant."""
+
+    ADMIN = "admin", "Tenant admin (read and act)"
+    VIEWER = "viewer", "Viewer (read only)"
+
+
+class TenantMembership(models.Model):
+    """A user's role in one tenant; superusers need none."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tenant_memberships")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=TenantRole.choices, default=TenantRole.ADMIN)
+
+    class Meta:
+        db_table = "accs_tenant_membership"
+        constraints = [
+            models.UniqueConstraint(fields=["user", "tenant"], name="membership_user_tenant_unique"),
+            _choices_check("role", TenantRole, "membership_role_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} @ {self.tenant} ({self.role})"
+
+
+class ApiToken(models.Model):
+    """A bearer token for the HTTP API; only its SHA-256 digest is stored."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=12, help_text="First characters of the token, to recognise it.")
+    digest = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "accs_api_token"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+
+class JobStatus(models.TextChoices):
+    """Lifecycle of a job."""
+
+    QUEUED = "queued", "Queued (waiting to be instantiated)"
+    RUNNING = "running", "Running (tasks created)"
+    DONE = "done", "Done"
+    ERROR = "error", "Error (a task failed for good)"
+    CANCELED = "canceled", "Canceled"
+
+
+JOB_FINAL = (JobStatus.DONE, JobStatus.ERROR, JobStatus.CANCELED)
+JOB_ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class JobSource(models.TextChoices):
+    """Who started a job."""
+
+    MANUAL = "manual", "Manual"
+    EVENT = "event", "Event trigger"
+    SCHEDULE = "schedule", "Schedule"
+    WEBHOOK = "webhook", "Webhook"
+    SYSTEM = "system", "System"
+
+
+class ApprovalState(models.TextChoices):
+    """Whether a job may run."""
+
+    NOT_REQUIRED = "not_required", "Not required"
+    PENDING = "pending", "Waiting for approval"
+    APPROVED = "approved", "Approved"
+    REJECTED = "rejected", "Rejected"
+
+
+class Job(models.Model):
+    """An instance of a workflow (or of one service) to run."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # Covered by job_tenant_status_created_idx; a separate FK index would only slow inserts.
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="jobs", db_index=False)
+    workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True, related_name="jobs")
+    service = models.ForeignKey(
+        "workflows.Service", on_delete=models.PROTECT, null=True, blank=True, related_name="jobs",
+        help_text="Set for a one-task job that targets a service directly.",
+    )
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)
+    progress = models.FloatField(default=0.0)
+    current_task_key = models.CharField(max_length=100, blank=True, default="")
+    priority = models.IntegerField(default=0)
+    order_seq = models.BigIntegerField(
+        db_default=Func(Value(JOB_ORDER_SEQUENCE), function="nextval", output_field=models.BigIntegerField()),
+        editable=False,
+        help_text="Global order from a PostgreSQL sequence.",
+    )
+    options = models.JSONField(default=dict, blank=True, help_text="Job options (hosts, label selector...).")
+    step_params = models.JSONField(default=dict, blank=True, help_text="Per-step param overrides {step: {...}}.")
+    scheduled_at = models.DateTimeField(default=now)
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    source = models.CharField(max_length=16, choices=JobSource.choices, default=JobSource.MANUAL)
+    source_ref = models.CharField(max_length=200, blank=True, default="")
+    external_id = models.CharField(max_length=200, null=True, blank=True)
+    dedupe_key = models.CharField(max_length=200, null=True, blank=True)
+    correlation_id = models.CharField(max_length=200, blank=True, default="")
+    approval_state = models.CharField(max_length=16, choices=ApprovalState.choices, default=ApprovalState.NOT_REQUIRED)
+    approved_by = models.CharField(max_length=200, blank=True, default="")
+    approved_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+", db_index=False
+    )
+    created_at = models.DateTimeField(default=now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(default=now)
+
+    class Meta:
+        db_table = "accs_job"
+        ordering = ["-created_at"]
+        constraints = [
+            _choices_check("status", JobStatus, "job_status_valid"),
+            _choices_check("source", JobSource, "job_source_valid"),
+            _choices_check("approval_state", ApprovalState, "job_approval_state_valid"),
+            models.CheckConstraint(
+                condition=Q(workflow__isnull=False, service__isnull=True) | Q(workflow__isnull=True, service__isnull=False),
+                name="job_targets_workflow_xor_service",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=JOB_FINAL, finished_at__isnull=False) | Q(~Q(status__in=JOB_FINAL), finished_at__isnull=True),
+                name="job_finished_iff_finished_at",
+            ),
+            models.CheckConstraint(condition=Q(progress__gte=0, progress__lte=1), name="job_progress_0_1"),
+            models.UniqueConstraint(
+                fields=["tenant", "external_id"], condition=Q(external_id__isnull=False), name="job_external_id_per_tenant"
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "dedupe_key"],
+                condition=Q(dedupe_key__isnull=False, status__in=JOB_ACTIVE),
+                name="job_active_dedupe_key_per_tenant",
+            ),
+        ]
+        indexes = [
+            # The builder's due-job scan: queued jobs by due time, in global order.
+            models.Index(fields=["scheduled_at", "order_seq"], condition=Q(status="queued"), name="job_due_idx"),
+            models.Index(fields=["order_seq"], name="job_order_seq_idx"),
+            models.Index(fields=["tenant", "status", "-created_at"], name="job_tenant_status_created_idx"),
+            models.Index(fields=["workflow", "status"], condition=Q(status="running"), name="job_workflow_running_idx"),
+            models.Index(fields=["-created_at"], name="job_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.id}"
+
+    @property
+    def target_name(self) -> str:
+        return str(self.workflow) if self.workflow_id else f"service {self.service}"
+
+
+class TaskStatus(models.TextChoices):
+    """Lifecycle of a task."""
+
+    WAITING = "waiting", "Waiting for dependencies"
+    QUEUED = "queued", "Queued (claimable)"
+    STARTING = "starting", "Claimed, starting"
+    RUNNING = "running", "Running"
+    DONE = "done", "Done"
+    ERROR = "error", "Error (final; dead letter)"
+    SKIPPED = "skipped", "Skipped"
+    CANCELED = "canceled", "Canceled"
+    BLOCKED = "blocked", "Blocked for this host"
+
+
+TASK_FINAL = (TaskStatus.DONE, TaskStatus.ERROR, TaskStatus.SKIPPED, TaskStatus.CANCELED, TaskStatus.BLOCKED)
+TASK_HELD = (TaskStatus.STARTING, TaskStatus.RUNNING)
+TASK_UNSTARTED = (TaskStatus.WAITING, TaskStatus.QUEUED)
+
+
+class Task(models.Model):
+    """A claimable unit: one step of a job (one per host for a fan-out step)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="tasks", db_index=False)
+    # Task FKs carry no index of their own: the engine reads tasks through the partial indexes in
+    # Meta, and every extra index is paid on each claim and report.
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="+", db_index=False, help_text="Copied from the job.")
+    task_key = models.CharField(max_length=200)
+    step_key = models.CharField(max_length=100, help_text="The workflow step; equals task_key unless fanned out.")
+    service = models.ForeignKey("workflows.Service", on_delete=models.PROTECT, related_name="tasks", db_index=False)
+    host = models.ForeignKey("nodes.Host", on_delete=models.PROTECT, null=True, blank=True, related_name="tasks", db_index=False)
+    exclusive = models.BooleanField(default=False, help_text="Copied from the service: one running task per host.")
+    status = models.CharField(max_length=16, choices=TaskStatus.choices, default=TaskStatus.QUEUED)
+    depends_on = ArrayField(models.CharField(max_length=100), default=list, blank=True)
+    attempt = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveSmallIntegerField(default=3)
+    next_attempt_at = models.DateTimeField(default=now)
+    priority = models.IntegerField(default=0)
+    order_seq = models.BigIntegerField(help_text="Copied from the job: the global claim order.")
+    timeout_seconds = models.PositiveIntegerField(default=600)
+    progress = models.FloatField(null=True, blank=True)
+    params = models.JSONField(default=dict, blank=True)
+    results = models.JSONField(null=True, blank=True)
+    assigned_node = models.CharField(max_length=200, blank=True, default="")
+    claimed_by = models.CharField(max_length=300, blank=True, default="", help_text="Agent identity host:pid:boot.")
+    node = models.CharField(max_length=200, blank=True, default="", help_text="Node that holds or last held the task.")
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(default=now)
+    updated_at = models.DateTimeField(default=now)
+
+    class Meta:
+        db_table = "accs_task"
+        ordering = ["order_seq", "created_at"]
+        constraints = [
+            _choices_check("status", TaskStatus, "task_status_valid"),
+            models.UniqueConstraint(fields=["job", "task_key"], name="task_job_key_unique"),
+            models.CheckConstraint(
+                condition=Q(status__in=TASK_FINAL, finished_at__isnull=False) | Q(~Q(status__in=TASK_FINAL), finished_at__isnull=True),
+                name="task_finished_iff_finished_at",
+            ),
+            models.CheckConstraint(
+                condition=~Q(status__in=TASK_HELD) | (Q(lease_expires_at__isnull=False) & ~Q(claimed_by="")),
+                name="task_held_has_lease",
+            ),
+            models.CheckConstraint(condition=Q(attempt__lte=F("max_attempts")), name="task_attempt_le_max"),
+            # Seed 004: at most one starting/running task per host for exclusive services.
+            models.UniqueConstraint(
+                fields=["host"],
+                condition=Q(exclusive=True, status__in=TASK_HELD, host__isnull=False),
+                name="task_one_held_per_exclusive_host",
+            ),
+        ]
+        indexes = [
+            # The claim path (jobs.claim): queued tasks of a service in CLM1 order.
+            models.Index(
+                "service", F("priority").desc(), "order_seq", "created_at", "id",
+                condition=Q(status="queued"), name="task_claim_idx",
+            ),
+            # Lease rescue (builder): held tasks by lease expiry.
+            models.Index(fields=["lease_expires_at"], condition=Q(status__in=TASK_HELD), name="task_lease_idx"),
+            # Limits: held tasks per service / host.
+            models.Index(fields=["service", "node"], condition=Q(status__in=TASK_HELD), name="task_held_service_idx"),
+            models.Index(fields=["job", "status"], name="task_job_status_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_key} ({self.status})"
+
+
+class AttemptStatus(models.TextChoices):
+    """Outcome of one try of a task."""
+
+    RUNNING = "running", "Running"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    TIMEOUT = "timeout", "Timed out"
+    CANCELED = "canceled", "Canceled"
+    BLOCKED = "blocked", "Blocked"
+
+
+class Attempt(models.Model):
+    """One try of a task: who ran it, how it ended, the tails of its output (secrets redacted)."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="attempts")
+    attempt_no = models.PositiveIntegerField()
+    node = models.CharField(max_length=200, blank=True, default="")
+    agent_id = models.CharField(max_length=300, blank=True, default="")
+    pid = models.IntegerField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=AttemptStatus.choices, default=AttemptStatus.RUNNING)
+    started_at = models.DateTimeField(default=now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    stdout_tail = models.TextField(blank=True, default="")
+    stderr_tail = models.TextField(blank=True, default="")
+    error_text = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "accs_attempt"
+        ordering = ["task", "attempt_no"]
+        constraints = [
+            _choices_check("status", AttemptStatus, "attempt_status_valid"),
+            models.UniqueConstraint(fields=["task", "attempt_no"], name="attempt_task_no_unique"),
+            models.CheckConstraint(
+                condition=Q(status="running", finished_at__isnull=True) | Q(~Q(status="running"), finished_at__isnull=False),
+                name="attempt_finished_iff_finished_at",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt_no} of {self.task_id}"
+
+
+class TriggerType(models.TextChoices):
+    """What fires a trigger."""
+
+    EVENT = "event", "Application event"
+    SCHEDULE = "schedule", "Cron schedule"
+
+
+class MissedRunPolicy(models.TextChoices):
+    """What a schedule does with due times that passed while no builder ran."""
+
+    SKIP = "skip", "Skip missed runs, fire at the next due time"
+    RUN_ONCE = "run_once", "Fire once for all missed runs"
+
+
+class Trigger(models.Model):
+    """Starts jobs on an application event or a cron schedule, within one tenant."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="triggers")
+    label = models.CharField(max_length=200)
+    is_enabled = models.BooleanField(default=True)
+    trigger_type = models.CharField(max_length=16, choices=TriggerType.choices)
+    event_name = models.CharField(max_length=200, null=True, blank=True)
+    cron_expr = models.CharField(max_length=200, null=True, blank=True)
+    timezone = models.CharField(max_length=64, null=True, blank=True)
+    missed_run_policy = models.CharField(max_length=16, choices=MissedRunPolicy.choices, default=MissedRunPolicy.RUN_ONCE)
+    workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    service = models.ForeignKey("workflows.Service", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    payload_template = models.JSONField(default=dict, blank=True)
+    priority = models.IntegerField(default=0)
+    dedupe_window_seconds = models.PositiveIntegerField(default=300)
+    next_run_at = models.DateTimeField(null=True, blank=True, help_text="Next due time (schedule triggers).")
+    last_fired_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    created_at = models.DateTimeField(default=now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "accs_trigger"
+        ordering = ["tenant", "label"]
+        constraints = [
+            _choices_check("trigger_type", TriggerType, "trigger_type_valid"),
+            _choices_check("missed_run_policy", MissedRunPolicy, "trigger_missed_run_policy_valid"),
+            models.CheckConstraint(
+                condition=(
+                    Q(trigger_type="event", event_name__isnull=False, cron_expr__isnull=True)
+                    | Q(trigger_type="schedule", cron_expr__isnull=False, timezone__isnull=False, event_name__isnull=True)
+                ),
+                name="trigger_event_or_schedule_fields",
+            ),
+            models.CheckConstraint(
+                condition=Q(workflow__isnull=False, service__isnull=True) | Q(workflow__isnull=True, service__isnull=False),
+                name="trigger_targets_workflow_xor_service",
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["tenant", "is_enabled"], name="trigger_tenant_enabled_idx"),
+            models.Index(fields=["event_name"], condition=Q(trigger_type="event", is_enabled=True), name="trigger_event_idx"),
+            models.Index(fields=["next_run_at"], condition=Q(trigger_type="schedule", is_enabled=True), name="trigger_due_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return self.label

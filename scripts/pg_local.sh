@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Project-local PostgreSQL cluster for development, demos and tests.
+#   scripts/pg_local.sh start|stop|status|url|psql
+# The cluster lives in .local/pg (git-ignored), listens on 127.0.0.1:$ACC_PG_PORT only and
+# trusts loopback connections. initdb refuses to run as root, so under root the cluster is
+# owned and run by the 'postgres' OS user (created if missing).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PORT="${ACC_PG_PORT:-54329}"
+BASE="${ACC_PG_DIR:-$ROOT/.local/pg}"
+DATA="$BASE/data"
+SOCK="$BASE/run"
+LOG="$BASE/server.log"
+DBNAME="${ACC_PG_DBNAME:-accs}"
+
+find_pgbin() {
+  if command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir)/initdb" ]; then
+    pg_config --bindir; return
+  fi
+  local d
+  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
+    [ -x "$d/initdb" ] && { echo "$d"; return; }
+  done
+  return 1
+}
+
+PGBIN="$(find_pgbin || true)"
+if [ -z "$PGBIN" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "pg_local: no PostgreSQL server found; installing it with apt-get" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) >&2
+    PGBIN="$(find_pgbin)"
+  else
+    echo "pg_local: no PostgreSQL server binaries (initdb) found; install PostgreSQL 15+" >&2
+    exit 1
+  fi
+fi
+
+if [ "$(id -u)" = 0 ]; then
+  id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
+  PG_USER=postgres
+  as_pg() { runuser -u "$PG_USER" -- "$@"; }
+else
+  PG_USER="$(id -un)"
+  as_pg() { "$@"; }
+fi
+
+url() { echo "postgres://postgres@127.0.0.1:$PORT/$DBNAME"; }
+
+is_running() { [ -f "$DATA/PG_VERSION" ] && as_pg "$PGBIN/pg_ctl" -D "$DATA" status >/dev/null 2>&1; }
+
+start() {
+  mkdir -p "$BASE"
+  chmod 755 "$BASE"
+  if [ ! -f "$DATA/PG_VERSION" ]; then
+    install -d -m 700 -o "$PG_USER" "$DATA"
+    install -d -m 755 -o "$PG_USER" "$SOCK"
+    as_pg "$PGBIN/initdb" -D "$DATA" -U postgres -A trust -E UTF8 --locale=C >"$BASE/initdb.log" 2>&1 \
+      || { cat "$BASE/initdb.log" >&2; exit 1; }
+  fi
+  install -d -m 755 -o "$PG_USER" "$SOCK"
+  touch "$LOG" && chown "$PG_USER" "$LOG"
+  if ! is_running; then
+    as_pg "$PGBIN/pg_ctl" -D "$DATA" -l "$LOG" -w -t 60 start -o \
+      "-p $PORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$SOCK -c max_connections=300 -c shared_buffers=256MB -c max_wal_size=2GB -c fsync=on -c synchronous_commit=on" >/dev/null \
+      || { tail -20 "$LOG" >&2; exit 1; }
+  fi
+  if ! "$PGBIN/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -tAc "select 1 from pg_database where datname='$DBNAME'" | grep -q 1; then
+    "$PGBIN/createdb" -h 127.0.0.1 -p "$PORT" -U postgres "$DBNAME"
+  fi
+  echo "pg_local: PostgreSQL $("$PGBIN/postgres" --version | awk '{print $3}') up at $(url)" >&2
+}
+
+stop() {
+  if is_running; then as_pg "$PGBIN/pg_ctl" -D "$DATA" -m fast -w stop >/dev/null; fi
+  echo "pg_local: stopped" >&2
+}
+
+case "${1:-start}" in
+  start) start ;;
+  stop) stop ;;
+  status) is_running && echo running || { echo stopped; exit 3; } ;;
+  url) url ;;
+  psql) shift; exec "$PGBIN/psql" -h 127.0.0.1 -p "$PORT" -U postgres -d "$DBNAME" "$@" ;;
+  *) echo "usage: $0 start|stop|status|url|psql" >&2; exit 2 ;;
+esac

@@ -1,0 +1,17 @@
+"""Python callables used by test services (executor ``python``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def noop(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    return {}
+
+
+def echo(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    return {"echo": params}
+
+
+def fail(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    raise RuntimeError(params.get("message", "failing on purpose"))

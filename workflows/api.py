@@ -1,0 +1,80 @@
+"""Public Python functions to define services and workflows; validation runs before any write."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Max
+
+from workflows.models import Service, Workflow
+from workflows.validation import DefinitionError, Problem, service_problems, step_problems, validate_workflow
+
+SERVICE_FIELDS = {f.name for f in Service._meta.get_fields() if getattr(f, "concrete", False)} - {"id", "created_at", "updated_at"}
+
+
+def _service_from_dict(data: dict[str, Any]) -> Service:
+    unknown = sorted(set(data) - SERVICE_FIELDS)
+    if unknown:
+        raise DefinitionError([Problem(f"service {data.get('key')!r}", f"unknown fields {unknown}")])
+    existing = Service.objects.filter(key=data.get("key")).first()
+    service = existing or Service()
+    for name, value in data.items():
+        setattr(service, name, value)
+    return service
+
+
+def save_service(**fields: Any) -> Service:
+    """Create or update a service by ``key`` after validating it."""
+    service = _service_from_dict(fields)
+    problems = service_problems(service)
+    if problems:
+        raise DefinitionError(problems)
+    service.save()
+    return service
+
+
+def create_workflow(*, name: str, steps: list[dict[str, Any]], version: int | None = None,
+                    description: str = "", max_active_jobs: int = 0, is_active: bool = True) -> Workflow:
+    """Validate and save a workflow; ``version`` defaults to the next free number for ``name``."""
+    with transaction.atomic():
+        if version is None:
+            version = (Workflow.objects.filter(name=name).aggregate(v=Max("version"))["v"] or 0) + 1
+        workflow = Workflow(name=name, version=version, steps=steps, description=description,
+                            max_active_jobs=max_active_jobs, is_active=is_active)
+        validate_workflow(workflow)  # raises DefinitionError naming each problem
+        if Workflow.objects.filter(name=name, version=version).exists():
+            raise DefinitionError([Problem("version", f"workflow {name!r} already has version {version}")])
+        workflow.save()
+        return workflow
+
+
+def import_definitions(data: dict[str, Any]) -> tuple[list[Service], list[Workflow]]:
+    """Load ``{"services": [...], "workflows": [...]}`` in one transaction, all or nothing.
+
+    Services are validated first; workflows are validated against the services being imported
+    plus those already stored. Nothing is written unless everything is valid.
+    """
+    problems: list[Problem] = []
+    services = [_service_from_dict(dict(s)) for s in data.get("services", [])]
+    for service in services:
+        problems += [Problem(f"service '{service.key}' {p.where}", p.message) for p in service_problems(service)]
+    known = {s.key: s for s in Service.objects.all()}
+    known.update({s.key: s for s in services})
+    workflows: list[Workflow] = []
+    for spec in data.get("workflows", []):
+        name, version = spec.get("name"), spec.get("version", 1)
+        workflow = Workflow.objects.filter(name=name, version=version).first() or Workflow(name=name, version=version)
+        workflow.steps = spec.get("steps")
+        workflow.description = spec.get("description", "")
+        workflow.max_active_jobs = spec.get("max_active_jobs", 0)
+        problems += [Problem(f"workflow '{name}' v{version} {p.where}", p.message) for p in step_problems(workflow.steps, known)]
+        workflows.append(workflow)
+    if problems:
+        raise DefinitionError(problems)
+    with transaction.atomic():
+        for service in services:
+            service.save()
+        for workflow in workflows:
+            workflow.save()
+    return services, workflows

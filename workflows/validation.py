@@ -1,0 +1,252 @@
+"""Validation of services and workflows (WF1, WF2).
+
+One set of rules serves the admin form (``Model.clean``), the Python API (:mod:`workflows.api`)
+and imports. Every problem names where it is (which step, which field) and what is wrong; callers
+validate everything before writing anything.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from django.core.exceptions import ValidationError
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+FAN_OUT_VALUES = ("hosts",)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a definition: ``where`` names the step or field."""
+
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+class DefinitionError(ValidationError):
+    """A service or workflow definition is invalid; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[Problem], *, field: str | None = None) -> None:
+        self.problems = problems
+        messages = [str(p) for p in problems]
+        super().__init__({field: messages} if field else messages)
+
+
+def _json_path(path: Iterable[Any]) -> str:
+    parts = [str(p) for p in path]
+    return ".".join(parts) if parts else "(root)"
+
+
+def schema_errors(schema: Mapping[str, Any], instance: Any, *, partial: bool = False) -> list[str]:
+    """Return readable JSON Schema violations of ``instance``; ``partial`` ignores ``required``."""
+    if partial and isinstance(schema, Mapping) and "required" in schema:
+        schema = {k: v for k, v in schema.items() if k != "required"}
+    validator = Draft202012Validator(schema)
+    return [
+        f"{_json_path(err.absolute_path)}: {err.message}"
+        for err in sorted(validator.iter_errors(instance), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+def argv_placeholders(argv: Iterable[str]) -> set[str]:
+    """Return the ``{name}`` placeholders used in an argv template."""
+    names: set[str] = set()
+    for arg in argv:
+        for _, field, _, _ in string.Formatter().parse(arg):
+            if field:
+                names.add(field.split(".")[0].split("[")[0])
+    return names
+
+
+def service_problems(service) -> list[Problem]:
+    """Return every problem with a service definition (model instance or any object with its fields)."""
+    problems: list[Problem] = []
+    schema = service.params_schema if service.params_schema is not None else {}
+    if not isinstance(schema, dict):
+        problems.append(Problem("params_schema", "must be a JSON object (a JSON Schema)"))
+    else:
+        try:
+            Draft202012Validator.check_schema(schema)
+        except SchemaError as exc:
+            problems.append(Problem("params_schema", f"not a valid JSON Schema: {exc.message}"))
+    config = service.executor_config if service.executor_config is not None else {}
+    if not isinstance(config, dict):
+        problems.append(Problem("executor_config", "must be a JSON object"))
+        config = {}
+    executor = service.executor
+    if executor == "command":
+        argv = config.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            problems.append(Problem("executor_config.argv", "a command service needs a non-empty list of strings"))
+        else:
+            try:
+                used = argv_placeholders(argv)
+            except ValueError as exc:
+                problems.append(Problem("executor_config.argv", f"bad placeholder syntax: {exc}"))
+                used = set()
+            declared = set((schema.get("properties") or {}).keys()) if isinstance(schema, dict) else set()
+            unknown = sorted(used - declared) if declared or used else []
+            if unknown:
+                problems.append(
+                    Problem("executor_config.argv", f"placeholders {unknown} are not properties of params_schema")
+                )
+    elif executor == "python":
+        target = config.get("callable")
+        if not isinstance(target, str) or not CALLABLE_RE.match(target):
+            problems.append(Problem("executor_config.callable", "expected a dotted path such as 'package.module:function'"))
+    elif executor == "http":
+        url = config.get("url")
+        parsed = urlparse(url) if isinstance(url, str) else None
+        if not parsed or parsed.scheme not in ("http", "https") or not parsed.hostname:
+            problems.append(Problem("executor_config.url", "expected an http(s) URL of the local service"))
+        elif parsed.hostname not in LOOPBACK_HOSTS:
+            problems.append(Problem("executor_config.url", f"must be a local service (loopback), got host {parsed.hostname!r}"))
+        start = config.get("start_command")
+        if start is not None and (not isinstance(start, list) or not all(isinstance(a, str) for a in start)):
+            problems.append(Problem("executor_config.start_command", "must be a list of strings (argv, no shell)"))
+    elif executor == "simulate":
+        for rate in ("error_rate", "timeout_rate"):
+            value = config.get(rate, 0)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                problems.append(Problem(f"executor_config.{rate}", "must be a number between 0 and 1"))
+    else:
+        problems.append(Problem("executor", f"unknown executor {executor!r}"))
+    if not (1 <= (service.cpu_weight or 0) <= 5):
+        problems.append(Problem("cpu_weight", f"must be between 1 and 5, got {service.cpu_weight}"))
+    if (service.timeout_seconds or 0) < 1:
+        problems.append(Problem("timeout_seconds", "must be at least 1"))
+    if (service.max_attempts or 0) < 1:
+        problems.append(Problem("max_attempts", "must be at least 1"))
+    base = service.backoff_base_seconds
+    if base is not None and base < 0:
+        problems.append(Problem("backoff_base_seconds", "must not be negative"))
+    if service.backoff_cap_seconds is not None and base is not None and service.backoff_cap_seconds < base:
+        problems.append(Problem("backoff_cap_seconds", "must be at least backoff_base_seconds"))
+    if not isinstance(service.priority_adjust_during, dict) or not all(
+        isinstance(v, int) for v in (service.priority_adjust_during or {}).values()
+    ):
+        problems.append(Problem("priority_adjust_during", 'expected {"condition": integer, ...}'))
+    return problems
+
+
+def validate_service(service) -> None:
+    """Raise :class:`DefinitionError` when the service definition is invalid."""
+    problems = service_problems(service)
+    if problems:
+        raise DefinitionError(problems)
+
+
+def find_cycle(graph: Mapping[str, list[str]]) -> list[str] | None:
+    """Return one dependency cycle as a path (first node repeated at the end), or None."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    colour = {node: WHITE for node in graph}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = GREY
+        stack.append(node)
+        for dep in graph.get(node, []):
+            if dep not in colour:
+                continue
+            if colour[dep] == GREY:
+                return stack[stack.index(dep):] + [dep]
+            if colour[dep] == WHITE:
+                found = visit(dep)
+                if found:
+                    return found
+        stack.pop()
+        colour[node] = BLACK
+        return None
+
+    for node in graph:
+        if colour[node] == WHITE:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
+    """Return every problem with a workflow's steps; ``services`` maps known keys to services."""
+    if not isinstance(steps, list) or not steps:
+        return [Problem("steps", "a workflow needs a non-empty list of steps")]
+    problems: list[Problem] = []
+    keys: list[str] = []
+    for index, step in enumerate(steps):
+        where = f"step #{index + 1}"
+        if not isinstance(step, dict):
+            problems.append(Problem(where, "must be an object {key, service, depends_on, default_params}"))
+            continue
+        key = step.get("key")
+        if not isinstance(key, str) or not STEP_KEY_RE.match(key):
+            problems.append(Problem(where, f"key {key!r} must be 1-100 letters, digits, '_', '-' or '.'"))
+            continue
+        keys.append(key)
+        unknown_fields = sorted(set(step) - {"key", "service", "depends_on", "default_params", "fan_out"})
+        if unknown_fields:
+            problems.append(Problem(f"step '{key}'", f"unknown fields {unknown_fields}"))
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
+    for key in duplicates:
+        problems.append(Problem(f"step '{key}'", "duplicate step key"))
+    known_keys = set(keys)
+    graph: dict[str, list[str]] = {}
+    for step in steps:
+        if not isinstance(step, dict) or not isinstance(step.get("key"), str) or step["key"] not in known_keys:
+            continue
+        key = step["key"]
+        where = f"step '{key}'"
+        service_key = step.get("service")
+        service = services.get(service_key) if isinstance(service_key, str) else None
+        if service is None:
+            problems.append(Problem(where, f"unknown service {service_key!r}"))
+        elif not service.is_active:
+            problems.append(Problem(where, f"service {service_key!r} is not active"))
+        deps = step.get("depends_on", [])
+        if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
+            problems.append(Problem(where, "depends_on must be a list of step keys"))
+            deps = []
+        for dep in deps:
+            if dep == key:
+                problems.append(Problem(where, "depends on itself"))
+            elif dep not in known_keys:
+                problems.append(Problem(where, f"depends on unknown step {dep!r}"))
+        graph[key] = [d for d in deps if d in known_keys and d != key]
+        params = step.get("default_params", {})
+        if not isinstance(params, dict):
+            problems.append(Problem(where, "default_params must be an object"))
+        elif service is not None and isinstance(service.params_schema, dict):
+            for err in schema_errors(service.params_schema, params, partial=True):
+                problems.append(Problem(where, f"default_params.{err}"))
+        fan_out = step.get("fan_out")
+        if fan_out is not None and fan_out not in FAN_OUT_VALUES:
+            problems.append(Problem(where, f"fan_out must be one of {list(FAN_OUT_VALUES)} or absent, got {fan_out!r}"))
+    cycle = find_cycle(graph)
+    if cycle:
+        problems.append(Problem("steps", "dependency cycle: " + " → ".join(cycle)))
+    return problems
+
+
+def validate_workflow(workflow, services: Mapping[str, Any] | None = None) -> None:
+    """Raise :class:`DefinitionError` (on the ``steps`` field) when a workflow is invalid."""
+    if services is None:
+        from workflows.models import Service
+
+        wanted = {s.get("service") for s in workflow.steps or [] if isinstance(s, dict)}
+        services = {s.key: s for s in Service.objects.filter(key__in=[w for w in wanted if isinstance(w, str)])}
+    problems = step_problems(workflow.steps, services)
+    if (workflow.version or 0) < 1:
+        problems.append(Problem("version", "must be at least 1"))
+    if problems:
+        raise DefinitionError(problems, field="steps")
