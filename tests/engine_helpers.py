@@ -1,0 +1,31 @@
+"""Helpers for engine tests: claim and report the way an agent does, without a process."""
+
+from __future__ import annotations
+
+from jobs import transitions
+from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim
+from workflows.models import Service
+
+NODE = NodeLimits(name="node-t", slot_cap=20, cpu_budget=8, per_service={})
+
+
+def spec(service: Service) -> ServiceSpec:
+    return ServiceSpec(service.id, service.key, service.cpu_weight, service.max_concurrent, service.exclusive_per_host)
+
+
+def claim_for(service: Service, n: int = 10, *, limits: NodeLimits = NODE, agent: str = "agent-t", now=None) -> list[ClaimedTask]:
+    return claim(spec(service), limits, agent_id=agent, free_slots=n, lease_seconds=60, now=now)
+
+
+def run_ok(tasks: list[ClaimedTask], *, agent: str = "agent-t", results=None) -> transitions.ReportResult:
+    return transitions.report(
+        [transitions.Outcome(task_id=t.id, attempt=t.attempt, status="succeeded", results=results or {"ok": True}) for t in tasks],
+        started=[(t.id, t.attempt, 123) for t in tasks], agent_id=agent, source="agent:test",
+    )
+
+
+def run_fail(tasks: list[ClaimedTask], *, agent: str = "agent-t", status: str = "failed", error: str = "boom") -> transitions.ReportResult:
+    return transitions.report(
+        [transitions.Outcome(task_id=t.id, attempt=t.attempt, status=status, error=error, exit_code=1) for t in tasks],
+        started=[(t.id, t.attempt, 123) for t in tasks], agent_id=agent, source="agent:test",
+    )

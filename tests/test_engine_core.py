@@ -1,0 +1,166 @@
+"""State machine and claim, driven directly (no daemons): order, promotion, retries, fencing."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from events.models import Event
+from jobs import api, transitions
+from jobs.backoff import backoff_delay
+from jobs.models import Attempt, Job, Task
+from tests.engine_helpers import claim_for, run_fail, run_ok
+from workflows.api import create_workflow
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def two_step(make_service):
+    a, b = make_service("svc-a"), make_service("svc-b")
+    wf = create_workflow(name="two", steps=[
+        {"key": "first", "service": "svc-a", "depends_on": []},
+        {"key": "second", "service": "svc-b", "depends_on": ["first"]},
+    ])
+    return a, b, wf
+
+
+def test_seed_000_smoke_two_jobs_two_tasks_follow_global_order(two_step):
+    a, b, _ = two_step
+    j1 = api.start_workflow("two")
+    j2 = api.start_workflow("two")
+    assert j1.order_seq < j2.order_seq
+    first = claim_for(a)
+    assert [t.job_id for t in first] == [j1.id, j2.id]
+    assert claim_for(b) == [], "second steps wait for their dependency"
+    run_ok(first)
+    second = claim_for(b)
+    assert [t.job_id for t in second] == [j1.id, j2.id], "every service follows the same global job order"
+    run_ok(second)
+    for job in (j1, j2):
+        job.refresh_from_db()
+        assert (job.status, job.progress, job.finished_at is not None) == ("done", 1.0, True)
+
+
+def test_priority_beats_order_seq(make_service):
+    svc = make_service("svc")
+    low = api.start_service("svc")
+    high = api.start_service("svc", priority=5)
+    assert [t.job_id for t in claim_for(svc)] == [high.id, low.id]
+
+
+def test_claim_respects_capacity_and_writes_attempt_and_event(make_service):
+    svc = make_service("svc")
+    jobs = [api.start_service("svc") for _ in range(5)]
+    claimed = claim_for(svc, n=3)
+    assert [t.job_id for t in claimed] == [j.id for j in jobs[:3]]
+    assert Task.objects.filter(status="starting").count() == 3
+    assert Attempt.objects.filter(status="running").count() == 3
+    assert Event.objects.filter(message="task queued → starting").count() == 3
+
+
+def test_every_status_change_writes_an_event(two_step):
+    a, b, _ = two_step
+    job = api.start_workflow("two")
+    run_ok(claim_for(a))
+    run_ok(claim_for(b))
+    messages = list(Event.objects.filter(job_id=job.id).order_by("id").values_list("message", flat=True))
+    assert messages == [
+        "job queued → running", "task created queued", "task created waiting",
+        "task queued → starting", "task starting → running", "task running → done", "task waiting → queued",
+        "task queued → starting", "task starting → running", "task running → done", "job running → done",
+    ]
+
+
+def test_failure_retries_with_backoff_then_dead_letters(make_service):
+    svc = make_service("flaky", max_attempts=3, backoff_base_seconds=10, backoff_cap_seconds=15)
+    job = api.start_service("flaky")
+    now = timezone.now()
+    delays = []
+    for attempt in (1, 2):
+        tasks = claim_for(svc, now=now)
+        assert [t.attempt for t in tasks] == [attempt]
+        result = run_fail(tasks)
+        assert result.retried == [tasks[0].id]
+        task = Task.objects.get(pk=tasks[0].id)
+        delay = (task.next_attempt_at - timezone.now()).total_seconds()
+        delays.append(delay)
+        assert claim_for(svc, now=now) == [], "not claimable before next_attempt_at"
+        now = task.next_attempt_at + timedelta(milliseconds=1)
+    assert 9 <= delays[0] <= 11.1 and 14 <= delays[1] <= 16.6  # 10 s, then capped 15 s, plus ≤10 % jitter
+    tasks = claim_for(svc, now=now)
+    assert run_fail(tasks).failed == [tasks[0].id]
+    job.refresh_from_db()
+    assert job.status == "error" and job.finished_at is not None
+    assert list(Attempt.objects.filter(task_id=tasks[0].id).order_by("attempt_no").values_list("status", flat=True)) == ["failed"] * 3
+    assert Event.objects.filter(job_id=job.id, data__dead_letter=True).exists()
+
+
+def test_backoff_schedule_and_jitter_bounds():
+    rng = random.Random(1)
+    for attempt, base_delay in [(1, 15), (2, 30), (3, 60), (4, 120), (10, 3600)]:
+        samples = [backoff_delay(attempt, base=15, cap=3600, rng=rng) for _ in range(500)]
+        assert min(samples) >= base_delay and max(samples) < base_delay * 1.1
+        assert max(samples) - min(samples) > base_delay * 0.05, "jitter spreads retries"
+    with pytest.raises(ValueError):
+        backoff_delay(0, base=15, cap=60)
+
+
+def test_late_report_from_fenced_attempt_is_rejected_and_recorded(make_service):
+    svc = make_service("svc")
+    api.start_service("svc")
+    first = claim_for(svc, agent="agent-1")
+    later = timezone.now() + timedelta(minutes=5)
+    rescued = transitions.rescue_expired(now=later)
+    assert rescued.retried == [first[0].id]
+    second = claim_for(svc, agent="agent-2", now=later + timedelta(minutes=5))
+    assert second[0].attempt == 2
+    late = transitions.report([transitions.Outcome(task_id=first[0].id, attempt=1, status="succeeded", results={})],
+                              source="agent:old")
+    assert late.fenced == [first[0].id] and late.done == []
+    assert Task.objects.get(pk=first[0].id).status == "starting"
+    fenced = Event.objects.get(type="fenced")
+    assert fenced.attempt == 1 and "late report from attempt 1 rejected" in fenced.message
+    assert Attempt.objects.get(task_id=first[0].id, attempt_no=1).error_text.startswith("lease_expired")
+
+
+def test_final_failure_skips_unstarted_tasks_of_the_job(two_step):
+    a, _b, _ = two_step
+    a.max_attempts = 1
+    a.save()
+    job = api.start_workflow("two")
+    run_fail(claim_for(a))
+    job.refresh_from_db()
+    assert job.status == "error"
+    assert dict(Task.objects.filter(job=job).values_list("step_key", "status")) == {"first": "error", "second": "skipped"}
+
+
+def test_job_created_in_rolled_back_transaction_does_not_exist(make_service):
+    from django.db import transaction
+
+    make_service("svc")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        job = api.start_service("svc")
+        assert Task.objects.filter(job_id=job.id).count() == 1
+        raise RuntimeError("caller rolls back")
+    assert Job.objects.count() == 0 and Task.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claim_plan_uses_the_partial_claim_index(make_service):
+    svc = make_service("svc")
+    other = make_service("other")
+    api.start_many([api.JobSpec(service="svc") for _ in range(5000)] + [api.JobSpec(service="other") for _ in range(5000)])
+    assert len(transitions.start_due_jobs(limit=20000)) == 10000
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE accs_task")
+        cur.execute("EXPLAIN " + "SELECT t.id FROM accs_task t WHERE t.service_id = %s AND t.status = 'queued'"
+                    " AND t.next_attempt_at <= now() ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id"
+                    " LIMIT 10 FOR UPDATE SKIP LOCKED", [svc.id])
+        plan = "\n".join(r[0] for r in cur.fetchall())
+    assert "task_claim_idx" in plan, plan
+    assert "Sort" not in plan.split("task_claim_idx")[0], plan
