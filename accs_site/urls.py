@@ -1,8 +1,13 @@
-"""URL wiring: the admin and, as later capabilities land, the HTTP API and metrics."""
+"""URL wiring: the admin (with the operators' dashboard), the HTTP API and the metrics endpoint."""
 
 from django.contrib import admin
 from django.urls import path
 
+from accs_site.api_v1 import api
+from events.metrics import metrics_view
+
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/v1/", api.urls),
+    path("metrics", metrics_view, name="metrics"),
 ]
