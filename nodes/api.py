@@ -1,0 +1,52 @@
+"""Node presence: agents register their node and heartbeat it (AGT1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from events.timeline import EventRow, write_events
+from nodes.models import AwakeState, Node
+
+VERSION = "0.1.0"
+BOOT_ID = uuid.uuid4().hex[:8]
+
+
+def agent_identity() -> str:
+    """Return this process's identity: ``hostname:pid:boot-id``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{BOOT_ID}"
+
+
+def register_node(name: str, *, labels: dict[str, Any], services: list[str], agent_id: str,
+                  max_concurrency: dict[str, int] | None = None) -> Node:
+    """Create or refresh the node row of an agent; the node is awake from now on."""
+    now = timezone.now()
+    with transaction.atomic():
+        node, created = Node.objects.select_for_update().get_or_create(name=name, defaults={"labels": labels})
+        was = node.awake_state
+        node.labels = {**node.labels, **labels}
+        node.services = sorted(set(node.services or []) | set(services))
+        node.agent_id = agent_id
+        node.version = VERSION
+        node.last_seen = now
+        node.awake_state = AwakeState.AWAKE
+        if max_concurrency:
+            node.max_concurrency = {**node.max_concurrency, **max_concurrency}
+        node.save()
+        if created or was != AwakeState.AWAKE:
+            write_events([EventRow(type="node", message=f"node {name} {was} → awake ({agent_id})", source=f"agent:{name}",
+                                   data={"node": name, "from": was, "to": "awake", "services": services})])
+    return node
+
+
+def touch_node(name: str, *, agent_id: str) -> tuple[str, dict[str, Any]]:
+    """Heartbeat the node row; return its state and limits as the database has them now."""
+    now = timezone.now()
+    Node.objects.filter(name=name).update(last_seen=now, agent_id=agent_id, awake_state=AwakeState.AWAKE)
+    row = Node.objects.filter(name=name).values("state", "slot_cap", "cpu_budget", "max_concurrency").first()
+    return (row["state"], row) if row else ("active", {})

@@ -1,0 +1,124 @@
+"""Node wake (BLD3): the WakeProvider interface and its three implementations."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import urllib.request
+from datetime import datetime, timedelta
+from typing import Protocol
+
+from django.db import connection
+from django.utils import timezone
+
+from events.timeline import EventRow, write_events
+from nodes.models import Node, WakeMethod
+
+log = logging.getLogger("accs.wake")
+
+WAKE_AHEAD = timedelta(minutes=5)
+REWAKE_AFTER = timedelta(minutes=2)
+
+
+class WakeProvider(Protocol):
+    def wake(self, node: Node) -> bool: ...
+
+
+def magic_packet(mac: str) -> bytes:
+    """Return the Wake-on-LAN magic packet for ``mac`` (6 × 0xFF, then the MAC 16 times)."""
+    digits = mac.replace(":", "").replace("-", "").lower()
+    if len(digits) != 12 or any(c not in "0123456789abcdef" for c in digits):
+        raise ValueError(f"not a MAC address: {mac!r}")
+    return b"\xff" * 6 + bytes.fromhex(digits) * 16
+
+
+class WakeOnLan:
+    """Send a magic packet over UDP to the node's ``wake_address`` (host:port, default broadcast:9)."""
+
+    def wake(self, node: Node) -> bool:
+        host, _, port = (node.wake_address or "255.255.255.255:9").rpartition(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            if host.endswith(".255"):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+            sock.sendto(magic_packet(node.mac), (host, int(port or 9)))
+        return True
+
+
+class ProviderApi:
+    """POST ``{"node": name, "action": "wake"}`` to the provider URL in ``provider_ref``."""
+
+    def wake(self, node: Node) -> bool:
+        request = urllib.request.Request(node.provider_ref, data=json.dumps({"node": node.name, "action": "wake"}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - operator-configured URL
+            return 200 <= response.status < 300
+
+
+class ShellScript:
+    """Run the node's ``script`` with the node name as its only argument (argv, no shell)."""
+
+    def wake(self, node: Node) -> bool:
+        return subprocess.run([node.script, node.name], timeout=30, capture_output=True).returncode == 0
+
+
+PROVIDERS: dict[str, WakeProvider] = {WakeMethod.WOL: WakeOnLan(), WakeMethod.PROVIDER: ProviderApi(),
+                                      WakeMethod.SCRIPT: ShellScript()}
+
+NEEDED_LABELS_SQL = """
+-- Services with required labels that have work due within the wake horizon: queued tasks, or
+-- queued jobs (not yet instantiated) whose target service needs labels. Bounded by LIMITs so a
+-- tick costs what is due, not the table size.
+SELECT DISTINCT s.required_labels::text FROM accs_service s
+ WHERE s.required_labels <> '{}'::jsonb AND (
+       EXISTS (SELECT 1 FROM accs_task t WHERE t.service_id = s.id AND t.status = 'queued'
+                 AND t.next_attempt_at <= %(horizon)s)
+    OR EXISTS (SELECT 1 FROM accs_job j WHERE j.service_id = s.id AND j.status = 'queued'
+                 AND j.scheduled_at <= %(horizon)s)
+    OR EXISTS (SELECT 1 FROM accs_job j JOIN accs_workflow w ON w.id = j.workflow_id
+                WHERE j.status = 'queued' AND j.scheduled_at <= %(horizon)s
+                  AND w.steps @> jsonb_build_array(jsonb_build_object('service', s.key))))
+"""
+
+
+def _offers(labels: dict, needed: dict) -> bool:
+    return all(str(labels.get(k)) == str(v) for k, v in needed.items())
+
+
+def wake_nodes(*, now: datetime | None = None, stale_after: timedelta = timedelta(minutes=6),
+               providers: dict[str, WakeProvider] | None = None) -> list[str]:
+    """Wake sleeping nodes that offer labels needed by work due within 5 minutes. Return their names."""
+    now = now or timezone.now()
+    providers = providers or PROVIDERS
+    with connection.cursor() as cur:
+        cur.execute(NEEDED_LABELS_SQL, {"horizon": now + WAKE_AHEAD})
+        needs = [json.loads(r[0]) for r in cur.fetchall()]
+    if not needs:
+        return []
+    nodes = list(Node.objects.all())
+    awake = [n for n in nodes if n.last_seen and n.last_seen > now - stale_after]
+    woken: list[str] = []
+    for needed in needs:
+        if any(_offers(n.labels, needed) for n in awake):
+            continue
+        for node in nodes:
+            if node in awake or not _offers(node.labels, needed) or node.wake_method == WakeMethod.NONE:
+                continue
+            if node.last_wake_at and node.last_wake_at > now - REWAKE_AFTER:
+                continue
+            provider = providers.get(node.wake_method)
+            try:
+                ok = bool(provider and provider.wake(node))
+                error = ""
+            except Exception as exc:  # noqa: BLE001 - a failed wake is recorded, the builder goes on
+                ok, error = False, str(exc)
+            Node.objects.filter(pk=node.pk).update(last_wake_at=now)
+            write_events([EventRow(type="node", source="builder", level="info" if ok else "warn",
+                                   message=f"wake {node.name} via {node.wake_method}: {'sent' if ok else 'failed ' + error}",
+                                   data={"node": node.name, "method": node.wake_method, "needed_labels": needed})])
+            log.info("wake %s via %s: %s", node.name, node.wake_method, ok, extra={"node": node.name})
+            if ok:
+                woken.append(node.name)
+                break
+    return woken
