@@ -15,3 +15,15 @@ def echo(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
 
 def fail(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
     raise RuntimeError(params.get("message", "failing on purpose"))
+
+
+def sleep(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    import time
+
+    seconds = float(params.get("seconds", 0.2))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ctx is not None and ctx.cancel.is_set():
+            break
+        time.sleep(0.01)
+    return {"slept": seconds}

@@ -13,6 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+pytest_plugins = ["tests.daemons", "tests.s3_fixtures"]
+
+
 def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, message: str = "") -> Any:
     """Poll ``condition`` until it returns a truthy value; fail with ``message`` after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -65,6 +65,8 @@ def argv_placeholders(argv: Iterable[str]) -> set[str]:
     names: set[str] = set()
     for arg in argv:
         for _, field, _, _ in string.Formatter().parse(arg):
+            if field == "" or (field and field.isdigit()):
+                raise ValueError(f"positional placeholder in {arg!r}; name it ({{param}}) or write literal braces as {{{{ }}}}")
             if field:
                 names.add(field.split(".")[0].split("[")[0])
     return names

@@ -1,0 +1,113 @@
+"""Real daemon processes for tests: agents and builders as ``manage.py`` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Daemons:
+    """Start daemons; stop them all at teardown (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT,
+                                env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        proc.log_path = self.log_dir / f"{name}.log"  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def agent(self, node: str, services: str, *extra: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return self.start("runagent", "--node", node, "--services", services, *extra, name=name or f"agent-{node}", env=env)
+
+    def builder(self, *extra: str, name: str = "builder") -> subprocess.Popen:
+        return self.start("runbuilder", "--tick", "0.2", *extra, name=name)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def daemons(subprocess_env, tmp_path):
+    d = Daemons(subprocess_env, tmp_path)
+    yield d
+    d.stop_all()
+
+
+class Sampler:
+    """Poll a SQL query on its own connection in a thread; keep the maximum of each column."""
+
+    def __init__(self, url: str, sql: str, params: tuple = ()) -> None:
+        self.url, self.sql, self.params = url, sql, params
+        self.maxima: list[int] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self._stop.is_set():
+                row = conn.execute(self.sql, self.params).fetchone()
+                values = [int(v or 0) for v in row]
+                self.maxima = [max(a, b) for a, b in zip(self.maxima, values)] if self.maxima else values
+                self.samples += 1
+                time.sleep(0.01)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def wait_all_final(url: str, *, timeout: float, expected: int | None = None) -> None:
+    """Wait until every job is final (done/error/canceled); fail with a count otherwise."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            total, open_ = conn.execute(
+                "SELECT count(*), count(*) FILTER (WHERE status IN ('queued', 'running')) FROM accs_job").fetchone()
+            if open_ == 0 and (expected is None or total == expected):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out: {open_} of {total} jobs still queued/running")
+            time.sleep(0.1)
+
+
+def wait_until(check: Callable[[], object], *, timeout: float, message: str) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s: {message}")
+        time.sleep(0.05)
