@@ -1,22 +1,17 @@
-"""``manage.py demo``: load the sample services and workflows and show them."""
+"""``manage.py demo``: run sample jobs through a builder and two agents, then summarise."""
 
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand
 
-from workflows.api import import_definitions
-from workflows.demo import definitions
-from workflows.models import Service, Workflow
+from jobs.demo import Demo
 
 
 class Command(BaseCommand):
-    help = "Load the demo services and workflows and show them."
+    help = "Run the end-to-end demo (builder + two agents as processes) and print a summary."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--timeout", type=float, default=180.0, help="Seconds to wait for the demo jobs.")
 
     def handle(self, *args, **options) -> None:
-        services, workflows = import_definitions(definitions())
-        self.stdout.write(self.style.MIGRATE_HEADING(f"Loaded {len(services)} services and {len(workflows)} workflows"))
-        for service in Service.objects.order_by("key"):
-            self.stdout.write(f"  service  {service.key:<12} {service.executor:<8} {service.description}")
-        for workflow in Workflow.objects.order_by("name", "version"):
-            chain = " → ".join(s["key"] for s in workflow.steps)
-            self.stdout.write(f"  workflow {workflow.name} v{workflow.version}: {chain}")
+        raise SystemExit(Demo(out=self.stdout, timeout=options["timeout"]).run())
