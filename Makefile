@@ -36,3 +36,4 @@ check: install
 
 stop:
 	@scripts/pg_local.sh stop
+	@scripts/s3_local.sh stop

@@ -1,0 +1,332 @@
+"""Artifacts: files a task reads or writes, kept in object storage and recorded in the database.
+
+The public functions other apps call. Each stored file is uploaded first, then its
+:class:`~events.models.Artifact` row (size, content type, ``sha256:<hex>`` checksum) and an
+``artifact`` event are written in one transaction. If that transaction fails the object stays in
+the bucket without a row; rows are the truth, and an unrecorded object is never read.
+
+When storage is not configured (``accs.minio.configured`` is False):
+
+* :func:`record_artifact`, :func:`read_artifact` raise :class:`StorageNotConfigured`;
+* :func:`stage_inputs` returns ``[]`` when the task has no inputs, and raises otherwise (the task
+  cannot run without them);
+* :func:`collect_outputs` and :func:`upload_attempt_log` store nothing and return ``[]`` / ``None``
+  (an agent without storage still runs tasks; it logs a warning when outputs are dropped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import mimetypes
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+from uuid import UUID
+
+from django.core.files import File
+from django.db import transaction
+from django.db.models import Q
+
+from events.models import Artifact, ArtifactKind, Event, EventType, Level
+from jobs.models import Job, Task
+from events.storage import (
+    CHUNK_SIZE,
+    KIND_PREFIXES,
+    StorageNotConfigured,
+    build_key,
+    get_storage,
+    is_configured,
+    iter_object,
+    sha256_of,
+)
+
+log = logging.getLogger(__name__)
+
+SOURCE = "events.artifacts"
+JSONL_CONTENT_TYPE = "application/x-ndjson"
+DEFAULT_CONTENT_TYPE = "application/octet-stream"
+SPOOL_LIMIT = 16 * 1024 * 1024
+
+__all__ = [
+    "ChecksumMismatch",
+    "StorageNotConfigured",
+    "collect_outputs",
+    "read_artifact",
+    "record_artifact",
+    "stage_inputs",
+    "upload_attempt_log",
+]
+
+
+class ChecksumMismatch(Exception):
+    """An object's bytes no longer match the checksum recorded when it was stored."""
+
+    def __init__(self, *, bucket: str, key: str, expected: str, actual: str) -> None:
+        self.bucket, self.key, self.expected, self.actual = bucket, key, expected, actual
+        super().__init__(
+            f"checksum mismatch for s3://{bucket}/{key}: recorded {expected}, stored object has {actual}"
+        )
+
+
+def record_artifact(
+    *,
+    job_id: UUID | str,
+    task_id: UUID | str | None,
+    attempt: int | None,
+    kind: str,
+    name: str,
+    data: bytes | IO[bytes],
+    content_type: str | None = None,
+) -> Artifact:
+    """Upload ``data`` and record it as an artifact of a job (and task); return the row.
+
+    ``name`` is the file name under the task's folder (it may contain ``/``). ``task_id=None``
+    is allowed for inputs of the whole job. Storing the same key again (a retried task writing
+    the same output) replaces the object and updates its row.
+    Raise ValueError for a bad name or a task that is not the job's, and
+    :class:`StorageNotConfigured` when there is no storage.
+    """
+    if kind not in KIND_PREFIXES:
+        raise ValueError(f"artifact kind must be one of {sorted(KIND_PREFIXES)}, got {kind!r}")
+    if task_id is None:
+        if not Job.objects.filter(pk=job_id).exists():
+            raise ValueError(f"job {job_id} does not exist")
+        task_key = None
+    else:
+        row = Task.objects.filter(pk=task_id).values_list("job_id", "task_key").first()
+        if row is None:
+            raise ValueError(f"task {task_id} does not exist")
+        if str(row[0]) != str(job_id):
+            raise ValueError(f"task {task_id} belongs to job {row[0]}, not to job {job_id}")
+        task_key = row[1]
+    return _store(
+        job_id=job_id, task_id=task_id, task_key=task_key, attempt=attempt, kind=kind, name=name,
+        data=data, content_type=content_type,
+    )
+
+
+def read_artifact(artifact: Artifact) -> bytes:
+    """Return an artifact's bytes after checking them against its recorded checksum.
+
+    Raise :class:`ChecksumMismatch` when the stored object changed, FileNotFoundError when it is
+    gone, :class:`StorageNotConfigured` when there is no storage.
+    """
+    storage = get_storage(bucket=artifact.bucket, action=f"read artifact {artifact.key}")
+    buffer = io.BytesIO()
+    _download(storage, artifact, buffer)
+    return buffer.getvalue()
+
+
+def collect_outputs(
+    *,
+    job_id: UUID | str,
+    task_id: UUID | str,
+    task_key: str,
+    attempt: int,
+    directory: str | os.PathLike[str],
+) -> list[Artifact]:
+    """Store every regular file left in ``directory`` (recursively) as an output artifact.
+
+    Keys are ``outputs/{job_id}/{task_key}/{path relative to directory}``. Symbolic links are
+    skipped: a task must not be able to publish files from outside its work directory. Without
+    storage, store nothing and return ``[]`` (a warning names how many files were not kept).
+    """
+    root = Path(directory)
+    files = sorted(_regular_files(root))
+    if not is_configured():
+        if files:
+            log.warning(
+                "artifact storage is not configured; %d output file(s) of task %s not stored",
+                len(files), task_key, extra={"job_id": job_id, "task_id": task_id, "attempt": attempt},
+            )
+        return []
+    stored: list[Artifact] = []
+    for path in files:
+        with path.open("rb") as fh:
+            stored.append(
+                _store(
+                    job_id=job_id, task_id=task_id, task_key=task_key, attempt=attempt,
+                    kind=ArtifactKind.OUTPUT, name=path.relative_to(root).as_posix(), data=fh,
+                )
+            )
+    return stored
+
+
+def stage_inputs(
+    *,
+    job_id: UUID | str,
+    task_id: UUID | str,
+    directory: str | os.PathLike[str],
+) -> list[Path]:
+    """Download the task's input artifacts (and the job-wide ones) into ``directory``; return the paths.
+
+    Each file lands at its name relative to ``inputs/{job_id}/{task_key}/``; a task's own input
+    wins over a job-wide input of the same name. Every file is checked against its checksum
+    before it appears under its final name. With no inputs recorded, return ``[]`` (also without
+    storage); raise :class:`StorageNotConfigured` when there are inputs but no storage.
+    """
+    artifacts = list(
+        Artifact.objects.filter(job_id=job_id, kind=ArtifactKind.INPUT)
+        .filter(Q(task_id=task_id) | Q(task__isnull=True))
+        .order_by("created_at", "id")
+    )
+    if not artifacts:
+        return []
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    # Job-wide inputs first, so that a task's own input of the same name overwrites them.
+    artifacts.sort(key=lambda a: a.task_id is not None)
+    staged: dict[Path, None] = {}  # ordered set: an overridden job-wide input is listed once
+    for artifact in artifacts:
+        target = _input_target(root, artifact)
+        storage = get_storage(bucket=artifact.bucket, action=f"stage input {artifact.key}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".accs-staging-")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                _download(storage, artifact, fh)
+            os.replace(tmp_name, target)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        staged[target] = None
+    return list(staged)
+
+
+def upload_attempt_log(
+    *,
+    job_id: UUID | str,
+    task_id: UUID | str,
+    task_key: str,
+    attempt: int,
+    records: list[dict[str, Any]],
+) -> Artifact | None:
+    """Store one attempt's log records as ``logs/{job_id}/{task_key}/attempt-{attempt}.jsonl``.
+
+    One JSON object per line, in the order given (values JSON cannot express are written with
+    ``str``). Without storage, store nothing and return None.
+    """
+    if not is_configured():
+        return None
+    body = "".join(json.dumps(record, default=str, ensure_ascii=False) + "\n" for record in records)
+    return _store(
+        job_id=job_id, task_id=task_id, task_key=task_key, attempt=attempt, kind=ArtifactKind.LOG,
+        name=f"attempt-{attempt}", data=body.encode(), content_type=JSONL_CONTENT_TYPE,
+    )
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+def _store(
+    *,
+    job_id: UUID | str,
+    task_id: UUID | str | None,
+    task_key: str | None,
+    attempt: int | None,
+    kind: str,
+    name: str,
+    data: bytes | IO[bytes],
+    content_type: str | None = None,
+) -> Artifact:
+    key = build_key(job_id, task_key, kind, name=name)
+    storage = get_storage(action=f"store {kind} artifact {key}")
+    if content_type is None:
+        content_type = JSONL_CONTENT_TYPE if kind == ArtifactKind.LOG else (mimetypes.guess_type(key)[0] or DEFAULT_CONTENT_TYPE)
+    with _seekable(data) as fileobj:
+        fileobj.seek(0)  # S3Storage uploads from the start, so the checksum must cover the same bytes
+        checksum, size = sha256_of(fileobj)
+        upload = File(fileobj, name=key)
+        upload.content_type = content_type  # read by S3Storage for the object's Content-Type
+        saved = storage.save(key, upload)
+    if saved != key:  # file_overwrite=True keeps names; a difference would orphan the object
+        raise RuntimeError(f"storage renamed {key!r} to {saved!r}")
+
+    with transaction.atomic():
+        artifact = Artifact(
+            job_id=job_id, task_id=task_id, attempt=attempt, kind=kind, bucket=storage.bucket_name, key=key,
+            size_bytes=size, content_type=content_type, checksum=checksum,
+        )
+        # One statement, safe under concurrency: a re-stored key replaces its row's facts.
+        (artifact,) = Artifact.objects.bulk_create(
+            [artifact],
+            update_conflicts=True,
+            unique_fields=["bucket", "key"],
+            update_fields=["task", "attempt", "kind", "size_bytes", "content_type", "checksum", "created_at"],
+        )
+        Event.objects.create(
+            job_id=job_id, task_id=task_id, attempt=attempt, source=SOURCE, level=Level.INFO,
+            type=EventType.ARTIFACT, message=f"stored {kind} {key} ({size} bytes)",
+            data={
+                "artifact_id": artifact.pk, "kind": kind, "bucket": artifact.bucket, "key": key,
+                "size_bytes": size, "content_type": content_type, "checksum": checksum,
+            },
+        )
+    return artifact
+
+
+class _seekable:
+    """Context manager giving a seekable binary file for bytes, seekable files or streams."""
+
+    def __init__(self, data: bytes | IO[bytes]) -> None:
+        self.data = data
+        self.spool: IO[bytes] | None = None
+
+    def __enter__(self) -> IO[bytes]:
+        if isinstance(self.data, (bytes, bytearray, memoryview)):
+            return io.BytesIO(bytes(self.data))
+        if hasattr(self.data, "seekable") and self.data.seekable():
+            return self.data
+        # A pipe or socket: the checksum needs two passes, so keep a copy (on disk when large).
+        self.spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_LIMIT)
+        while chunk := self.data.read(CHUNK_SIZE):
+            self.spool.write(chunk)
+        self.spool.seek(0)
+        return self.spool
+
+    def __exit__(self, *exc: object) -> None:
+        if self.spool is not None:
+            self.spool.close()
+
+
+def _download(storage: Any, artifact: Artifact, out: IO[bytes]) -> None:
+    digest = hashlib.sha256()
+    try:
+        for chunk in iter_object(storage, artifact.key):
+            digest.update(chunk)
+            out.write(chunk)
+    except storage.connection.meta.client.exceptions.NoSuchKey:
+        raise FileNotFoundError(f"artifact object s3://{artifact.bucket}/{artifact.key} is missing") from None
+    actual = f"sha256:{digest.hexdigest()}"
+    if actual != artifact.checksum:
+        raise ChecksumMismatch(bucket=artifact.bucket, key=artifact.key, expected=artifact.checksum, actual=actual)
+
+
+def _regular_files(root: Path) -> Iterable[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk does not follow directory links
+        base = Path(dirpath)
+        for filename in filenames:
+            path = base / filename
+            if path.is_symlink():
+                log.warning("skipping symbolic link %s in outputs", path)
+                continue
+            if path.is_file():
+                yield path
+        dirnames[:] = [d for d in dirnames if not (base / d).is_symlink()]
+
+
+def _input_target(root: Path, artifact: Artifact) -> Path:
+    parts = artifact.key.split("/", 3)  # inputs / job / task_key-or-_job / name
+    if len(parts) != 4 or parts[0] != KIND_PREFIXES["input"] or not parts[3]:
+        raise ValueError(f"input artifact {artifact.pk} has a key outside inputs/{{job}}/{{task}}/: {artifact.key!r}")
+    target = (root / parts[3]).resolve()
+    # Keys are validated when stored; this also guards rows written by other means.
+    if not target.is_relative_to(root.resolve()):
+        raise ValueError(f"input artifact key {artifact.key!r} would be staged outside {root}")
+    return target
+
