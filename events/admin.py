@@ -1,36 +1,91 @@
-"""Admin for the timeline and artifacts (read-only)."""
+"""Admin for the timeline and artifacts (read-only, tenant-scoped), and the operators' dashboard URLs."""
+
+from __future__ import annotations
+
+from uuid import UUID
 
 from django.contrib import admin
+from django.db.models import Q
+from django.urls import path
 
-from events.models import Artifact, Event
+from events import dashboard
+from events.models import Artifact, Event, EventType
+from jobs.admin import ReadOnlyScopedAdmin, uuid_or_none
+
+
+class EventTypeFilter(admin.SimpleListFilter):
+    """Filter on the common event types; ``type`` is free text, and a DISTINCT over the timeline
+    (Django's default for a field without choices) would read every row."""
+
+    title = "type"
+    parameter_name = "type"
+
+    def lookups(self, request, model_admin):
+        return EventType.choices
+
+    def queryset(self, request, queryset):
+        return queryset.filter(type=self.value()) if self.value() else queryset
 
 
 @admin.register(Event)
-class EventAdmin(admin.ModelAdmin):
+class EventAdmin(ReadOnlyScopedAdmin):
+    # Events carry no tenant: they are scoped through their job (events without a job, such as
+    # node or host events, are visible to superusers only).
+    tenant_path = "job__tenant_id"
     list_display = ("ts", "level", "type", "source", "job_id", "task_id", "attempt", "message")
-    list_filter = ("level", "type")
-    search_fields = ("=job__id", "=task__id", "message")
-    show_full_result_count = False
+    list_filter = ("level", EventTypeFilter)
+    search_fields = ("message",)
+    search_help_text = "A job or task id (exact), or words of the message."
+    # The partitioned table's primary key is (id, ts): ordering by id reads it backwards per
+    # partition; ordering by ts would sort the whole timeline.
+    ordering = ("-id",)
 
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
+    def tenant_of(self, obj: Event) -> UUID | None:
+        return obj.job.tenant_id if obj.job_id and obj.job else None
 
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False  # append-only; old months are archived and dropped by the builder
+    def get_search_results(self, request, queryset, search_term):
+        as_uuid = uuid_or_none(search_term)
+        if as_uuid:
+            return queryset.filter(Q(job_id=as_uuid) | Q(task_id=as_uuid)), False
+        return super().get_search_results(request, queryset, search_term)
 
 
 @admin.register(Artifact)
-class ArtifactAdmin(admin.ModelAdmin):
+class ArtifactAdmin(ReadOnlyScopedAdmin):
+    tenant_path = "job__tenant_id"
     list_display = ("key", "kind", "job_id", "task_id", "size_bytes", "content_type", "checksum", "created_at")
-    list_filter = ("kind", "content_type")
-    search_fields = ("key", "=job__id")
-    show_full_result_count = False
+    list_filter = ("kind",)
+    search_fields = ("key",)
+    ordering = ("-id",)
 
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
+    def tenant_of(self, obj: Artifact) -> UUID | None:
+        return obj.job.tenant_id
 
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
+    def get_search_results(self, request, queryset, search_term):
+        as_uuid = uuid_or_none(search_term)
+        if as_uuid:
+            return queryset.filter(job_id=as_uuid), False
+        return super().get_search_results(request, queryset, search_term)
+
+
+def _mount_dashboard(site: admin.AdminSite) -> None:
+    """Add the dashboard pages to the admin site's URLs (admin:accs_dashboard, admin:accs_dashboard_data).
+
+    The default site is built by django.contrib.admin before any app's admin module runs, so the
+    URLs are added to it here instead of replacing the site class.
+    """
+    original = site.get_urls
+
+    def get_urls():
+        return [
+            path("dashboard/", site.admin_view(dashboard.dashboard_view), name="accs_dashboard"),
+            path("dashboard/data.json", site.admin_view(dashboard.dashboard_data_view), name="accs_dashboard_data"),
+        ] + original()
+
+    site.get_urls = get_urls
+
+
+admin.site.site_header = "ACCS operations"
+admin.site.site_title = "ACCS"
+admin.site.index_title = "Jobs, workflows, nodes and timeline"
+_mount_dashboard(admin.site)

@@ -1,7 +1,294 @@
-"""Prometheus metrics endpoint (OPS4). Placeholder until the operators' capability lands."""
+"""Prometheus endpoint (OPS4): ``/metrics``, read from the database at scrape time.
 
+Agents and builders are separate processes (often on other machines), so counting in-process with
+prometheus_client counters would only see the web process. Instead a custom collector reads
+PostgreSQL when scraped:
+
+* **Gauges** — queue depth by tenant/service/status, dead letters, oldest queued age, jobs by
+  status, node heartbeats, drain state and disk use, governor conditions — come from
+  :mod:`events.overview`, which reads only the live part of the tables.
+* **Counters and histograms** — claims, finished attempts by outcome, retries, dead letters, fenced
+  reports, jobs started and finished, queue latency and run time — are derived from the timeline,
+  which records every transition exactly once whichever process made it. The collector folds new
+  events (by primary key, through the ``(id, ts)`` index of each partition) into running totals,
+  so a scrape reads only what happened since the previous one. A fresh web process counts the
+  history once (in bounded chunks) and then reports the same totals as every other process.
+
+Events younger than :attr:`TimelineCounters.settle_seconds` are left for the next scrape: ids are
+drawn before commit, so a row with a smaller id may still become visible after a larger one.
+
+The endpoint is open unless ``ACC_METRICS_TOKEN`` is set; then it requires
+``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from django.db import connection
 from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from accs_site.conf import accs
+
+#: Histogram buckets (seconds) for queue latency and run time.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+RUN_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+def _bucket_sql(value: str, bounds: tuple[float, ...], prefix: str) -> str:
+    """Return ``count(*) FILTER (WHERE value <= b)`` columns, one per bucket bound (constants only)."""
+    return ", ".join(f"count(*) FILTER (WHERE {value} <= {float(b)!r}) AS {prefix}{i}" for i, b in enumerate(bounds))
+
+
+FOLD_SQL = f"""
+-- Classify new timeline rows by their structured data (not their message text), then label each
+-- with its service (task events) or tenant (job events).
+WITH e AS (
+    SELECT e.id, e.ts, e.task_id, e.job_id, e.attempt, e.type,
+           CASE
+             WHEN e.type = 'fenced' THEN 'fenced'
+             WHEN e.type = 'retry' THEN 'retry'
+             WHEN e.task_id IS NOT NULL AND e.data->>'to' = 'starting' THEN 'claim'
+             WHEN e.task_id IS NOT NULL AND e.data->>'to' = 'done' THEN 'done'
+             WHEN e.task_id IS NOT NULL AND e.data->>'dead_letter' = 'true' THEN 'dead_letter'
+             WHEN e.task_id IS NOT NULL AND e.attempt IS NOT NULL AND e.data->>'to' = 'canceled' THEN 'canceled'
+             WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' = 'queued'
+                  AND e.data->>'to' = 'running' THEN 'job_started'
+             WHEN e.task_id IS NULL AND e.job_id IS NOT NULL
+                  AND e.data->>'to' IN ('done', 'error', 'canceled', 'rejected') THEN 'job_' || (e.data->>'to')
+           END AS kind
+      FROM accs_event e
+     WHERE e.id > %(lo)s AND e.id <= %(hi)s
+), k AS (
+    SELECT e.*, s.key AS service, tn.slug AS tenant,
+           -- claim: time from claimable to claimed, known while the task is still on that attempt
+           CASE WHEN e.kind = 'claim' AND e.attempt = t.attempt AND t.next_attempt_at <= e.ts
+                THEN extract(epoch FROM e.ts - t.next_attempt_at) END AS latency,
+           CASE WHEN e.kind IN ('done', 'retry', 'dead_letter') AND a.finished_at IS NOT NULL
+                THEN extract(epoch FROM a.finished_at - a.started_at) END AS run_time
+      FROM e
+      LEFT JOIN accs_task t ON t.id = e.task_id
+      LEFT JOIN accs_service s ON s.id = t.service_id
+      LEFT JOIN accs_job j ON j.id = e.job_id AND e.task_id IS NULL
+      LEFT JOIN accs_tenant tn ON tn.id = j.tenant_id
+      LEFT JOIN accs_attempt a ON a.task_id = e.task_id AND a.attempt_no = e.attempt
+                              AND e.kind IN ('done', 'retry', 'dead_letter')
+     WHERE e.kind IS NOT NULL
+)
+SELECT kind, coalesce(service, ''), coalesce(tenant, ''), count(*),
+       count(latency), coalesce(sum(latency), 0), {_bucket_sql("latency", LATENCY_BUCKETS, "l")},
+       count(run_time), coalesce(sum(run_time), 0), {_bucket_sql("run_time", RUN_BUCKETS, "r")}
+  FROM k GROUP BY 1, 2, 3
+"""
+
+
+@dataclass
+class _Histogram:
+    buckets: list[int]
+    count: int = 0
+    total: float = 0.0
+
+    def add(self, count: int, total: float, buckets: tuple[int, ...]) -> None:
+        self.count += count
+        self.total += float(total)
+        self.buckets = [a + b for a, b in zip(self.buckets, buckets)]
+
+
+@dataclass
+class TimelineCounters:
+    """Running totals folded from the timeline; one instance per process, shared by its threads."""
+
+    settle_seconds: float = 5.0
+    chunk: int = 250_000
+    budget_seconds: float = 5.0
+    watermark: int = 0
+    counts: dict[tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+    latency: dict[str, _Histogram] = field(default_factory=dict)
+    run_time: dict[str, _Histogram] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fold(self) -> int:
+        """Fold the events settled since the last call into the totals; return the new watermark."""
+        with self.lock, connection.cursor() as cur:
+            # The newest settled event: a backward walk of each partition's (id, ts) primary key.
+            # clock_timestamp(), not now(): now() is frozen at the start of the surrounding transaction.
+            cur.execute("SELECT max(id) FROM accs_event WHERE ts <= clock_timestamp() - make_interval(secs => %s)",
+                        [self.settle_seconds])
+            high = cur.fetchone()[0] or 0
+            deadline = time.monotonic() + self.budget_seconds
+            while self.watermark < high and time.monotonic() < deadline:
+                upper = min(high, self.watermark + self.chunk)
+                cur.execute(FOLD_SQL, {"lo": self.watermark, "hi": upper})
+                for row in cur.fetchall():
+                    self._add(row)
+                self.watermark = upper
+            return self.watermark
+
+    def _add(self, row: tuple) -> None:
+        # Columns: kind, service, tenant, n, then (count, sum, buckets...) for latency and run time.
+        kind, service, tenant, n = row[:4]
+        self.counts[(kind, service, tenant)] += n
+        split = 6 + len(LATENCY_BUCKETS)
+        lat, run = row[4:split], row[split:]
+        if lat[0]:
+            self.latency.setdefault(service, _Histogram([0] * len(LATENCY_BUCKETS))).add(lat[0], lat[1], tuple(lat[2:]))
+        if run[0]:
+            self.run_time.setdefault(service, _Histogram([0] * len(RUN_BUCKETS))).add(run[0], run[1], tuple(run[2:]))
+
+    def metrics(self) -> Iterator[Metric]:
+        """Yield the counter and histogram families from the current totals."""
+        with self.lock:
+            counts = dict(self.counts)
+            latency = {k: _Histogram(list(v.buckets), v.count, v.total) for k, v in self.latency.items()}
+            run_time = {k: _Histogram(list(v.buckets), v.count, v.total) for k, v in self.run_time.items()}
+        claims = CounterMetricFamily("accs_task_claims", "Tasks claimed by agents (attempts started).", labels=["service"])
+        finished = CounterMetricFamily("accs_task_attempts_finished",
+                                       "Attempts that ended, by outcome (done, retry, dead_letter, canceled).",
+                                       labels=["service", "outcome"])
+        retries = CounterMetricFamily("accs_task_retries", "Failed attempts that were scheduled for another try.",
+                                      labels=["service"])
+        dead = CounterMetricFamily("accs_task_dead_letters", "Tasks that failed for good (dead letter).",
+                                   labels=["service"])
+        fenced = CounterMetricFamily("accs_task_fenced_reports", "Late reports rejected by attempt fencing.",
+                                     labels=["service"])
+        jobs_started = CounterMetricFamily("accs_jobs_started", "Jobs instantiated (queued → running).",
+                                           labels=["tenant"])
+        jobs_finished = CounterMetricFamily("accs_jobs_finished", "Jobs that ended, by final status.",
+                                            labels=["tenant", "status"])
+        for (kind, service, tenant), n in sorted(counts.items()):
+            if kind == "claim":
+                claims.add_metric([service], n)
+            elif kind in ("done", "retry", "dead_letter", "canceled"):
+                finished.add_metric([service, kind], n)
+                if kind == "retry":
+                    retries.add_metric([service], n)
+                elif kind == "dead_letter":
+                    dead.add_metric([service], n)
+            elif kind == "fenced":
+                fenced.add_metric([service], n)
+            elif kind == "job_started":
+                jobs_started.add_metric([tenant], n)
+            elif kind.startswith("job_"):
+                jobs_finished.add_metric([tenant, kind[4:]], n)
+        yield from (claims, finished, retries, dead, fenced, jobs_started, jobs_finished)
+        yield _histogram("accs_task_queue_latency_seconds", "Time from claimable to claimed.", latency, LATENCY_BUCKETS)
+        yield _histogram("accs_task_run_seconds", "Run time of finished attempts (claim to report).", run_time,
+                         RUN_BUCKETS)
+        watermark = GaugeMetricFamily("accs_metrics_timeline_watermark", "Newest timeline event id folded in.")
+        watermark.add_metric([], self.watermark)
+        yield watermark
+
+
+def _histogram(name: str, doc: str, per_service: dict[str, _Histogram], bounds: tuple[float, ...]) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=["service"])
+    for service, hist in sorted(per_service.items()):
+        buckets = [(repr(float(b)), c) for b, c in zip(bounds, hist.buckets)] + [("+Inf", hist.count)]
+        family.add_metric([service], buckets, hist.total)
+    return family
+
+
+class AccsCollector:
+    """Read ACCS's state from PostgreSQL at scrape time (a prometheus_client custom collector)."""
+
+    def __init__(self, counters: TimelineCounters | None = None) -> None:
+        self.counters = counters or TimelineCounters()
+
+    def collect(self) -> Iterator[Metric]:
+        from events.overview import governor_conditions, node_health, queue_depth
+
+        started = time.monotonic()
+        now = timezone.now()
+        tenants, services = queue_depth(now=now)
+        tasks = GaugeMetricFamily("accs_tasks", "Tasks by status (waiting, queued, starting, running) right now.",
+                                  labels=["tenant", "service", "status"])
+        dead = GaugeMetricFamily("accs_tasks_dead_letter", "Tasks failed for good, in jobs still in error.",
+                                 labels=["tenant", "service"])
+        retrying = GaugeMetricFamily("accs_tasks_retrying", "Queued tasks waiting for another attempt.",
+                                     labels=["tenant", "service"])
+        oldest = GaugeMetricFamily("accs_queue_oldest_age_seconds", "Age of the oldest due, unclaimed task.",
+                                   labels=["tenant", "service"])
+        for row in services:
+            for status in ("waiting", "queued", "starting", "running"):
+                tasks.add_metric([row.tenant, row.service, status], getattr(row, status))
+            dead.add_metric([row.tenant, row.service], row.dead_letter)
+            retrying.add_metric([row.tenant, row.service], row.retrying)
+            if row.oldest_queued_age is not None:
+                oldest.add_metric([row.tenant, row.service], row.oldest_queued_age)
+        jobs = GaugeMetricFamily("accs_jobs", "Jobs not finished, by status; failed = ended in error in the last 24 h.",
+                                 labels=["tenant", "status"])
+        for card in tenants:
+            jobs.add_metric([card.tenant, "queued"], card.jobs_queued)
+            jobs.add_metric([card.tenant, "awaiting_approval"], card.awaiting_approval)
+            jobs.add_metric([card.tenant, "failed_24h"], card.failed_24h)
+        yield from (tasks, dead, retrying, oldest, jobs)
+
+        up = GaugeMetricFamily("accs_node_up", "1 when the node heartbeated within 3 × TTL/3.", labels=["node"])
+        seen = GaugeMetricFamily("accs_node_last_seen_timestamp_seconds", "Last heartbeat (Unix time).", labels=["node"])
+        draining = GaugeMetricFamily("accs_node_draining", "1 when the node claims nothing new.", labels=["node"])
+        running = GaugeMetricFamily("accs_node_running_tasks", "Tasks held by the node.", labels=["node"])
+        disk = GaugeMetricFamily("accs_node_disk_used_ratio", "Disk use from the latest sample (0..1).",
+                                 labels=["node", "level"])
+        for node in node_health(now=now):
+            up.add_metric([node.name], 0 if node.stale else 1)
+            if node.last_seen:
+                seen.add_metric([node.name], node.last_seen.timestamp())
+            draining.add_metric([node.name], 1 if node.state == "draining" else 0)
+            running.add_metric([node.name], node.running)
+            if node.disk_used_pct is not None:
+                disk.add_metric([node.name, node.disk_level], node.disk_used_pct / 100.0)
+        governor = GaugeMetricFamily("accs_governor_condition_active", "1 while the condition holds.", labels=["name"])
+        for cond in governor_conditions(now=now):
+            governor.add_metric([cond.name], 1 if cond.holds else 0)
+        yield from (up, seen, draining, running, disk, governor)
+
+        self.counters.fold()
+        yield from self.counters.metrics()
+        took = GaugeMetricFamily("accs_metrics_scrape_seconds", "Time spent reading the database for this scrape.")
+        took.add_metric([], time.monotonic() - started)
+        yield took
+
+
+_registry: CollectorRegistry | None = None
+_collector: AccsCollector | None = None
+_registry_lock = threading.Lock()
+
+
+def collector() -> AccsCollector:
+    """Return this process's collector, creating it (and its registry) on first use."""
+    global _registry, _collector
+    with _registry_lock:
+        if _collector is None:
+            _collector = AccsCollector()
+            # auto_describe=False: registering must not run collect(), which reads the database.
+            _registry = CollectorRegistry(auto_describe=False)
+            _registry.register(_collector)
+        return _collector
+
+
+def _authorized(request: HttpRequest) -> bool:
+    token = accs.metrics_token
+    if not token:
+        return True
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    return HttpResponse("", content_type="text/plain; version=0.0.4")
+    """Serve the metrics in the Prometheus text format (token-protected when ACC_METRICS_TOKEN is set)."""
+    if not _authorized(request):
+        response = HttpResponse("metrics need 'Authorization: Bearer <ACC_METRICS_TOKEN>'\n", status=401,
+                                content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="accs-metrics"'
+        return response
+    collector()
+    assert _registry is not None
+    return HttpResponse(generate_latest(_registry), content_type=CONTENT_TYPE_LATEST)

@@ -812,3 +812,36 @@ __all__ = [
     "clear_quarantine", "heartbeat", "mark_running", "reject", "report", "report_progress", "rescue_expired",
     "retry_job", "retry_task", "start_due_jobs", "start_jobs",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Nodes: active ⇄ draining (OPS1). A draining node's agents claim nothing new and finish what
+# they hold; the agent reads Node.state at each heartbeat.
+# --------------------------------------------------------------------------------------------
+
+def _set_node_state(name: str, *, to: str, by: str) -> ActionResult:
+    source = f"user:{by}" if by else "api"
+    frm = "draining" if to == "active" else "active"
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        cur.execute("UPDATE accs_node SET state = %s WHERE name = %s AND state = %s RETURNING name", [to, name, frm])
+        if not cur.fetchone():
+            cur.execute("SELECT state FROM accs_node WHERE name = %s", [name])
+            row = cur.fetchone()
+            return ActionResult(False, f"node {name} is {row[0]}; nothing to do" if row else f"no node {name!r}")
+        write_events([EventRow(type="node", message=f"node {name} {frm} → {to} (by {by or 'api'})", source=source,
+                               level="warn" if to == "draining" else "info",
+                               data={"node": name, "from": frm, "to": to})], cursor=cur)
+    return ActionResult(True, f"node {name} is {to}" + (": it claims nothing new" if to == "draining" else ""))
+
+
+def drain_node(name: str, *, by: str = "") -> ActionResult:
+    """Stop a node from claiming new tasks; its running tasks finish normally."""
+    return _set_node_state(name, to="draining", by=by)
+
+
+def undrain_node(name: str, *, by: str = "") -> ActionResult:
+    """Let a draining node claim tasks again."""
+    return _set_node_state(name, to="active", by=by)
+
+
+__all__ += ["drain_node", "undrain_node"]

@@ -1,23 +1,84 @@
-"""Admin for nodes, hosts, host blocks and disk samples."""
+"""Admin for nodes, hosts, host blocks and disk samples.
+
+A node's configuration (labels, limits, wake method) is editable; its state (active/draining,
+awake, heartbeat, disk level) is not: operators drain and undrain with actions, and clear a host's
+quarantine with an action, all through :mod:`jobs.transitions`.
+"""
+
+from __future__ import annotations
 
 from django.contrib import admin
+from django.contrib.admin import ShowFacets
+from django.utils import timezone
+from django.utils.html import format_html
 
+from events.overview import human_age, stale_after_seconds
+from jobs import transitions
+from jobs.admin import EstimatedCountPaginator, actor, report
 from nodes.models import DiskSample, Host, HostBlock, Node
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("name", "state", "awake_state", "last_seen", "slot_cap", "cpu_budget", "disk_level", "version")
+    list_display = ("name", "state_badge", "awake_state", "heartbeat", "slot_cap", "cpu_budget", "disk_level",
+                    "version")
     list_filter = ("state", "awake_state", "wake_method", "disk_level")
     search_fields = ("name", "agent_id")
+    readonly_fields = ("state", "awake_state", "agent_id", "version", "services", "last_seen", "last_wake_at",
+                       "disk_level", "created_at")
+    fieldsets = (
+        (None, {"fields": ("name", "state", "awake_state", "last_seen", "agent_id", "version", "services",
+                           "disk_level", "created_at")}),
+        ("Limits", {"fields": ("labels", "max_concurrency", "slot_cap", "cpu_budget")}),
+        ("Wake-up", {"fields": ("wake_method", "mac", "wake_address", "provider_ref", "script", "last_wake_at")}),
+    )
+    actions = ("drain", "undrain")
+
+    def get_readonly_fields(self, request, obj=None):
+        # The name is the primary key: set once when an operator pre-registers a node.
+        return self.readonly_fields + (("name",) if obj else ())
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj: Node) -> str:
+        return format_html('<span class="accs-pill accs-{}">{}</span>', obj.state, obj.state)
+
+    @admin.display(description="last heartbeat", ordering="last_seen")
+    def heartbeat(self, obj: Node) -> str:
+        if obj.last_seen is None:
+            return format_html('<span class="accs-pill accs-stale">{}</span>', "never")
+        ago = (timezone.now() - obj.last_seen).total_seconds()
+        stale = obj.awake_state != "sleep" and ago > stale_after_seconds()
+        badge = format_html('<span class="accs-pill accs-stale">{}</span> ', "stale") if stale else ""
+        return format_html("{}{} ago", badge, human_age(ago))
+
+    @admin.action(description="Drain selected nodes (claim nothing new)", permissions=["change"])
+    def drain(self, request, queryset):
+        report(request, self, "Drain", [transitions.drain_node(n.name, by=actor(request)) for n in queryset])
+
+    @admin.action(description="Undrain selected nodes (claim again)", permissions=["change"])
+    def undrain(self, request, queryset):
+        report(request, self, "Undrain", [transitions.undrain_node(n.name, by=actor(request)) for n in queryset])
 
 
 @admin.register(Host)
 class HostAdmin(admin.ModelAdmin):
-    list_display = ("name", "node", "status", "quarantined_at", "quarantine_reason")
+    list_display = ("name", "node", "status_badge", "quarantined_at", "quarantine_reason")
     list_filter = ("status", "node")
     search_fields = ("name",)
     readonly_fields = ("status", "quarantined_at", "quarantine_reason")
+    actions = ("clear_quarantine",)
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj: Host) -> str:
+        label = "quarantined" if obj.status == "error" else obj.status
+        return format_html('<span class="accs-pill accs-{}">{}</span>', obj.status, label)
+
+    @admin.action(description="Clear quarantine of selected hosts", permissions=["change"])
+    def clear_quarantine(self, request, queryset):
+        report(request, self, "Clear quarantine",
+               [transitions.clear_quarantine(h.pk, by=actor(request)) for h in queryset])
 
 
 @admin.register(HostBlock)
@@ -25,13 +86,17 @@ class HostBlockAdmin(admin.ModelAdmin):
     list_display = ("host", "service", "reason", "created_at")
     list_filter = ("service",)
     search_fields = ("host__name", "service__key")
+    autocomplete_fields = ("host",)
 
 
 @admin.register(DiskSample)
 class DiskSampleAdmin(admin.ModelAdmin):
     list_display = ("node", "ts", "path", "used_pct", "level")
     list_filter = ("level", "node")
+    ordering = ("-ts",)
     show_full_result_count = False
+    show_facets = ShowFacets.NEVER
+    paginator = EstimatedCountPaginator
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False

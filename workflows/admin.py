@@ -1,30 +1,209 @@
-"""Admin for services, workflows and governor conditions; saving runs the full validation."""
+"""Admin for services, workflows and governor conditions.
 
+Saving a service or workflow runs the full validation (``Model.clean`` → :mod:`workflows.validation`)
+and shows each problem next to the field it is about. Governor conditions are raised and cleared
+through :func:`jobs.api.raise_condition` / :func:`jobs.api.clear_condition` (actions, and the add
+form, which raises a new condition), never by editing their timestamps.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django import forms
 from django.contrib import admin
+from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
+from django.template.response import TemplateResponse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import mark_safe
 
+from events.dag import render_svg, steps_from
+from jobs import api
+from jobs.admin import actor, report
+from jobs.transitions import ActionResult
 from workflows.models import GovernorCondition, Service, Workflow
+from workflows.validation import DefinitionError
+
+
+class ProblemsByFieldForm(forms.ModelForm):
+    """Show each validation problem under the field it names.
+
+    :class:`workflows.validation.Problem` renders as ``"<where>: <message>"`` with ``where`` such as
+    ``executor_config.argv`` or ``cpu_weight``; ``Model.full_clean`` hands them over as plain
+    messages, so they are routed by that prefix. Anything that names no field of the form stays a
+    form-wide error.
+    """
+
+    def _field_for(self, message: str) -> str | None:
+        where, sep, _rest = message.partition(": ")
+        if not sep:
+            return None
+        head = where.split(".")[0].split(" ")[0].split("[")[0]
+        return head if head in self.fields else None
+
+    def _update_errors(self, errors: ValidationError) -> None:
+        if not hasattr(errors, "error_dict"):
+            errors = ValidationError({NON_FIELD_ERRORS: errors.messages})
+        routed: dict[str, list[str]] = {}
+        for name, messages_ in errors.message_dict.items():
+            for message in messages_:
+                target = self._field_for(message) if name == NON_FIELD_ERRORS else name
+                routed.setdefault(target or NON_FIELD_ERRORS, []).append(message)
+        super()._update_errors(ValidationError(routed))
+
+
+class ServiceForm(ProblemsByFieldForm):
+    class Meta:
+        model = Service
+        fields = "__all__"
+        widgets = {
+            "executor_config": forms.Textarea(attrs={"rows": 4, "cols": 90, "style": "font-family: monospace"}),
+            "params_schema": forms.Textarea(attrs={"rows": 8, "cols": 90, "style": "font-family: monospace"}),
+        }
 
 
 @admin.register(Service)
 class ServiceAdmin(admin.ModelAdmin):
+    form = ServiceForm
     list_display = ("key", "executor", "is_active", "max_concurrent", "cpu_weight", "base_priority",
                     "requires_approval", "exclusive_per_host", "timeout_seconds", "max_attempts")
     list_filter = ("executor", "is_active", "requires_approval", "exclusive_per_host")
     search_fields = ("key", "description")
+    fieldsets = (
+        (None, {"fields": ("key", "description", "is_active", "executor", "executor_config", "params_schema")}),
+        ("Retries and limits", {"fields": ("timeout_seconds", "max_attempts", "backoff_base_seconds",
+                                           "backoff_cap_seconds", "cpu_weight", "max_concurrent", "base_priority")}),
+        ("Safety", {"fields": ("requires_approval", "exclusive_per_host", "quarantine_host_on_final_failure",
+                               "required_labels")}),
+        ("Resource governor", {"fields": ("block_during", "priority_adjust_during")}),
+    )
+
+
+class WorkflowForm(ProblemsByFieldForm):
+    class Meta:
+        model = Workflow
+        fields = "__all__"
+        widgets = {"steps": forms.Textarea(attrs={"rows": 16, "cols": 100, "style": "font-family: monospace"})}
 
 
 @admin.register(Workflow)
 class WorkflowAdmin(admin.ModelAdmin):
+    form = WorkflowForm
     list_display = ("name", "version", "is_active", "max_active_jobs", "step_count", "updated_at")
     list_filter = ("is_active",)
     search_fields = ("name", "description")
+    readonly_fields = ("picture",)
+    fields = ("name", "version", "description", "is_active", "max_active_jobs", "steps", "picture")
 
     @admin.display(description="steps")
     def step_count(self, obj: Workflow) -> int:
         return len(obj.steps or [])
 
+    @admin.display(description="DAG")
+    def picture(self, obj: Workflow) -> str:
+        if not obj.pk:
+            return "(shown once saved)"
+        svg = render_svg(steps_from(obj.steps or [], []), title=str(obj))
+        return format_html('<div class="accs-dag-wrap">{}</div>', mark_safe(svg))  # noqa: S308 - render_svg escapes
+
+
+# --------------------------------------------------------------------------------------------
+# Governor conditions
+# --------------------------------------------------------------------------------------------
+
+class RaiseConditionForm(forms.Form):
+    """What an operator gives when raising conditions: why, and for how long."""
+
+    reason = forms.CharField(max_length=500, required=True)
+    minutes = forms.IntegerField(min_value=1, required=False, help_text="Empty: holds until cleared.")
+
+
+class AddConditionForm(forms.ModelForm):
+    """Adding a condition raises it (through the governor), so its name, reason and expiry are asked."""
+
+    class Meta:
+        model = GovernorCondition
+        fields = ("name", "reason", "expires_at")
+
+    def clean_expires_at(self):
+        expires = self.cleaned_data.get("expires_at")
+        if expires is not None and expires <= timezone.now():
+            raise ValidationError("must be in the future (leave empty to hold until cleared)")
+        return expires
+
+
+def _raise(name: str, *, reason: str, expires_at, by: str) -> ActionResult:
+    try:
+        api.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
+    except DefinitionError as exc:
+        return ActionResult(False, "; ".join(str(p) for p in exc.problems))
+    until = f"until {timezone.localtime(expires_at):%Y-%m-%d %H:%M}" if expires_at else "until cleared"
+    return ActionResult(True, f"{name} raised {until}")
+
+
+def _clear(name: str, *, by: str) -> ActionResult:
+    if api.clear_condition(name, by):
+        return ActionResult(True, f"{name} cleared")
+    return ActionResult(False, f"{name} does not hold")
+
 
 @admin.register(GovernorCondition)
 class GovernorConditionAdmin(admin.ModelAdmin):
-    list_display = ("name", "raised_at", "expires_at", "cleared_at", "raised_by")
+    list_display = ("name", "holding", "raised_at", "expires_at", "cleared_at", "raised_by", "reason")
     search_fields = ("name", "reason")
+    actions = ("raise_conditions", "clear_conditions")
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        if obj is None:
+            kwargs["form"] = AddConditionForm
+        return super().get_form(request, obj, change=change, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ("name", "reason", "expires_at")
+        return ("name", "holding", "reason", "raised_at", "expires_at", "cleared_at", "raised_by")
+
+    def get_readonly_fields(self, request, obj=None):
+        return () if obj is None else self.get_fields(request, obj)
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False  # state: raise and clear with the actions
+
+    def has_operate_permission(self, request) -> bool:
+        return request.user.has_perm("workflows.change_governorcondition")
+
+    @admin.display(description="holds", boolean=True)
+    def holding(self, obj: GovernorCondition) -> bool:
+        return obj.holds()
+
+    def save_model(self, request, obj, form, change) -> None:
+        """Raise the new condition through the governor (it writes the row and its event)."""
+        raised = api.raise_condition(obj.name, reason=obj.reason, expires_at=obj.expires_at, by=actor(request))
+        obj.pk = raised.pk
+        obj.raised_at, obj.raised_by = raised.raised_at, raised.raised_by
+
+    @admin.action(description="Raise selected conditions…", permissions=["operate"])
+    def raise_conditions(self, request, queryset):
+        """Ask for a reason and a duration, then raise each selected condition."""
+        form = RaiseConditionForm(request.POST if "apply" in request.POST else None)
+        if "apply" in request.POST and form.is_valid():
+            minutes = form.cleaned_data["minutes"]
+            expires = timezone.now() + timedelta(minutes=minutes) if minutes else None
+            report(request, self, "Raise", [
+                _raise(c.name, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request))
+                for c in queryset])
+            return None
+        context: dict[str, Any] = {
+            **self.admin_site.each_context(request), "title": "Raise governor conditions", "form": form,
+            "conditions": queryset, "opts": self.opts, "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/accs/raise_conditions.html", context)
+
+    @admin.action(description="Clear selected conditions", permissions=["operate"])
+    def clear_conditions(self, request, queryset):
+        report(request, self, "Clear", [_clear(c.name, by=actor(request)) for c in queryset])
+
+
+__all__ = ["GovernorConditionAdmin", "ProblemsByFieldForm", "ServiceAdmin", "WorkflowAdmin"]

@@ -1,0 +1,61 @@
+"""Template filters for the operators' pages: status pills, ages, durations, percentages."""
+
+from __future__ import annotations
+
+from django import template
+from django.utils.html import format_html
+
+from events.overview import human_age
+
+register = template.Library()
+
+
+@register.filter
+def pill(status: str) -> str:
+    """Render a status as a coloured pill (colours in admin/accs/_styles.html)."""
+    return format_html('<span class="accs-pill accs-{}">{}</span>', status, status)
+
+
+@register.filter
+def age(seconds: float | None) -> str:
+    """Render seconds as a human duration (``42 s``, ``7 min``, ``3 h 5 min``)."""
+    return human_age(seconds)
+
+
+@register.filter
+def percent(ratio: float | None) -> str:
+    """Render a 0..1 ratio as a percentage."""
+    return "—" if ratio is None else f"{ratio * 100:.0f} %"
+
+
+@register.filter
+def rate(per_minute: float | None) -> str:
+    """Render a per-minute rate compactly (per second when it is high)."""
+    if not per_minute:
+        return "0/min"
+    if per_minute >= 600:
+        return f"{per_minute / 60:.1f}/s"
+    return f"{per_minute:.1f}/min" if per_minute >= 1 else f"{per_minute * 60:.0f}/h"
+
+
+@register.filter
+def attempt_duration(attempt) -> str:
+    """Render how long a finished attempt took."""
+    if not attempt.finished_at:
+        return ""
+    return human_age((attempt.finished_at - attempt.started_at).total_seconds())
+
+
+DISK_COLOURS = {"ok": "#16a34a", "warning": "#f59e0b", "critical": "#ea580c", "emergency": "#dc2626"}
+
+
+@register.filter
+def disk_colour(level: str) -> str:
+    """Return the bar colour of a disk level."""
+    return DISK_COLOURS.get(level or "ok", "#64748b")
+
+
+@register.filter
+def share(part: int, whole: int) -> float:
+    """Return ``part`` as a percentage of ``whole`` (for bar widths)."""
+    return 0.0 if not whole else round(100.0 * part / whole, 2)

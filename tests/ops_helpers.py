@@ -1,0 +1,113 @@
+"""Helpers for the operators' tests (admin, dashboard, metrics, browser): users and job states."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from jobs import api
+from jobs.models import Job, Tenant, TenantMembership
+from nodes.models import DiskSample, Host, Node
+from tests.engine_helpers import claim_for, run_fail, run_ok
+from workflows.api import create_workflow, save_service
+
+PASSWORD = "correct horse battery staple"
+
+
+def make_user(username: str, *, superuser: bool = False, staff: bool = True,
+              tenants: dict[Tenant, str] | None = None):
+    """Create a user with the given tenant roles (``{tenant: "admin" | "viewer"}``)."""
+    User = get_user_model()
+    if superuser:
+        user = User.objects.create_superuser(username, f"{username}@example.test", PASSWORD)
+    else:
+        user = User.objects.create_user(username, f"{username}@example.test", PASSWORD, is_staff=staff)
+    for tenant, role in (tenants or {}).items():
+        TenantMembership.objects.create(user=user, tenant=tenant, role=role)
+    return user
+
+
+@dataclass
+class Tenants:
+    acme: Tenant
+    globex: Tenant
+
+
+def two_tenants() -> Tenants:
+    return Tenants(Tenant.objects.create(slug="acme", name="Acme"), Tenant.objects.create(slug="globex", name="Globex"))
+
+
+def _service(key: str, **fields):
+    fields.setdefault("executor", "python")
+    fields.setdefault("executor_config", {"callable": "tests.callables:noop"})
+    fields.setdefault("params_schema", {"type": "object"})
+    return save_service(key=key, **fields)
+
+
+def failed_service_job(tenant: Tenant, *, key: str = "flaky") -> Job:
+    """Return a one-task job whose task failed for good (max_attempts 1): a dead letter."""
+    service = _service(key, max_attempts=1)
+    job = api.start_service(key, tenant=tenant)
+    run_fail(claim_for(service), error="exit 3: disk full on /srv")
+    job.refresh_from_db()
+    assert job.status == "error", job.status
+    return job
+
+
+@dataclass
+class Scene:
+    """A realistic state for the dashboard and the job page (and their screenshots)."""
+
+    failed: Job
+    other_tenant_job: Job
+    running: Job
+
+
+def pipeline_scene(tenants: Tenants) -> Scene:
+    """Build a 'publish' pipeline with a fan-out step that failed on one host, plus live traffic."""
+    node = Node.objects.create(name="node-t", labels={"zone": "eu"}, version="0.1.0", services=["fetch", "render"],
+                               last_seen=timezone.now(), awake_state="awake")
+    Node.objects.create(name="edge-2", version="0.1.0", last_seen=timezone.now() - timedelta(minutes=9),
+                        awake_state="awake")
+    Node.objects.create(name="gpu-3", version="0.1.0", state="draining", last_seen=timezone.now(), awake_state="awake")
+    for name, pct, level in (("node-t", 61.0, "ok"), ("edge-2", 91.5, "critical"), ("gpu-3", 86.0, "warning")):
+        DiskSample.objects.create(node_id=name, path="/srv", total_bytes=100 << 30, used_bytes=int(pct * (1 << 30)),
+                                  used_pct=pct, level=level)
+    hosts = [Host.objects.create(name=f"studio-{i}", node=node) for i in range(1, 5)]
+    svc = {k: _service(k, **extra) for k, extra in (
+        ("fetch", {}), ("render", {"max_attempts": 2, "backoff_base_seconds": 0, "backoff_cap_seconds": 0}),
+        ("package", {}), ("notify", {}),
+    )}
+    create_workflow(name="publish", steps=[
+        {"key": "fetch", "service": "fetch", "depends_on": []},
+        {"key": "render", "service": "render", "depends_on": ["fetch"], "fan_out": "hosts"},
+        {"key": "package", "service": "package", "depends_on": ["render"]},
+        {"key": "notify", "service": "notify", "depends_on": ["package"]},
+    ])
+    failed = api.start_workflow("publish", tenant=tenants.acme, options={"hosts": [h.name for h in hosts]})
+    run_ok(claim_for(svc["fetch"]))
+    renders = claim_for(svc["render"])
+    assert len(renders) == 4, renders
+    run_ok(renders[:3])
+    run_fail(renders[3:], error="render crashed: exit 137 (out of memory)")
+    again = claim_for(svc["render"])  # no backoff configured: the retry is due at once
+    assert len(again) == 1, again
+    run_fail(again, error="render crashed: exit 137 (out of memory)")
+    failed.refresh_from_db()
+    assert failed.status == "error", failed.status
+    # Traffic in both tenants: some done, some queued, one running.
+    for tenant in (tenants.acme, tenants.globex):
+        for _ in range(3):
+            api.start_service("notify", tenant=tenant)
+    run_ok(claim_for(svc["notify"], n=2))
+    running = api.start_service("package", tenant=tenants.acme)
+    claim_for(svc["package"])
+    other = failed_service_job(tenants.globex, key="globex-sync")
+    api.raise_condition("live_session", reason="studio A is live", by="alice")
+    return Scene(failed=failed, other_tenant_job=other, running=running)
+
+
+__all__ = ["PASSWORD", "Scene", "Tenants", "failed_service_job", "make_user", "pipeline_scene", "two_tenants"]
