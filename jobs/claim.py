@@ -87,7 +87,7 @@ WITH cand AS (
     UPDATE accs_task t
        SET status = 'starting', attempt = t.attempt + 1, claimed_by = %(agent)s, node = %(node)s,
            claimed_at = %(now)s, lease_expires_at = %(lease)s, heartbeat_at = %(now)s, updated_at = %(now)s,
-           cancel_requested_at = NULL
+           cancel_requested_at = NULL, started_at = NULL
       FROM pick WHERE t.id = pick.id
     RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.priority,
               t.order_seq, t.created_at
@@ -148,7 +148,7 @@ def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots
     if free_slots <= 0:
         return []
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         # Serialise claimers that share a limit: agents of this node, and every claimer of a
         # service with a global cap. Transaction-scoped, released at commit.
         cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:node:{limits.name}"])

@@ -311,7 +311,8 @@ class AttemptStatus(models.TextChoices):
 class Attempt(models.Model):
     """One try of a task: who ran it, how it ended, the tails of its output (secrets redacted)."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="attempts")
+    # The unique (task, attempt_no) index serves lookups by task; no second index on task alone.
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="attempts", db_index=False)
     attempt_no = models.PositiveIntegerField()
     node = models.CharField(max_length=200, blank=True, default="")
     agent_id = models.CharField(max_length=300, blank=True, default="")

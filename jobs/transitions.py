@@ -6,6 +6,10 @@ A transition that no longer applies changes nothing and says so in its return va
 
 Hot paths (claim lives in :mod:`jobs.claim`; reports and starts here) are set-based: one statement
 handles a whole batch, so batching claims and reports costs no correctness and no event.
+
+Transactions are ``atomic(savepoint=False)``: called inside a caller's transaction (the Python
+API, an agent's report batch) a transition joins it without SAVEPOINT round trips, and a failure
+aborts the whole caller's transaction, which is what the callers want.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ def _admit_limited(cur, *, tenant_id: UUID, workflow_id: UUID | None, now: datet
 def start_due_jobs(*, limit: int = 500, now: datetime | None = None) -> list[UUID]:
     """Instantiate due jobs (BLD1): the builder's main duty. Return the ids started."""
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute(DUE_UNLIMITED_SQL, {"now": now, "limit": limit})
         ids = [r[0] for r in cur.fetchall()]
         cur.execute(DUE_LIMITED_KEYS_SQL, {"now": now, "limit": limit})
@@ -119,20 +123,42 @@ def start_due_jobs(*, limit: int = 500, now: datetime | None = None) -> list[UUI
 def start_jobs(job_ids: Sequence[UUID], *, now: datetime | None = None, source: str = "api") -> list[UUID]:
     """Instantiate the given queued jobs now (the caller checked that they are due and admitted)."""
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
-        cur.execute("SELECT id FROM accs_job WHERE id = ANY(%s) AND status = 'queued' ORDER BY order_seq FOR UPDATE",
-                    [list(job_ids)])
-        return _instantiate(cur, [r[0] for r in cur.fetchall()], now=now, source=source)
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        return _instantiate(cur, list(job_ids), now=now, source=source)  # locks them
 
 
-def _copy(cur, table: str, columns: Sequence[str], rows: Iterable[tuple]) -> None:
-    """COPY rows into a table on the caller's connection (the fastest bulk insert)."""
-    from psycopg.types.json import Jsonb
+INSERT_TASKS_SQL = """
+-- One JSON document per batch: one round trip whatever the size (cheaper than COPY's protocol
+-- exchange for the single-job path, and as fast for large batches).
+INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status, depends_on,
+                       attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds, params,
+                       assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at, finished_at)
+SELECT r.id, r.job_id, r.tenant_id, r.task_key, r.step_key, r.service_id, r.host_id, r.exclusive, r.status,
+       ARRAY(SELECT jsonb_array_elements_text(r.depends_on)), 0, r.max_attempts, %(now)s, r.priority, r.order_seq,
+       r.timeout_seconds, r.params, r.assigned_node, '', '', r.error_code, r.error_message, %(now)s, %(now)s,
+       CASE WHEN r.status = 'blocked' THEN %(now)s END
+  FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(
+       id uuid, job_id uuid, tenant_id uuid, task_key text, step_key text, service_id bigint, host_id bigint,
+       exclusive boolean, status text, depends_on jsonb, max_attempts int, priority int, order_seq bigint,
+       timeout_seconds int, params jsonb, assigned_node text, error_code text, error_message text)
+"""
 
-    raw = cur.cursor if hasattr(cur, "cursor") else cur
-    with raw.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
-        for row in rows:
-            copy.write_row([Jsonb(v) if isinstance(v, dict) else v for v in row])
+
+def _insert_tasks(cur, rows: list[tuple], *, now: datetime) -> None:
+    """Insert task rows built by :func:`jobs.instantiate.build_task_rows` in one statement."""
+    names = TASK_COPY_COLUMNS
+    docs = []
+    for row in rows:
+        r = dict(zip(names, row))
+        docs.append({
+            "id": r["id"].hex, "job_id": str(r["job_id"]), "tenant_id": str(r["tenant_id"]), "task_key": r["task_key"],
+            "step_key": r["step_key"], "service_id": r["service_id"], "host_id": r["host_id"],
+            "exclusive": r["exclusive"], "status": str(r["status"]), "depends_on": r["depends_on"],
+            "max_attempts": r["max_attempts"], "priority": r["priority"], "order_seq": r["order_seq"],
+            "timeout_seconds": r["timeout_seconds"], "params": r["params"], "assigned_node": r["assigned_node"],
+            "error_code": r["error_code"], "error_message": r["error_message"],
+        })
+    cur.execute(INSERT_TASKS_SQL, {"now": now, "rows": json.dumps(docs, default=str)})
 
 
 def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> list[UUID]:
@@ -142,7 +168,8 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
     cur.execute(
         "SELECT j.id, j.tenant_id, j.workflow_id, j.service_id, j.priority, j.order_seq, j.options, j.step_params,"
         "       w.steps, s.key FROM accs_job j LEFT JOIN accs_workflow w ON w.id = j.workflow_id"
-        "  LEFT JOIN accs_service s ON s.id = j.service_id WHERE j.id = ANY(%s) ORDER BY j.order_seq",
+        "  LEFT JOIN accs_service s ON s.id = j.service_id WHERE j.id = ANY(%s) AND j.status = 'queued'"
+        " ORDER BY j.order_seq FOR UPDATE OF j",
         [job_ids],
     )
     jobs = [(*r[:6], from_json(r[6]), from_json(r[7]), from_json(r[8]), r[9]) for r in cur.fetchall()]
@@ -171,7 +198,7 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
         except InstantiationError as exc:
             failed.append((jid, exc.code, str(exc)))
     if task_rows:
-        _copy(cur, "accs_task", TASK_COPY_COLUMNS, task_rows)
+        _insert_tasks(cur, task_rows, now=now)
     events: list[EventRow] = []
     if started:
         cur.execute(
@@ -262,7 +289,7 @@ def mark_running(items: Sequence[tuple[UUID, int, int | None]], *, agent_id: str
     if not items:
         return set()
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         return _mark_running(cur, items, agent_id=agent_id, source=source, now=now)
 
 
@@ -274,21 +301,29 @@ def _mark_running(cur, items, *, agent_id: str, source: str, now: datetime) -> s
 
 COMPLETE_SQL = """
 -- Fenced by attempt: a report from an attempt that is no longer current changes nothing.
+-- %(from_status)s is 'running', or 'starting' when the agent reports an attempt's start and end
+-- together: the task then goes starting → done in one UPDATE and BOTH transitions get their event
+-- (the intermediate row version would be visible to no other transaction anyway).
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[], %(results)s::text[], %(codes)s::int[],
-                                %(outs)s::text[], %(errs)s::text[]) AS v(id, attempt, results, code, out, err)),
+                                %(outs)s::text[], %(errs)s::text[], %(pids)s::int[])
+                  AS v(id, attempt, results, code, out, err, pid)),
 done AS (
     UPDATE accs_task t SET status = 'done', results = v.results::jsonb, progress = 1, finished_at = %(now)s,
-           updated_at = %(now)s
-      FROM v WHERE t.id = v.id AND t.attempt = v.attempt AND t.status = 'running'
-    RETURNING t.id, t.job_id, t.attempt, v.code, v.out, v.err
+           started_at = coalesce(t.started_at, %(now)s), updated_at = %(now)s
+      FROM v WHERE t.id = v.id AND t.attempt = v.attempt AND t.status = %(from_status)s
+    RETURNING t.id, t.job_id, t.attempt, v.code, v.out, v.err, v.pid
 ),
 att AS (
     UPDATE accs_attempt a SET status = 'succeeded', finished_at = %(now)s, exit_code = done.code,
-           stdout_tail = done.out, stderr_tail = done.err
+           stdout_tail = done.out, stderr_tail = done.err, pid = coalesce(done.pid, a.pid)
       FROM done WHERE a.task_id = done.id AND a.attempt_no = done.attempt
 ),
 ev AS (
     INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
+    SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task starting → running',
+           jsonb_build_object('from', 'starting', 'to', 'running', 'pid', pid)
+      FROM done WHERE %(from_status)s = 'starting'
+    UNION ALL
     SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task running → done',
            '{"from": "running", "to": "done"}'::jsonb FROM done
 )
@@ -305,19 +340,29 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
     """
     now = now or timezone.now()
     result = ReportResult()
-    with transaction.atomic(), connection.cursor() as cur:
-        if started:
-            _mark_running(cur, started, agent_id=agent_id, source=source, now=now)
+    started_pid = {(tid, att): pid for tid, att, pid in started}
+    # Successes whose start is in this same report go starting → done in one statement.
+    ok = [o for o in outcomes if o.status == "succeeded"]
+    ok_with_start = [o for o in ok if (o.task_id, o.attempt) in started_pid]
+    ok_running = [o for o in ok if (o.task_id, o.attempt) not in started_pid]
+    combined = {(o.task_id, o.attempt) for o in ok_with_start}
+    to_mark = [s for s in started if (s[0], s[1]) not in combined]
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        if to_mark:
+            _mark_running(cur, to_mark, agent_id=agent_id, source=source, now=now)
         if not outcomes:
             return result
         touched_jobs: set[UUID] = set()
-        ok = [o for o in outcomes if o.status == "succeeded"]
-        if ok:
+        for group, from_status in ((ok_with_start, "starting"), (ok_running, "running")):
+            if not group:
+                continue
             cur.execute(COMPLETE_SQL, {
-                "ids": [o.task_id for o in ok], "attempts": [o.attempt for o in ok],
-                "results": [json.dumps(o.results if o.results is not None else {}, default=str) for o in ok],
-                "codes": [o.exit_code for o in ok], "outs": [o.stdout_tail for o in ok],
-                "errs": [o.stderr_tail for o in ok], "now": now, "source": source,
+                "ids": [o.task_id for o in group], "attempts": [o.attempt for o in group],
+                "results": [json.dumps(o.results if o.results is not None else {}, default=str) for o in group],
+                "codes": [o.exit_code for o in group], "outs": [o.stdout_tail for o in group],
+                "errs": [o.stderr_tail for o in group],
+                "pids": [started_pid.get((o.task_id, o.attempt)) for o in group],
+                "now": now, "source": source, "from_status": from_status,
             })
             for tid, jid in cur.fetchall():
                 result.done.append(tid)
@@ -330,7 +375,7 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
         if fenced:
             result.fenced = [o.task_id for o in fenced]
             _record_fenced(cur, fenced, now=now, source=source)
-        _finalize_jobs(cur, sorted(touched_jobs), now=now, source=source)
+        _finalize_jobs(cur, sorted(touched_jobs, key=str), now=now, source=source, failures=bool(bad))
     return result
 
 
@@ -356,14 +401,16 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
     by_id = {o.task_id: o for o in outcomes}
     cur.execute(
         "SELECT t.id, t.job_id, t.attempt, t.max_attempts, t.status, t.host_id, s.backoff_base_seconds,"
-        "       s.backoff_cap_seconds, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL"
+        "       s.backoff_cap_seconds, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL,"
+        "       s.max_attempts"
         "  FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
         " WHERE t.id = ANY(%s) AND t.status = ANY(%s) ORDER BY t.id FOR UPDATE OF t",
         [list(by_id), list(from_statuses)],
     )
     touched: set[UUID] = set()
     events: list[EventRow] = []
-    for tid, jid, attempt, max_attempts, status, host_id, base, cap, quarantine, cancel_requested in cur.fetchall():
+    for (tid, jid, attempt, max_attempts, status, host_id, base, cap, quarantine, cancel_requested,
+         budget) in cur.fetchall():
         o = by_id[tid]
         if o.attempt != attempt:
             continue  # fenced: reported below by the caller
@@ -384,7 +431,9 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
                                    attempt=attempt, source=source, level="warn", data={"from": status, "to": "canceled"}))
             continue
         if o.retryable and attempt < max_attempts:
-            delay = backoff_delay(attempt, base=accs.backoff_base_sec if base is None else base, cap=cap)
+            # Count the backoff from the start of the current budget (a retried task starts over).
+            in_budget = max(1, attempt - (max_attempts - budget))
+            delay = backoff_delay(in_budget, base=accs.backoff_base_sec if base is None else base, cap=cap)
             next_at = now + timedelta(seconds=delay)
             cur.execute(
                 "UPDATE accs_task SET status = 'queued', next_attempt_at = %s, updated_at = %s, error_code = %s,"
@@ -459,27 +508,22 @@ UPDATE accs_task w SET status = 'skipped', finished_at = %(now)s, updated_at = %
 RETURNING w.id, w.job_id
 """
 
-PROMOTE_SQL = """
--- JOB2: waiting → queued once every dependency is done; the job rows are locked by the caller,
--- so two completions in one job cannot both miss each other.
+PROMOTE_AND_FINISH_SQL = """
+-- JOB2: waiting → queued once every dependency is done. JOB4: progress = share of finished tasks,
+-- current_task_key = first unfinished task, and a running job whose tasks are all final with none
+-- in error is done. The caller locked the job rows first, so this statement's snapshot includes
+-- every committed sibling completion and two completions in one job cannot miss each other.
 WITH p AS (
     UPDATE accs_task w SET status = 'queued', next_attempt_at = %(now)s, updated_at = %(now)s
      WHERE w.job_id = ANY(%(jobs)s) AND w.status = 'waiting'
        AND NOT EXISTS (SELECT 1 FROM accs_task d WHERE d.job_id = w.job_id AND d.step_key = ANY(w.depends_on)
                           AND d.status <> 'done')
     RETURNING w.id, w.job_id, w.service_id
-), ev AS (
+), pev AS (
     INSERT INTO accs_event (ts, job_id, task_id, source, level, type, message, data)
     SELECT %(now)s, job_id, id, %(source)s, 'info', 'status', 'task waiting → queued',
            '{"from": "waiting", "to": "queued"}'::jsonb FROM p
-)
-SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
-"""
-
-FINISH_JOBS_SQL = """
--- JOB4: progress = share of finished tasks; current_task_key = first unfinished task; a running job
--- whose tasks are all final with none in error is done.
-WITH agg AS (
+), agg AS (
     SELECT t.job_id,
            count(*) AS total,
            count(*) FILTER (WHERE t.status IN ('done', 'error', 'skipped', 'canceled', 'blocked')) AS finished,
@@ -498,23 +542,27 @@ WITH agg AS (
            updated_at = %(now)s
       FROM agg WHERE j.id = agg.job_id
     RETURNING j.id, j.status
-), ev AS (
+), jev AS (
     INSERT INTO accs_event (ts, job_id, source, level, type, message, data)
     SELECT %(now)s, id, %(source)s, 'info', 'status', 'job running → done', '{"from": "running", "to": "done"}'::jsonb
       FROM upd WHERE status = 'done'
 )
-SELECT count(*) FROM upd
+SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
 """
 
 
-def _finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str) -> None:
-    """Skip orphaned waiters, promote ready ones, update progress and finish jobs (JOB2, JOB4)."""
+def _finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, failures: bool = True) -> None:
+    """Skip orphaned waiters, promote ready ones, update progress and finish jobs (JOB2, JOB4).
+
+    ``failures=False`` (a report of successes only) skips the orphan pass: a success can make
+    no waiting task unreachable.
+    """
     if not job_ids:
         return
     jobs = sorted(set(job_ids), key=str)
     # Lock the jobs first so the statements below see every committed sibling completion.
     cur.execute("SELECT id FROM accs_job WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [jobs])
-    for _ in range(100):  # bounded by the depth of the DAG
+    for _ in range(100 if failures else 0):  # bounded by the depth of the DAG
         cur.execute(SKIP_ORPHANS_SQL, {"jobs": jobs, "now": now})
         skipped = cur.fetchall()
         if not skipped:
@@ -522,9 +570,8 @@ def _finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str) 
         write_events([EventRow(type="status", job_id=j, task_id=t, source=source, level="warn",
                                message="task waiting → skipped (a dependency did not succeed)",
                                data={"from": "waiting", "to": "skipped"}) for t, j in skipped], cursor=cur)
-    cur.execute(PROMOTE_SQL, {"jobs": jobs, "now": now, "source": source})
+    cur.execute(PROMOTE_AND_FINISH_SQL, {"jobs": jobs, "now": now, "source": source})
     notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
-    cur.execute(FINISH_JOBS_SQL, {"jobs": jobs, "now": now, "source": source})
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,7 +609,7 @@ def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportRe
     """Requeue (or fail for good) tasks whose lease expired: a failed attempt, reason lease_expired."""
     now = now or timezone.now()
     result = ReportResult()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute(
             "SELECT id, attempt FROM accs_task WHERE status IN ('starting', 'running') AND lease_expires_at < %s"
             " ORDER BY lease_expires_at LIMIT %s FOR UPDATE SKIP LOCKED",
@@ -585,7 +632,7 @@ def report_progress(items: Sequence[tuple[UUID, int, float]], *, source: str, no
     if not items:
         return 0
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute(
             "WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(att)s::int[], %(p)s::float8[]) AS v(id, attempt, p)),"
             " upd AS (UPDATE accs_task t SET progress = least(greatest(v.p, 0), 1), updated_at = %(now)s FROM v"
@@ -620,7 +667,7 @@ def _job_event(cur, job_id, message: str, *, by: str, level: str = "info", data:
 def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Cancel a queued or running job: unstarted tasks are canceled, running ones told to stop."""
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("UPDATE accs_job SET status = 'canceled', finished_at = %s, updated_at = %s,"
                     " error_code = 'canceled', error_message = %s WHERE id = %s AND status IN ('queued', 'running')"
                     " RETURNING status", [now, now, f"canceled by {by or 'api'}", job_id])
@@ -644,7 +691,7 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
 def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Cancel one task: waiting/queued → canceled; starting/running → the agent is told to stop."""
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("UPDATE accs_task SET status = 'canceled', finished_at = %s, updated_at = %s, error_code = 'canceled'"
                     " WHERE id = %s AND status IN ('waiting', 'queued') RETURNING job_id, status", [now, now, task_id])
         row = cur.fetchone()
@@ -664,13 +711,20 @@ def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> 
 
 
 def _reset_tasks(cur, where_sql: str, params: list, *, now: datetime, source: str) -> list[tuple]:
-    """Put failed/skipped/canceled/blocked tasks back: queued (no deps) or waiting, attempts reset."""
+    """Put failed/skipped/canceled/blocked tasks back: queued (no deps) or waiting, attempts reset.
+
+    "Attempts reset" renews the retry budget: ``max_attempts`` becomes the attempts used so far plus
+    the service's budget. Attempt numbers themselves never go back, so each Attempt row keeps its
+    number and a late report from an earlier attempt stays fenced.
+    """
     cur.execute(
-        "UPDATE accs_task SET status = CASE WHEN cardinality(depends_on) = 0 THEN 'queued' ELSE 'waiting' END,"
-        "  attempt = 0, next_attempt_at = %s, updated_at = %s, finished_at = NULL, error_code = '', error_message = '',"
+        "UPDATE accs_task t SET status = CASE WHEN cardinality(t.depends_on) = 0 THEN 'queued' ELSE 'waiting' END,"
+        "  max_attempts = t.attempt + s.max_attempts,"
+        "  next_attempt_at = %s, updated_at = %s, finished_at = NULL, error_code = '', error_message = '',"
         "  results = NULL, progress = NULL, claimed_by = '', lease_expires_at = NULL, cancel_requested_at = NULL"
-        f" WHERE {where_sql} AND status IN ('error', 'skipped', 'canceled', 'blocked')"
-        " RETURNING id, job_id, status, service_id",
+        "  FROM accs_service s"
+        f" WHERE s.id = t.service_id AND {where_sql} AND t.status IN ('error', 'skipped', 'canceled', 'blocked')"
+        " RETURNING t.id, t.job_id, t.status, t.service_id",
         [now, now, *params],
     )
     rows = cur.fetchall()
@@ -690,7 +744,7 @@ def retry_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Act
     """Put a failed or canceled job back to work: failed/skipped/canceled tasks are reset (JOB5)."""
     now = now or timezone.now()
     source = f"user:{by}" if by else "api"
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("SELECT status, approval_state, started_at IS NOT NULL FROM accs_job WHERE id = %s FOR UPDATE", [job_id])
         row = cur.fetchone()
         if not row:
@@ -704,7 +758,7 @@ def retry_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Act
         cur.execute("UPDATE accs_job SET status = %s, finished_at = NULL, error_code = '', error_message = '',"
                     " updated_at = %s WHERE id = %s AND status = %s", [new_status, now, job_id, status])
         _job_event(cur, job_id, f"job {status} → {new_status} (retry)", by=by, data={"from": status, "to": new_status})
-        rows = _reset_tasks(cur, "job_id = %s", [job_id], now=now, source=source)
+        rows = _reset_tasks(cur, "t.job_id = %s", [job_id], now=now, source=source)
         _notify_services(cur, [r[3] for r in rows if r[2] == "queued"])
         if not instantiated:
             notify(cur, [builder_channel()])
@@ -716,7 +770,7 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
     """Put one failed (dead-letter), skipped, canceled or blocked task back to queued, attempts reset."""
     now = now or timezone.now()
     source = f"user:{by}" if by else "api"
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("SELECT j.id, j.status, j.approval_state FROM accs_task t JOIN accs_job j ON j.id = t.job_id"
                     " WHERE t.id = %s FOR UPDATE OF j", [task_id])
         row = cur.fetchone()
@@ -725,7 +779,7 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
         job_id, job_status, approval = row
         if approval in (ApprovalState.PENDING, ApprovalState.REJECTED):
             return ActionResult(False, f"job approval is {approval}; approve it before it can run")
-        rows = _reset_tasks(cur, "id = %s", [task_id], now=now, source=source)
+        rows = _reset_tasks(cur, "t.id = %s", [task_id], now=now, source=source)
         if not rows:
             return ActionResult(False, "task is not failed, skipped, canceled or blocked")
         if job_status in (JobStatus.ERROR, JobStatus.CANCELED, JobStatus.DONE):
@@ -734,7 +788,7 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
             _job_event(cur, job_id, f"job {job_status} → running (task retried)", by=by,
                        data={"from": job_status, "to": "running"})
             # Dependents skipped because this task failed get another chance too.
-            _reset_tasks(cur, "job_id = %s AND status = 'skipped'", [job_id], now=now, source=source)
+            _reset_tasks(cur, "t.job_id = %s AND t.status = 'skipped'", [job_id], now=now, source=source)
         _notify_services(cur, [r[3] for r in rows])
         _finalize_jobs(cur, [job_id], now=now, source=source)
     return ActionResult(True, "task queued again")
@@ -743,7 +797,7 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
 def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Approve a job waiting for approval (CTL3); the builder then starts it."""
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("UPDATE accs_job SET approval_state = 'approved', approved_by = %s, approved_at = %s, updated_at = %s"
                     " WHERE id = %s AND approval_state = 'pending' AND status = 'queued' RETURNING id",
                     [by, now, now, job_id])
@@ -759,7 +813,7 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
 def reject(job_id: UUID, *, by: str = "", reason: str = "", now: datetime | None = None) -> ActionResult:
     """Reject a job waiting for approval: the job and its unstarted tasks are canceled (CTL3)."""
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("UPDATE accs_job SET approval_state = 'rejected', approved_by = %s, approved_at = %s,"
                     " status = 'canceled', finished_at = %s, updated_at = %s, error_code = 'rejected', error_message = %s"
                     " WHERE id = %s AND approval_state = 'pending' AND status IN ('queued', 'running') RETURNING id",
@@ -776,7 +830,7 @@ def reject(job_id: UUID, *, by: str = "", reason: str = "", now: datetime | None
 
 def clear_quarantine(host_id: int, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Make a quarantined host eligible again (RTY4)."""
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("UPDATE accs_host SET status = 'ok', quarantined_at = NULL, quarantine_reason = ''"
                     " WHERE id = %s AND status = 'error' RETURNING name", [host_id])
         row = cur.fetchone()
@@ -795,7 +849,7 @@ def block_queued_tasks(*, service_id: int, host_ids: Sequence[int], now: datetim
     if not host_ids:
         return 0
     now = now or timezone.now()
-    with transaction.atomic(), connection.cursor() as cur:
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("UPDATE accs_task SET status = 'blocked', finished_at = %s, updated_at = %s, error_code = 'host_blocked'"
                     " WHERE service_id = %s AND host_id = ANY(%s) AND status = 'queued' RETURNING id, job_id",
                     [now, now, service_id, list(host_ids)])

@@ -105,6 +105,8 @@ class Agent:
         self._node_at = 0.0
         self._heartbeat_at = 0.0
         self._disk_at = 0.0
+        self._paused = False
+        self._active_conditions: set[str] = set()
         self._listen: psycopg.Connection | None = None
         self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0}
 
@@ -184,6 +186,8 @@ class Agent:
             self._node_state, self._node_limits = touch_node(self.node, agent_id=self.agent_id)
             self._node_at = now
             self._load_services()
+            self._paused = self._claiming_paused()
+            self._active_conditions = self._governor()
         if self.running and now - self._heartbeat_at >= self.lease_seconds / 3:
             self._heartbeat()
             self._heartbeat_at = now
@@ -210,19 +214,19 @@ class Agent:
             return False
         return claiming_paused(self.node)
 
-    def _governor(self) -> tuple[set[str], Any]:
+    def _governor(self) -> set[str]:
         try:
             from workflows.governor import active_conditions
         except ImportError:
-            return set(), None
-        return active_conditions(), True
+            return set()
+        return set(active_conditions())
 
     # ------------------------------------------------------------------ claiming
     def _claim(self) -> int:
         free = self.max_concurrent - len(self.running)
-        if free <= 0 or self._claiming_paused():
+        if free <= 0 or self._paused:
             return 0
-        active, _ = self._governor()
+        active = self._active_conditions
         order = []
         for key in self.service_keys:
             service = self._services.get(key)
@@ -282,6 +286,13 @@ class Agent:
         return bool(self.pending_outcomes or self.pending_started or self.pending_progress or self.pending_logs)
 
     def _drain_inbox(self) -> None:
+        # Empty the wake pipe first: a worker that queues a message after this point also writes
+        # a new wake byte, so the next select() returns at once instead of sleeping a full poll.
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
         while True:
             try:
                 message = self.inbox.get_nowait()
@@ -310,11 +321,6 @@ class Agent:
                 self.pending_outcomes.append(outcome)
                 self.pending_progress.pop(task_id, None)
                 del self.running[task_id]
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _attach_artifacts(self, item: Running, outcome: Outcome) -> None:
         """Upload output files and the attempt's log when artifact storage is configured (ART1)."""

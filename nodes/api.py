@@ -27,7 +27,11 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
     """Create or refresh the node row of an agent; the node is awake from now on."""
     now = timezone.now()
     with transaction.atomic():
-        node, created = Node.objects.select_for_update().get_or_create(name=name, defaults={"labels": labels})
+        from accs_site.conf import accs
+
+        # A new node takes its limits from ACC_SLOT_CAP / ACC_CPU_BUDGET; afterwards the row (admin) rules.
+        node, created = Node.objects.select_for_update().get_or_create(
+            name=name, defaults={"labels": labels, "slot_cap": accs.slot_cap, "cpu_budget": accs.cpu_budget})
         was = node.awake_state
         node.labels = {**node.labels, **labels}
         node.services = sorted(set(node.services or []) | set(services))

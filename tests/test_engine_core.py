@@ -164,3 +164,22 @@ def test_claim_plan_uses_the_partial_claim_index(make_service):
         plan = "\n".join(r[0] for r in cur.fetchall())
     assert "task_claim_idx" in plan, plan
     assert "Sort" not in plan.split("task_claim_idx")[0], plan
+
+
+def test_retried_dead_letter_task_runs_again_with_fresh_budget_and_new_attempt_numbers(make_service):
+    svc = make_service("once", max_attempts=1)
+    job = api.start_service("once")
+    first = claim_for(svc)
+    run_fail(first)
+    job.refresh_from_db()
+    assert job.status == "error"
+    assert transitions.retry_job(job.id, by="op").changed
+    again = claim_for(svc)
+    assert [t.attempt for t in again] == [2], "attempt numbers never go back"
+    late = transitions.report([transitions.Outcome(task_id=first[0].id, attempt=1, status="succeeded")], source="x")
+    assert late.fenced == [first[0].id], "a report from the old attempt stays fenced"
+    run_ok(again)
+    job.refresh_from_db()
+    assert job.status == "done"
+    assert list(Attempt.objects.filter(task__job=job).order_by("attempt_no").values_list("attempt_no", "status")) == [
+        (1, "failed"), (2, "succeeded")]

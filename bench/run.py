@@ -1,0 +1,219 @@
+"""ACCS benchmarks (``make bench``): print figures and write bench/results/latest.json.
+
+Keys: drain_tps_1_agent, drain_tps_2_agents (20,000 queued no-op ``python`` tasks drained by 1 or 2
+``runagent`` processes; rate from the first attempt start to the last task finish, both read from
+the database, as the peer benchmarks do), e2e_jobs_per_s (one-task jobs bulk-created, instantiated
+by a running builder and run to done by two agents), enqueue_rate_single / enqueue_rate_bulk
+(one-task jobs/s through the Python API, one by one and with start_many), pickup_p50_ms /
+pickup_p95_ms (enqueue → task body, 200 jobs 50 ms apart into an idle agent).
+
+Every claim, transition and event is written as in production. Environment: BENCH_N (20000),
+BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "accs_site.settings")
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.core.management import call_command  # noqa: E402
+from django.db import connection  # noqa: E402
+
+from jobs import api, transitions  # noqa: E402
+from workflows.api import save_service  # noqa: E402
+
+N = int(os.environ.get("BENCH_N", "20000"))
+REPS = int(os.environ.get("BENCH_REPS", "1"))
+LAT_JOBS = int(os.environ.get("BENCH_LAT_JOBS", "200"))
+LAT_GAP = float(os.environ.get("BENCH_LAT_GAP", "0.05"))
+OUT = ROOT / "bench" / "results"
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def reset() -> None:
+    with connection.cursor() as cur:
+        cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event, accs_artifact CASCADE")
+        cur.execute("DELETE FROM accs_disk_sample WHERE node_id LIKE 'bench-%%' OR node_id LIKE 'e2e-%%' OR node_id = 'lat'")
+        cur.execute("DELETE FROM accs_node WHERE name LIKE 'bench-%%' OR name LIKE 'e2e-%%' OR name = 'lat'")
+        cur.execute("CHECKPOINT")
+
+
+def settle() -> None:
+    with connection.cursor() as cur:
+        cur.execute("VACUUM ANALYZE accs_task")
+        cur.execute("VACUUM ANALYZE accs_job")
+        cur.execute("CHECKPOINT")
+
+
+def spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
+    log_dir = ROOT / ".local" / "bench"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"{args[0]}-{args[2] if len(args) > 2 else ''}-{time.time_ns()}.log", "w")
+    return subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT,
+                            # No-op tasks weigh nothing: give the bench nodes room for large claim batches.
+                            env={**os.environ, "ACC_LOG_LEVEL": "WARNING", "ACC_CPU_BUDGET": "1000",
+                                 "ACC_SLOT_CAP": "1000", **(env or {})})
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def progress_wait(label: str, total: int, done_sql: str, timeout: float = 600) -> None:
+    start = time.monotonic()
+    last = -1
+    while True:
+        with connection.cursor() as cur:
+            cur.execute(done_sql)
+            done = cur.fetchone()[0]
+        if done != last and (time.monotonic() - start) > 1:
+            if sys.stdout.isatty():
+                sys.stdout.write(f"\r  {label}: {done}/{total}   ")
+                sys.stdout.flush()
+            last = done
+        if done >= total:
+            if sys.stdout.isatty():
+                sys.stdout.write("\r" + " " * 60 + "\r")
+            return
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"{label}: only {done}/{total} after {timeout}s")
+        time.sleep(0.2)
+
+
+def make_tasks(n: int) -> None:
+    api.start_many([api.JobSpec(service="bench-noop", params={"n": i}) for i in range(n)])
+    while transitions.start_due_jobs(limit=5000):
+        pass
+
+
+def drain(agents: int) -> float:
+    reset()
+    make_tasks(N)
+    settle()
+    procs = [spawn("runagent", "--node", f"bench-{i}", "--services", "bench-noop", "--max-concurrent", "64",
+                   "--claim-batch", "64", "--once") for i in range(agents)]
+    progress_wait(f"drain {agents} agent(s)", N, "SELECT count(*) FROM accs_task WHERE status = 'done'")
+    for p in procs:
+        p.wait(timeout=60)
+    with connection.cursor() as cur:
+        cur.execute("SELECT extract(epoch FROM max(t.finished_at) - min(a.started_at)), count(*) FILTER (WHERE t.status = 'done')"
+                    " FROM accs_task t JOIN accs_attempt a ON a.task_id = t.id")
+        seconds, done = cur.fetchone()
+    return done / float(seconds)
+
+
+def e2e() -> float:
+    reset()
+    procs = [spawn("runbuilder", "--tick", "0.2", "--batch", "1000")] + [
+        spawn("runagent", "--node", f"e2e-{i}", "--services", "bench-noop", "--max-concurrent", "64", "--claim-batch", "64")
+        for i in range(2)]
+    time.sleep(3)
+    n = N // 2
+    try:
+        api.start_many([api.JobSpec(service="bench-noop", params={"n": i}) for i in range(n)])
+        progress_wait("end to end", n, "SELECT count(*) FROM accs_job WHERE status = 'done'")
+    finally:
+        stop(procs)
+    with connection.cursor() as cur:
+        cur.execute("SELECT extract(epoch FROM max(finished_at) - min(created_at)) FROM accs_job")
+        seconds = float(cur.fetchone()[0])
+    return n / seconds
+
+
+def enqueue_single(n: int = 2000) -> float:
+    reset()
+    start = time.perf_counter()
+    for i in range(n):
+        api.start_service("bench-noop", params={"n": i})
+    return n / (time.perf_counter() - start)
+
+
+def enqueue_bulk() -> float:
+    reset()
+    specs = [api.JobSpec(service="bench-noop", params={"n": i}) for i in range(N)]
+    start = time.perf_counter()
+    api.start_many(specs)
+    return N / (time.perf_counter() - start)
+
+
+def pickup() -> tuple[float, float]:
+    reset()
+    procs = [spawn("runbuilder", "--tick", "1"), spawn("runagent", "--node", "lat", "--services", "bench-stamp",
+                                                     "--max-concurrent", "4", env={"ACC_POLL_INTERVAL_SEC": "5"})]
+    time.sleep(3)
+    try:
+        for i in range(LAT_JOBS):
+            api.start_service("bench-stamp", params={"t0": time.time()})
+            time.sleep(LAT_GAP)
+        progress_wait("pick-up", LAT_JOBS, "SELECT count(*) FROM accs_job WHERE status = 'done'")
+    finally:
+        stop(procs)
+    with connection.cursor() as cur:
+        cur.execute("SELECT (results->>'latency_ms')::float FROM accs_task WHERE results ? 'latency_ms'")
+        lat = sorted(r[0] for r in cur.fetchall())
+    q = statistics.quantiles(lat, n=100)
+    return q[49], q[94]
+
+
+def median_of(fn, reps: int) -> tuple[float, list[float]]:
+    runs = [fn() for _ in range(reps)]
+    return statistics.median(runs), runs
+
+
+def main() -> int:
+    call_command("migrate", verbosity=0)
+    save_service(key="bench-noop", executor="python", executor_config={"callable": "bench.tasks:noop"},
+                 params_schema={"type": "object", "properties": {"n": {"type": "integer"}}})
+    save_service(key="bench-stamp", executor="python", executor_config={"callable": "bench.tasks:stamp"},
+                 params_schema={"type": "object", "properties": {"t0": {"type": "number"}}})
+    say(f"ACCS benchmarks: N={N}, reps={REPS}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    results: dict[str, object] = {}
+    runs: dict[str, list[float]] = {}
+    for key, fn in [("enqueue_rate_single", enqueue_single), ("enqueue_rate_bulk", enqueue_bulk),
+                    ("drain_tps_1_agent", lambda: drain(1)), ("drain_tps_2_agents", lambda: drain(2)),
+                    ("e2e_jobs_per_s", e2e)]:
+        value, all_runs = median_of(fn, REPS)
+        results[key], runs[key] = round(value, 1), [round(r, 1) for r in all_runs]
+        say(f"  {key:<22} {value:>10,.1f}   runs {runs[key]}")
+    p50, p95 = pickup()
+    results["pickup_p50_ms"], results["pickup_p95_ms"] = round(p50, 2), round(p95, 2)
+    say(f"  {'pickup_p50_ms':<22} {p50:>10.2f}")
+    say(f"  {'pickup_p95_ms':<22} {p95:>10.2f}")
+    results["runs"] = runs
+    results["meta"] = {"n": N, "reps": REPS, "cores": os.cpu_count(), "python": platform.python_version(),
+                       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "latest.json").write_text(json.dumps(results, indent=2))
+    reset()
+    say(f"written {OUT / 'latest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
