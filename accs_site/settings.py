@@ -109,7 +109,14 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "events.logging.JsonFormatter"}},
-    "handlers": {"stdout": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "handlers": {
+        "stdout": {"class": "logging.StreamHandler", "formatter": "json"},
+        # EVT2: records with a job_id also land on the job's timeline.
+        "timeline": {"class": "events.logging.EventBridgeHandler", "level": "INFO"},
+    },
     "root": {"handlers": ["stdout"], "level": env.str("ACC_LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+        "accs": {"handlers": ["timeline"], "level": env.str("ACC_LOG_LEVEL", default="INFO")},
+    },
 }
