@@ -1,0 +1,168 @@
+"""The resource governor (WF5): named conditions that defer or re-prioritise services while they hold.
+
+A condition such as ``live_session`` is raised (optionally until an expiry) and cleared from the
+admin, the Python API (:func:`jobs.api.raise_condition`) or the ORM. While it holds:
+
+* services whose ``block_during`` names it are not claimed (agents defer them);
+* services whose ``priority_adjust_during`` names it get that priority change (e.g. ``-3``).
+
+This module is the one place that changes a condition; each change writes a ``governor`` event in
+the same transaction. The builder calls :func:`expire_conditions` every tick; agents call
+:func:`active_conditions` (cheap: the table holds a handful of rows) through
+:class:`ActiveConditionsCache` and :func:`claim_adjustments` before claiming.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from events.timeline import EventRow, write_events
+from workflows.models import GovernorCondition
+from workflows.validation import DefinitionError, Problem
+
+NAME_RE = re.compile(r"^[-a-zA-Z0-9_]{1,100}$")
+
+# "Holds" in SQL, the same rule as GovernorCondition.holds(): raised, not cleared since, not expired.
+HOLDS_SQL = ("raised_at IS NOT NULL AND (cleared_at IS NULL OR cleared_at < raised_at)"
+             " AND (expires_at IS NULL OR expires_at > %(now)s)")
+
+RAISE_SQL = """
+INSERT INTO accs_governor_condition (name, reason, raised_at, expires_at, cleared_at, raised_by)
+VALUES (%(name)s, %(reason)s, %(now)s, %(expires)s, NULL, %(by)s)
+-- Raising a condition that exists (held or not) re-arms it with the new reason and expiry.
+ON CONFLICT (name) DO UPDATE
+   SET reason = EXCLUDED.reason, raised_at = EXCLUDED.raised_at, expires_at = EXCLUDED.expires_at,
+       cleared_at = NULL, raised_by = EXCLUDED.raised_by
+RETURNING id
+"""
+
+
+def _event(message: str, *, level: str = "info", source: str, data: dict[str, Any]) -> EventRow:
+    return EventRow(type="governor", message=message, level=level, source=source, data=data)
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise DefinitionError([Problem("name", "a condition name is 1-100 letters, digits, '-' or '_'")])
+    return name
+
+
+def raise_condition(name: str, *, reason: str, expires_at: datetime | None = None, by: str,
+                    now: datetime | None = None) -> GovernorCondition:
+    """Raise (or re-arm) a condition until ``expires_at`` or until cleared; write a governor event.
+
+    Works inside the caller's transaction. Raises DefinitionError for a bad name or an expiry that
+    is naive or not in the future.
+    """
+    now = now or timezone.now()
+    _check_name(name)
+    if expires_at is not None and (timezone.is_naive(expires_at) or expires_at <= now):
+        raise DefinitionError([Problem("expires_at", "must be a timezone-aware time in the future")])
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SELECT " + HOLDS_SQL + " FROM accs_governor_condition WHERE name = %(name)s FOR UPDATE",
+                    {"name": name, "now": now})
+        row = cur.fetchone()
+        was_holding = bool(row and row[0])
+        cur.execute(RAISE_SQL, {"name": name, "reason": reason or "", "now": now, "expires": expires_at,
+                                "by": by or ""})
+        until = f" until {expires_at.isoformat()}" if expires_at else " until cleared"
+        verb = "re-raised" if was_holding else "raised"
+        write_events([_event(f"governor condition {name} {verb} by {by or 'api'}{until}: {reason}".rstrip(": "),
+                             level="warn", source=f"user:{by}" if by else "api",
+                             data={"condition": name, "to": "raised", "reason": reason,
+                                   "expires_at": expires_at.isoformat() if expires_at else None})], cursor=cur)
+    return GovernorCondition.objects.get(name=name)
+
+
+def clear_condition(name: str, by: str = "", *, now: datetime | None = None) -> bool:
+    """Clear a holding condition; False (and nothing written) when it does not hold."""
+    now = now or timezone.now()
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("UPDATE accs_governor_condition SET cleared_at = %(now)s WHERE name = %(name)s AND " + HOLDS_SQL
+                    + " RETURNING id", {"name": name, "now": now})
+        if not cur.fetchone():
+            return False
+        write_events([_event(f"governor condition {name} cleared by {by or 'api'}",
+                             source=f"user:{by}" if by else "api", data={"condition": name, "to": "cleared"})],
+                     cursor=cur)
+    return True
+
+
+def expire_conditions(now: datetime | None = None, *, limit: int = 100) -> list[str]:
+    """Mark conditions whose expiry passed as cleared, with an event each (a builder duty). Return their names.
+
+    Such a condition already stopped holding at ``expires_at``; this records that it ended, once.
+    """
+    now = now or timezone.now()
+    with transaction.atomic(), connection.cursor() as cur:
+        # Served by governor_expires_idx; SKIP LOCKED lets a concurrent raise/clear win.
+        cur.execute(
+            "UPDATE accs_governor_condition SET cleared_at = greatest(expires_at, raised_at)"
+            " WHERE id IN (SELECT id FROM accs_governor_condition WHERE expires_at <= %(now)s AND raised_at IS NOT NULL"
+            "              AND (cleared_at IS NULL OR cleared_at < raised_at) ORDER BY expires_at LIMIT %(limit)s"
+            "              FOR UPDATE SKIP LOCKED)"
+            " RETURNING name, expires_at",
+            {"now": now, "limit": limit},
+        )
+        rows = sorted(cur.fetchall())
+        write_events([_event(f"governor condition {name} expired", source="builder",
+                             data={"condition": name, "to": "expired", "expires_at": expires.isoformat()})
+                      for name, expires in rows], cursor=cur)
+    return [name for name, _ in rows]
+
+
+def active_conditions(now: datetime | None = None) -> set[str]:
+    """Return the names of the conditions that hold now (one small query)."""
+    now = now or timezone.now()
+    with connection.cursor() as cur:
+        cur.execute("SELECT name FROM accs_governor_condition WHERE " + HOLDS_SQL, {"now": now})
+        return {r[0] for r in cur.fetchall()}
+
+
+class ActiveConditionsCache:
+    """Cache :func:`active_conditions` for ``max_age`` seconds (agents: WF1's "at most ~10 s")."""
+
+    def __init__(self, *, max_age: float = 10.0, clock=time.monotonic) -> None:
+        self.max_age = max_age
+        self._clock = clock
+        self._value: set[str] = set()
+        self._read_at: float | None = None
+
+    def get(self) -> set[str]:
+        """Return the cached set, reading the database when it is older than ``max_age``."""
+        if self._read_at is None or self._clock() - self._read_at >= self.max_age:
+            self._value = active_conditions()
+            self._read_at = self._clock()
+        return self._value
+
+    def invalidate(self) -> None:
+        self._read_at = None
+
+
+def claim_adjustments(service: Any, active: Iterable[str]) -> tuple[bool, int]:
+    """Return (blocked, priority_delta) for ``service`` while the ``active`` conditions hold.
+
+    ``service`` is a Service (or anything with ``block_during`` and ``priority_adjust_during``).
+    Blocked means: do not claim it now. The delta is the sum of the adjustments of every active
+    condition the service names (e.g. ``{"live_session": -3}`` → -3).
+    """
+    active = set(active)
+    if not active:
+        return False, 0
+    blocked = any(name in active for name in (getattr(service, "block_during", None) or ()))
+    adjust: Mapping[str, Any] = getattr(service, "priority_adjust_during", None) or {}
+    delta = sum(int(v) for k, v in adjust.items() if k in active and isinstance(v, int))
+    return blocked, delta
+
+
+__all__ = [
+    "ActiveConditionsCache", "active_conditions", "claim_adjustments", "clear_condition", "expire_conditions",
+    "raise_condition",
+]
