@@ -1,10 +1,86 @@
-"""The HTTP API under /api/v1/ (django-ninja; OpenAPI at /api/v1/openapi.json)."""
+"""The HTTP API under /api/v1/ (django-ninja; OpenAPI at /api/v1/openapi.json).
 
+Every endpoint needs ``Authorization: Bearer <token>`` (see :mod:`jobs.auth`) unless it says
+``auth=None``. Errors are JSON ``{"detail": ..., "problems": [...]}`` with 400 (unreadable or
+unstorable input), 401 (no or bad token), 403 (not allowed), 404 (not found or not visible to
+you), 409 (conflict: state or dedupe key) or 422 (invalid fields, each named).
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import PermissionDenied, ValidationError as DjangoValidationError
+from django.db import DataError, IntegrityError
+from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI
+from ninja.errors import ValidationError as NinjaValidationError
 
-api = NinjaAPI(title="ACCS API", version="1.0.0", urls_namespace="api-v1")
+from jobs.api import JobConflict, NotFound
+from jobs.auth import BearerToken
+from jobs.http import router as jobs_router
+from workflows.http import router as workflows_router
+from workflows.validation import DefinitionError
+
+api = NinjaAPI(title="ACCS API", version="1.0.0", urls_namespace="api-v1", auth=BearerToken(),
+               description=__doc__.split("\n\n", 1)[1])
 
 
 @api.get("/health", auth=None, summary="Liveness probe")
 def health(request) -> dict:
     return {"status": "ok"}
+
+
+api.add_router("/jobs", jobs_router)
+api.add_router("/", workflows_router)
+
+
+def _error(request: HttpRequest, status: int, detail: str, **extra) -> HttpResponse:
+    return api.create_response(request, {"detail": detail, **extra}, status=status)
+
+
+@api.exception_handler(DefinitionError)
+def _definition_error(request: HttpRequest, exc: DefinitionError) -> HttpResponse:
+    problems = [str(p) for p in exc.problems]
+    return _error(request, 422, "; ".join(problems) or "invalid", problems=problems)
+
+
+@api.exception_handler(DjangoValidationError)
+def _django_validation_error(request: HttpRequest, exc: DjangoValidationError) -> HttpResponse:
+    problems = [str(m) for m in exc.messages]
+    return _error(request, 422, "; ".join(problems) or "invalid", problems=problems)
+
+
+@api.exception_handler(NinjaValidationError)
+def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
+    # Pydantic's error dicts may carry exception objects in "ctx"; keep the readable parts only.
+    problems = []
+    for err in exc.errors:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        problems.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
+    return _error(request, 422, "; ".join(problems) or "invalid request", problems=problems)
+
+
+@api.exception_handler(NotFound)
+def _not_found(request: HttpRequest, exc: NotFound) -> HttpResponse:
+    return _error(request, 404, str(exc))
+
+
+@api.exception_handler(JobConflict)
+def _conflict(request: HttpRequest, exc: JobConflict) -> HttpResponse:
+    return _error(request, 409, str(exc), job_id=str(exc.job_id))
+
+
+@api.exception_handler(PermissionDenied)
+def _forbidden(request: HttpRequest, exc: PermissionDenied) -> HttpResponse:
+    return _error(request, 403, str(exc) or "forbidden")
+
+
+@api.exception_handler(DataError)
+def _data_error(request: HttpRequest, exc: DataError) -> HttpResponse:
+    # Input the database cannot store (caught by validation first; this is the safety net).
+    return _error(request, 400, f"value not storable: {str(exc).splitlines()[0][:300]}")
+
+
+@api.exception_handler(IntegrityError)
+def _integrity_error(request: HttpRequest, exc: IntegrityError) -> HttpResponse:
+    # A concurrent request created the same thing first (unique constraints decide races).
+    return _error(request, 409, f"conflicts with existing data: {str(exc).splitlines()[0][:300]}")

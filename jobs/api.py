@@ -6,7 +6,18 @@ validated against the services' JSON Schemas before anything is written.
 
     from jobs import api
     job = api.start_workflow("publish", step_params={"render": {"preset": "4k"}}, external_id="hook-42")
+    api.emit_event("provider.folder.updated", {"provider_id": "p-1"}, tenant="acme")
     api.cancel(job.id)
+    api.raise_condition("live_session", reason="studio is live", by="alice")
+
+Starting: :func:`start_workflow`, :func:`start_service`, :func:`start`, :func:`start_many`,
+:func:`validate`. Events: :func:`emit_event` (CTL4). Acting: :func:`cancel`, :func:`retry`,
+:func:`approve`, :func:`reject`, :func:`cancel_task`, :func:`retry_task`. Governor (WF5):
+:func:`raise_condition`, :func:`clear_condition`.
+
+Idempotency (CTL2): a repeated ``external_id`` (per tenant) returns the existing job, also under
+concurrent duplicates (the unique index decides; ``job.was_created`` tells which). A ``dedupe_key``
+held by a queued or running job of the tenant raises :class:`JobConflict` naming that job.
 """
 
 from __future__ import annotations
@@ -19,9 +30,11 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+import jsonschema_rs
 from django.db import connection, transaction
 from django.utils import timezone
 from jsonschema import Draft202012Validator
+from referencing.exceptions import Unresolvable
 
 from jobs import transitions
 from jobs.models import ApprovalState, Job, JobSource, Tenant, DEFAULT_TENANT_SLUG
@@ -30,6 +43,7 @@ from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
 
 ActionResult = transitions.ActionResult
+INT32 = 2**31 - 1
 
 
 class JobConflict(Exception):
@@ -110,10 +124,15 @@ def resolve_service(service: str | Service) -> Service:
 
 
 class _Validators:
-    """Per-call caches: compiled JSON Schema validators and resolved targets (bulk starts reuse them)."""
+    """Per-call caches: compiled JSON Schema validators and resolved targets (bulk starts reuse them).
+
+    Params are checked with jsonschema_rs (compiled, fast); only invalid params go through the
+    pure-Python jsonschema, whose messages match the ones workflow validation gives.
+    """
 
     def __init__(self) -> None:
-        self._cache: dict[int, Draft202012Validator] = {}
+        self._fast: dict[int, Any] = {}
+        self._slow: dict[int, Draft202012Validator] = {}
         self._resolved: dict[tuple, Any] = {}
 
     def resolved(self, kind: str, key: Any, resolve, *args) -> Any:
@@ -124,10 +143,29 @@ class _Validators:
         return self._resolved[cache_key]
 
     def errors(self, service: Service, params: dict[str, Any]) -> list[str]:
-        validator = self._cache.get(service.id)
-        if validator is None:
-            validator = self._cache[service.id] = Draft202012Validator(service.params_schema or {})
-        return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator.iter_errors(params)]
+        try:
+            fast = self._fast.get(service.id)
+            if fast is None:
+                fast = self._fast[service.id] = jsonschema_rs.validator_for(service.params_schema or {},
+                                                                            retriever=_refuse_remote_ref)
+            if fast.is_valid(params):
+                return []
+            slow = self._slow.get(service.id)
+            if slow is None:
+                slow = self._slow[service.id] = Draft202012Validator(service.params_schema or {})
+            return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+                    for e in slow.iter_errors(params)]
+        except (Unresolvable, RecursionError, LookupError, ValueError, TypeError) as exc:
+            # An unresolvable $ref or a pathological schema is the definition's fault, not a crash.
+            return [f"(root): service {service.key!r} has a params_schema that cannot be applied: {exc}"[:500]]
+
+
+def _refuse_remote_ref(uri: str) -> Any:
+    """Never fetch a schema's remote ``$ref``: validation must not reach the network."""
+    raise ValueError(f"remote $ref {uri!r} is not allowed")
+
+
+SOURCES = frozenset(JobSource.values)
 
 
 @dataclass
@@ -157,6 +195,7 @@ def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Ser
         steps = workflow.steps
     else:
         service = validators.resolved("service", spec.service, resolve_service)
+        services_by_key.setdefault(service.key, service)
         if spec.step_params:
             problems.append(Problem("step_params", "a service job takes params={...}"))
         step_params = {service.key: dict(spec.params or {})}
@@ -187,12 +226,21 @@ def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Ser
         selector = options.get("host_selector")
         if selector is not None and not isinstance(selector, dict):
             problems.append(Problem("options.host_selector", 'must be an object of labels, e.g. {"rack": "a"}'))
-    if spec.source not in JobSource.values:
-        problems.append(Problem("source", f"must be one of {JobSource.values}"))
+    if spec.source not in SOURCES:
+        problems.append(Problem("source", f"must be one of {sorted(SOURCES)}"))
     for name in ("external_id", "dedupe_key"):
         value = getattr(spec, name)
         if value is not None and (not isinstance(value, str) or not value or len(value) > 200):
             problems.append(Problem(name, "must be a non-empty string of at most 200 characters"))
+    for name in ("correlation_id", "source_ref"):
+        value = getattr(spec, name)
+        if not isinstance(value, str) or len(value) > 200:
+            problems.append(Problem(name, "must be a string of at most 200 characters"))
+    if not isinstance(spec.priority, int) or isinstance(spec.priority, bool) or not -INT32 <= spec.priority <= INT32:
+        problems.append(Problem("priority", f"must be a whole number between {-INT32} and {INT32}"))
+    if spec.scheduled_at is not None and (not isinstance(spec.scheduled_at, datetime)
+                                          or timezone.is_naive(spec.scheduled_at)):
+        problems.append(Problem("scheduled_at", "must be a timezone-aware datetime"))
     if problems:
         raise DefinitionError(problems)
     approval = ApprovalState.PENDING if any(s.requires_approval for s in involved) else ApprovalState.NOT_REQUIRED
@@ -204,15 +252,15 @@ def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Ser
 # --------------------------------------------------------------------------------------------
 
 INSERT_JOBS_SQL = """
+-- One JSON document carries the whole batch (cheaper to build and to parse than a dozen arrays).
 INSERT INTO accs_job (id, tenant_id, workflow_id, service_id, status, progress, current_task_key, priority, options,
                       step_params, scheduled_at, error_code, error_message, source, source_ref, external_id,
                       dedupe_key, correlation_id, approval_state, approved_by, created_by_id, created_at, updated_at)
-SELECT id, tenant, wf, svc, 'queued', 0, '', prio, opts::jsonb, sp::jsonb, coalesce(sched, %(now)s), '', '', src,
-       sref, ext, dk, corr, appr, '', cby, %(now)s, %(now)s
-  FROM unnest(%(id)s::uuid[], %(tenant)s::uuid[], %(wf)s::uuid[], %(svc)s::bigint[], %(prio)s::int[],
-              %(opts)s::text[], %(sp)s::text[], %(sched)s::timestamptz[], %(src)s::text[], %(sref)s::text[],
-              %(ext)s::text[], %(dk)s::text[], %(corr)s::text[], %(appr)s::text[], %(cby)s::int[])
-       AS v(id, tenant, wf, svc, prio, opts, sp, sched, src, sref, ext, dk, corr, appr, cby)
+SELECT r.id, r.tenant, r.wf, r.svc, 'queued', 0, '', r.prio, coalesce(r.opts, '{}'), r.sp,
+       coalesce(r.sched, %(now)s), '', '', r.src, r.sref, r.ext, r.dk, r.corr, r.appr, '', r.cby, %(now)s, %(now)s
+  FROM jsonb_to_recordset(%(rows)s::jsonb)
+       AS r(id uuid, tenant uuid, wf uuid, svc bigint, prio int, opts jsonb, sp jsonb, sched timestamptz, src text,
+            sref text, ext text, dk text, corr text, appr text, cby int)
 -- Idempotency (CTL2): a duplicate external_id or active dedupe_key inserts nothing; the caller
 -- then finds the job that holds it. No exception, so the caller's transaction stays usable.
 ON CONFLICT DO NOTHING
@@ -221,33 +269,29 @@ RETURNING id
 
 
 def _insert(plans: Sequence[_Plan], now: datetime) -> set[UUID]:
-    ids = [uuid.uuid4() for _ in plans]
-    for plan, jid in zip(plans, ids):
-        plan.spec._id = jid  # type: ignore[attr-defined]
-    params = {
-        "now": now, "id": ids,
-        "tenant": [p.tenant.id for p in plans],
-        "wf": [p.workflow.id if p.workflow else None for p in plans],
-        "svc": [p.service.id if p.service else None for p in plans],
-        "prio": [p.spec.priority for p in plans],
-        "opts": [json.dumps(p.spec.options or {}) for p in plans],
-        "sp": [json.dumps(p.step_params) for p in plans],
-        "sched": [p.spec.scheduled_at for p in plans],
-        "src": [str(p.spec.source) for p in plans],
-        "sref": [p.spec.source_ref for p in plans],
-        "ext": [p.spec.external_id for p in plans],
-        "dk": [p.spec.dedupe_key for p in plans],
-        "corr": [p.spec.correlation_id for p in plans],
-        "appr": [str(p.approval) for p in plans],
-        "cby": [getattr(p.spec.created_by, "pk", p.spec.created_by) for p in plans],
-    }
+    rows = []
+    for plan in plans:
+        spec = plan.spec
+        spec._id = jid = uuid.uuid4()  # type: ignore[attr-defined]
+        rows.append({
+            "id": jid.hex, "tenant": plan.tenant.id.hex, "wf": plan.workflow.id.hex if plan.workflow else None,
+            "svc": plan.service.id if plan.service else None, "prio": spec.priority, "opts": spec.options or None,
+            "sp": plan.step_params, "sched": spec.scheduled_at.isoformat() if spec.scheduled_at else None,
+            "src": str(spec.source), "sref": spec.source_ref, "ext": spec.external_id, "dk": spec.dedupe_key,
+            "corr": spec.correlation_id, "appr": str(plan.approval),
+            "cby": getattr(spec.created_by, "pk", spec.created_by),
+        })
     with connection.cursor() as cur:
-        cur.execute(INSERT_JOBS_SQL, params)
+        cur.execute(INSERT_JOBS_SQL, {"now": now, "rows": json.dumps(rows, default=str)})
         return {r[0] for r in cur.fetchall()}
 
 
-def _existing_for(plan: _Plan) -> UUID:
-    """Return the job that made an insert conflict, or raise JobConflict for an active dedupe key."""
+def _existing_for(plan: _Plan) -> UUID | None:
+    """Return the job that made an insert conflict, or raise JobConflict for an active dedupe key.
+
+    None means the conflicting job is gone already (its transaction rolled back, or it finished and
+    freed the dedupe key): the caller inserts again.
+    """
     spec = plan.spec
     if spec.external_id is not None:
         found = Job.objects.filter(tenant=plan.tenant, external_id=spec.external_id).values_list("id", flat=True).first()
@@ -258,7 +302,10 @@ def _existing_for(plan: _Plan) -> UUID:
                   .values_list("id", flat=True).first())
         if holder:
             raise JobConflict(spec.dedupe_key, holder)
-    raise RuntimeError("job insert conflicted but no conflicting job was found")  # pragma: no cover
+    return None
+
+
+INSERT_ATTEMPTS = 3
 
 
 def _runs_now(plan: _Plan, now: datetime) -> bool:
@@ -271,17 +318,28 @@ def _runs_now(plan: _Plan, now: datetime) -> bool:
     )
 
 
+def validate(spec: JobSpec) -> None:
+    """Check a job spec as :func:`start` would, writing nothing; raise DefinitionError or NotFound."""
+    _plan(spec, _Validators(), {})
+
+
 def start(spec: JobSpec) -> Job:
     """Start one job (see :func:`start_workflow`); ``job.was_created`` tells a new job from a repeat."""
     now = timezone.now()
     plan = _plan(spec, _Validators(), {})
     with transaction.atomic():
-        inserted = _insert([plan], now)
-        jid = plan.spec._id  # type: ignore[attr-defined]
-        if jid not in inserted:
-            job = Job.objects.get(pk=_existing_for(plan))
-            job.was_created = False
-            return job
+        for _ in range(INSERT_ATTEMPTS):
+            inserted = _insert([plan], now)
+            jid = plan.spec._id  # type: ignore[attr-defined]
+            if jid in inserted:
+                break
+            existing = _existing_for(plan)
+            if existing is not None:
+                job = Job.objects.get(pk=existing)
+                job.was_created = False
+                return job
+        else:  # pragma: no cover - needs a conflicting job to vanish three times in a row
+            raise RuntimeError("job insert kept conflicting with jobs that disappeared; try again")
         if _runs_now(plan, now):
             transitions.start_jobs([jid], now=now, source=f"api:{spec.source}")
         else:
@@ -318,13 +376,28 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     validators, services = _Validators(), {}
     plans = [_plan(s, validators, services) for s in specs]
     out: list[UUID] = []
+    # A savepoint (one per call, not per job): on JobConflict nothing of this call remains and the
+    # caller's own transaction stays usable, as with start().
     with transaction.atomic():
         for start_at in range(0, len(plans), batch_size):
             chunk = plans[start_at:start_at + batch_size]
             inserted = _insert(chunk, now)
             for plan in chunk:
                 jid = plan.spec._id  # type: ignore[attr-defined]
-                out.append(jid if jid in inserted else _existing_for(plan))
+                if jid in inserted:
+                    out.append(jid)
+                    continue
+                existing = _existing_for(plan)
+                for _ in range(INSERT_ATTEMPTS - 1):
+                    if existing is not None:
+                        break
+                    if _insert([plan], now):
+                        existing = plan.spec._id  # type: ignore[attr-defined]
+                    else:
+                        existing = _existing_for(plan)
+                if existing is None:  # pragma: no cover - see start()
+                    raise RuntimeError("job insert kept conflicting with jobs that disappeared; try again")
+                out.append(existing)
         with connection.cursor() as cur:
             notify(cur, [builder_channel()])
     return out
@@ -352,3 +425,46 @@ def approve(job_id: UUID, *, by: str = "") -> ActionResult:
 def reject(job_id: UUID, *, by: str = "", reason: str = "") -> ActionResult:
     """Reject a job waiting for approval; it is canceled (CTL3)."""
     return transitions.reject(job_id, by=by, reason=reason)
+
+
+def cancel_task(task_id: UUID, *, by: str = "") -> ActionResult:
+    """Cancel one task: unstarted → canceled, held → the agent stops it at its next heartbeat (JOB5)."""
+    return transitions.cancel_task(task_id, by=by)
+
+
+def retry_task(task_id: UUID, *, by: str = "") -> ActionResult:
+    """Put one failed, skipped, canceled or blocked task back to queued, attempts reset (JOB5)."""
+    return transitions.retry_task(task_id, by=by)
+
+
+# --------------------------------------------------------------------------------------------
+# Application events (CTL4) and governor conditions (WF5)
+# --------------------------------------------------------------------------------------------
+
+def emit_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tenant | str | UUID | None = None,
+               correlation_id: str = "", source: str = "app"):
+    """Record an application event and start the jobs of the tenant's matching event triggers.
+
+    Runs in the caller's transaction: the event and its jobs exist iff the caller commits. A
+    trigger that cannot fire (a template value missing from ``context``, invalid params) records
+    its error on the trigger and the timeline and starts nothing; the others still fire. Return a
+    :class:`jobs.triggers.EmitResult` (``jobs``, ``deduplicated``, ``errors``).
+    """
+    from jobs import triggers
+
+    return triggers.fire_event(name, context, tenant=resolve_tenant(tenant), correlation_id=correlation_id,
+                               source=source)
+
+
+def raise_condition(name: str, *, reason: str, expires_at: datetime | None = None, by: str):
+    """Raise (or re-arm) a governor condition until ``expires_at`` or until cleared, with an event."""
+    from workflows import governor
+
+    return governor.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
+
+
+def clear_condition(name: str, by: str = "") -> bool:
+    """Clear a governor condition; False when it does not hold."""
+    from workflows import governor
+
+    return governor.clear_condition(name, by)

@@ -1,0 +1,63 @@
+"""Bearer tokens for the HTTP API (CTL5). Only a token's SHA-256 digest is stored.
+
+A token is shown once, when it is created (``manage.py create_api_token USER NAME``); it reads
+``accs_<random>`` and its first characters are kept as ``prefix`` so operators can recognise it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import Q
+from django.http import HttpRequest
+from django.utils import timezone
+from ninja.security import HttpBearer
+
+from jobs.models import ApiToken
+
+TOKEN_PREFIX = "accs_"
+PREFIX_CHARS = 12
+# last_used_at is a hint for operators; writing it at most once a minute keeps a burst of requests
+# with one token from queueing on the token's row.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+def digest(raw: str) -> str:
+    """Return the hex SHA-256 of a raw token."""
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def create_token(user: Any, name: str) -> tuple[ApiToken, str]:
+    """Create a token for ``user``; return the row and the raw token (shown once, never stored)."""
+    raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token = ApiToken.objects.create(user=user, name=name, prefix=raw[:PREFIX_CHARS], digest=digest(raw))
+    return token, raw
+
+
+def user_for_token(raw: str) -> Any | None:
+    """Return the active user a valid, unrevoked token belongs to, or None."""
+    if not raw or len(raw) > 200:
+        return None
+    token = (ApiToken.objects.select_related("user")
+             .filter(digest=digest(raw), revoked_at__isnull=True, user__is_active=True).first())
+    if token is None:
+        return None
+    now = timezone.now()
+    if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
+        (ApiToken.objects.filter(pk=token.pk)
+         .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_RESOLUTION))
+         .update(last_used_at=now))
+    return token.user
+
+
+class BearerToken(HttpBearer):
+    """``Authorization: Bearer <token>``; the authenticated user becomes ``request.user``."""
+
+    def authenticate(self, request: HttpRequest, token: str) -> Any | None:
+        user = user_for_token(token.strip())
+        if user is not None:
+            request.user = user
+        return user

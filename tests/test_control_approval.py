@@ -1,0 +1,123 @@
+"""Approval (CTL3): jobs of services that require approval wait; every path that could run or retry
+them before approval is tried and refused; approve makes them runnable; reject cancels them."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from jobs import api, transitions, triggers
+from jobs.models import Job, Task
+from tests.api_helpers import client_for, user_with_token
+from tests.engine_helpers import claim_for, run_ok
+from workflows.api import create_workflow
+
+pytestmark = pytest.mark.django_db
+
+FAR_FUTURE = timedelta(days=365)
+
+
+@pytest.fixture
+def reboot(make_service):
+    return make_service("reboot", requires_approval=True)
+
+
+@pytest.fixture
+def admin(default_tenant):
+    user, token = user_with_token("root", superuser=True)
+    return user, client_for(token)
+
+
+def assert_not_run(job: Job) -> None:
+    job.refresh_from_db()
+    assert job.started_at is None and job.status in ("queued", "canceled"), (job.status, job.started_at)
+    assert not Task.objects.filter(job=job).exists(), "no task exists, so no agent can claim one"
+
+
+def test_every_path_refuses_to_run_an_unapproved_job(reboot, make_service, default_tenant, admin):
+    _, http = admin
+    make_service("notify")
+    create_workflow(name="maint", steps=[{"key": "notify", "service": "notify"},
+                                         {"key": "reboot", "service": "reboot", "depends_on": ["notify"]}])
+    triggers.create_trigger(tenant=default_tenant, label="on alarm", trigger_type="event", event_name="alarm",
+                            service="reboot")
+    jobs = [
+        api.start_service("reboot"),
+        api.start_workflow("maint"),  # one step needing approval holds the whole job
+        Job.objects.get(pk=api.start_many([api.JobSpec(service="reboot")])[0]),
+        api.emit_event("alarm", {}).jobs[0],
+    ]
+    http_job = http.post("/api/v1/jobs", {"service": "reboot"}, content_type="application/json").json()
+    jobs.append(Job.objects.get(pk=http_job["id"]))
+    assert {(j.approval_state, j.status) for j in jobs} == {("pending", "queued")}
+
+    # The builder does not instantiate them, however late it looks.
+    assert transitions.start_due_jobs(now=timezone.now() + FAR_FUTURE) == []
+    # Agents find nothing to claim.
+    assert claim_for(reboot, now=timezone.now() + FAR_FUTURE) == []
+    for job in jobs:
+        # Python API: retry refuses; approve is the only way forward.
+        assert not api.retry(job.id, by="x").changed
+        # HTTP: retry is a conflict, and so is rejecting-then-approving below.
+        assert http.post(f"/api/v1/jobs/{job.id}/retry").status_code == 409
+        assert_not_run(job)
+
+    # Canceling an unapproved job and retrying it does not sneak it past approval.
+    canceled = jobs[0]
+    assert api.cancel(canceled.id, by="x").changed
+    result = api.retry(canceled.id, by="x")
+    assert not result.changed and "approval is pending" in result.message
+    assert http.post(f"/api/v1/jobs/{canceled.id}/retry").json()["detail"] == result.message
+    assert not api.approve(canceled.id, by="x").changed, "a canceled job cannot be approved into running"
+    assert transitions.start_due_jobs(now=timezone.now() + FAR_FUTURE) == []
+    assert_not_run(canceled)
+
+    # The admin: its form cannot edit state, and its retry button and bulk action go through
+    # the same transition, which refuses.
+    http.force_login(admin[0])
+    response = http.post(f"/admin/jobs/job/{jobs[1].id}/change/", {"status": "running", "approval_state": "approved"})
+    assert response.status_code == 403
+    http.post(f"/admin/jobs/job/{canceled.id}/act/retry/")
+    http.post("/admin/jobs/job/", {"action": "retry_jobs", "_selected_action": [str(j.id) for j in jobs]})
+    assert transitions.start_due_jobs(now=timezone.now() + FAR_FUTURE) == []
+    for job in jobs:
+        assert_not_run(job)
+        assert job.approval_state == "pending"
+
+
+@pytest.mark.xfail(strict=True, reason="transitions.start_jobs trusts its caller and does not re-check approval; "
+                                       "only jobs.api calls it today, after checking (reported to its owner)")
+def test_instantiating_an_unapproved_job_directly_is_refused(reboot):
+    job = api.start_service("reboot")
+    assert transitions.start_jobs([job.id]) == []
+
+
+def test_rejected_job_is_canceled_and_can_never_run(reboot, admin):
+    _, http = admin
+    job = api.start_service("reboot")
+    response = http.post(f"/api/v1/jobs/{job.id}/reject", {"reason": "not during business hours"},
+                         content_type="application/json")
+    assert response.status_code == 200, response.content
+    job.refresh_from_db()
+    assert (job.status, job.approval_state, job.error_code) == ("canceled", "rejected", "rejected")
+    assert job.error_message == "not during business hours"
+    assert http.post(f"/api/v1/jobs/{job.id}/approve").status_code == 409
+    assert http.post(f"/api/v1/jobs/{job.id}/reject", content_type="application/json").status_code == 409
+    assert not api.approve(job.id).changed and not api.retry(job.id).changed
+    assert transitions.start_due_jobs(now=timezone.now() + FAR_FUTURE) == []
+    assert claim_for(reboot) == []
+    assert_not_run(job)
+
+
+def test_approved_job_is_started_by_the_builder_and_runs(reboot, admin):
+    _, http = admin
+    job = api.start_service("reboot")
+    response = http.post(f"/api/v1/jobs/{job.id}/approve")
+    assert response.status_code == 200 and response.json()["job"]["approval_state"] == "approved"
+    assert http.post(f"/api/v1/jobs/{job.id}/approve").status_code == 409, "approving twice changes nothing"
+    assert transitions.start_due_jobs() == [job.id]
+    run_ok(claim_for(reboot))
+    job.refresh_from_db()
+    assert (job.status, job.approved_by) == ("done", "root")
