@@ -169,6 +169,8 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
         "SELECT j.id, j.tenant_id, j.workflow_id, j.service_id, j.priority, j.order_seq, j.options, j.step_params,"
         "       w.steps, s.key FROM accs_job j LEFT JOIN accs_workflow w ON w.id = j.workflow_id"
         "  LEFT JOIN accs_service s ON s.id = j.service_id WHERE j.id = ANY(%s) AND j.status = 'queued'"
+        # CTL3: nothing instantiates a job whose approval is pending or rejected, whoever calls.
+        "   AND j.approval_state IN ('not_required', 'approved')"
         " ORDER BY j.order_seq FOR UPDATE OF j",
         [job_ids],
     )

@@ -87,8 +87,6 @@ def test_every_path_refuses_to_run_an_unapproved_job(reboot, make_service, defau
         assert job.approval_state == "pending"
 
 
-@pytest.mark.xfail(strict=True, reason="transitions.start_jobs trusts its caller and does not re-check approval; "
-                                       "only jobs.api calls it today, after checking (reported to its owner)")
 def test_instantiating_an_unapproved_job_directly_is_refused(reboot):
     job = api.start_service("reboot")
     assert transitions.start_jobs([job.id]) == []
