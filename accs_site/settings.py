@@ -15,7 +15,9 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env")  # optional; real environment variables win
 
-LOCAL_DB_URL = "postgres://postgres@127.0.0.1:54329/accs"
+# scripts/pg_local.sh remembers the port its cluster runs on (54329 unless that was taken).
+_local_pg_port = (BASE_DIR / ".local" / "pg" / "port").read_text().strip() if (BASE_DIR / ".local" / "pg" / "port").exists() else "54329"
+LOCAL_DB_URL = f"postgres://postgres@127.0.0.1:{_local_pg_port}/accs"
 
 
 def _database_from_url(name: str, default: str) -> dict:

@@ -7,8 +7,11 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PORT="${ACC_PG_PORT:-54329}"
 BASE="${ACC_PG_DIR:-$ROOT/.local/pg}"
+# The port: ACC_PG_PORT, else the one this cluster was started on (remembered in $BASE/port), else
+# 54329. A start that finds the port taken by another server (say, a second checkout's cluster)
+# moves to the next free port and remembers it, so `url` keeps telling the truth.
+PORT="${ACC_PG_PORT:-$(cat "$BASE/port" 2>/dev/null || echo 54329)}"
 DATA="$BASE/data"
 SOCK="$BASE/run"
 LOG="$BASE/server.log"
@@ -61,6 +64,13 @@ start() {
   fi
   install -d -m 755 -o "$PG_USER" "$SOCK"
   touch "$LOG" && chown "$PG_USER" "$LOG"
+  if ! is_running && [ -z "${ACC_PG_PORT:-}" ]; then
+    while (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do
+      echo "pg_local: port $PORT is taken by another server; trying $((PORT + 1))" >&2
+      PORT=$((PORT + 1))
+    done
+  fi
+  echo "$PORT" >"$BASE/port"
   if ! is_running; then
     as_pg "$PGBIN/pg_ctl" -D "$DATA" -l "$LOG" -w -t 60 start -o \
       "-p $PORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$SOCK -c max_connections=300 -c shared_buffers=256MB -c max_wal_size=2GB -c fsync=on -c synchronous_commit=on" >/dev/null \

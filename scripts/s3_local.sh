@@ -9,8 +9,10 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PORT="${ACC_S3_PORT:-9100}"
 BASE="${ACC_S3_DIR:-$ROOT/.local/s3}"
+# ACC_S3_PORT, else the port this server was started on ($BASE/port), else 9100; a start that finds
+# the port taken moves to the next free one and remembers it (url/env read it back).
+PORT="${ACC_S3_PORT:-$(cat "$BASE/port" 2>/dev/null || echo 9100)}"
 PIDFILE="$BASE/server.pid"
 LOG="$BASE/server.log"
 ACCESS_KEY="accs-dev"
@@ -42,9 +44,14 @@ start() {
     return
   fi
   if port_answers; then
-    echo "s3_local: port $PORT is in use by another process; set ACC_S3_PORT to a free port" >&2
-    exit 1
+    if [ -n "${ACC_S3_PORT:-}" ]; then
+      echo "s3_local: port $PORT is in use by another process; set ACC_S3_PORT to a free port" >&2
+      exit 1
+    fi
+    while port_answers; do PORT=$((PORT + 2)); done  # +2: MinIO also takes PORT+1 for its console
+    echo "s3_local: the default port is taken; using $PORT" >&2
   fi
+  echo "$PORT" >"$BASE/port"
   local kind cmd
   if command -v minio >/dev/null 2>&1; then
     kind=minio
