@@ -272,6 +272,8 @@ class Agent:
 
         def work() -> None:
             try:
+                if ctx.output_dir and accs.minio.configured:
+                    self._stage_inputs(task, ctx)
                 outcome = executor.run(task, ctx)
             except Exception as exc:  # noqa: BLE001 - an executor bug fails the attempt, not the agent
                 log.exception("executor crashed", extra={"task_id": task.id, "job_id": task.job_id})
@@ -321,6 +323,14 @@ class Agent:
                 self.pending_outcomes.append(outcome)
                 self.pending_progress.pop(task_id, None)
                 del self.running[task_id]
+
+    @staticmethod
+    def _stage_inputs(task: ClaimedTask, ctx: RunContext) -> None:
+        """Download the task's input artifacts into a fresh directory (ACCS_INPUT_DIR)."""
+        from events import artifacts
+
+        ctx.input_dir = scratch_dir(task)
+        artifacts.stage_inputs(job_id=task.job_id, task_id=task.id, directory=ctx.input_dir)
 
     def _attach_artifacts(self, item: Running, outcome: Outcome) -> None:
         """Upload output files and the attempt's log when artifact storage is configured (ART1)."""

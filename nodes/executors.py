@@ -73,6 +73,7 @@ class RunContext:
     cancel: threading.Event = field(default_factory=threading.Event)
     secrets: list[str] = field(default_factory=list)
     output_dir: str | None = None
+    input_dir: str | None = None
 
     def log(self, message: str, *, level: str = "info") -> None:
         self.on_log(level, redact(message, self.secrets))
@@ -116,6 +117,8 @@ class CommandExecutor:
                    ACCS_ATTEMPT=str(task.attempt), ACCS_HOST=task.host or "", ACCS_PARAMS=json.dumps(task.params))
         if ctx.output_dir:
             env["ACCS_OUTPUT_DIR"] = ctx.output_dir
+        if ctx.input_dir:
+            env["ACCS_INPUT_DIR"] = ctx.input_dir
         try:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True, text=True, errors="replace")
