@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.daemons import wait_for  # noqa: F401  (the shared bounded poll; tests import it from here)
+
 ROOT = Path(__file__).resolve().parent.parent
 
-
 pytest_plugins = ["tests.daemons", "tests.s3_fixtures"]
-
-
-def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, message: str = "") -> Any:
-    """Poll ``condition`` until it returns a truthy value; fail with ``message`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for: {message or condition}")
-        time.sleep(interval)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import psycopg
@@ -102,12 +103,16 @@ def wait_all_final(url: str, *, timeout: float, expected: int | None = None) -> 
             time.sleep(0.1)
 
 
-def wait_until(check: Callable[[], object], *, timeout: float, message: str) -> object:
+def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, message: str = "") -> Any:
+    """Poll ``condition`` until it returns a truthy value; fail with ``message`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
-        value = check()
+        value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s: {message}")
-        time.sleep(0.05)
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for: {message or condition}")
+        time.sleep(interval)
+
+
+wait_until = wait_for
