@@ -7,17 +7,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from jobs.models import TaskStatus
 
-TASK_COPY_COLUMNS = (
-    "id", "job_id", "tenant_id", "task_key", "step_key", "service_id", "host_id", "exclusive", "status",
-    "depends_on", "attempt", "max_attempts", "next_attempt_at", "priority", "order_seq", "timeout_seconds",
-    "params", "assigned_node", "claimed_by", "node", "error_code", "error_message", "created_at", "updated_at",
-    "finished_at",
-)
 
 
 class InstantiationError(Exception):
@@ -81,9 +74,9 @@ def select_hosts(options: dict[str, Any], hosts: list[HostInfo]) -> list[HostInf
 
 
 def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceInfo], *, hosts: list[HostInfo],
-                    blocked: set[tuple[int, int]], now: datetime) -> list[tuple]:
-    """Return COPY rows (``TASK_COPY_COLUMNS``) for one job."""
-    rows: list[tuple] = []
+                    blocked: set[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Return one dict per task of the job, keyed by the columns :data:`jobs.transitions.INSERT_TASKS_SQL` reads."""
+    rows: list[dict[str, Any]] = []
     for step in steps:
         service = services[step["service"]]
         params = {**step.get("default_params", {}), **(job.step_params.get(step["key"]) or {})}
@@ -96,12 +89,15 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
         for host in targets:
             is_blocked = host is not None and (host.id, service.id) in blocked
             status = TaskStatus.BLOCKED if is_blocked else (TaskStatus.WAITING if deps else TaskStatus.QUEUED)
-            rows.append((
-                uuid.uuid4(), job.id, job.tenant_id, step["key"] if host is None else f"{step['key']}@{host.name}",
-                step["key"], service.id, host.id if host else None, service.exclusive, status, deps, 0,
-                service.max_attempts, now, job.priority + service.base_priority, job.order_seq,
-                service.timeout_seconds, params, (host.node_id or "") if host else "", "", "",
-                "host_blocked" if is_blocked else "", f"{service.key} is blocked on {host.name}" if is_blocked else "",
-                now, now, now if is_blocked else None,
-            ))
+            rows.append({
+                "id": uuid.uuid4(), "job_id": job.id, "tenant_id": job.tenant_id,
+                "task_key": step["key"] if host is None else f"{step['key']}@{host.name}", "step_key": step["key"],
+                "service_id": service.id, "host_id": host.id if host else None, "exclusive": service.exclusive,
+                "status": str(status), "depends_on": deps, "max_attempts": service.max_attempts,
+                "priority": job.priority + service.base_priority, "order_seq": job.order_seq,
+                "timeout_seconds": service.timeout_seconds, "params": params,
+                "assigned_node": (host.node_id or "") if host else "",
+                "error_code": "host_blocked" if is_blocked else "",
+                "error_message": f"{service.key} is blocked on {host.name}" if is_blocked else "",
+            })
     return rows

@@ -29,7 +29,7 @@ from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from jobs.backoff import backoff_delay
 from jobs.instantiate import (
-    TASK_COPY_COLUMNS, HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for,
+    HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for,
 )
 from jobs.models import ApprovalState, JobStatus, TaskStatus
 from jobs.sql import from_json
@@ -144,21 +144,9 @@ SELECT r.id, r.job_id, r.tenant_id, r.task_key, r.step_key, r.service_id, r.host
 """
 
 
-def _insert_tasks(cur, rows: list[tuple], *, now: datetime) -> None:
-    """Insert task rows built by :func:`jobs.instantiate.build_task_rows` in one statement."""
-    names = TASK_COPY_COLUMNS
-    docs = []
-    for row in rows:
-        r = dict(zip(names, row))
-        docs.append({
-            "id": r["id"].hex, "job_id": str(r["job_id"]), "tenant_id": str(r["tenant_id"]), "task_key": r["task_key"],
-            "step_key": r["step_key"], "service_id": r["service_id"], "host_id": r["host_id"],
-            "exclusive": r["exclusive"], "status": str(r["status"]), "depends_on": r["depends_on"],
-            "max_attempts": r["max_attempts"], "priority": r["priority"], "order_seq": r["order_seq"],
-            "timeout_seconds": r["timeout_seconds"], "params": r["params"], "assigned_node": r["assigned_node"],
-            "error_code": r["error_code"], "error_message": r["error_message"],
-        })
-    cur.execute(INSERT_TASKS_SQL, {"now": now, "rows": json.dumps(docs, default=str)})
+def _insert_tasks(cur, rows: list[dict[str, Any]], *, now: datetime) -> None:
+    """Insert the task rows built by :func:`jobs.instantiate.build_task_rows` in one statement."""
+    cur.execute(INSERT_TASKS_SQL, {"now": now, "rows": json.dumps(rows, default=str)})
 
 
 def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> list[UUID]:
@@ -188,14 +176,14 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
         hosts = [HostInfo(r[0], r[1], r[2], from_json(r[3]) or {}) for r in cur.fetchall()]
         cur.execute("SELECT host_id, service_id FROM accs_host_block")
         blocked = {(h, s) for h, s in cur.fetchall()}
-    task_rows: list[tuple] = []
+    task_rows: list[dict[str, Any]] = []
     started: list[UUID] = []
     failed: list[tuple[UUID, str, str]] = []
     for jid, tenant_id, wf_id, svc_id, prio, seq, options, step_params, steps, svc_key in jobs:
         job = JobRow(jid, tenant_id, wf_id, svc_id, prio, seq, options or {}, step_params or {})
         try:
             task_rows += build_task_rows(job, steps_for(job, steps, svc_key), services, hosts=hosts,
-                                         blocked=blocked, now=now)
+                                         blocked=blocked)
             started.append(jid)
         except InstantiationError as exc:
             failed.append((jid, exc.code, str(exc)))
@@ -215,11 +203,12 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
                             data={"from": "queued", "to": "running"}) for j in started]
         started_set = set(started)
         for row in task_rows:
-            if row[1] in started_set:
-                status = row[8]
-                events.append(EventRow(type="status", message=f"task created {status}", job_id=row[1], task_id=row[0],
-                                       source=source, level="warn" if status == TaskStatus.BLOCKED else "info",
-                                       data={"to": str(status), "task_key": row[3]}))
+            if row["job_id"] in started_set:
+                status = row["status"]
+                events.append(EventRow(type="status", message=f"task created {status}", job_id=row["job_id"],
+                                       task_id=row["id"], source=source,
+                                       level="warn" if status == TaskStatus.BLOCKED else "info",
+                                       data={"to": status, "task_key": row["task_key"]}))
     for jid, code, message in failed:
         cur.execute("UPDATE accs_job SET status = 'error', error_code = %s, error_message = %s, finished_at = %s,"
                     " updated_at = %s WHERE id = %s AND status = 'queued'", [code, message, now, now, jid])
@@ -228,9 +217,10 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
     write_events(events, cursor=cur)
     if started:
         started_set = set(started)
-        queued_services = {r[5] for r in task_rows if r[8] == TaskStatus.QUEUED and r[1] in started_set}
+        queued_services = {r["service_id"] for r in task_rows
+                           if r["status"] == TaskStatus.QUEUED and r["job_id"] in started_set}
         notify(cur, [service_channel(s.key) for s in services.values() if s.id in queued_services])
-        with_blocked = {r[1] for r in task_rows if r[8] == TaskStatus.BLOCKED and r[1] in started_set}
+        with_blocked = {r["job_id"] for r in task_rows if r["status"] == TaskStatus.BLOCKED and r["job_id"] in started_set}
         _finalize_jobs(cur, sorted(with_blocked, key=str), now=now, source=source)
     return started
 
