@@ -48,13 +48,13 @@ def _optional(module: str, attr: str) -> Callable | None:
 
 
 def _count(value) -> int:
+    """Return how much a maintenance duty did: a count, a list of what it did, or a ReportResult."""
     if isinstance(value, int):
         return value
     if isinstance(value, (list, tuple, set)):
         return len(value)
-    for name in ("retried", "failed"):
-        if hasattr(value, name):
-            return len(value.retried) + len(value.failed)
+    if isinstance(value, transitions.ReportResult):
+        return len(value.retried) + len(value.failed)
     return 0
 
 
