@@ -195,6 +195,37 @@ def safe_next(request: HttpRequest, fallback: str) -> str:
     return fallback
 
 
+class PageActionsAdmin(ReadOnlyScopedAdmin):
+    """Run one action from a button on an object's page (POST ``<id>/act/<action>/``), then go back.
+
+    Subclasses name their actions (``page_actions``: name → (verb, transition)) and where to
+    return (``after_action_url``); the URL is ``admin:<app>_<model>_act``.
+    """
+
+    page_actions: dict[str, tuple[str, Callable[..., transitions.ActionResult]]] = {}
+
+    def after_action_url(self, request: HttpRequest, obj: Any) -> str:
+        raise NotImplementedError
+
+    def get_urls(self):
+        name = f"{self.opts.app_label}_{self.opts.model_name}_act"
+        return [
+            path("<path:object_id>/act/<str:action>/", self.admin_site.admin_view(self.act_view), name=name),
+        ] + super().get_urls()
+
+    def act_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        obj = self.get_object(request, object_id)
+        if obj is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if action not in self.page_actions or not self.has_act_permission(request, obj):
+            raise PermissionDenied
+        verb, fn = self.page_actions[action]
+        report(request, self, verb, [fn(obj.pk, by=actor(request))])
+        return HttpResponseRedirect(self.after_action_url(request, obj))
+
+
 # --------------------------------------------------------------------------------------------
 # Tenants, memberships, tokens
 # --------------------------------------------------------------------------------------------
@@ -258,7 +289,7 @@ def task_actions_for(task: Task) -> list[str]:
 
 
 @admin.register(Job)
-class JobAdmin(ReadOnlyScopedAdmin):
+class JobAdmin(PageActionsAdmin):
     list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "priority",
                     "source", "approval_state", "created_at", "finished_at")
     list_display_links = ("short_id",)
@@ -323,25 +354,10 @@ class JobAdmin(ReadOnlyScopedAdmin):
 
     # The job page ---------------------------------------------------------------------------
 
-    def get_urls(self):
-        return [
-            path("<path:object_id>/act/<str:action>/", self.admin_site.admin_view(self.act_view),
-                 name="jobs_job_act"),
-        ] + super().get_urls()
+    page_actions = JOB_ACTIONS
 
-    def act_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
-        """Run one action from a button on the job page, then return to the page."""
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
-        job = self.get_object(request, object_id)
-        if job is None:
-            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
-        if action not in JOB_ACTIONS or not self.has_act_permission(request, job):
-            raise PermissionDenied
-        verb, fn = JOB_ACTIONS[action]
-        result = fn(job.pk, by=actor(request))
-        report(request, self, verb, [result])
-        return HttpResponseRedirect(reverse("admin:jobs_job_change", args=[job.pk]))
+    def after_action_url(self, request: HttpRequest, obj: Job) -> str:
+        return reverse("admin:jobs_job_change", args=[obj.pk])
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         job = self.get_object(request, object_id)
@@ -399,7 +415,7 @@ TASK_ACTIONS: dict[str, tuple[str, Callable[..., transitions.ActionResult]]] = {
 
 
 @admin.register(Task)
-class TaskAdmin(ReadOnlyScopedAdmin):
+class TaskAdmin(PageActionsAdmin):
     list_display = ("task_key", "job_link", "service", "status_badge", "attempts", "priority", "node", "host",
                     "next_attempt_at", "finished_at")
     list_filter = ("status", "service", TenantListFilter)
@@ -439,24 +455,10 @@ class TaskAdmin(ReadOnlyScopedAdmin):
     def cancel_tasks(self, request, queryset):
         self.act_on(request, queryset, "Cancel", lambda task: transitions.cancel_task(task.pk, by=actor(request)))
 
-    def get_urls(self):
-        return [
-            path("<path:object_id>/act/<str:action>/", self.admin_site.admin_view(self.act_view),
-                 name="jobs_task_act"),
-        ] + super().get_urls()
+    page_actions = TASK_ACTIONS
 
-    def act_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
-        """Run one task action from a button (on the job page), then go back."""
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
-        task = self.get_object(request, object_id)
-        if task is None:
-            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
-        if action not in TASK_ACTIONS or not self.has_act_permission(request, task):
-            raise PermissionDenied
-        verb, fn = TASK_ACTIONS[action]
-        report(request, self, verb, [fn(task.pk, by=actor(request))])
-        return HttpResponseRedirect(safe_next(request, reverse("admin:jobs_job_change", args=[task.job_id])))
+    def after_action_url(self, request: HttpRequest, obj: Task) -> str:
+        return safe_next(request, reverse("admin:jobs_job_change", args=[obj.job_id]))
 
 
 @admin.register(Attempt)
