@@ -20,6 +20,7 @@ where jobs start (:func:`jobs.transitions.start_due_jobs`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -73,6 +74,9 @@ WITH cand AS (
       FROM accs_task t
      WHERE t.service_id = %(svc)s AND t.status = 'queued' AND t.next_attempt_at <= %(now)s
        AND (t.host_id IS NULL OR t.host_id = ANY(%(hosts)s))
+       -- Tasks this agent still runs (an older attempt it has not finished) are never claimed by
+       -- it again: its own late finish would otherwise race the new attempt.
+       AND t.id <> ALL(%(exclude)s::uuid[])
      ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
      LIMIT %(n)s
        FOR UPDATE SKIP LOCKED
@@ -143,8 +147,12 @@ def room_for(cur, service: ServiceSpec, limits: NodeLimits, *, free_slots: int, 
 
 
 def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots: int, lease_seconds: float,
-          pid: int | None = None, now: datetime | None = None, blocked_hosts: frozenset[int] = frozenset()) -> list[ClaimedTask]:
-    """Claim up to the room left under every limit; one short transaction, no lock held afterwards."""
+          pid: int | None = None, now: datetime | None = None, blocked_hosts: frozenset[int] = frozenset(),
+          exclude: Collection[UUID] = ()) -> list[ClaimedTask]:
+    """Claim up to the room left under every limit; one short transaction, no lock held afterwards.
+
+    ``exclude`` names tasks the agent is still running (any attempt): they are never claimed again.
+    """
     if free_slots <= 0:
         return []
     now = now or timezone.now()
@@ -171,7 +179,7 @@ def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots
         cur.execute(CLAIM_SQL, {
             "svc": service.id, "now": now, "hosts": claimable_hosts, "n": room.n, "agent": agent_id,
             "node": limits.name, "lease": now + timedelta(seconds=lease_seconds), "pid": pid,
-            "source": f"agent:{limits.name}",
+            "source": f"agent:{limits.name}", "exclude": [str(t) for t in exclude],
         })
         return [ClaimedTask(*row[:4], from_json(row[4]) or {}, row[5], host=row[6], service_key=service.key)
                 for row in cur.fetchall()]

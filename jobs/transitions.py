@@ -575,16 +575,17 @@ WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS v(id, a
 UPDATE accs_task t SET lease_expires_at = %(lease)s, heartbeat_at = %(now)s
   FROM v WHERE t.id = v.id AND t.attempt = v.attempt AND t.status IN ('starting', 'running')
    AND t.claimed_by = %(agent)s
-RETURNING t.id, t.cancel_requested_at IS NOT NULL
+RETURNING t.id, t.attempt, t.cancel_requested_at IS NOT NULL
 """
 
 
 def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str, lease_seconds: float,
-              now: datetime | None = None) -> tuple[set[UUID], set[UUID]]:
-    """Extend the leases of tasks this agent holds. Return (lost, cancel_requested).
+              now: datetime | None = None) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
+    """Extend the leases of (task, attempt) pairs this agent holds. Return (lost, cancel_requested).
 
-    ``lost`` are tasks no longer held by this attempt (rescued or canceled): the agent must stop
-    them. ``cancel_requested`` are tasks an operator asked to cancel (JOB5).
+    ``lost`` are attempts no longer held (rescued or canceled): the agent must stop them.
+    ``cancel_requested`` are attempts an operator asked to cancel (JOB5). Both hold
+    (task_id, attempt) pairs, so an old attempt's answer never touches a newer one.
     """
     if not held:
         return set(), set()
@@ -593,8 +594,8 @@ def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str, lease_seconds:
         cur.execute(HEARTBEAT_SQL, {"ids": [h[0] for h in held], "attempts": [h[1] for h in held],
                                     "lease": now + timedelta(seconds=lease_seconds), "now": now, "agent": agent_id})
         rows = cur.fetchall()
-    kept = {r[0] for r in rows}
-    return {h[0] for h in held} - kept, {r[0] for r in rows if r[1]}
+    kept = {(r[0], r[1]) for r in rows}
+    return {(h[0], h[1]) for h in held} - kept, {(r[0], r[1]) for r in rows if r[2]}
 
 
 def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportResult:

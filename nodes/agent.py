@@ -397,10 +397,10 @@ class Agent:
             log.warning("heartbeat failed: %s", exc, extra={"node": self.node})
             connection.close()
             return
-        for tid in lost | cancel:
+        for tid, _attempt in lost | cancel:
             item = self.running.get(tid)
             if item is not None:
-                log.warning("stopping task %s (%s)", tid, "cancel requested" if tid in cancel else "lease lost",
+                log.warning("stopping task %s (%s)", tid, "cancel requested" if (tid, _attempt) in cancel else "lease lost",
                             extra={"task_id": tid, "node": self.node})
                 item.ctx.cancel.set()
 
