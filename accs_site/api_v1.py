@@ -3,17 +3,19 @@
 Every endpoint needs ``Authorization: Bearer <token>`` (see :mod:`jobs.auth`) unless it says
 ``auth=None``. Errors are JSON ``{"detail": ..., "problems": [...]}`` with 400 (unreadable or
 unstorable input), 401 (no or bad token), 403 (not allowed), 404 (not found or not visible to
-you), 409 (conflict: state or dedupe key) or 422 (invalid fields, each named).
+you), 409 (conflict: state or dedupe key), 422 (invalid fields, each named) or 503 (the database
+was briefly unavailable or chose this request as a deadlock victim: nothing was written, retry).
 """
 
 from __future__ import annotations
 
 from django.core.exceptions import PermissionDenied, ValidationError as DjangoValidationError
-from django.db import DataError, IntegrityError
+from django.db import DataError, IntegrityError, OperationalError
 from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import ValidationError as NinjaValidationError
 
+from accs_site.middleware import transient_reason
 from jobs.api import JobConflict, NotFound
 from jobs.auth import BearerToken
 from jobs.http import router as jobs_router
@@ -84,3 +86,12 @@ def _data_error(request: HttpRequest, exc: DataError) -> HttpResponse:
 def _integrity_error(request: HttpRequest, exc: IntegrityError) -> HttpResponse:
     # A concurrent request created the same thing first (unique constraints decide races).
     return _error(request, 409, f"conflicts with existing data: {str(exc).splitlines()[0][:300]}")
+
+
+@api.exception_handler(OperationalError)
+def _transient_error(request: HttpRequest, exc: OperationalError) -> HttpResponse:
+    # A deadlock victim, a serialization failure or a lost connection: nothing was committed,
+    # and the same request may well succeed in a moment.
+    response = _error(request, 503, f"database temporarily unavailable, retry: {transient_reason(exc)}")
+    response["Retry-After"] = "1"
+    return response

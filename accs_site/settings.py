@@ -65,6 +65,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "accs_site.middleware.TransientDatabaseErrorMiddleware",
 ]
 
 ROOT_URLCONF = "accs_site.urls"

@@ -4,7 +4,7 @@ transaction that makes the change (callers pass their cursor)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -60,10 +60,3 @@ def log_event(level: str, type: str, message: str, data: dict[str, Any] | None =
     """Append one event (seed 000's ``log_event``)."""
     write_events([EventRow(type=type, message=message, job_id=job_id, task_id=job_task_id, attempt=attempt,
                            source=source, level=level, data=data or {})])
-
-
-def events_for(rows: Iterable[tuple], *, type: str, message: str, source: str, level: str = "info",
-               data: dict[str, Any] | None = None) -> list[EventRow]:
-    """Build one event per ``(job_id, task_id, attempt)`` tuple."""
-    return [EventRow(type=type, message=message, job_id=j, task_id=t, attempt=a, source=source, level=level,
-                     data=data or {}) for j, t, a in rows]

@@ -253,22 +253,31 @@ def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Ser
 
 INSERT_JOBS_SQL = """
 -- One JSON document carries the whole batch (cheaper to build and to parse than a dozen arrays).
+-- Times come from PostgreSQL's clock; each new job writes its "created" event in the same statement.
+WITH ins AS (
 INSERT INTO accs_job (id, tenant_id, workflow_id, service_id, status, progress, current_task_key, priority, options,
                       step_params, scheduled_at, error_code, error_message, source, source_ref, external_id,
                       dedupe_key, correlation_id, approval_state, approved_by, created_by_id, created_at, updated_at)
 SELECT r.id, r.tenant, r.wf, r.svc, 'queued', 0, '', r.prio, coalesce(r.opts, '{}'), r.sp,
-       coalesce(r.sched, %(now)s), '', '', r.src, r.sref, r.ext, r.dk, r.corr, r.appr, '', r.cby, %(now)s, %(now)s
+       coalesce(r.sched, now()), '', '', r.src, r.sref, r.ext, r.dk, r.corr, r.appr, '', r.cby, now(), now()
   FROM jsonb_to_recordset(%(rows)s::jsonb)
        AS r(id uuid, tenant uuid, wf uuid, svc bigint, prio int, opts jsonb, sp jsonb, sched timestamptz, src text,
             sref text, ext text, dk text, corr text, appr text, cby int)
 -- Idempotency (CTL2): a duplicate external_id or active dedupe_key inserts nothing; the caller
 -- then finds the job that holds it. No exception, so the caller's transaction stays usable.
 ON CONFLICT DO NOTHING
-RETURNING id
+RETURNING id, approval_state, source
+), ev AS (
+INSERT INTO accs_event (job_id, source, level, type, message, data)
+SELECT id, 'api:' || source, 'info', 'status',
+       CASE WHEN approval_state = 'pending' THEN 'job created queued, waiting for approval' ELSE 'job created queued' END,
+       jsonb_build_object('from', 'created', 'to', 'queued', 'approval', approval_state) FROM ins
+)
+SELECT id FROM ins
 """
 
 
-def _insert(plans: Sequence[_Plan], now: datetime) -> set[UUID]:
+def _insert(plans: Sequence[_Plan]) -> set[UUID]:
     rows = []
     for plan in plans:
         spec = plan.spec
@@ -282,7 +291,7 @@ def _insert(plans: Sequence[_Plan], now: datetime) -> set[UUID]:
             "cby": getattr(spec.created_by, "pk", spec.created_by),
         })
     with connection.cursor() as cur:
-        cur.execute(INSERT_JOBS_SQL, {"now": now, "rows": json.dumps(rows, default=str)})
+        cur.execute(INSERT_JOBS_SQL, {"rows": json.dumps(rows, default=str)})
         return {r[0] for r in cur.fetchall()}
 
 
@@ -329,7 +338,7 @@ def start(spec: JobSpec) -> Job:
     plan = _plan(spec, _Validators(), {})
     with transaction.atomic():
         for _ in range(INSERT_ATTEMPTS):
-            inserted = _insert([plan], now)
+            inserted = _insert([plan])
             jid = plan.spec._id  # type: ignore[attr-defined]
             if jid in inserted:
                 break
@@ -341,7 +350,7 @@ def start(spec: JobSpec) -> Job:
         else:  # pragma: no cover - needs a conflicting job to vanish three times in a row
             raise RuntimeError("job insert kept conflicting with jobs that disappeared; try again")
         if _runs_now(plan, now):
-            transitions.start_jobs([jid], now=now, source=f"api:{spec.source}")
+            transitions.start_jobs([jid], source=f"api:{spec.source}")
         else:
             with connection.cursor() as cur:
                 notify(cur, [builder_channel()])
@@ -372,7 +381,6 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     existing job's id. Raises JobConflict when a dedupe key is held, DefinitionError when any spec
     is invalid (then nothing is written).
     """
-    now = timezone.now()
     validators, services = _Validators(), {}
     plans = [_plan(s, validators, services) for s in specs]
     out: list[UUID] = []
@@ -381,7 +389,7 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     with transaction.atomic():
         for start_at in range(0, len(plans), batch_size):
             chunk = plans[start_at:start_at + batch_size]
-            inserted = _insert(chunk, now)
+            inserted = _insert(chunk)
             for plan in chunk:
                 jid = plan.spec._id  # type: ignore[attr-defined]
                 if jid in inserted:
@@ -391,7 +399,7 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
                 for _ in range(INSERT_ATTEMPTS - 1):
                     if existing is not None:
                         break
-                    if _insert([plan], now):
+                    if _insert([plan]):
                         existing = plan.spec._id  # type: ignore[attr-defined]
                     else:
                         existing = _existing_for(plan)

@@ -1,35 +1,45 @@
-"""Claiming tasks (CLM1-CLM4): the SQL that must be exact.
+"""Claiming tasks: the SQL that must be exact.
 
-One statement claims up to ``n`` queued tasks of one service with ``FOR UPDATE SKIP LOCKED`` in
-the global order (priority DESC, order_seq, created_at, id), moves them to ``starting`` with a
-lease and attempt + 1, opens their Attempt rows and writes their events.
+One statement claims, across all the services an agent serves, up to the room left under every
+limit, with ``FOR UPDATE SKIP LOCKED`` in the one global order (priority DESC, order_seq,
+created_at, id; a governor condition may shift a service's priority). It moves the tasks to
+``starting`` with a lease and attempt + 1 on PostgreSQL's clock, opens their Attempt rows and
+writes their events.
 
-``n`` is the smallest room left under every limit of CLM3, computed in the same transaction
-under advisory locks so that two agents cannot both take the last slot:
+The room is computed in the same transaction, under advisory locks, so two agents cannot both
+take the last slot:
 
 * per node per service (``Node.max_concurrency`` / ``ACC_MAX_CONCURRENCY_<SERVICE>``),
 * node slot cap = min(``Node.slot_cap``, eligible hosts of the node) when the node has hosts,
 * node CPU-weight budget (sum of the held tasks' ``cpu_weight``),
-* per service global ``max_concurrent`` (lock per service),
-* one held task per host for exclusive services (also a partial unique index),
+* per service global ``max_concurrent`` (lock per capped service),
 * the agent's own free slots.
 
-Workflow ``max_active_jobs`` and tenant ``max_in_flight`` are admission limits on jobs, enforced
-where jobs start (:func:`jobs.transitions.start_due_jobs`).
+Decided on the task row, in SQL: a host-bound task is claimable only by its host's node, while
+the host is eligible; an exclusive task only while no other exclusive task is held on its host
+(and at most one per host per claim; a partial unique index is the backstop). A service whose
+``required_labels`` the node lacks is not claimed at all. Tasks the agent still runs are never
+claimed by it again.
+
+Workflow ``max_active_jobs`` and tenant ``max_in_flight`` limit jobs, not tasks: see
+:mod:`jobs.admission`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 from django.db import connection, transaction
-from django.utils import timezone
 
+from jobs.locks import advisory_locks
 from jobs.sql import from_json
+
+log = logging.getLogger("accs.claim")
 
 
 @dataclass(frozen=True)
@@ -41,16 +51,18 @@ class ServiceSpec:
     cpu_weight: int
     max_concurrent: int
     exclusive: bool
+    required_labels: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class NodeLimits:
-    """A node's limits, as the agent read them from its Node row and environment."""
+    """A node's limits and labels, as the agent read them from its Node row and environment."""
 
     name: str
     slot_cap: int
     cpu_budget: int
     per_service: dict[str, int]
+    labels: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,58 +78,77 @@ class ClaimedTask:
 
 
 CLAIM_SQL = """
-WITH cand AS (
-    -- Served by task_claim_idx (service_id, priority DESC, order_seq, created_at, id) WHERE queued:
-    -- the scan stops after n rows that pass the filters. SKIP LOCKED: concurrent claimers never wait
-    -- for each other and never take the same row.
-    SELECT t.id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at
-      FROM accs_task t
-     WHERE t.service_id = %(svc)s AND t.status = 'queued' AND t.next_attempt_at <= %(now)s
-       AND (t.host_id IS NULL OR t.host_id = ANY(%(hosts)s))
-       -- Tasks this agent still runs (an older attempt it has not finished) are never claimed by
-       -- it again: its own late finish would otherwise race the new attempt.
-       AND t.id <> ALL(%(exclude)s::uuid[])
-     ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
-     LIMIT %(n)s
-       FOR UPDATE SKIP LOCKED
+WITH svc AS (
+    SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[])
+             AS s(id, room, weight, adjust)
+), cand AS (
+    -- Per service, served by task_claim_idx (service_id, priority DESC, order_seq, created_at, id)
+    -- WHERE queued: each scan stops after the service's room of rows that pass the filters.
+    -- SKIP LOCKED: concurrent claimers never wait for each other and never take the same row.
+    SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
+      FROM svc CROSS JOIN LATERAL (
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at
+          FROM accs_task t
+         WHERE t.service_id = svc.id AND t.status = 'queued'
+           AND t.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+           AND (t.host_id IS NULL OR t.host_id = ANY(%(hosts)s::bigint[]))
+           -- Tasks this agent still runs (an older attempt it has not finished) are never
+           -- claimed by it again: its own late finish would otherwise race the new attempt.
+           AND t.id <> ALL(%(exclude)s::uuid[])
+           -- Exclusive work: not while another exclusive task is held on the host (served by
+           -- the partial unique index task_one_held_per_exclusive_host).
+           AND NOT (t.exclusive AND t.host_id IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM accs_task h WHERE h.host_id = t.host_id AND h.exclusive
+                       AND h.status IN ('starting', 'running')))
+         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
+         LIMIT svc.room
+           FOR UPDATE OF t SKIP LOCKED) c
+), ranked AS (
+    SELECT cand.*,
+           row_number() OVER (PARTITION BY CASE WHEN exclusive THEN host_id END
+                              ORDER BY eff_priority DESC, order_seq, created_at, id) AS host_rank,
+           row_number() OVER w AS n, sum(weight) OVER w AS cpu
+      FROM cand
+    WINDOW w AS (ORDER BY eff_priority DESC, order_seq, created_at, id)
 ), pick AS (
-    -- An exclusive service gets at most one task per host per claim.
-    SELECT id FROM (
-        SELECT id, host_id, exclusive,
-               row_number() OVER (PARTITION BY host_id ORDER BY priority DESC, order_seq, created_at, id) AS rn
-          FROM cand) c
-     WHERE NOT exclusive OR host_id IS NULL OR rn = 1
+    -- One global order across the services; the node's slot and CPU room taken in that order;
+    -- an exclusive host gets one task per claim.
+    SELECT id FROM ranked
+     WHERE n <= %(slots)s AND cpu <= %(cpu)s AND (NOT exclusive OR host_id IS NULL OR host_rank = 1)
 ), upd AS (
     UPDATE accs_task t
        SET status = 'starting', attempt = t.attempt + 1, claimed_by = %(agent)s, node = %(node)s,
-           claimed_at = %(now)s, lease_expires_at = %(lease)s, heartbeat_at = %(now)s, updated_at = %(now)s,
+           claimed_at = coalesce(%(now)s::timestamptz, now()),
+           lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease)s),
+           heartbeat_at = coalesce(%(now)s::timestamptz, now()), updated_at = coalesce(%(now)s::timestamptz, now()),
            cancel_requested_at = NULL, started_at = NULL
       FROM pick WHERE t.id = pick.id
-    RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.priority,
-              t.order_seq, t.created_at
+    RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.service_id,
+              t.priority, t.order_seq, t.created_at
 ), att AS (
     INSERT INTO accs_attempt (task_id, attempt_no, node, agent_id, pid, status, started_at, stdout_tail,
                               stderr_tail, error_text)
-    SELECT id, attempt, %(node)s, %(agent)s, %(pid)s, 'running', %(now)s, '', '', '' FROM upd
+    SELECT id, attempt, %(node)s, %(agent)s, %(pid)s, 'running', coalesce(%(now)s::timestamptz, now()), '', '', ''
+      FROM upd
 ), ev AS (
     INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
-    SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task queued → starting',
-           jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', %(agent)s::text) FROM upd
+    SELECT coalesce(%(now)s::timestamptz, now()), job_id, id, attempt, %(source)s, 'info', 'status',
+           'task queued → starting', jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', %(agent)s::text)
+      FROM upd
 )
-SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name
+SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name, upd.service_id
   FROM upd LEFT JOIN accs_host h ON h.id = upd.host_id
  ORDER BY upd.priority DESC, upd.order_seq, upd.created_at, upd.id
 """
 
 HELD_SQL = """
--- Held tasks on this node and of this service: read through task_held_service_idx, a partial
--- index holding only starting/running tasks, so the cost follows the running work, not the table.
-SELECT count(*) FILTER (WHERE t.node = %(node)s),
-       coalesce(sum(s.cpu_weight) FILTER (WHERE t.node = %(node)s), 0),
-       count(*) FILTER (WHERE t.node = %(node)s AND t.service_id = %(svc)s),
-       count(*) FILTER (WHERE t.service_id = %(svc)s)
+-- Held tasks on this node and of the capped services: read through task_held_service_idx, a
+-- partial index holding only starting/running tasks, so the cost follows the running work.
+SELECT t.service_id, count(*) FILTER (WHERE t.node = %(node)s), count(*), coalesce(
+       sum(s.cpu_weight) FILTER (WHERE t.node = %(node)s), 0)
   FROM accs_task t JOIN accs_service s ON s.id = t.service_id
- WHERE t.status IN ('starting', 'running') AND (t.node = %(node)s OR t.service_id = %(svc)s)
+ WHERE t.status IN ('starting', 'running') AND (t.node = %(node)s OR t.service_id = ANY(%(capped)s::bigint[]))
+ GROUP BY t.service_id
 """
 
 
@@ -129,57 +160,92 @@ class Room:
     reasons: dict[str, int]
 
 
-def room_for(cur, service: ServiceSpec, limits: NodeLimits, *, free_slots: int, eligible_hosts: int,
-             node_has_hosts: bool) -> Room:
-    """Compute the claimable room under every CLM3 limit (caller holds the locks)."""
-    cur.execute(HELD_SQL, {"node": limits.name, "svc": service.id})
-    node_held, node_cpu, node_svc_held, svc_held = cur.fetchone()
-    reasons = {"agent_free_slots": free_slots}
+@dataclass(frozen=True)
+class FleetHeld:
+    """What is held now: on this node (count, CPU) and per service (on this node, everywhere)."""
+
+    node_count: int
+    node_cpu: int
+    node_by_service: dict[int, int]
+    by_service: dict[int, int]
+
+
+def _held(cur, limits: NodeLimits, services: Sequence[ServiceSpec]) -> FleetHeld:
+    cur.execute(HELD_SQL, {"node": limits.name, "capped": [s.id for s in services if s.max_concurrent > 0]})
+    rows = cur.fetchall()
+    return FleetHeld(sum(r[1] for r in rows), int(sum(r[3] for r in rows)), {r[0]: r[1] for r in rows},
+                     {r[0]: r[2] for r in rows})
+
+
+def node_room(limits: NodeLimits, held: FleetHeld, *, free_slots: int, eligible_hosts: int,
+              node_has_hosts: bool) -> dict[str, int]:
+    """Return the room each node-wide limit leaves (slots, CPU)."""
     slot_cap = min(limits.slot_cap, eligible_hosts) if node_has_hosts else limits.slot_cap
-    reasons["node_slot_cap"] = slot_cap - node_held
-    reasons["node_cpu_budget"] = (limits.cpu_budget - int(node_cpu)) // max(service.cpu_weight, 1)
+    return {"agent_free_slots": free_slots, "node_slot_cap": slot_cap - held.node_count,
+            "node_cpu_budget": limits.cpu_budget - held.node_cpu}
+
+
+def service_room(service: ServiceSpec, limits: NodeLimits, held: FleetHeld, *, slots: int, cpu: int) -> Room:
+    """Return the room left for one service under every limit."""
+    reasons = {"node_slots": slots, "node_cpu_budget": cpu // max(service.cpu_weight, 1)}
     per_service = limits.per_service.get(service.key)
     if per_service is not None and per_service > 0:
-        reasons["node_service_cap"] = per_service - node_svc_held
+        reasons["node_service_cap"] = per_service - held.node_by_service.get(service.id, 0)
     if service.max_concurrent > 0:
-        reasons["service_global_max"] = service.max_concurrent - svc_held
+        reasons["service_global_max"] = service.max_concurrent - held.by_service.get(service.id, 0)
     return Room(max(0, min(reasons.values())), reasons)
+
+
+def labels_satisfied(required: Mapping[str, Any], labels: Mapping[str, Any]) -> bool:
+    """Return whether a node with ``labels`` offers every label a service requires."""
+    return all(str(labels.get(k)) == str(v) for k, v in (required or {}).items())
+
+
+def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
+               lease_seconds: float, pid: int | None = None, now: datetime | None = None,
+               blocked_hosts: frozenset[int] = frozenset(), exclude: Collection[UUID] = (),
+               priority_adjust: Mapping[int, int] | None = None) -> list[ClaimedTask]:
+    """Claim across ``services`` in the global order, within every limit; one short transaction.
+
+    ``priority_adjust`` maps a service id to a priority shift (governor conditions). ``exclude``
+    names tasks the agent is still running (any attempt): they are never claimed again.
+    """
+    services = [s for s in services if labels_satisfied(s.required_labels, limits.labels)]
+    if free_slots <= 0 or not services:
+        return []
+    adjust = priority_adjust or {}
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        # Serialise claimers that share a limit: agents of this node, and every claimer of a
+        # service with a global cap. Transaction-scoped, released at commit.
+        advisory_locks(cur, [f"accs:node:{limits.name}"] + [f"accs:service:{s.id}" for s in services
+                                                            if s.max_concurrent > 0])
+        cur.execute("SELECT id, status FROM accs_host WHERE node_id = %s", [limits.name])
+        node_hosts = cur.fetchall()
+        ok_hosts = [h for h, status in node_hosts if status == "ok"]
+        eligible = [h for h in ok_hosts if h not in blocked_hosts]
+        held = _held(cur, limits, services)
+        node = node_room(limits, held, free_slots=free_slots, eligible_hosts=len(ok_hosts),
+                         node_has_hosts=bool(node_hosts))
+        slots, cpu = min(node["agent_free_slots"], node["node_slot_cap"]), node["node_cpu_budget"]
+        rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
+        rooms = [(s, n) for s, n in rooms if n > 0]
+        if slots <= 0 or not rooms:
+            return []
+        by_id = {s.id: s for s, _ in rooms}
+        cur.execute(CLAIM_SQL, {
+            "svc_ids": [s.id for s, _ in rooms], "rooms": [n for _, n in rooms],
+            "weights": [max(s.cpu_weight, 1) for s, _ in rooms], "adjust": [adjust.get(s.id, 0) for s, _ in rooms],
+            "now": now, "hosts": eligible, "slots": slots, "cpu": cpu, "agent": agent_id,
+            "node": limits.name, "lease": float(lease_seconds), "pid": pid, "source": f"agent:{limits.name}",
+            "exclude": [str(t) for t in exclude],
+        })
+        return [ClaimedTask(*row[:4], from_json(row[4]) or {}, row[5], host=row[6], service_key=by_id[row[7]].key)
+                for row in cur.fetchall()]
 
 
 def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots: int, lease_seconds: float,
           pid: int | None = None, now: datetime | None = None, blocked_hosts: frozenset[int] = frozenset(),
           exclude: Collection[UUID] = ()) -> list[ClaimedTask]:
-    """Claim up to the room left under every limit; one short transaction, no lock held afterwards.
-
-    ``exclude`` names tasks the agent is still running (any attempt): they are never claimed again.
-    """
-    if free_slots <= 0:
-        return []
-    now = now or timezone.now()
-    with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        # Serialise claimers that share a limit: agents of this node, and every claimer of a
-        # service with a global cap. Transaction-scoped, released at commit.
-        cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:node:{limits.name}"])
-        if service.max_concurrent > 0:
-            cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:service:{service.id}"])
-        cur.execute("SELECT id, status FROM accs_host WHERE node_id = %s", [limits.name])
-        node_hosts = cur.fetchall()
-        eligible = [h for h, status in node_hosts if status == "ok" and h not in blocked_hosts]
-        if service.exclusive and eligible:
-            cur.execute("SELECT host_id FROM accs_task WHERE exclusive AND status IN ('starting', 'running')"
-                        " AND host_id = ANY(%s)", [eligible])
-            busy = {r[0] for r in cur.fetchall()}
-            claimable_hosts = [h for h in eligible if h not in busy]
-        else:
-            claimable_hosts = eligible
-        room = room_for(cur, service, limits, free_slots=free_slots,
-                        eligible_hosts=len([h for h, s in node_hosts if s == "ok"]), node_has_hosts=bool(node_hosts))
-        if room.n <= 0:
-            return []
-        cur.execute(CLAIM_SQL, {
-            "svc": service.id, "now": now, "hosts": claimable_hosts, "n": room.n, "agent": agent_id,
-            "node": limits.name, "lease": now + timedelta(seconds=lease_seconds), "pid": pid,
-            "source": f"agent:{limits.name}", "exclude": [str(t) for t in exclude],
-        })
-        return [ClaimedTask(*row[:4], from_json(row[4]) or {}, row[5], host=row[6], service_key=service.key)
-                for row in cur.fetchall()]
+    """Claim tasks of one service (see :func:`claim_many`)."""
+    return claim_many([service], limits, agent_id=agent_id, free_slots=free_slots, lease_seconds=lease_seconds,
+                      pid=pid, now=now, blocked_hosts=blocked_hosts, exclude=exclude)

@@ -1,6 +1,6 @@
 """Turning a job into tasks: one task per workflow step, one per host for a fan-out step (WF4).
 
-Pure construction; :func:`jobs.transitions.start_jobs` decides which jobs and writes the rows.
+Pure construction; :mod:`jobs.admission` decides which jobs and writes the rows.
 """
 
 from __future__ import annotations
@@ -75,10 +75,13 @@ def select_hosts(options: dict[str, Any], hosts: list[HostInfo]) -> list[HostInf
 
 def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceInfo], *, hosts: list[HostInfo],
                     blocked: set[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Return one dict per task of the job, keyed by the columns :data:`jobs.transitions.INSERT_TASKS_SQL` reads."""
+    """Return one dict per task of the job, keyed by the columns :data:`jobs.admission.INSERT_TASKS_SQL` reads."""
     rows: list[dict[str, Any]] = []
-    for step in steps:
-        service = services[step["service"]]
+    for position, step in enumerate(steps):
+        service = services.get(step["service"])
+        if service is None:
+            raise InstantiationError(
+                "unknown_service", f"step '{step['key']}': service {step['service']!r} no longer exists or is inactive")
         params = {**step.get("default_params", {}), **(job.step_params.get(step["key"]) or {})}
         deps = list(step.get("depends_on", []))
         targets: list[HostInfo | None] = [None]
@@ -95,7 +98,7 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
                 "service_id": service.id, "host_id": host.id if host else None, "exclusive": service.exclusive,
                 "status": str(status), "depends_on": deps, "max_attempts": service.max_attempts,
                 "priority": job.priority + service.base_priority, "order_seq": job.order_seq,
-                "timeout_seconds": service.timeout_seconds, "params": params,
+                "timeout_seconds": service.timeout_seconds, "params": params, "position": position,
                 "assigned_node": (host.node_id or "") if host else "",
                 "error_code": "host_blocked" if is_blocked else "",
                 "error_message": f"{service.key} is blocked on {host.name}" if is_blocked else "",

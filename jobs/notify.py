@@ -4,14 +4,24 @@ ones within a transaction, so one per service per transaction reaches the listen
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 from accs_site.conf import accs
 
+# PostgreSQL truncates identifiers, channel names included, to 63 bytes, and pg_notify() refuses
+# longer ones outright; a long service key is shortened with a hash so its channel stays unique.
+MAX_CHANNEL_BYTES = 63
+
 
 def service_channel(service_key: str) -> str:
-    """Return the channel agents of ``service_key`` listen on."""
-    return (accs.notify_channel_prefix + service_key.replace("-", "_")).lower()
+    """Return the channel agents of ``service_key`` listen on (at most 63 bytes)."""
+    channel = (accs.notify_channel_prefix + service_key.replace("-", "_")).lower()
+    if len(channel.encode()) <= MAX_CHANNEL_BYTES:
+        return channel
+    digest = hashlib.sha1(channel.encode()).hexdigest()[:12]
+    head = channel.encode()[:MAX_CHANNEL_BYTES - len(digest) - 1].decode(errors="ignore")
+    return f"{head}_{digest}"
 
 
 def builder_channel() -> str:

@@ -2,7 +2,7 @@
 
 A node's configuration (labels, limits, wake method) is editable; its state (active/draining,
 awake, heartbeat, disk level) is not: operators drain and undrain with actions, and clear a host's
-quarantine with an action, all through :mod:`jobs.transitions`.
+quarantine with an action, all through :mod:`nodes.verbs`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from events.overview import human_age, stale_after_seconds
-from jobs import transitions
+from nodes import verbs
 from jobs.admin import EstimatedCountPaginator, actor, report
 from nodes.models import DiskSample, Host, HostBlock, Node
 
@@ -53,11 +53,11 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain selected nodes (claim nothing new)", permissions=["change"])
     def drain(self, request, queryset):
-        report(request, self, "Drain", [transitions.drain_node(n.name, by=actor(request)) for n in queryset])
+        report(request, self, "Drain", [verbs.drain_node(n.name, by=actor(request)) for n in queryset])
 
     @admin.action(description="Undrain selected nodes (claim again)", permissions=["change"])
     def undrain(self, request, queryset):
-        report(request, self, "Undrain", [transitions.undrain_node(n.name, by=actor(request)) for n in queryset])
+        report(request, self, "Undrain", [verbs.undrain_node(n.name, by=actor(request)) for n in queryset])
 
 
 @admin.register(Host)
@@ -78,7 +78,7 @@ class HostAdmin(admin.ModelAdmin):
     @admin.action(description="Clear quarantine of selected hosts", permissions=["change"])
     def clear_quarantine(self, request, queryset):
         report(request, self, "Clear quarantine",
-               [transitions.clear_quarantine(h.pk, by=actor(request)) for h in queryset])
+               [verbs.clear_quarantine(h.pk, by=actor(request)) for h in queryset])
 
 
 @admin.register(HostBlock)

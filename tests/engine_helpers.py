@@ -10,7 +10,8 @@ NODE = NodeLimits(name="node-t", slot_cap=20, cpu_budget=8, per_service={})
 
 
 def spec(service: Service) -> ServiceSpec:
-    return ServiceSpec(service.id, service.key, service.cpu_weight, service.max_concurrent, service.exclusive_per_host)
+    return ServiceSpec(service.id, service.key, service.cpu_weight, service.max_concurrent, service.exclusive_per_host,
+                       service.required_labels or {})
 
 
 def claim_for(service: Service, n: int = 10, *, limits: NodeLimits = NODE, agent: str = "agent-t", now=None) -> list[ClaimedTask]:

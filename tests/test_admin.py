@@ -86,7 +86,7 @@ def test_retry_button_requeues_the_failed_task_through_the_transition(client, ro
     assert 'data-status="queued"' in body
     # The same button again no longer applies, and says why.
     again = client.post(reverse("admin:jobs_job_act", args=[job.pk, "retry"]), follow=True)
-    assert any("only failed or canceled jobs can be retried" in m for m in messages_of(again))
+    assert any("only failed, partial or canceled jobs can be retried" in m for m in messages_of(again))
 
 
 def test_act_view_refuses_get(client, root, tenants):
@@ -123,7 +123,7 @@ def test_bulk_retry_reports_changed_and_unchanged_with_reasons(client, root, ten
     queued = api.start_service("flaky", tenant=tenants.acme)
     msgs = _bulk(client, "job", "retry_jobs", [failed.pk, queued.pk])
     assert msgs == ["Retry: job back to running; 1 task(s) reset; "
-                    "unchanged: job is running; only failed or canceled jobs can be retried"]
+                    "unchanged: job is running; only failed, partial or canceled jobs can be retried"]
     assert Task.objects.get(job=failed).status == "queued"
 
 
@@ -429,7 +429,8 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
             [job.pk, tenants.acme.pk, svc.pk])
         cur.execute("INSERT INTO accs_attempt (task_id, attempt_no, node, agent_id, status, started_at, finished_at,"
                     " stdout_tail, stderr_tail, error_text)"
-                    " SELECT id, 1, 'n', 'a', 'succeeded', now(), now(), '', '', '' FROM accs_task WHERE step_key = 'h'")
+                    " SELECT id, 1, 'n', 'a', 'succeeded', now() - interval '1 day', now() - interval '1 day', '', '', ''"
+                    " FROM accs_task WHERE step_key = 'h'")  # the history: older than the window read
         cur.execute("ANALYZE accs_task; ANALYZE accs_attempt; ANALYZE accs_job")
         plans = {}
         for name, sql, params in (

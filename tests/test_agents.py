@@ -14,6 +14,7 @@ from events.models import Event
 from jobs import api, transitions
 from jobs.models import Attempt, Job, Task, Tenant
 from nodes.models import Host, HostBlock, Node
+from nodes import verbs as node_verbs
 from tests.daemons import Sampler, wait_all_final, wait_until
 from workflows.api import create_workflow
 
@@ -181,7 +182,7 @@ def test_quarantined_host_gets_no_work_until_cleared(make_service, daemons, db_u
     wait_until(lambda: Task.objects.filter(task_key="op@h2", status="done").exists(), timeout=30, message="h2 done")
     time.sleep(0.6)  # three poll periods: the quarantined host's task must still wait
     assert Task.objects.get(task_key="op@h1").status == "queued"
-    assert transitions.clear_quarantine(bad.id, by="test").changed
+    assert node_verbs.clear_quarantine(bad.id, by="test").changed
     wait_all_final(db_url, timeout=30)
     assert Task.objects.get(task_key="op@h1").status == "done"
 

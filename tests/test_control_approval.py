@@ -64,15 +64,18 @@ def test_every_path_refuses_to_run_an_unapproved_job(reboot, make_service, defau
         assert http.post(f"/api/v1/jobs/{job.id}/retry").status_code == 409
         assert_not_run(job)
 
-    # Canceling an unapproved job and retrying it does not sneak it past approval.
+    # Canceling an unapproved job and retrying it does not sneak it past approval: the retry puts
+    # it back to waiting for approval (it is not stuck), and only an approval lets it run.
     canceled = jobs[0]
     assert api.cancel(canceled.id, by="x").changed
+    refused = api.approve(canceled.id, by="x")
+    assert not refused.changed and "retry it first" in refused.message, "a canceled job cannot be approved into running"
     result = api.retry(canceled.id, by="x")
-    assert not result.changed and "approval is pending" in result.message
-    assert http.post(f"/api/v1/jobs/{canceled.id}/retry").json()["detail"] == result.message
-    assert not api.approve(canceled.id, by="x").changed, "a canceled job cannot be approved into running"
+    assert result.changed and "waiting for approval" in result.message
+    assert http.post(f"/api/v1/jobs/{canceled.id}/retry").status_code == 409  # queued again: nothing to retry
     assert transitions.start_due_jobs(now=timezone.now() + FAR_FUTURE) == []
     assert_not_run(canceled)
+    assert Job.objects.get(pk=canceled.id).approval_state == "pending"
 
     # The admin: its form cannot edit state, and its retry button and bulk action go through
     # the same transition, which refuses.

@@ -70,7 +70,7 @@ def test_every_status_change_writes_an_event(two_step):
     run_ok(claim_for(b))
     messages = list(Event.objects.filter(job_id=job.id).order_by("id").values_list("message", flat=True))
     assert messages == [
-        "job queued → running", "task created queued", "task created waiting",
+        "job created queued", "job queued → running", "task created queued", "task created waiting",
         "task queued → starting", "task starting → running", "task running → done", "task waiting → queued",
         "task queued → starting", "task starting → running", "task running → done", "job running → done",
     ]

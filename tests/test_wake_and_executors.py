@@ -12,7 +12,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from jobs import api, transitions
+from jobs import admission, api, transitions
 from jobs.models import Task
 from nodes.executors import RunContext, SimulateExecutor
 from nodes.models import Node
@@ -107,7 +107,7 @@ def test_builder_due_scan_uses_the_partial_due_index(make_service):
     api.start_many([api.JobSpec(service="svc", scheduled_at=timezone.now() + timedelta(days=1)) for _ in range(3000)])
     with connection.cursor() as cur:
         cur.execute("ANALYZE accs_job")
-        cur.execute("EXPLAIN " + transitions.DUE_UNLIMITED_SQL, {"now": timezone.now(), "limit": 500})
+        cur.execute("EXPLAIN " + admission.DUE_UNLIMITED_SQL, {"now": timezone.now(), "limit": 500})
         plan = "\n".join(r[0] for r in cur.fetchall())
     assert "job_due_idx" in plan, plan
     assert transitions.start_due_jobs() == [], "nothing due: nothing started"

@@ -140,7 +140,42 @@ def service_problems(service) -> list[Problem]:
         isinstance(v, int) for v in (service.priority_adjust_during or {}).values()
     ):
         problems.append(Problem("priority_adjust_during", 'expected {"condition": integer, ...}'))
+    problems += key_change_problems(service)
     return problems
+
+
+def service_users(key: str) -> list[str]:
+    """Return what still names the service ``key``: workflows' steps and unfinished jobs."""
+    from jobs.models import JOB_ACTIVE, Job, Trigger
+    from workflows.models import Workflow
+
+    users = [f"workflow {w}" for w in Workflow.objects.filter(steps__contains=[{"service": key}])]
+    active = Job.objects.filter(status__in=JOB_ACTIVE, service__key=key).count()
+    if active:
+        users.append(f"{active} unfinished job(s)")
+    users += [f"trigger {t.label!r}" for t in Trigger.objects.filter(service__key=key)]
+    return users
+
+
+def key_change_problems(service) -> list[Problem]:
+    """Refuse renaming a service away from a key that workflows or unfinished jobs still use.
+
+    Workflow steps name their service by key; a rename would leave them pointing at nothing and
+    their next job could not be instantiated.
+    """
+    pk = getattr(service, "pk", None)
+    if not pk:
+        return []
+    from workflows.models import Service
+
+    old = Service.objects.filter(pk=pk).values_list("key", flat=True).first()
+    if old is None or old == service.key:
+        return []
+    users = service_users(old)
+    if not users:
+        return []
+    return [Problem("key", f"service {old!r} cannot be renamed: still used by {', '.join(users[:5])}"
+                           + (f" and {len(users) - 5} more" if len(users) > 5 else ""))]
 
 
 def validate_service(service) -> None:

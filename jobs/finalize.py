@@ -1,0 +1,164 @@
+"""Promotion and completion: what follows when tasks of a job reach a final state.
+
+Called by every verb that finishes tasks, with the job rows already locked (see
+:mod:`jobs.locks`). It reads the per-step counts of ``accs_job_step`` (kept exact by a trigger
+on ``accs_task``), so its cost per call follows the steps of the job, not its tasks:
+
+* a step that can no longer succeed (a task of it failed, was skipped, canceled or blocked)
+  skips its waiting dependents, once;
+* a step whose tasks are all done promotes its waiting dependents (``waiting → queued``) whose
+  other dependencies are done too, once;
+* progress is the share of finished tasks, ``current_task_key`` the first unfinished step, and
+  a running job whose tasks are all final ends ``error`` (a task failed), ``canceled`` (a task
+  was canceled), ``partial`` (some hosts were blocked) or ``done``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from uuid import UUID
+
+from events.timeline import EventRow
+from jobs.notify import notify, service_channel
+
+MAX_DAG_DEPTH = 100  # skipping cascades one step level per pass
+
+POISON_STEPS_SQL = """
+UPDATE accs_job_step s SET poisoned = true
+ WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.poisoned
+   AND s.error + s.skipped + s.canceled + s.blocked > 0  -- the unsuccessful final states
+RETURNING s.job_id, s.step_key
+"""
+
+SKIP_DEPENDENTS_SQL = f"""
+-- Waiting tasks that depend on a step that can no longer succeed are skipped.
+WITH p AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS p(job_id, step_key)),
+sk AS (
+    UPDATE accs_task w SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
+           error_message = 'a dependency did not succeed'
+      FROM p WHERE w.job_id = p.job_id AND w.status = 'waiting' AND p.step_key = ANY(w.depends_on)
+    RETURNING w.id, w.job_id
+), ev AS (
+    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
+    SELECT DISTINCT job_id, id, %(source)s, 'warn', 'status', 'task waiting → skipped (a dependency did not succeed)',
+           '{{"from": "waiting", "to": "skipped"}}'::jsonb FROM sk
+)
+SELECT count(DISTINCT id) FROM sk
+"""
+
+RELEASE_STEPS_SQL = """
+UPDATE accs_job_step s SET released = true
+ WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.released AND s.done = s.total
+   AND s.job_id IN (SELECT id FROM accs_job WHERE id = ANY(%(jobs)s::uuid[]) AND status = 'running')
+RETURNING s.job_id, s.step_key
+"""
+
+PROMOTE_SQL = """
+-- Waiting dependents of the steps just completed (or, with roots, tasks with no dependency at
+-- all) become queued once every step they depend on is done.
+WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
+p AS (
+    UPDATE accs_task w SET status = 'queued', next_attempt_at = %(now)s, updated_at = %(now)s
+     WHERE w.status = 'waiting'
+       AND (w.id IN (SELECT t.id FROM accs_task t JOIN r ON t.job_id = r.job_id
+                      WHERE t.status = 'waiting' AND r.step_key = ANY(t.depends_on))
+            OR (w.job_id = ANY(%(roots)s::uuid[]) AND cardinality(w.depends_on) = 0))
+       AND NOT EXISTS (SELECT 1 FROM accs_job_step d WHERE d.job_id = w.job_id AND d.step_key = ANY(w.depends_on)
+                          AND d.done < d.total)
+    RETURNING w.id, w.job_id, w.service_id
+), ev AS (
+    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
+    SELECT job_id, id, %(source)s, 'info', 'status', 'task waiting → queued', '{"from": "waiting", "to": "queued"}'::jsonb
+      FROM p
+)
+SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
+"""
+
+FINISH_SQL = """
+WITH agg AS (
+    SELECT job_id, sum(total) AS total, sum(done + error + skipped + canceled + blocked) AS finished,
+           sum(error) AS error, sum(canceled) AS canceled, sum(blocked) AS blocked,
+           (array_agg(step_key ORDER BY position)
+                FILTER (WHERE done + error + skipped + canceled + blocked < total))[1] AS current_key
+      FROM accs_job_step WHERE job_id = ANY(%(jobs)s::uuid[]) GROUP BY job_id
+), verdict AS (
+    SELECT agg.*, CASE WHEN j.status = 'running' AND agg.finished = agg.total THEN
+                           CASE WHEN agg.error > 0 THEN 'error' WHEN agg.canceled > 0 THEN 'canceled'
+                                WHEN agg.blocked > 0 THEN 'partial' ELSE 'done' END END AS ends
+      FROM agg JOIN accs_job j ON j.id = agg.job_id
+), upd AS (
+    UPDATE accs_job j
+       SET progress = v.finished::float / greatest(v.total, 1),
+           current_task_key = coalesce(v.current_key, j.current_task_key),
+           status = coalesce(v.ends, j.status),
+           finished_at = CASE WHEN v.ends IS NOT NULL THEN %(now)s ELSE j.finished_at END,
+           error_code = CASE v.ends WHEN 'error' THEN 'task_failed' WHEN 'canceled' THEN 'canceled'
+                                    WHEN 'partial' THEN 'hosts_blocked' ELSE j.error_code END,
+           error_message = CASE v.ends WHEN 'error' THEN v.error || ' task(s) failed'
+                                       WHEN 'canceled' THEN v.canceled || ' task(s) canceled'
+                                       WHEN 'partial' THEN v.blocked || ' of ' || v.total || ' task(s) blocked on their host'
+                                       ELSE j.error_message END,
+           updated_at = %(now)s
+      FROM verdict v WHERE j.id = v.job_id
+    RETURNING j.id
+)
+INSERT INTO accs_event (job_id, source, level, type, message, data)
+SELECT v.job_id, %(source)s, CASE v.ends WHEN 'done' THEN 'info' WHEN 'error' THEN 'error' ELSE 'warn' END, 'status',
+       'job running → ' || v.ends || CASE WHEN v.ends = 'partial' THEN ' (' || v.blocked || ' of ' || v.total
+                                           || ' task(s) blocked)' ELSE '' END,
+       jsonb_build_object('from', 'running', 'to', v.ends, 'total', v.total, 'blocked', v.blocked,
+                          'canceled', v.canceled, 'error', v.error)
+  FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NOT NULL
+"""
+
+
+def finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, roots: bool = False) -> None:
+    """Skip, promote, update progress and finish the given (locked) jobs.
+
+    ``roots`` also promotes waiting tasks without dependencies: a job just re-admitted after a
+    retry, whose tasks waited for admission.
+    """
+    if not job_ids:
+        return
+    jobs = sorted({str(j) for j in job_ids})
+    for _ in range(MAX_DAG_DEPTH):
+        cur.execute(POISON_STEPS_SQL, {"jobs": jobs})
+        poisoned = cur.fetchall()
+        if not poisoned:
+            break
+        cur.execute(SKIP_DEPENDENTS_SQL, {"job_ids": [str(p[0]) for p in poisoned], "steps": [p[1] for p in poisoned],
+                                          "now": now, "source": source})
+    cur.execute(RELEASE_STEPS_SQL, {"jobs": jobs})
+    released = cur.fetchall()
+    if released or roots:
+        cur.execute(PROMOTE_SQL, {"job_ids": [str(r[0]) for r in released], "steps": [r[1] for r in released],
+                                  "roots": jobs if roots else [], "now": now, "source": source})
+        notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
+    cur.execute(FINISH_SQL, {"jobs": jobs, "now": now, "source": source})
+
+
+def reset_step_flags(cur, job_ids: Sequence[UUID]) -> None:
+    """Forget which steps already released or skipped their dependents (after a retry resets tasks)."""
+    cur.execute("UPDATE accs_job_step SET released = false, poisoned = false WHERE job_id = ANY(%s::uuid[])",
+                [[str(j) for j in job_ids]])
+
+
+
+def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, reason: str,
+                   to: str = "skipped") -> list[EventRow]:
+    """Move the waiting and queued tasks of (locked) jobs to ``to``; return their events to write.
+
+    Unstarted tasks are locked by nobody but claims, which never wait, so this unsorted UPDATE
+    cannot close a lock cycle.
+    """
+    cur.execute(
+        "WITH o AS (SELECT id, status FROM accs_task WHERE job_id = ANY(%s::uuid[]) AND status IN ('waiting', 'queued')"
+        "           FOR UPDATE)"
+        f" UPDATE accs_task t SET status = '{to}', finished_at = %s, updated_at = %s, error_message = %s"
+        " FROM o WHERE t.id = o.id RETURNING t.id, t.job_id, o.status",
+        [[str(j) for j in job_ids], now, now, reason],
+    )
+    return [EventRow(type="status", job_id=jid, task_id=tid, source=source, level="warn",
+                     message=f"task {frm} → {to} ({reason})", data={"from": frm, "to": to, "reason": reason})
+            for tid, jid, frm in cur.fetchall()]

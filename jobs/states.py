@@ -1,0 +1,69 @@
+"""The transition table: which status may follow which, for tasks and jobs.
+
+Every verb that changes a status names its source and target states from these sets, and the
+test suite checks every status event it wrote against this table. SQL that needs a set of
+states takes it from here (:func:`sql_in`), so a state is never retyped as a literal list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from jobs import models
+from jobs.models import JobStatus, TaskStatus
+
+T = TaskStatus
+J = JobStatus
+
+TASK_FINAL: frozenset[str] = frozenset(models.TASK_FINAL)
+TASK_HELD: frozenset[str] = frozenset(models.TASK_HELD)
+TASK_UNSTARTED: frozenset[str] = frozenset(models.TASK_UNSTARTED)
+# Final states that mean "this task did not succeed": its dependents can no longer run.
+TASK_UNSUCCESSFUL: frozenset[str] = frozenset({T.ERROR, T.SKIPPED, T.CANCELED, T.BLOCKED})
+# States an operator's retry puts back to work.
+TASK_RETRYABLE: frozenset[str] = frozenset({T.ERROR, T.SKIPPED, T.CANCELED, T.BLOCKED})
+
+JOB_FINAL: frozenset[str] = frozenset(models.JOB_FINAL)
+JOB_ACTIVE: frozenset[str] = frozenset(models.JOB_ACTIVE)
+JOB_RETRYABLE: frozenset[str] = frozenset({J.ERROR, J.CANCELED, J.PARTIAL})
+
+# Task status → the statuses it may move to. "created" is the pseudo-state of a new row.
+TASK_TRANSITIONS: dict[str, frozenset[str]] = {
+    "created": frozenset({T.WAITING, T.QUEUED, T.BLOCKED}),
+    T.WAITING: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED}),
+    # queued → waiting: a retried job waits for admission before its tasks are claimable again.
+    T.QUEUED: frozenset({T.STARTING, T.SKIPPED, T.CANCELED, T.BLOCKED, T.WAITING}),
+    # starting/running → queued: a retry after a failed, expired or interrupted attempt.
+    T.STARTING: frozenset({T.RUNNING, T.DONE, T.QUEUED, T.ERROR, T.CANCELED}),
+    T.RUNNING: frozenset({T.DONE, T.QUEUED, T.ERROR, T.CANCELED}),
+    T.DONE: frozenset(),
+    T.ERROR: frozenset({T.QUEUED, T.WAITING}),
+    T.SKIPPED: frozenset({T.QUEUED, T.WAITING}),
+    T.CANCELED: frozenset({T.QUEUED, T.WAITING}),
+    T.BLOCKED: frozenset({T.QUEUED, T.WAITING}),
+}
+
+JOB_TRANSITIONS: dict[str, frozenset[str]] = {
+    "created": frozenset({J.QUEUED}),
+    J.QUEUED: frozenset({J.RUNNING, J.ERROR, J.CANCELED}),
+    J.RUNNING: frozenset({J.DONE, J.PARTIAL, J.ERROR, J.CANCELED}),
+    J.DONE: frozenset({J.RUNNING}),  # one task retried by an operator
+    J.PARTIAL: frozenset({J.RUNNING, J.QUEUED}),
+    J.ERROR: frozenset({J.RUNNING, J.QUEUED}),
+    J.CANCELED: frozenset({J.RUNNING, J.QUEUED}),
+}
+
+
+def task_may(frm: str, to: str) -> bool:
+    """Return whether a task may move from ``frm`` to ``to``."""
+    return to in TASK_TRANSITIONS.get(frm, frozenset())
+
+
+def job_may(frm: str, to: str) -> bool:
+    """Return whether a job may move from ``frm`` to ``to``."""
+    return to in JOB_TRANSITIONS.get(frm, frozenset())
+
+
+def sql_in(states: Iterable[str]) -> str:
+    """Render a state set as a SQL list literal, e.g. ``('done', 'error')``, in a stable order."""
+    return "(" + ", ".join(f"'{str(s)}'" for s in sorted(str(s) for s in states)) + ")"
