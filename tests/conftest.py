@@ -58,3 +58,40 @@ def make_service(db):
         return save_service(key=key, **fields)
 
     return make
+
+
+STATUS_PAIRS_SQL = """
+SELECT DISTINCT task_id IS NULL, data->>'from', data->>'to', message FROM accs_event
+ WHERE type IN ('status', 'retry') AND data ? 'from' AND data ? 'to' AND (job_id IS NOT NULL OR task_id IS NOT NULL)
+"""
+
+
+def _uses_db(item) -> bool:
+    names = set(getattr(item, "fixturenames", ()))
+    return bool(names & {"db", "transactional_db"}) or item.get_closest_marker("django_db") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Check every status change the test wrote against the transition table (jobs.states).
+
+    Runs right after the test body, while its rows are still there, so each test proves the
+    verbs it drove moved tasks and jobs only along allowed edges.
+    """
+    outcome = yield
+    if outcome.excinfo is not None or not _uses_db(item):
+        return
+    from django.db import connection
+
+    from jobs.states import job_may, task_may
+
+    try:
+        with connection.cursor() as cur:
+            cur.execute(STATUS_PAIRS_SQL)
+            rows = cur.fetchall()
+    except Exception:  # noqa: BLE001 - a test that broke its connection on purpose has nothing to check
+        return
+    bad = [f"{'job' if is_job else 'task'} {frm} → {to} ({message})" for is_job, frm, to, message in rows
+           if not (job_may(frm, to) if is_job else task_may(frm, to))]
+    if bad:
+        outcome.force_exception(AssertionError("status changes outside the transition table: " + "; ".join(bad[:5])))

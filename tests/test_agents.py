@@ -166,7 +166,7 @@ def test_host_block_makes_task_blocked_and_it_never_runs(make_service, daemons, 
     assert statuses == {"op@h1": "blocked", "op@h2": "done"}
     assert not Attempt.objects.filter(task__task_key="op@h1").exists()
     job.refresh_from_db()
-    assert job.status == "done"
+    assert job.status == "partial" and "1 of 2" in job.error_message, "a blocked host is never a plain done"
 
 
 def test_quarantined_host_gets_no_work_until_cleared(make_service, daemons, db_url):
