@@ -5,10 +5,12 @@ Keys: drain_tps_1_agent, drain_tps_2_agents (20,000 queued no-op ``python`` task
 the database, as the peer benchmarks do), e2e_jobs_per_s (one-task jobs bulk-created, instantiated
 by a running builder and run to done by two agents), enqueue_rate_single / enqueue_rate_bulk
 (one-task jobs/s through the Python API, one by one and with start_many), pickup_p50_ms /
-pickup_p95_ms (enqueue → task body, 200 jobs 50 ms apart into an idle agent).
+pickup_p95_ms (enqueue → task body, 200 jobs 50 ms apart into an idle agent),
+fanout_1000_instantiate_s / fanout_1000_complete_s (a job fanning out over 1,000 hosts into a second
+1,000-host fan-out: the start call, and the job's start to its end with two agents).
 
 Every claim, transition and event is written as in production. Environment: BENCH_N (20000),
-BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05).
+BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05), BENCH_FANOUT_HOSTS (1000).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ N = int(os.environ.get("BENCH_N", "20000"))
 REPS = int(os.environ.get("BENCH_REPS", "1"))
 LAT_JOBS = int(os.environ.get("BENCH_LAT_JOBS", "200"))
 LAT_GAP = float(os.environ.get("BENCH_LAT_GAP", "0.05"))
+FANOUT_HOSTS = int(os.environ.get("BENCH_FANOUT_HOSTS", "1000"))
 OUT = ROOT / "bench" / "results"
 
 
@@ -52,6 +55,7 @@ def reset() -> None:
     with connection.cursor() as cur:
         cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event, accs_artifact CASCADE")
         cur.execute("DELETE FROM accs_disk_sample WHERE node_id LIKE 'bench-%%' OR node_id LIKE 'e2e-%%' OR node_id = 'lat'")
+        cur.execute("DELETE FROM accs_host WHERE name LIKE 'fan-h%%'")
         cur.execute("DELETE FROM accs_node WHERE name LIKE 'bench-%%' OR name LIKE 'e2e-%%' OR name = 'lat'")
         cur.execute("CHECKPOINT")
 
@@ -181,6 +185,40 @@ def pickup() -> tuple[float, float]:
     return q[49], q[94]
 
 
+def fanout(n: int = FANOUT_HOSTS) -> tuple[float, float]:
+    """Return (instantiate, complete) seconds of a job fanning out over ``n`` hosts into a second fan-out.
+
+    Instantiation is timed around the start call (one transaction); completion from the job's
+    start to its end, both from the database, with two agents serving the hosts' two nodes.
+    """
+    from nodes.models import Host, Node
+    from workflows.api import create_workflow
+    from workflows.models import Workflow
+
+    reset()
+    for i in range(2):
+        Node.objects.get_or_create(name=f"bench-{i}")
+    names = [f"fan-h{i}" for i in range(n)]
+    Host.objects.bulk_create([Host(name=name, node_id=f"bench-{i % 2}") for i, name in enumerate(names)])
+    if not Workflow.objects.filter(name="bench-fan").exists():
+        create_workflow(name="bench-fan", steps=[
+            {"key": "a", "service": "bench-noop", "depends_on": [], "fan_out": "hosts"},
+            {"key": "b", "service": "bench-noop", "depends_on": ["a"], "fan_out": "hosts"}])
+    start = time.perf_counter()
+    job = api.start_workflow("bench-fan", options={"hosts": names})
+    instantiate = time.perf_counter() - start
+    procs = [spawn("runagent", "--node", f"bench-{i}", "--services", "bench-noop", "--max-concurrent", "64",
+                   "--claim-batch", "64") for i in range(2)]
+    try:
+        progress_wait("fan-out", 1, f"SELECT count(*) FROM accs_job WHERE id = '{job.id}' AND status = 'done'")
+    finally:
+        stop(procs)
+    with connection.cursor() as cur:
+        cur.execute("SELECT extract(epoch FROM finished_at - started_at) FROM accs_job WHERE id = %s", [job.id])
+        complete = float(cur.fetchone()[0])
+    return instantiate, complete
+
+
 def median_of(fn, reps: int) -> tuple[float, list[float]]:
     runs = [fn() for _ in range(reps)]
     return statistics.median(runs), runs
@@ -205,6 +243,10 @@ def main() -> int:
     results["pickup_p50_ms"], results["pickup_p95_ms"] = round(p50, 2), round(p95, 2)
     say(f"  {'pickup_p50_ms':<22} {p50:>10.2f}")
     say(f"  {'pickup_p95_ms':<22} {p95:>10.2f}")
+    inst, complete = fanout()
+    results["fanout_1000_instantiate_s"], results["fanout_1000_complete_s"] = round(inst, 3), round(complete, 3)
+    say(f"  {'fanout_1000_instantiate_s':<22} {inst:>10.3f}")
+    say(f"  {'fanout_1000_complete_s':<22} {complete:>10.3f}")
     results["runs"] = runs
     results["meta"] = {"n": N, "reps": REPS, "cores": os.cpu_count(), "python": platform.python_version(),
                        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -63,7 +63,7 @@ WITH e AS (
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' = 'queued'
                   AND e.data->>'to' = 'running' THEN 'job_started'
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL
-                  AND e.data->>'to' IN ('done', 'error', 'canceled', 'rejected') THEN 'job_' || (e.data->>'to')
+                  AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected') THEN 'job_' || (e.data->>'to')
            END AS kind
       FROM accs_event e
      WHERE e.id > %(lo)s AND e.id <= %(hi)s
