@@ -28,7 +28,8 @@ from jobs.instantiate import HostInfo, InstantiationError, JobRow, ServiceInfo, 
 from jobs.locks import advisory_locks, lock_jobs
 from jobs.models import TaskStatus
 from jobs.notify import builder_channel, notify, service_channel
-from jobs.sql import db_now, from_json
+from accs_site.clock import db_now
+from jobs.sql import from_json
 
 log = logging.getLogger("accs.admission")
 

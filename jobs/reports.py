@@ -23,7 +23,7 @@ from events.timeline import EventRow, write_events
 from jobs.backoff import backoff_delay
 from jobs.finalize import finalize_jobs, skip_unstarted
 from jobs.locks import lock_jobs_of_tasks, lock_tasks
-from jobs.sql import db_now
+from accs_site.clock import db_now
 
 log = logging.getLogger("accs.reports")
 

@@ -10,8 +10,3 @@ def from_json(value: Any) -> Any:
     """Decode a json/jsonb column read through Django's cursor (which returns it as text)."""
     return json.loads(value) if isinstance(value, (str, bytes)) else value
 
-
-def db_now(cur):
-    """Return PostgreSQL's clock (the transaction's start time): the one clock every process shares."""
-    cur.execute("SELECT now()")
-    return cur.fetchone()[0]

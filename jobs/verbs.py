@@ -22,7 +22,7 @@ from jobs.finalize import finalize_jobs, reset_step_flags, skip_unstarted
 from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
-from jobs.sql import db_now
+from accs_site.clock import db_now
 from jobs.states import JOB_ACTIVE, JOB_RETRYABLE, TASK_RETRYABLE, sql_in
 
 

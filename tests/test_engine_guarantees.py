@@ -342,7 +342,7 @@ def test_a_long_service_key_gets_a_notify_channel_postgres_accepts(make_service)
 def test_a_stale_exclusive_flag_never_breaks_the_claim(make_service):
     """Defect 12: tasks created while a service was exclusive, claimed after it no longer is."""
     svc = make_service("excl", exclusive_per_host=True)
-    [host] = _hosts("node-t", ["xh"])
+    _hosts("node-t", ["xh", "xh-other"])  # two hosts: the node's slot cap is not what stops a second claim
     create_workflow(name="ex", steps=[{"key": "e", "service": "excl", "depends_on": [], "fan_out": "hosts"}])
     for _ in range(3):
         api.start_workflow("ex", options={"hosts": ["xh"]})

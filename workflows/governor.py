@@ -24,6 +24,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from events.timeline import EventRow, write_events
+from accs_site.clock import db_now
 from workflows.models import GovernorCondition
 from workflows.validation import DefinitionError, Problem
 
@@ -61,11 +62,13 @@ def raise_condition(name: str, *, reason: str, expires_at: datetime | None = Non
     Works inside the caller's transaction. Raises DefinitionError for a bad name or an expiry that
     is naive or not in the future.
     """
-    now = now or timezone.now()
     _check_name(name)
-    if expires_at is not None and (timezone.is_naive(expires_at) or expires_at <= now):
+    if expires_at is not None and timezone.is_naive(expires_at):
         raise DefinitionError([Problem("expires_at", "must be a timezone-aware time in the future")])
     with transaction.atomic(), connection.cursor() as cur:
+        now = now or db_now(cur)
+        if expires_at is not None and expires_at <= now:
+            raise DefinitionError([Problem("expires_at", "must be a timezone-aware time in the future")])
         cur.execute("SELECT " + HOLDS_SQL + " FROM accs_governor_condition WHERE name = %(name)s FOR UPDATE",
                     {"name": name, "now": now})
         row = cur.fetchone()
@@ -83,8 +86,8 @@ def raise_condition(name: str, *, reason: str, expires_at: datetime | None = Non
 
 def clear_condition(name: str, by: str = "", *, now: datetime | None = None) -> bool:
     """Clear a holding condition; False (and nothing written) when it does not hold."""
-    now = now or timezone.now()
     with transaction.atomic(), connection.cursor() as cur:
+        now = now or db_now(cur)
         cur.execute("UPDATE accs_governor_condition SET cleared_at = %(now)s WHERE name = %(name)s AND " + HOLDS_SQL
                     + " RETURNING id", {"name": name, "now": now})
         if not cur.fetchone():
@@ -100,8 +103,8 @@ def expire_conditions(now: datetime | None = None, *, limit: int = 100) -> list[
 
     Such a condition already stopped holding at ``expires_at``; this records that it ended, once.
     """
-    now = now or timezone.now()
     with transaction.atomic(), connection.cursor() as cur:
+        now = now or db_now(cur)
         # Served by governor_expires_idx; SKIP LOCKED lets a concurrent raise/clear win.
         cur.execute(
             "UPDATE accs_governor_condition SET cleared_at = greatest(expires_at, raised_at)"
@@ -120,9 +123,9 @@ def expire_conditions(now: datetime | None = None, *, limit: int = 100) -> list[
 
 def active_conditions(now: datetime | None = None) -> set[str]:
     """Return the names of the conditions that hold now (one small query)."""
-    now = now or timezone.now()
     with connection.cursor() as cur:
-        cur.execute("SELECT name FROM accs_governor_condition WHERE " + HOLDS_SQL, {"now": now})
+        cur.execute("SELECT name FROM accs_governor_condition WHERE "
+                    + HOLDS_SQL.replace("%(now)s", "coalesce(%(now)s::timestamptz, now())"), {"now": now})
         return {r[0] for r in cur.fetchall()}
 
 
