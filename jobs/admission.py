@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+import psycopg
 from django.db import connection, transaction
 
 from events.timeline import EventRow, write_events
@@ -285,3 +286,75 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
     if readmitted:
         finalize_jobs(cur, readmitted, now=now, source=source, roots=True)
     return started + readmitted
+
+
+START_NOW_SQL = """
+-- A job that is due now, needs no approval and is under no cap starts in ONE statement: the job
+-- row (already running), its tasks, its step counts, its events and the wake-up of the agents.
+-- A conflicting external_id or dedupe_key inserts nothing at all (the caller then finds the
+-- holder): every part below reads from the job insert's RETURNING.
+WITH j AS (
+    INSERT INTO accs_job (id, tenant_id, workflow_id, service_id, status, progress, current_task_key, priority,
+                          options, step_params, scheduled_at, error_code, error_message, source, source_ref,
+                          external_id, dedupe_key, correlation_id, approval_state, approved_by, created_by_id,
+                          created_at, updated_at, started_at)
+    VALUES (%(id)s, %(tenant)s, %(wf)s, %(svc)s, 'running', 0, %(first_key)s, %(prio)s, %(opts)s::jsonb, %(sp)s::jsonb,
+            coalesce(%(sched)s::timestamptz, now()), '', '', %(src)s, %(sref)s, %(ext)s, %(dk)s, %(corr)s,
+            'not_required', '', %(cby)s, now(), now(), now())
+    ON CONFLICT DO NOTHING
+    RETURNING id, order_seq, created_at, scheduled_at
+), t AS (
+    INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status,
+                           depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds,
+                           params, assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at)
+    SELECT r.id, j.id, %(tenant)s, r.task_key, r.step_key, r.service_id, NULL, r.exclusive, r.status,
+           ARRAY(SELECT jsonb_array_elements_text(r.depends_on)), 0, r.max_attempts, now(), r.priority, j.order_seq,
+           r.timeout_seconds, r.params, '', '', '', '', '', now(), now()
+      FROM j, jsonb_to_recordset(%(tasks)s::jsonb) AS r(
+           id uuid, task_key text, step_key text, service_id bigint, exclusive boolean, status text,
+           depends_on jsonb, max_attempts int, priority int, timeout_seconds int, params jsonb)
+    RETURNING id, task_key, status
+), s AS (
+    INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked,
+                               released, poisoned)
+    SELECT j.id, r.step_key, r.position, r.total, 0, 0, 0, 0, 0, false, false
+      FROM j, jsonb_to_recordset(%(steps)s::jsonb) AS r(step_key text, position int, total int)
+), ev AS (
+    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
+    SELECT j.id, NULL::uuid, %(event_source)s, 'info', 'status', 'job created queued',
+           '{"from": "created", "to": "queued", "approval": "not_required"}'::jsonb FROM j
+    UNION ALL
+    SELECT j.id, NULL, %(source)s, 'info', 'status', 'job queued → running', '{"from": "queued", "to": "running"}'
+      FROM j
+    UNION ALL
+    SELECT (SELECT id FROM j), t.id, %(source)s, 'info', 'status', 'task created ' || t.status,
+           jsonb_build_object('from', 'created', 'to', t.status, 'task_key', t.task_key) FROM t
+), n AS (
+    SELECT pg_notify(c, '') FROM unnest(%(channels)s::text[]) AS c
+)
+SELECT j.id, j.order_seq, j.created_at, j.scheduled_at, (SELECT count(*) FROM n) FROM j
+"""
+
+
+def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channels: Sequence[str],
+                     source: str, event_source: str) -> tuple | None:
+    """Insert and start one job in one statement; return (id, order_seq, created_at, scheduled_at).
+
+    None means the job's external_id or dedupe_key is taken: nothing was written. The caller
+    checked that the job is due, needs no approval and is under no cap, and built its tasks with
+    :func:`jobs.instantiate.build_task_rows` (no fan-out: hosts are resolved by the builder path).
+    """
+    steps: dict[str, dict[str, Any]] = {}
+    for row in tasks:
+        step = steps.setdefault(row["step_key"], {"step_key": row["step_key"], "position": row["position"], "total": 0})
+        step["total"] += 1
+    first_key = min(tasks, key=lambda r: r["position"])["task_key"] if tasks else ""
+    params = {**job, "first_key": first_key, "tasks": json.dumps(tasks, default=str),
+              "steps": json.dumps(list(steps.values())), "channels": sorted(set(channels)), "source": source,
+              "event_source": event_source}
+    # A prepared statement on Django's own connection (so in the caller's transaction): planning
+    # this statement costs more than running it.
+    connection.ensure_connection()
+    with psycopg.Cursor(connection.connection) as cur:  # server-side binding (Django's cursors bind client-side)
+        cur.execute(START_NOW_SQL, params, prepare=True)
+        return cur.fetchone()

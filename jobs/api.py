@@ -36,9 +36,11 @@ from django.utils import timezone
 from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
-from jobs import transitions
-from jobs.models import ApprovalState, Job, JobSource, Tenant, DEFAULT_TENANT_SLUG
-from jobs.notify import builder_channel, notify
+from jobs import admission, transitions
+from jobs.definitions import definitions
+from jobs.instantiate import InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for
+from jobs.models import DEFAULT_TENANT_SLUG, ApprovalState, Job, JobSource, JobStatus, TaskStatus, Tenant
+from jobs.notify import builder_channel, notify, service_channel
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
 
@@ -88,6 +90,10 @@ def resolve_tenant(tenant: Tenant | str | UUID | None) -> Tenant:
     """Return the tenant given as object, slug or id; None means the default tenant."""
     if isinstance(tenant, Tenant):
         return tenant
+    return definitions.get(("tenant", str(tenant) if tenant is not None else None), lambda: _load_tenant(tenant))
+
+
+def _load_tenant(tenant: str | UUID | None) -> Tenant:
     if tenant is None or tenant == DEFAULT_TENANT_SLUG:
         return Tenant.objects.get_or_create(slug=DEFAULT_TENANT_SLUG, defaults={"name": "Default tenant"})[0]
     try:
@@ -104,6 +110,10 @@ def resolve_workflow(workflow: str | Workflow, version: int | None = None) -> Wo
     """Return the workflow object, or by name its given version or latest active version."""
     if isinstance(workflow, Workflow):
         return workflow
+    return definitions.get(("workflow", workflow, version), lambda: _load_workflow(workflow, version))
+
+
+def _load_workflow(workflow: str, version: int | None) -> Workflow:
     qs = Workflow.objects.filter(name=workflow)
     found = qs.filter(version=version).first() if version else qs.filter(is_active=True).order_by("-version").first()
     if found is None:
@@ -115,7 +125,10 @@ def resolve_workflow(workflow: str | Workflow, version: int | None = None) -> Wo
 
 def resolve_service(service: str | Service) -> Service:
     """Return the active service object or the one with this key."""
-    found = service if isinstance(service, Service) else Service.objects.filter(key=service).first()
+    if isinstance(service, Service):
+        found = service
+    else:
+        found = definitions.get(("service", service), lambda: Service.objects.filter(key=service).first())
     if found is None:
         raise NotFound(f"no service {service!r}")
     if not found.is_active:
@@ -146,8 +159,7 @@ class _Validators:
         try:
             fast = self._fast.get(service.id)
             if fast is None:
-                fast = self._fast[service.id] = jsonschema_rs.validator_for(service.params_schema or {},
-                                                                            retriever=_refuse_remote_ref)
+                fast = self._fast[service.id] = _compiled(service)
             if fast.is_valid(params):
                 return []
             slow = self._slow.get(service.id)
@@ -158,6 +170,20 @@ class _Validators:
         except (Unresolvable, RecursionError, LookupError, ValueError, TypeError) as exc:
             # An unresolvable $ref or a pathological schema is the definition's fault, not a crash.
             return [f"(root): service {service.key!r} has a params_schema that cannot be applied: {exc}"[:500]]
+
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _compiled(service: Service) -> Any:
+    """Return the service's compiled params validator, compiled once per version of the service."""
+    key = (service.id, service.updated_at)
+    fast = _COMPILED.get(key)
+    if fast is None:
+        if len(_COMPILED) > 1000:
+            _COMPILED.clear()
+        fast = _COMPILED[key] = jsonschema_rs.validator_for(service.params_schema or {}, retriever=_refuse_remote_ref)
+    return fast
 
 
 def _refuse_remote_ref(uri: str) -> Any:
@@ -327,6 +353,53 @@ def _runs_now(plan: _Plan, now: datetime) -> bool:
     )
 
 
+def _start_now(plan: _Plan) -> Job | None:
+    """Start a job that runs now in one statement; None when the general path must decide.
+
+    Taken for a job that is due, needs no approval, has no cap and no fan-out step. None also
+    when its external_id or dedupe_key is taken (nothing was written then).
+    """
+    spec = plan.spec
+    steps = plan.workflow.steps if plan.workflow else None
+    if steps and any(step.get("fan_out") for step in steps):
+        return None
+    services = {s.key: ServiceInfo(s.id, s.key, s.base_priority, s.max_attempts, s.timeout_seconds,
+                                   s.exclusive_per_host) for s in plan.services if s.is_active}
+    jid = uuid.uuid4()
+    row = JobRow(jid, plan.tenant.id, plan.workflow.id if plan.workflow else None,
+                 plan.service.id if plan.service else None, spec.priority, 0, spec.options or {}, plan.step_params)
+    try:
+        tasks = build_task_rows(row, steps_for(row, steps, plan.service.key if plan.service else None), services,
+                                hosts=[], blocked=set())
+    except InstantiationError:
+        return None  # the general path fails the job with the reason
+    for task in tasks:
+        task["id"] = task["id"].hex
+    channels = {service_channel(key) for key in services if any(
+        t["status"] == TaskStatus.QUEUED and t["service_id"] == services[key].id for t in tasks)}
+    created_by = getattr(spec.created_by, "pk", spec.created_by)
+    inserted = admission.insert_and_start(
+        job={"id": jid, "tenant": plan.tenant.id, "wf": row.workflow_id, "svc": row.service_id, "prio": spec.priority,
+             "opts": json.dumps(spec.options or {}), "sp": json.dumps(plan.step_params), "sched": spec.scheduled_at,
+             "src": str(spec.source), "sref": spec.source_ref, "ext": spec.external_id, "dk": spec.dedupe_key,
+             "corr": spec.correlation_id, "cby": created_by},
+        tasks=tasks, channels=sorted(channels), source=f"api:{spec.source}", event_source=f"api:{spec.source}")
+    if inserted is None:
+        return None
+    jid, order_seq, created_at, scheduled_at = inserted[:4]
+    job = Job(id=jid, tenant=plan.tenant, workflow=plan.workflow, service=plan.service, status=JobStatus.RUNNING,
+              progress=0.0, current_task_key=min(tasks, key=lambda r: r["position"])["task_key"],
+              priority=spec.priority, order_seq=order_seq, options=spec.options or {}, step_params=plan.step_params,
+              scheduled_at=scheduled_at, source=spec.source, source_ref=spec.source_ref, external_id=spec.external_id,
+              dedupe_key=spec.dedupe_key, correlation_id=spec.correlation_id,
+              approval_state=ApprovalState.NOT_REQUIRED, created_by_id=created_by, created_at=created_at,
+              started_at=created_at, updated_at=created_at)
+    job._state.adding = False
+    job._state.db = "default"
+    job.was_created = True
+    return job
+
+
 def validate(spec: JobSpec) -> None:
     """Check a job spec as :func:`start` would, writing nothing; raise DefinitionError or NotFound."""
     _plan(spec, _Validators(), {})
@@ -336,6 +409,12 @@ def start(spec: JobSpec) -> Job:
     """Start one job (see :func:`start_workflow`); ``job.was_created`` tells a new job from a repeat."""
     now = timezone.now()
     plan = _plan(spec, _Validators(), {})
+    if spec.scheduled_at is None and _runs_now(plan, now):
+        # Due now by PostgreSQL's clock (no scheduled time given). One statement, atomic on its own:
+        # no savepoint or transaction of ours is needed.
+        job = _start_now(plan)
+        if job is not None:
+            return job
     with transaction.atomic():
         for _ in range(INSERT_ATTEMPTS):
             inserted = _insert([plan])

@@ -95,3 +95,13 @@ def pytest_runtest_call(item):
            if not (job_may(frm, to) if is_job else task_may(frm, to))]
     if bad:
         outcome.force_exception(AssertionError("status changes outside the transition table: " + "; ".join(bad[:5])))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_definitions():
+    """Each test starts with no cached definitions (ids of rolled-back rows must not leak across)."""
+    from jobs.definitions import definitions
+
+    definitions.clear()
+    yield
+    definitions.clear()
