@@ -10,6 +10,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from accs_site.daemon import connect_options
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -92,6 +94,11 @@ _db["CONN_MAX_AGE"] = env.int("ACC_DB_CONN_MAX_AGE", default=600)
 _db["CONN_HEALTH_CHECKS"] = True
 _db.setdefault("OPTIONS", {})
 _db["OPTIONS"].setdefault("application_name", "accs")
+# Connect timeout and TCP keepalives on every connection, web and daemons alike: a dead server or
+# a cut network is noticed in seconds, not after the kernel's ~15 minutes of retransmissions.
+# The daemons add statement timeouts of their own (accs_site.daemon.configure_daemon_session).
+for _key, _value in connect_options().items():
+    _db["OPTIONS"].setdefault(_key, _value)
 DATABASES = {"default": _db}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -1,0 +1,342 @@
+"""What the long-running daemons (agent, builder) share to survive a bad day.
+
+* :class:`Backoff` — exponential delays with jitter, capped, reset after a good pass;
+* :func:`is_transient` / :func:`is_data_error` — sort database errors into "retry later" and
+  "this payload can never be written";
+* :class:`Guard` — run one step of a loop, never let it kill the daemon, and log an outage once
+  (when it starts and when it ends), not once per retry;
+* :func:`wait_for_database` — block start-up until PostgreSQL answers, saying so in one line;
+* :func:`connect_options` / :func:`configure_daemon_session` / :func:`connect` — TCP keepalives,
+  connect and statement timeouts on every long-lived connection, so a dead or hung peer is
+  noticed in seconds instead of the kernel's ~15 minutes;
+* :class:`StallBreaker` — a thread that breaks a database call blocked longer than a limit (a
+  blackholed connection that no TCP timer can see, such as one through a stuck proxy).
+
+Nothing here reads settings at import time: ``accs_site.settings`` imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import psycopg
+
+T = TypeVar("T")
+
+# Seconds: how long to wait for a connection, and the TCP timers that notice a dead peer.
+CONNECT_TIMEOUT = 5
+KEEPALIVES_IDLE = 10
+KEEPALIVES_INTERVAL = 3
+KEEPALIVES_COUNT = 3
+# Unacknowledged data this long (ms) closes the connection: a blackholed write is noticed too.
+TCP_USER_TIMEOUT_MS = 20_000
+# The daemons' statements: nothing they run should take this long; a stuck one is cancelled by
+# the server and the loop goes on. Idle-in-transaction: a daemon never waits inside a transaction.
+DAEMON_STATEMENT_TIMEOUT_MS = 30_000
+DAEMON_IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000
+
+
+class Backoff:
+    """Exponential delays with full jitter between ``base`` and ``cap`` seconds."""
+
+    def __init__(self, *, base: float = 0.2, cap: float = 10.0) -> None:
+        self.base, self.cap = base, cap
+        self.failures = 0
+
+    def next_delay(self) -> float:
+        """Return the delay before the next try and count one more failure."""
+        ceiling = min(self.cap, self.base * 2 ** min(self.failures, 30))
+        self.failures += 1
+        # Jitter in [ceiling/2, ceiling]: daemons that failed together do not retry together.
+        return random.uniform(ceiling / 2, ceiling)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+def _error_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    from django.db import utils as dj
+
+    transient = (dj.OperationalError, dj.InterfaceError, psycopg.OperationalError, psycopg.InterfaceError,
+                 ConnectionError, TimeoutError, socket.timeout)
+    data = (dj.DataError, dj.IntegrityError, dj.ProgrammingError, psycopg.DataError, psycopg.IntegrityError,
+            psycopg.ProgrammingError, ValueError, TypeError)
+    return transient, data
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Return whether ``exc`` says the database was unreachable or busy (retrying may work).
+
+    A statement cancelled by ``statement_timeout``, a deadlock victim, a lost or refused
+    connection, a server shutting down: the transaction rolled back and nothing was written.
+    """
+    transient, _ = _error_classes()
+    return isinstance(exc, transient)
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """Return whether ``exc`` says the payload itself cannot be written (retrying cannot help)."""
+    transient, data = _error_classes()
+    return isinstance(exc, data) and not isinstance(exc, transient)
+
+
+def first_line(exc: BaseException) -> str:
+    """Return the first line of an error, for one readable log line."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+class Guard:
+    """Run loop steps so that no exception ends the daemon; log each outage once.
+
+    A transient database error starts an "outage": it is logged once, with the step that saw
+    it; further failures are quiet until a step succeeds again, which logs how long it lasted.
+    Any other exception is logged with its traceback once per step until that step succeeds.
+    ``failed`` tells the loop that this pass had a failure, so it backs off before the next one.
+    """
+
+    def __init__(self, logger: logging.Logger, *, extra: dict[str, Any] | None = None,
+                 on_transient: Callable[[], None] | None = None) -> None:
+        self.log = logger
+        self.extra = extra or {}
+        self.on_transient = on_transient
+        self.outage_since: float | None = None
+        self.failed = False
+        self._broken_steps: set[str] = set()
+
+    def run(self, step: str, fn: Callable[[], T], *, default: T = None) -> T:  # type: ignore[assignment]
+        """Return ``fn()``, or ``default`` when it raised (logged as described above)."""
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - the point: nothing ends the loop
+            self.failed_step(step, exc)
+            return default
+        self.ok(step)
+        return value
+
+    def failed_step(self, step: str, exc: BaseException) -> None:
+        """Record that ``step`` raised ``exc``; log it if it starts an outage or a new breakage."""
+        self.failed = True
+        if is_transient(exc):
+            if self.outage_since is None:
+                self.outage_since = time.monotonic()
+                self.log.warning("database unreachable during %s (%s); retrying with backoff until it is back",
+                                 step, first_line(exc), extra=self.extra)
+            else:
+                self.log.debug("%s still failing: %s", step, first_line(exc), extra=self.extra)
+            if self.on_transient is not None:
+                try:
+                    self.on_transient()
+                except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+                    pass
+            return
+        if step not in self._broken_steps:
+            self._broken_steps.add(step)
+            self.log.error("%s failed: %s; retrying with backoff", step, first_line(exc), exc_info=exc,
+                           extra=self.extra)
+
+    def ok(self, step: str) -> None:
+        """Record that ``step`` succeeded; end the outage (logged once) or the step's breakage."""
+        if self.outage_since is not None:
+            self.log.info("database reachable again after %.1fs", time.monotonic() - self.outage_since,
+                          extra=self.extra)
+            self.outage_since = None
+        if step in self._broken_steps:
+            self._broken_steps.discard(step)
+            self.log.info("%s works again", step, extra=self.extra)
+
+    def start_pass(self) -> None:
+        self.failed = False
+
+
+def close_django_connection() -> None:
+    """Drop this thread's Django connection (the next query opens a fresh one)."""
+    from django.db import connection
+
+    try:
+        connection.close()
+    except Exception:  # noqa: BLE001 - a broken connection may fail to close; it is dropped anyway
+        connection.connection = None
+
+
+def connect_options(*, statement_timeout_ms: int | None = None,
+                    idle_in_transaction_timeout_ms: int | None = None) -> dict[str, Any]:
+    """Return libpq connection parameters: connect timeout, TCP keepalives, user timeout.
+
+    ``tcp_user_timeout`` needs libpq 12 or newer; it is left out for an older libpq rather than
+    failing every connection. The timeouts in ``options`` apply to the session's statements.
+    """
+    opts: dict[str, Any] = {
+        "connect_timeout": CONNECT_TIMEOUT,
+        "keepalives": 1,
+        "keepalives_idle": KEEPALIVES_IDLE,
+        "keepalives_interval": KEEPALIVES_INTERVAL,
+        "keepalives_count": KEEPALIVES_COUNT,
+    }
+    if psycopg.pq.version() >= 120000:
+        opts["tcp_user_timeout"] = TCP_USER_TIMEOUT_MS
+    session = []
+    if statement_timeout_ms is not None:
+        session.append(f"-c statement_timeout={int(statement_timeout_ms)}")
+    if idle_in_transaction_timeout_ms is not None:
+        session.append(f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_timeout_ms)}")
+    if session:
+        opts["options"] = " ".join(session)
+    return opts
+
+
+def configure_daemon_session(*, application_name: str) -> None:
+    """Give every Django connection this process opens from now on the daemons' timeouts.
+
+    Django reads ``OPTIONS`` each time it connects, and all threads share the settings dict, so
+    the worker threads' connections get them too. Web processes keep their own defaults.
+    """
+    from django.db import connections
+
+    options = connections.settings["default"].setdefault("OPTIONS", {})
+    options.update(connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS,
+                                   idle_in_transaction_timeout_ms=DAEMON_IDLE_IN_TRANSACTION_TIMEOUT_MS))
+    options["application_name"] = application_name
+
+
+def database_address() -> str:
+    """Return ``host:port`` of the default database, for messages."""
+    from django.db import connections
+
+    s = connections.settings["default"]
+    return f"{s.get('HOST') or 'localhost'}:{s.get('PORT') or 5432}"
+
+
+def connect(*, application_name: str, autocommit: bool = True) -> psycopg.Connection:
+    """Open a dedicated connection (LISTEN, leader lock) with keepalives and timeouts."""
+    from django.db import connections
+
+    s = connections.settings["default"]
+    return psycopg.connect(host=s["HOST"] or None, port=s["PORT"] or None, dbname=s["NAME"], user=s["USER"],
+                           password=s["PASSWORD"] or None, autocommit=autocommit, application_name=application_name,
+                           **connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS))
+
+
+def wait_for_database(logger: logging.Logger, *, stopping: Callable[[], bool] = lambda: False,
+                      extra: dict[str, Any] | None = None, sleep: Callable[[float], Any] = time.sleep) -> bool:
+    """Block until PostgreSQL answers a query; return False if ``stopping()`` became true first.
+
+    Prints one clear line the first time it cannot connect, then retries quietly with backoff.
+    """
+    from django.db import connection
+
+    backoff = Backoff(base=0.2, cap=5.0)
+    announced = False
+    while not stopping():
+        try:
+            with connection.cursor() as cur:
+                cur.execute("SELECT 1")
+            if announced:
+                logger.info("PostgreSQL at %s answers", database_address(), extra=extra)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure to connect means "not yet"
+            close_django_connection()
+            if not announced:
+                announced = True
+                logger.warning("waiting for PostgreSQL at %s … (%s)", database_address(), first_line(exc),
+                               extra=extra)
+            sleep(backoff.next_delay())
+    return False
+
+
+def shutdown_socket(fd: int) -> None:
+    """Shut a connection's socket down in both directions, so a call blocked on it returns."""
+    try:
+        sock = socket.socket(fileno=_dup(fd))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def _dup(fd: int) -> int:
+    import os
+
+    return os.dup(fd)
+
+
+class StallBreaker:
+    """Break a database call that has been blocked longer than ``limit`` seconds.
+
+    Kernel timers cannot see every hang (a peer that still acknowledges packets but never
+    answers, such as a stuck proxy). The loop marks each step with :meth:`step`; a daemon thread
+    shuts the sockets of ``connections()`` down when a step runs too long, which makes the
+    blocked call raise a connection error that the loop's guard handles like any outage.
+    """
+
+    def __init__(self, *, limit: float, connections: Callable[[], Iterable[Any]], logger: logging.Logger,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.limit = limit
+        self.connections = connections
+        self.log = logger
+        self.extra = extra or {}
+        self._since: float | None = None
+        self._name = ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="accs-stall-breaker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    @contextmanager
+    def step(self, name: str):
+        with self._lock:
+            self._since, self._name = time.monotonic(), name
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._since = None
+
+    def check(self, now: float | None = None) -> bool:
+        """Break the connections if the current step is overdue; return whether it did."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            since, name = self._since, self._name
+            if since is None or now - since < self.limit:
+                return False
+            self._since = None  # once per step
+        self.log.warning("%s blocked for %.0fs on the database; breaking the connection", name, now - since,
+                         extra=self.extra)
+        for conn in self.connections():
+            fd = _fileno(conn)
+            if fd is not None:
+                shutdown_socket(fd)
+        return True
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.limit / 4)):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the watcher must outlive any surprise
+                self.log.exception("stall breaker check failed", extra=self.extra)
+
+
+def _fileno(conn: Any) -> int | None:
+    """Return the socket of a psycopg connection or a Django wrapper's, or None."""
+    raw = conn if isinstance(conn, psycopg.Connection) else getattr(conn, "connection", None)
+    if raw is None:
+        return None
+    try:
+        return raw.fileno() if not raw.closed else None
+    except Exception:  # noqa: BLE001 - a connection being closed by its owner
+        return None
