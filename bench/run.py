@@ -6,11 +6,12 @@ the database, as the peer benchmarks do), e2e_jobs_per_s (one-task jobs bulk-cre
 by a running builder and run to done by two agents), enqueue_rate_single / enqueue_rate_bulk
 (one-task jobs/s through the Python API, one by one and with start_many), pickup_p50_ms /
 pickup_p95_ms (enqueue → task body, 200 jobs 50 ms apart into an idle agent),
-fanout_1000_instantiate_s / fanout_1000_complete_s (a job fanning out over 1,000 hosts into a second
+claim_ms_p50_at_10k / _100k / _1m (one claim of 10 tasks with that many queued, 10 % in backoff and
+10 % bound to another node's host at the head of the order), fanout_1000_instantiate_s / fanout_1000_complete_s (a job fanning out over 1,000 hosts into a second
 1,000-host fan-out: the start call, and the job's start to its end with two agents).
 
 Every claim, transition and event is written as in production. Environment: BENCH_N (20000),
-BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05), BENCH_FANOUT_HOSTS (1000).
+BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05), BENCH_FANOUT_HOSTS (1000), BENCH_CLAIM_SIZES (10000,100000,1000000).
 """
 
 from __future__ import annotations
@@ -219,6 +220,43 @@ def fanout(n: int = FANOUT_HOSTS) -> tuple[float, float]:
     return instantiate, complete
 
 
+CLAIM_SIZES = [int(x) for x in os.environ.get("BENCH_CLAIM_SIZES", "10000,100000,1000000").split(",")]
+
+
+def _fill_queue(n: int) -> None:
+    """Queue ``n`` tasks with backoff and other nodes' host-bound work at the head (bench.fixtures)."""
+    from bench.fixtures import fill_queue
+    from nodes.models import Host, Node
+
+    reset()
+    Node.objects.get_or_create(name="bench-other")
+    host = Host.objects.create(name="fan-h-other", node_id="bench-other")
+    with connection.cursor() as cur:
+        cur.execute("SELECT id FROM accs_tenant WHERE slug = 'default'")
+        tenant = cur.fetchone()[0]
+        cur.execute("SELECT id FROM accs_service WHERE key = 'bench-noop'")
+        fill_queue(cur, n=n, tenant_id=tenant, service_id=cur.fetchone()[0], other_host_id=host.id)
+    settle()
+
+
+def claim_cost(n: int, claims: int = 50) -> float:
+    """Return the median ms of one claim of 10 tasks with ``n`` tasks queued (see :func:`_fill_queue`)."""
+    from jobs.claim import NodeLimits, ServiceSpec, claim_many
+    from workflows.models import Service
+
+    _fill_queue(n)
+    svc = Service.objects.get(key="bench-noop")
+    spec = ServiceSpec(svc.id, svc.key, svc.cpu_weight, svc.max_concurrent, svc.exclusive_per_host)
+    limits = NodeLimits("bench-claim", slot_cap=10_000, cpu_budget=100_000, per_service={})
+    times = []
+    for _ in range(claims):
+        start = time.perf_counter()
+        got = claim_many([spec], limits, agent_id="bench", free_slots=10, lease_seconds=600)
+        times.append((time.perf_counter() - start) * 1000)
+        assert len(got) == 10, len(got)
+    return statistics.median(times)
+
+
 def median_of(fn, reps: int) -> tuple[float, list[float]]:
     runs = [fn() for _ in range(reps)]
     return statistics.median(runs), runs
@@ -243,6 +281,10 @@ def main() -> int:
     results["pickup_p50_ms"], results["pickup_p95_ms"] = round(p50, 2), round(p95, 2)
     say(f"  {'pickup_p50_ms':<22} {p50:>10.2f}")
     say(f"  {'pickup_p95_ms':<22} {p95:>10.2f}")
+    for size in CLAIM_SIZES:
+        label = f"claim_ms_p50_at_{size // 1000}k" if size < 1_000_000 else f"claim_ms_p50_at_{size // 1_000_000}m"
+        results[label] = round(claim_cost(size), 3)
+        say(f"  {label:<22} {results[label]:>10.3f}")
     inst, complete = fanout()
     results["fanout_1000_instantiate_s"], results["fanout_1000_complete_s"] = round(inst, 3), round(complete, 3)
     say(f"  {'fanout_1000_instantiate_s':<22} {inst:>10.3f}")

@@ -49,11 +49,12 @@ def _tenant_filter(column: str, tenant_ids: set[UUID] | None) -> tuple[str, dict
 ACTIVE_TASKS_SQL = """
 -- Only queued/starting/running rows: a BitmapOr over the partial indexes task_claim_idx (queued)
 -- and task_lease_idx / task_held_service_idx (held), so the cost follows the live queue.
-SELECT t.tenant_id, t.service_id, t.status, count(*),
-       count(*) FILTER (WHERE t.status = 'queued' AND t.attempt > 0),
+-- Retries waiting out their backoff (scheduled) count as queued and retrying.
+SELECT t.tenant_id, t.service_id, CASE WHEN t.status = 'scheduled' THEN 'queued' ELSE t.status END, count(*),
+       count(*) FILTER (WHERE t.status IN ('queued', 'scheduled') AND t.attempt > 0),
        min(t.next_attempt_at) FILTER (WHERE t.status = 'queued' AND t.next_attempt_at <= %(now)s)
   FROM accs_task t
- WHERE t.status IN ('queued', 'starting', 'running') AND {tenants}
+ WHERE t.status IN ('queued', 'scheduled', 'starting', 'running') AND {tenants}
  GROUP BY 1, 2, 3
 """
 

@@ -152,11 +152,12 @@ def readmit(cur, job_id: UUID, *, tenant_id: Any, workflow_id: Any, now: datetim
     if not (tenant_cap or wf_cap):
         return "running"
     # Under a cap the builder decides, in order_seq order with every other due job.
-    cur.execute("UPDATE accs_task SET status = 'waiting', updated_at = %s WHERE job_id = %s AND status = 'queued'"
-                " RETURNING id", [now, job_id])
-    write_events([EventRow(type="status", message="task queued → waiting (the job waits for admission)",
-                           job_id=job_id, task_id=r[0], source=source, data={"from": "queued", "to": "waiting"})
-                  for r in cur.fetchall()], cursor=cur)
+    cur.execute("WITH o AS (SELECT id, status FROM accs_task WHERE job_id = %s AND status IN ('queued', 'scheduled'))"
+                " UPDATE accs_task t SET status = 'waiting', updated_at = %s FROM o WHERE t.id = o.id"
+                " RETURNING t.id, o.status", [job_id, now])
+    write_events([EventRow(type="status", message=f"task {frm} → waiting (the job waits for admission)",
+                           job_id=job_id, task_id=tid, source=source, data={"from": frm, "to": "waiting"})
+                  for tid, frm in cur.fetchall()], cursor=cur)
     notify(cur, [builder_channel()])
     return "queued"
 

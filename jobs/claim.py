@@ -37,6 +37,7 @@ from uuid import UUID
 from django.db import connection, transaction
 
 from jobs.locks import advisory_locks
+from jobs.reports import promote_scheduled_in
 from jobs.sql import from_json
 
 log = logging.getLogger("accs.claim")
@@ -81,28 +82,41 @@ CLAIM_SQL = """
 WITH svc AS (
     SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[])
              AS s(id, room, weight, adjust)
-), cand AS (
-    -- Per service, served by task_claim_idx (service_id, priority DESC, order_seq, created_at, id)
-    -- WHERE queued: each scan stops after the service's room of rows that pass the filters.
-    -- SKIP LOCKED: concurrent claimers never wait for each other and never take the same row.
+), free AS (
+    -- Tasks bound to no host, per service: served by task_claim_idx (service_id, priority DESC,
+    -- order_seq, created_at, id) WHERE queued AND no host; each scan stops after the service's
+    -- room. SKIP LOCKED: concurrent claimers never wait for each other nor take the same row.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM svc CROSS JOIN LATERAL (
         SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at
           FROM accs_task t
-         WHERE t.service_id = svc.id AND t.status = 'queued'
+         WHERE t.service_id = svc.id AND t.status = 'queued' AND t.host_id IS NULL
            AND t.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
-           AND (t.host_id IS NULL OR t.host_id = ANY(%(hosts)s::bigint[]))
            -- Tasks this agent still runs (an older attempt it has not finished) are never
            -- claimed by it again: its own late finish would otherwise race the new attempt.
            AND t.id <> ALL(%(exclude)s::uuid[])
-           -- Exclusive work: not while another exclusive task is held on the host (served by
-           -- the partial unique index task_one_held_per_exclusive_host).
-           AND NOT (t.exclusive AND t.host_id IS NOT NULL AND EXISTS (
-                    SELECT 1 FROM accs_task h WHERE h.host_id = t.host_id AND h.exclusive
-                       AND h.status IN ('starting', 'running')))
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
          LIMIT svc.room
            FOR UPDATE OF t SKIP LOCKED) c
+), bound AS (
+    -- Tasks bound to this node's eligible hosts, per host and service: task_claim_host_idx. Other
+    -- nodes' host-bound work is never scanned.
+    SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
+      FROM svc CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at
+          FROM accs_task t
+         WHERE t.host_id = h.id AND t.service_id = svc.id AND t.status = 'queued'
+           AND t.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+           AND t.id <> ALL(%(exclude)s::uuid[])
+           -- Exclusive work: not while another exclusive task is held on the host (served by
+           -- the partial unique index task_one_held_per_exclusive_host).
+           AND NOT (t.exclusive AND EXISTS (SELECT 1 FROM accs_task x WHERE x.host_id = t.host_id AND x.exclusive
+                                               AND x.status IN ('starting', 'running')))
+         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
+         LIMIT svc.room
+           FOR UPDATE OF t SKIP LOCKED) c
+), cand AS (
+    SELECT * FROM free UNION ALL SELECT * FROM bound
 ), ranked AS (
     SELECT cand.*,
            row_number() OVER (PARTITION BY CASE WHEN exclusive THEN host_id END
@@ -122,7 +136,9 @@ WITH svc AS (
            lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease)s),
            heartbeat_at = coalesce(%(now)s::timestamptz, now()), updated_at = coalesce(%(now)s::timestamptz, now()),
            cancel_requested_at = NULL, started_at = NULL
-      FROM pick WHERE t.id = pick.id
+     -- By primary key: the planner cannot know how few rows pick holds, and a hash join would
+     -- read the whole task table.
+     WHERE t.id = ANY(ARRAY(SELECT id FROM pick))
     RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.service_id,
               t.priority, t.order_seq, t.created_at
 ), att AS (
@@ -142,8 +158,8 @@ SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_se
 """
 
 HELD_SQL = """
--- Held tasks on this node and of the capped services: read through task_held_service_idx, a
--- partial index holding only starting/running tasks, so the cost follows the running work.
+-- Held tasks on this node (task_held_node_idx) and of the capped services (task_held_service_idx):
+-- partial indexes holding only starting/running tasks, so the cost follows the running work.
 SELECT t.service_id, count(*) FILTER (WHERE t.node = %(node)s), count(*), coalesce(
        sum(s.cpu_weight) FILTER (WHERE t.node = %(node)s), 0)
   FROM accs_task t JOIN accs_service s ON s.id = t.service_id
@@ -223,6 +239,9 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
         node_hosts = cur.fetchall()
         ok_hosts = [h for h, status in node_hosts if status == "ok"]
         eligible = [h for h in ok_hosts if h not in blocked_hosts]
+        # Retries of these services whose backoff is over become claimable first.
+        promote_scheduled_in(cur, services=[s.id for s in services], limit=max(free_slots, 100),
+                             source=f"agent:{limits.name}", now=now)
         held = _held(cur, limits, services)
         node = node_room(limits, held, free_slots=free_slots, eligible_hosts=len(ok_hosts),
                          node_has_hosts=bool(node_hosts))

@@ -21,6 +21,7 @@ from uuid import UUID
 
 from events.timeline import EventRow
 from jobs.notify import notify, service_channel
+from jobs.states import TASK_UNSTARTED, sql_in
 
 MAX_DAG_DEPTH = 100  # skipping cascades one step level per pass
 
@@ -147,13 +148,14 @@ def reset_step_flags(cur, job_ids: Sequence[UUID]) -> None:
 
 def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, reason: str,
                    to: str = "skipped") -> list[EventRow]:
-    """Move the waiting and queued tasks of (locked) jobs to ``to``; return their events to write.
+    """Move the unstarted (waiting, queued, scheduled) tasks of (locked) jobs to ``to``; return their events.
 
     Unstarted tasks are locked by nobody but claims, which never wait, so this unsorted UPDATE
     cannot close a lock cycle.
     """
     cur.execute(
-        "WITH o AS (SELECT id, status FROM accs_task WHERE job_id = ANY(%s::uuid[]) AND status IN ('waiting', 'queued')"
+        "WITH o AS (SELECT id, status FROM accs_task WHERE job_id = ANY(%s::uuid[])"
+        f"           AND status IN {sql_in(TASK_UNSTARTED)}"
         "           FOR UPDATE)"
         f" UPDATE accs_task t SET status = '{to}', finished_at = %s, updated_at = %s, error_message = %s"
         " FROM o WHERE t.id = o.id RETURNING t.id, t.job_id, o.status",

@@ -207,6 +207,7 @@ class TaskStatus(models.TextChoices):
 
     WAITING = "waiting", "Waiting for dependencies"
     QUEUED = "queued", "Queued (claimable)"
+    SCHEDULED = "scheduled", "Scheduled (a retry waiting out its backoff)"
     STARTING = "starting", "Claimed, starting"
     RUNNING = "running", "Running"
     DONE = "done", "Done"
@@ -218,7 +219,7 @@ class TaskStatus(models.TextChoices):
 
 TASK_FINAL = (TaskStatus.DONE, TaskStatus.ERROR, TaskStatus.SKIPPED, TaskStatus.CANCELED, TaskStatus.BLOCKED)
 TASK_HELD = (TaskStatus.STARTING, TaskStatus.RUNNING)
-TASK_UNSTARTED = (TaskStatus.WAITING, TaskStatus.QUEUED)
+TASK_UNSTARTED = (TaskStatus.WAITING, TaskStatus.QUEUED, TaskStatus.SCHEDULED)
 
 
 class Task(models.Model):
@@ -282,11 +283,22 @@ class Task(models.Model):
             ),
         ]
         indexes = [
-            # The claim path (jobs.claim): queued tasks of a service in CLM1 order.
+            # The claim path (jobs.claim): queued tasks of a service in the global order. Tasks
+            # bound to a host have their own index, so a node never scans past other nodes'
+            # host-bound work; tasks waiting out a backoff are "scheduled", in neither.
             models.Index(
                 "service", F("priority").desc(), "order_seq", "created_at", "id",
-                condition=Q(status="queued"), name="task_claim_idx",
+                condition=Q(status="queued", host__isnull=True), name="task_claim_idx",
             ),
+            models.Index(
+                "host", "service", F("priority").desc(), "order_seq", "created_at", "id",
+                condition=Q(status="queued", host__isnull=False), name="task_claim_host_idx",
+            ),
+            # Promotion of retries whose backoff is over (scheduled → queued).
+            models.Index(fields=["service", "next_attempt_at"], condition=Q(status="scheduled"),
+                         name="task_scheduled_idx"),
+            # A node's held tasks (its slot and CPU room).
+            models.Index(fields=["node"], condition=Q(status__in=TASK_HELD), name="task_held_node_idx"),
             # Lease rescue (builder): held tasks by lease expiry.
             models.Index(fields=["lease_expires_at"], condition=Q(status__in=TASK_HELD), name="task_lease_idx"),
             # Limits: held tasks per service / host.

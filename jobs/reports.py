@@ -23,6 +23,7 @@ from events.timeline import EventRow, write_events
 from jobs.backoff import backoff_delay
 from jobs.finalize import finalize_jobs, skip_unstarted
 from jobs.locks import lock_jobs_of_tasks, lock_tasks
+from jobs.notify import notify, service_channel
 from accs_site.clock import db_now
 
 log = logging.getLogger("accs.reports")
@@ -255,17 +256,19 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
             delay = backoff_delay(in_budget, base=accs.backoff_base_sec if base is None else base,
                                   cap=min(cap, accs.backoff_cap_sec))
             next_at = now + timedelta(seconds=delay)
+            # A retry that must wait is "scheduled", out of the claim index, until its time comes.
+            to = "scheduled" if delay > 0 else "queued"
             cur.execute(
-                "UPDATE accs_task SET status = 'queued', next_attempt_at = %s, updated_at = %s, error_code = %s,"
+                "UPDATE accs_task SET status = %s, next_attempt_at = %s, updated_at = %s, error_code = %s,"
                 " error_message = %s, claimed_by = '', lease_expires_at = NULL, progress = NULL"
                 " WHERE id = %s AND status = %s",
-                [next_at, now, o.error_code or attempt_status, error[:2000], tid, status],
+                [to, next_at, now, o.error_code or attempt_status, error[:2000], tid, status],
             )
             result.retried.append(tid)
             events.append(EventRow(
                 type="retry", level="warn", job_id=jid, task_id=tid, attempt=attempt, source=source,
-                message=f"task {status} → queued: attempt {attempt}/{max_attempts} {attempt_status}, retry in {delay:.1f}s",
-                data={"from": status, "to": "queued", "error": error[:500], "delay_seconds": round(delay, 3),
+                message=f"task {status} → {to}: attempt {attempt}/{max_attempts} {attempt_status}, retry in {delay:.1f}s",
+                data={"from": status, "to": to, "error": error[:500], "delay_seconds": round(delay, 3),
                       "next_attempt_at": next_at.isoformat()},
             ))
             continue
@@ -389,3 +392,41 @@ def report_progress(items: Sequence[tuple[UUID, int, float]], *, source: str, no
              "now": now, "source": source},
         )
         return cur.rowcount
+
+
+PROMOTE_SCHEDULED_SQL = """
+-- Retries whose backoff is over become claimable (scheduled → queued), oldest due first.
+-- Served by task_scheduled_idx; SKIP LOCKED lets concurrent promoters share the work.
+WITH due AS (
+    SELECT id FROM accs_task
+     WHERE status = 'scheduled' AND next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+       AND (%(services)s::bigint[] IS NULL
+            OR service_id = ANY(%(services)s::bigint[]))
+     ORDER BY next_attempt_at LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), up AS (
+    UPDATE accs_task t SET status = 'queued', updated_at = now() FROM due WHERE t.id = due.id
+    RETURNING t.id, t.job_id, t.attempt, t.service_id
+), ev AS (
+    INSERT INTO accs_event (job_id, task_id, attempt, source, level, type, message, data)
+    SELECT job_id, id, attempt, %(source)s, 'info', 'status', 'task scheduled → queued (backoff over)',
+           '{"from": "scheduled", "to": "queued"}'::jsonb FROM up
+)
+SELECT DISTINCT s.key FROM up JOIN accs_service s ON s.id = up.service_id
+"""
+
+
+def promote_scheduled_in(cur, *, services: Sequence[int] | None = None, limit: int = 1000,
+                         source: str = BUILDER, now: datetime | None = None) -> list[str]:
+    """Promote due retries on ``cur`` (in the caller's transaction); return the services woken."""
+    cur.execute(PROMOTE_SCHEDULED_SQL, {"services": list(services) if services is not None else None,
+                                        "limit": limit, "source": source, "now": now})
+    keys = [r[0] for r in cur.fetchall()]
+    notify(cur, [service_channel(k) for k in keys])
+    return keys
+
+
+def promote_scheduled(*, limit: int = 1000, now: datetime | None = None) -> int:
+    """Make retries whose backoff is over claimable again (a builder duty). Return how many services woke."""
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        return len(promote_scheduled_in(cur, limit=limit, now=now))

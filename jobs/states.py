@@ -31,11 +31,13 @@ JOB_RETRYABLE: frozenset[str] = frozenset({J.ERROR, J.CANCELED, J.PARTIAL})
 TASK_TRANSITIONS: dict[str, frozenset[str]] = {
     "created": frozenset({T.WAITING, T.QUEUED, T.BLOCKED}),
     T.WAITING: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED}),
+    # scheduled → queued: the retry's backoff is over.
+    T.SCHEDULED: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED, T.WAITING}),
     # queued → waiting: a retried job waits for admission before its tasks are claimable again.
     T.QUEUED: frozenset({T.STARTING, T.SKIPPED, T.CANCELED, T.BLOCKED, T.WAITING}),
     # starting/running → queued: a retry after a failed, expired or interrupted attempt.
-    T.STARTING: frozenset({T.RUNNING, T.DONE, T.QUEUED, T.ERROR, T.CANCELED}),
-    T.RUNNING: frozenset({T.DONE, T.QUEUED, T.ERROR, T.CANCELED}),
+    T.STARTING: frozenset({T.RUNNING, T.DONE, T.QUEUED, T.SCHEDULED, T.ERROR, T.CANCELED}),
+    T.RUNNING: frozenset({T.DONE, T.QUEUED, T.SCHEDULED, T.ERROR, T.CANCELED}),
     T.DONE: frozenset(),
     T.ERROR: frozenset({T.QUEUED, T.WAITING}),
     T.SKIPPED: frozenset({T.QUEUED, T.WAITING}),

@@ -23,7 +23,7 @@ from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
 from accs_site.clock import db_now
-from jobs.states import JOB_ACTIVE, JOB_RETRYABLE, TASK_RETRYABLE, sql_in
+from jobs.states import JOB_ACTIVE, JOB_RETRYABLE, TASK_RETRYABLE, TASK_UNSTARTED, sql_in
 
 
 @dataclass
@@ -84,7 +84,7 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
 
 
 def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
-    """Cancel one task: waiting/queued → canceled; starting/running → the agent is told to stop."""
+    """Cancel one task: waiting/queued/scheduled → canceled; starting/running → the agent is told to stop."""
     source = _source(by)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("SELECT job_id FROM accs_task WHERE id = %s", [task_id])
@@ -95,7 +95,7 @@ def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> 
         lock_jobs(cur, [job_id])
         lock_tasks_of_jobs(cur, [job_id], where="t.id = %s", params=[task_id])
         now = now or db_now(cur)
-        cur.execute("WITH o AS (SELECT id, status FROM accs_task WHERE id = %s AND status IN ('waiting', 'queued'))"
+        cur.execute(f"WITH o AS (SELECT id, status FROM accs_task WHERE id = %s AND status IN {sql_in(TASK_UNSTARTED)})"
                     " UPDATE accs_task t SET status = 'canceled', finished_at = %s, updated_at = %s,"
                     " error_code = 'canceled' FROM o WHERE t.id = o.id RETURNING o.status", [task_id, now, now])
         row = cur.fetchone()

@@ -150,20 +150,49 @@ def test_job_created_in_rolled_back_transaction_does_not_exist(make_service):
     assert Job.objects.count() == 0 and Task.objects.count() == 0
 
 
-@pytest.mark.django_db(transaction=True)
-def test_claim_plan_uses_the_partial_claim_index(make_service):
-    svc = make_service("svc")
-    other = make_service("other")
-    api.start_many([api.JobSpec(service="svc") for _ in range(5000)] + [api.JobSpec(service="other") for _ in range(5000)])
-    assert len(transitions.start_due_jobs(limit=20000)) == 10000
-    with connection.cursor() as cur:
-        cur.execute("ANALYZE accs_task")
-        cur.execute("EXPLAIN " + "SELECT t.id FROM accs_task t WHERE t.service_id = %s AND t.status = 'queued'"
-                    " AND t.next_attempt_at <= now() ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id"
-                    " LIMIT 10 FOR UPDATE SKIP LOCKED", [svc.id])
+def _claim_plan(svc, *, hosts: list[int]) -> str:
+    """EXPLAIN ANALYZE the real claim statement for 10 tasks (rolled back: nothing is claimed)."""
+    from jobs.claim import CLAIM_SQL
+
+    params = {"svc_ids": [svc.id], "rooms": [10], "weights": [1], "adjust": [0], "now": None, "hosts": hosts,
+              "slots": 10, "cpu": 1000, "agent": "plan", "node": "plan", "lease": 60.0, "pid": 1, "source": "plan",
+              "exclude": []}
+    from django.db import transaction
+
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + CLAIM_SQL, params)
         plan = "\n".join(r[0] for r in cur.fetchall())
-    assert "task_claim_idx" in plan, plan
-    assert "Sort" not in plan.split("task_claim_idx")[0], plan
+        transaction.set_rollback(True)
+    return plan
+
+
+def _rows_read(plan: str, index: str) -> int:
+    line = next(line for line in plan.splitlines() if f"using {index} on accs_task" in line)
+    return int(line.split("rows=")[-1].split()[0])
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("size", [20_000, pytest.param(1_000_000, marks=pytest.mark.slow)])
+def test_the_claim_reads_its_index_and_about_as_many_rows_as_it_claims(make_service, size):
+    """The real CLAIM_SQL, with a queue whose head holds retries in backoff and another node's host-bound tasks."""
+    from bench.fixtures import fill_queue
+    from jobs.models import Tenant
+    from nodes.models import Host, Node
+
+    svc = make_service("svc")
+    tenant = Tenant.objects.get_or_create(slug="default", defaults={"name": "Default"})[0]
+    Node.objects.create(name="other-node")
+    Node.objects.create(name="plan")
+    other_host = Host.objects.create(name="other-host", node_id="other-node")
+    own_host = Host.objects.create(name="own-host", node_id="plan")
+    with connection.cursor() as cur:
+        fill_queue(cur, n=size, tenant_id=tenant.id, service_id=svc.id, other_host_id=other_host.id)
+        cur.execute("ANALYZE accs_task")
+    plan = _claim_plan(svc, hosts=[own_host.id])
+    assert "Seq Scan on accs_task" not in plan, plan
+    assert "using task_claim_idx on accs_task" in plan, plan
+    # 10 claimed; the backoff and host-bound rows at the head are not in this index at all.
+    assert _rows_read(plan, "task_claim_idx") <= 10, plan
 
 
 def test_retried_dead_letter_task_runs_again_with_fresh_budget_and_new_attempt_numbers(make_service):
