@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo test test-fast bench stop check
+.PHONY: install db demo test test-fast bench bench-compare stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-fast: install
 
 bench: db
 	@$(PY) bench/run.py
+
+# The peers (../shared/bench-peers, one repetition, on a copy) and ACCS in one session:
+# bench/results/compare.json and the README's benchmark table.
+bench-compare: db
+	@$(PY) bench/compare.py
 
 check: install
 	@$(PY) manage.py makemigrations --check --dry-run

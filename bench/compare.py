@@ -1,0 +1,132 @@
+"""Compare ACCS with its peers measured in the same session (``make bench-compare``).
+
+Runs ``../shared/bench-peers/run_all.sh`` with one repetition on a copy of that folder (the
+original is never written), then ``bench/run.py``, then writes ``bench/results/compare.json`` and
+a table of ratios (ACCS ÷ best peer) and puts that table, with the date and machine, into the
+README between the ``bench:start`` and ``bench:end`` markers.
+
+``python bench/compare.py --render-only`` rebuilds compare.json and the README table from the
+results already on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_SRC = ROOT.parent / "shared" / "bench-peers"
+PEERS_COPY = Path(os.environ.get("ACC_BENCH_PEERS_DIR", "/tmp/accs-bench-peers"))
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+# (label, ACCS key, higher is better, [(peer, file, path into its JSON), ...])
+MEASURES = [
+    ("enqueue one by one (jobs/s)", "enqueue_rate_single", True,
+     [("Procrastinate", "procrastinate.json", ("enqueue", "one_by_one_sync", "median")),
+      ("django-tasks", "django_tasks.json", ("enqueue", "one_by_one", "median"))]),
+    ("enqueue batch (jobs/s)", "enqueue_rate_bulk", True,
+     [("Procrastinate", "procrastinate.json", ("enqueue", "batch_defer_1000", "median")),
+      ("django-tasks", "django_tasks.json", ("enqueue", "one_by_one_in_atomic", "median"))]),
+    ("drain, 1 process (tasks/s)", "drain_tps_1_agent", True,
+     [("Procrastinate", "procrastinate.json", ("drain", "1proc", "median")),
+      ("django-tasks", "django_tasks.json", ("drain", "1proc", "median"))]),
+    ("drain, 2 processes (tasks/s)", "drain_tps_2_agents", True,
+     [("Procrastinate", "procrastinate.json", ("drain", "2proc", "median")),
+      ("django-tasks", "django_tasks.json", ("drain", "2proc", "median"))]),
+    ("pick-up p50 (ms)", "pickup_p50_ms", False,
+     [("Procrastinate", "procrastinate.json", ("latency", "p50_ms")),
+      ("django-tasks", "django_tasks.json", ("latency", "p50_ms"))]),
+    ("pick-up p95 (ms)", "pickup_p95_ms", False,
+     [("Procrastinate", "procrastinate.json", ("latency", "p95_ms")),
+      ("django-tasks", "django_tasks.json", ("latency", "p95_ms"))]),
+]
+
+
+def _dig(data: dict, path: tuple[str, ...]) -> float | None:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return float(data) if isinstance(data, (int, float)) else None
+
+
+def run_peers() -> None:
+    """Run the peers' benchmarks once on a private copy of their folder."""
+    if PEERS_COPY.exists():
+        shutil.rmtree(PEERS_COPY)
+    shutil.copytree(PEERS_SRC, PEERS_COPY, ignore=shutil.ignore_patterns("results"))
+    env = {**os.environ, "BENCH_REPS": "1"}
+    subprocess.run(["bash", str(PEERS_COPY / "run_all.sh")], cwd=PEERS_COPY, env=env, check=True)
+
+
+def run_accs() -> None:
+    subprocess.run([sys.executable, str(ROOT / "bench" / "run.py")], cwd=ROOT, check=True)
+
+
+def compare(peers_dir: Path) -> dict:
+    """Return the comparison document from ACCS's latest.json and the peers' results folder."""
+    accs = json.loads((RESULTS / "latest.json").read_text())
+    peers = {p.name: json.loads(p.read_text()) for p in peers_dir.glob("*.json")}
+    rows = []
+    for label, key, higher, sources in MEASURES:
+        figures = {peer: _dig(peers.get(file, {}), path) for peer, file, path in sources}
+        figures = {k: v for k, v in figures.items() if v}
+        best_peer = (max if higher else min)(figures, key=figures.get) if figures else None
+        ours = accs.get(key)
+        ratio = round(ours / figures[best_peer], 2) if best_peer and ours else None
+        rows.append({"measure": label, "key": key, "higher_is_better": higher, "accs": ours, "peers": figures,
+                     "best_peer": best_peer, "ratio_accs_to_best_peer": ratio})
+    return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
+            "peers_dir": str(peers_dir), "rows": rows}
+
+
+def table(doc: dict) -> str:
+    """Render the comparison as a Markdown table."""
+    lines = [f"Measured {doc['when']} on {doc['machine']}, peers and ACCS in one session "
+             "(`make bench-compare`).", "",
+             "| measure | ACCS | best peer | ACCS ÷ best peer |", "|---|---|---|---|"]
+    for row in doc["rows"]:
+        peer = f"{row['peers'][row['best_peer']]:,.1f} ({row['best_peer']})" if row["best_peer"] else "—"
+        ratio = row["ratio_accs_to_best_peer"]
+        better = "" if ratio is None else (" (better)" if (ratio > 1) == row["higher_is_better"] and ratio != 1 else "")
+        ours = f"{row['accs']:,.1f}" if row["accs"] is not None else "—"
+        lines.append(f"| {row['measure']} | {ours} | {peer} | {ratio if ratio is not None else '—'}{better} |")
+    return "\n".join(lines)
+
+
+def write(doc: dict) -> str:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compare.json").write_text(json.dumps(doc, indent=2))
+    rendered = table(doc)
+    text = README.read_text()
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+        README.write_text(f"{head}{START}\n{rendered}\n{END}{tail}")
+    return rendered
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--render-only", action="store_true", help="Compare the results already on disk.")
+    args = parser.parse_args()
+    if not args.render_only:
+        run_peers()
+        run_accs()
+    peers_dir = PEERS_COPY / "results" if (PEERS_COPY / "results").exists() else PEERS_SRC / "results"
+    print(write(compare(peers_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
