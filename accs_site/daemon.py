@@ -98,7 +98,8 @@ class Guard:
     A transient database error starts an "outage": it is logged once, with the step that saw
     it; further failures are quiet until a step succeeds again, which logs how long it lasted.
     Any other exception is logged with its traceback once per step until that step succeeds.
-    ``failed`` tells the loop that this pass had a failure, so it backs off before the next one.
+    ``failed`` tells the loop that this pass had a failure, so it backs off before the next one;
+    ``outage_this_pass`` that the database is unreachable, so the pass's other steps are skipped.
     """
 
     def __init__(self, logger: logging.Logger, *, extra: dict[str, Any] | None = None,
@@ -108,6 +109,7 @@ class Guard:
         self.on_transient = on_transient
         self.outage_since: float | None = None
         self.failed = False
+        self.outage_this_pass = False
         self._broken_steps: set[str] = set()
 
     def run(self, step: str, fn: Callable[[], T], *, default: T = None) -> T:  # type: ignore[assignment]
@@ -124,6 +126,7 @@ class Guard:
         """Record that ``step`` raised ``exc``; log it if it starts an outage or a new breakage."""
         self.failed = True
         if is_transient(exc):
+            self.outage_this_pass = True
             if self.outage_since is None:
                 self.outage_since = time.monotonic()
                 self.log.warning("database unreachable during %s (%s); retrying with backoff until it is back",
@@ -152,7 +155,9 @@ class Guard:
             self.log.info("%s works again", step, extra=self.extra)
 
     def start_pass(self) -> None:
+        """Forget the previous pass's failures (the outage itself lasts until a step succeeds)."""
         self.failed = False
+        self.outage_this_pass = False
 
 
 def close_django_connection() -> None:

@@ -1,17 +1,28 @@
-"""The agent loop (AGT1, AGT2): claim → run → report, on one machine.
+"""The agent loop: claim → run → report, on one machine.
 
 One main thread talks to the database; worker threads run the executors and hand back what
-happens (started, progress, log lines, outcome) through a queue. Each pass of the loop:
+happens (started, progress, log lines, outcome) through a queue. Everything is keyed by
+(task, attempt), so a late message of an old attempt never touches a newer one. Each pass:
 
-1. reports everything that happened since the last pass in ONE transaction (starts, outcomes,
-   progress, log events), retrying on a transient database error;
-2. heartbeats held tasks every TTL/3 and stops those it lost or was asked to cancel;
-3. claims, per service, at most as many tasks as it has free slots (jobs.claim applies every
-   other limit), in one short transaction, and hands them to workers;
+1. reports everything that happened since the last pass (starts first, then log lines, then
+   outcomes and progress, in one transaction); a report the database refuses for its data is
+   retried item by item, and the attempt whose data is refused fails with ``bad_output``;
+2. heartbeats the node and held tasks every TTL/3 and stops attempts it lost or was asked to
+   cancel;
+3. claims at most as many tasks as it has free slots (never a task it still runs), in one
+   short transaction, and hands them to workers;
 4. sleeps until a NOTIFY on its services' channels, a worker's news, or the jittered poll timer.
 
+Faults: every step is guarded. A database outage is logged once, the loop backs off (with
+jitter, capped) and resumes; outcomes, starts and log lines stay in memory until reported.
+LISTEN is reopened with backoff. A watchdog thread stops an attempt whose lease the agent has
+not renewed for ``TTL − margin`` (margin = TTL/4), even while the main thread is blocked in a
+database call, so the task's process is gone before the builder may hand the task to another
+agent; the same thread breaks a database call that is blocked for too long.
+
 No transaction or row lock is held while work runs. First SIGTERM/SIGINT: stop claiming and let
-running tasks finish; second: stop them now (they are reported as interrupted and retried).
+running tasks finish; second: stop them now (reported ``interrupted`` and retried at once);
+third: exit without reporting (leases expire and the builder rescues the tasks).
 """
 
 from __future__ import annotations
@@ -25,40 +36,66 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
 import psycopg
 from django.db import close_old_connections, connection, transaction
-from django.db.utils import InterfaceError, OperationalError
-from django.utils import timezone
 
+from accs_site import daemon
 from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim
 from jobs.notify import service_channel
 from jobs.transitions import Outcome
-from nodes.api import agent_identity, register_node, touch_node
-from nodes.executors import RunContext, make_executors, scratch_dir, secrets_in
+from nodes.api import agent_identity, held_attempt_processes, register_node, touch_node
+from nodes.executors import (
+    RunContext, agent_alive, bad_output, end_orphan_groups, make_executors, ours, orphans_on_node, remove_scratch,
+    sanitize_outcome, scratch_dir, secrets_in,
+)
 
 log = logging.getLogger("accs.agent")
 
-SERVICE_CACHE_SECONDS = 10.0  # WF1: definition changes are picked up within ~10 s
+SERVICE_CACHE_SECONDS = 10.0  # definition changes are picked up within ~10 s
 NODE_REFRESH_SECONDS = 2.0
 DISK_SAMPLE_SECONDS = 60.0
-REPORT_RETRIES = 8
+WATCHDOG_SECONDS = 0.1
+# A database call blocked this long is broken by force (statement_timeout ends slow ones sooner
+# on the server's side; this catches a connection that no longer answers at all).
+STALL_LIMIT_SECONDS = daemon.DAEMON_STATEMENT_TIMEOUT_MS / 1000 + 15
+
+Key = tuple[UUID, int]  # (task id, attempt number)
+
+
+def lease_margin(ttl: float) -> float:
+    """Return how long before the lease's end the agent stops an attempt it could not renew.
+
+    A quarter of the TTL: heartbeats come every TTL/3, so one failed heartbeat is tolerated and
+    the second one decides. The margin covers the watchdog's period (0.1 s), stopping the
+    process group (SIGTERM, then SIGKILL after at most a third of the margin) and a loaded
+    machine's scheduling delays. The renewal is timed before its request is sent, while
+    PostgreSQL measures the lease from when it runs the statement, so the database's lease
+    always ends at least ``margin`` after the agent's local deadline.
+    """
+    return ttl / 4
 
 
 @dataclass
 class Running:
+    """One attempt this agent runs."""
+
     task: ClaimedTask
     ctx: RunContext
+    renewed_at: float  # monotonic time the lease was last renewed (taken before the request)
     started_reported: bool = False
     pid: int | None = None
-    log_records: list[dict[str, Any]] = field(default_factory=list)
+    expired: bool = False  # the local lease deadline passed: stopped, no longer heartbeated
+
+    @property
+    def key(self) -> Key:
+        return (self.task.id, self.task.attempt)
 
 
 @dataclass
@@ -83,43 +120,60 @@ class Agent:
         self.labels = labels or {}
         self.poll_interval = poll_interval or accs.poll_interval_sec
         self.lease_seconds = float(lease_seconds or accs.heartbeat_ttl_sec)
+        self.margin = lease_margin(self.lease_seconds)
         self.claim_batch = claim_batch or max_concurrent
         self.agent_id = agent_identity()
         self.source = f"agent:{node}"
+        self.extra = {"node": node}
         self.executors = make_executors()
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="accs-task")
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.running: dict[UUID, Running] = {}
-        self.pending_outcomes: list[Outcome] = []
-        self.pending_started: list[tuple[UUID, int, int | None]] = []
-        self.pending_progress: dict[UUID, tuple[int, float]] = {}
+        self.running: dict[Key, Running] = {}
+        self._running_lock = threading.Lock()  # the watchdog reads ``running`` from its own thread
+        self.pending_outcomes: dict[Key, Outcome] = {}
+        self.pending_started: dict[Key, int | None] = {}
+        self.pending_progress: dict[Key, float] = {}
         self.pending_logs: list[EventRow] = []
         self.stopping = False
         self.stop_now = False
+        self.abandon = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._services: dict[str, Service] = {}
-        self._services_at = 0.0
+        self._services_at = -SERVICE_CACHE_SECONDS
         self._node_state = "active"
         self._node_limits: dict[str, Any] = {}
-        self._node_at = 0.0
+        self._node_at = -NODE_REFRESH_SECONDS
         self._heartbeat_at = 0.0
         self._disk_at = 0.0
         self._paused = False
         self._active_conditions: set[str] = set()
         self._listen: psycopg.Connection | None = None
-        self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0}
+        self._listen_retry_at = 0.0
+        self._listen_backoff = daemon.Backoff(base=0.5, cap=10.0)
+        self._listen_broken = False
+        self.guard = daemon.Guard(log, extra=self.extra, on_transient=daemon.close_django_connection)
+        self.backoff = daemon.Backoff(base=0.2, cap=10.0)
+        self._db = connection  # the main thread's Django connection, for the stall breaker
+        self.stall = daemon.StallBreaker(limit=STALL_LIMIT_SECONDS, connections=lambda: [self._db], logger=log,
+                                         extra=self.extra)
+        self._closed = threading.Event()
+        self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "expired": 0}
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
         def handle(signum, frame) -> None:
-            if self.stopping:
+            if self.stop_now:
+                self.abandon = True
+                log.warning("third signal: exiting without reporting; leases will expire", extra=self.extra)
+            elif self.stopping:
                 self.stop_now = True
-                log.warning("second signal: stopping running tasks now", extra={"node": self.node})
+                log.warning("second signal: stopping running tasks now (they are retried)", extra=self.extra)
             else:
                 self.stopping = True
                 log.info("signal received: no new claims, draining %d running task(s)", len(self.running),
-                         extra={"node": self.node})
+                         extra=self.extra)
             self._wake()
 
         signal.signal(signal.SIGTERM, handle)
@@ -127,35 +181,117 @@ class Agent:
 
     def run(self) -> int:
         """Run until stopped (or, with ``once``, until no work is left). Return an exit code."""
-        register_node(self.node, labels=self.labels, services=self.service_keys, agent_id=self.agent_id)
-        self._load_services(force=True)
-        self._open_listen()
-        log.info("agent %s started on node %s for %s (max %d)", self.agent_id, self.node,
-                 ",".join(self.service_keys), self.max_concurrent, extra={"node": self.node})
+        daemon.configure_daemon_session(application_name=f"accs agent {self.node}")
+        threading.Thread(target=self._watchdog, name="accs-lease-watchdog", daemon=True).start()
+        self.stall.start()
         try:
-            while True:
-                close_old_connections()
-                self._flush_reports()
-                self._maintain()
-                if self.stop_now:
-                    for item in self.running.values():
-                        item.ctx.cancel.set()
-                claimed = 0 if self.stopping else self._claim()
-                if self.stopping and not self.running and not self._has_pending():
-                    break
-                if self.once and not claimed and not self.running and not self._has_pending():
-                    break
-                if not claimed:
-                    self._wait()
+            if not daemon.wait_for_database(log, stopping=lambda: self.stopping, extra=self.extra):
+                return 0
+            if not self._until_ok("register node", self._register):
+                return 0
+            self._step("end orphans", self._end_orphans)
+            log.info("agent %s started on node %s for %s (max %d, lease %.0fs, local deadline %.1fs)",
+                     self.agent_id, self.node, ",".join(self.service_keys), self.max_concurrent, self.lease_seconds,
+                     self.lease_seconds - self.margin, extra=self.extra)
+            self._loop()
         finally:
-            self._flush_reports()
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            if self._listen is not None:
-                self._listen.close()
-            log.info("agent stopped: %s", self.stats, extra={"node": self.node})
+            self._shutdown()
         return 0
 
-    # ------------------------------------------------------------------ services and node
+    def _loop(self) -> None:
+        while not self.abandon:
+            self.guard.start_pass()
+            claimed = self._pass()
+            idle = not self.running and not self._has_pending()
+            if self.stopping and idle:
+                break
+            if self.once and not claimed and idle and not self.guard.failed:
+                break
+            if self.guard.failed:
+                self._sleep(self.backoff.next_delay())
+            else:
+                self.backoff.reset()
+                if not claimed:
+                    self._wait()
+
+    def _pass(self) -> int:
+        """Run one pass of the loop; return how many tasks were claimed."""
+        self._step("connection check", close_old_connections)
+        self._step("report", self._flush_reports)
+        now = time.monotonic()
+        if now - self._node_at >= NODE_REFRESH_SECONDS:
+            self._node_at = now
+            self._step("node heartbeat", self._touch_node)
+            self._step("services", self._load_services)
+            self._step("claiming pause", self._refresh_pause)
+            self._step("governor", self._refresh_governor)
+        if self.running and now - self._heartbeat_at >= self.lease_seconds / 3:
+            self._heartbeat_at = now
+            self._step("heartbeat", self._heartbeat)
+        if now - self._disk_at >= DISK_SAMPLE_SECONDS:
+            self._disk_at = now
+            self._step("disk sample", self._sample_disk)
+        if self.stop_now:
+            for item in self._running_items():
+                item.ctx.stop("shutdown")
+        if self.stopping:
+            return 0
+        return self._step("claim", self._claim, default=0)
+
+    def _step(self, name: str, fn, *, default: Any = None) -> Any:
+        """Run one guarded step; after a database failure in this pass, skip the remaining ones."""
+        if self.guard.outage_this_pass:
+            return default
+        with self.stall.step(name):
+            return self.guard.run(name, fn, default=default)
+
+    def _until_ok(self, name: str, fn) -> bool:
+        """Retry ``fn`` with backoff until it succeeds; False if the agent was stopped first."""
+        while not self.stopping:
+            self.guard.start_pass()
+            with self.stall.step(name):
+                self.guard.run(name, fn)
+            if not self.guard.failed:
+                self.backoff.reset()
+                return True
+            self._sleep(self.backoff.next_delay())
+        return False
+
+    def _shutdown(self) -> None:
+        if not self.abandon:
+            self.guard.start_pass()
+            self._step("report", self._flush_reports)
+        if self._has_pending():
+            log.error("exiting with %d unreported outcome(s); their leases will expire and the builder will "
+                      "rescue them", len(self.pending_outcomes), extra=self.extra)
+        self._closed.set()
+        self.stall.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._close_listen()
+        log.info("agent stopped: %s", self.stats, extra=self.extra)
+
+    # ------------------------------------------------------------------ node, services, orphans
+    def _register(self) -> None:
+        register_node(self.node, labels=self.labels, services=self.service_keys, agent_id=self.agent_id)
+        self._load_services(force=True)
+
+    def _end_orphans(self) -> None:
+        """End the process groups of this node's attempts whose agent died (``kill -9``, crash).
+
+        Recorded attempts give the groups; a /proc scan finds the rest (attempts already rescued).
+        Only processes whose environment names the task and a dead agent are killed.
+        """
+        candidates = [(pid, task_id) for pid, task_id, agent in held_attempt_processes(self.node)
+                      if agent != self.agent_id and not agent_alive(agent) and ours(pid, task_id=task_id)]
+        candidates += orphans_on_node(self.node, own_agent_id=self.agent_id)
+        killed = end_orphan_groups(sorted(set(candidates)))
+        if killed:
+            log.warning("ended %d orphaned task process(es) of a dead agent on node %s: %s", len(killed), self.node,
+                        killed, extra=self.extra)
+
+    def _touch_node(self) -> None:
+        self._node_state, self._node_limits = touch_node(self.node, agent_id=self.agent_id)
+
     def _load_services(self, *, force: bool = False) -> None:
         if not force and time.monotonic() - self._services_at < SERVICE_CACHE_SECONDS:
             return
@@ -168,7 +304,7 @@ class Agent:
                                    dict(s.priority_adjust_during or {}))
         missing = set(self.service_keys) - set(found)
         if missing and force:
-            log.warning("services not found or inactive: %s", ",".join(sorted(missing)), extra={"node": self.node})
+            log.warning("services not found or inactive: %s", ",".join(sorted(missing)), extra=self.extra)
         self._services, self._services_at = found, time.monotonic()
 
     def _limits(self) -> NodeLimits:
@@ -180,46 +316,20 @@ class Agent:
         return NodeLimits(self.node, int(self._node_limits.get("slot_cap") or accs.slot_cap),
                           int(self._node_limits.get("cpu_budget") or accs.cpu_budget), per_service)
 
-    def _maintain(self) -> None:
-        now = time.monotonic()
-        if now - self._node_at >= NODE_REFRESH_SECONDS:
-            self._node_state, self._node_limits = touch_node(self.node, agent_id=self.agent_id)
-            self._node_at = now
-            self._load_services()
-            self._paused = self._claiming_paused()
-            self._active_conditions = self._governor()
-        if self.running and now - self._heartbeat_at >= self.lease_seconds / 3:
-            self._heartbeat()
-            self._heartbeat_at = now
-        if now - self._disk_at >= DISK_SAMPLE_SECONDS:
-            self._disk_at = now
-            self._sample_disk()
-
     def _sample_disk(self) -> None:
-        try:
-            from nodes.disk import sample_disk
-        except ImportError:
-            return
-        try:
-            sample_disk(self.node, os.getcwd())
-        except Exception:  # noqa: BLE001 - a failed sample must not stop the agent
-            log.exception("disk sample failed", extra={"node": self.node})
+        from nodes.disk import sample_disk
 
-    def _claiming_paused(self) -> bool:
-        if self._node_state != "active":
-            return True
-        try:
-            from nodes.disk import claiming_paused
-        except ImportError:
-            return False
-        return claiming_paused(self.node)
+        sample_disk(self.node, os.getcwd())
 
-    def _governor(self) -> set[str]:
-        try:
-            from workflows.governor import active_conditions
-        except ImportError:
-            return set()
-        return set(active_conditions())
+    def _refresh_pause(self) -> None:
+        from nodes.disk import claiming_paused
+
+        self._paused = self._node_state != "active" or claiming_paused(self.node)
+
+    def _refresh_governor(self) -> None:
+        from workflows.governor import active_conditions
+
+        self._active_conditions = set(active_conditions())
 
     # ------------------------------------------------------------------ claiming
     def _claim(self) -> int:
@@ -239,49 +349,87 @@ class Agent:
         for _, _, service in sorted(order, key=lambda o: (o[0], o[1])):
             if free <= 0:
                 break
+            # Tasks still running here (any attempt) are never claimed again by this agent: the
+            # old attempt's finish would race the new one.
+            exclude = {task_id for task_id, _ in self.running}
+            renewed_at = time.monotonic()  # before the request: the lease starts no earlier
             tasks = claim(service.spec, limits, agent_id=self.agent_id, free_slots=min(free, self.claim_batch),
-                          lease_seconds=self.lease_seconds, pid=os.getpid())
+                          lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude)
             for task in tasks:
-                self._start(task, service)
+                self._start(task, service, renewed_at=renewed_at)
             free -= len(tasks)
             total += len(tasks)
         if total:
             self.stats["claimed"] += total
-            log.debug("claimed %d task(s)", total, extra={"node": self.node})
+            log.debug("claimed %d task(s)", total, extra=self.extra)
         return total
 
-    def _start(self, task: ClaimedTask, service: Service) -> None:
+    def _start(self, task: ClaimedTask, service: Service, *, renewed_at: float) -> None:
         inbox, wake = self.inbox, self._wake
+        key: Key = (task.id, task.attempt)
 
         def on_started(pid: int | None) -> None:
-            inbox.put(("started", task.id, pid))
+            inbox.put(("started", key, pid))
+            wake()  # record the start promptly, not at the next poll
 
         def on_progress(value: float) -> None:
-            inbox.put(("progress", task.id, value))
+            inbox.put(("progress", key, value))
             wake()
 
         def on_log(level: str, message: str) -> None:
-            inbox.put(("log", task.id, level, message))
+            inbox.put(("log", key, level, message))
 
         ctx = RunContext(task=task, service_config=service.config, on_started=on_started, on_progress=on_progress,
-                         on_log=on_log, secrets=secrets_in(task.params))
+                         on_log=on_log, secrets=secrets_in(task.params), node=self.node, agent_id=self.agent_id)
         if service.executor == "command":
             ctx.output_dir = scratch_dir(task)
-        self.running[task.id] = Running(task, ctx)
+        with self._running_lock:
+            self.running[key] = Running(task, ctx, renewed_at=renewed_at)
         executor = self.executors[service.executor]
+        lease_seconds = self.lease_seconds
 
         def work() -> None:
             try:
                 if ctx.output_dir and accs.minio.configured:
-                    self._stage_inputs(task, ctx)
+                    _stage_inputs(task, ctx)
                 outcome = executor.run(task, ctx)
             except Exception as exc:  # noqa: BLE001 - an executor bug fails the attempt, not the agent
                 log.exception("executor crashed", extra={"task_id": task.id, "job_id": task.job_id})
                 outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed", error=f"executor error: {exc}")
-            inbox.put(("done", task.id, outcome))
-            wake()
+            outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds))
+            try:
+                _store_artifacts(task, ctx, outcome)
+            finally:
+                remove_scratch(ctx)
+                inbox.put(("done", key, outcome))
+                wake()
 
         self.pool.submit(work)
+
+    def _running_items(self) -> list[Running]:
+        with self._running_lock:
+            return list(self.running.values())
+
+    # ------------------------------------------------------------------ the lease watchdog
+    def _watchdog(self) -> None:
+        """Stop attempts whose lease was not renewed for TTL − margin (runs in its own thread)."""
+        while not self._closed.wait(WATCHDOG_SECONDS):
+            try:
+                self._expire_overdue(time.monotonic())
+            except Exception:  # noqa: BLE001 - the watchdog must outlive any surprise
+                log.exception("lease watchdog failed", extra=self.extra)
+
+    def _expire_overdue(self, now: float) -> None:
+        deadline = self.lease_seconds - self.margin
+        for item in self._running_items():
+            if item.expired or now - item.renewed_at < deadline:
+                continue
+            item.expired = True
+            self.stats["expired"] += 1
+            log.warning("lease of task %s attempt %d not renewed for %.1fs: stopping it before the builder hands "
+                        "it to another agent", item.task.id, item.task.attempt, now - item.renewed_at,
+                        extra={**self.extra, "task_id": item.task.id})
+            item.ctx.stop("lease", kill_grace=self.margin / 3)
 
     # ------------------------------------------------------------------ reporting
     def _has_pending(self) -> bool:
@@ -290,155 +438,307 @@ class Agent:
     def _drain_inbox(self) -> None:
         # Empty the wake pipe first: a worker that queues a message after this point also writes
         # a new wake byte, so the next select() returns at once instead of sleeping a full poll.
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._drain_wake_pipe()
         while True:
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            kind, task_id = message[0], message[1]
-            item = self.running.get(task_id)
-            if kind == "started" and item is not None:
+            kind, key = message[0], message[1]
+            item = self.running.get(key)
+            if item is None:
+                continue  # nothing arrives after "done"; a message for an unknown attempt is dropped
+            if kind == "started":
                 item.pid = message[2]
                 item.started_reported = True
-                self.pending_started.append((task_id, item.task.attempt, message[2]))
-            elif kind == "progress" and item is not None:
-                self.pending_progress[task_id] = (item.task.attempt, message[2])
-            elif kind == "log" and item is not None:
+                self.pending_started[key] = message[2]
+            elif kind == "progress":
+                self.pending_progress[key] = message[2]
+            elif kind == "log":
                 level, text = message[2], message[3]
-                item.log_records.append({"ts": timezone.now().isoformat(), "level": level, "message": text})
                 self.pending_logs.append(EventRow(type="log", message=text[:2000], job_id=item.task.job_id,
-                                                  task_id=task_id, attempt=item.task.attempt, source=self.source,
-                                                  level=level))
-            elif kind == "done" and item is not None:
-                outcome: Outcome = message[2]
+                                                  task_id=key[0], attempt=key[1], source=self.source, level=level))
+            elif kind == "done":
                 if not item.started_reported:
-                    self.pending_started.append((task_id, item.task.attempt, item.pid))
-                    item.started_reported = True
-                self._attach_artifacts(item, outcome)
-                self.pending_outcomes.append(outcome)
-                self.pending_progress.pop(task_id, None)
-                del self.running[task_id]
-
-    @staticmethod
-    def _stage_inputs(task: ClaimedTask, ctx: RunContext) -> None:
-        """Download the task's input artifacts into a fresh directory (ACCS_INPUT_DIR)."""
-        from events import artifacts
-
-        ctx.input_dir = scratch_dir(task)
-        artifacts.stage_inputs(job_id=task.job_id, task_id=task.id, directory=ctx.input_dir)
-
-    def _attach_artifacts(self, item: Running, outcome: Outcome) -> None:
-        """Upload output files and the attempt's log when artifact storage is configured (ART1)."""
-        if not accs.minio.configured:
-            return
-        try:
-            from events import artifacts
-        except ImportError:
-            return
-        task = item.task
-        try:
-            if item.ctx.output_dir:
-                artifacts.collect_outputs(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                          attempt=task.attempt, directory=item.ctx.output_dir)
-            records = item.log_records + [{"ts": timezone.now().isoformat(), "level": "info",
-                                           "message": f"attempt {task.attempt} ended: {outcome.status}"}]
-            artifacts.upload_attempt_log(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                         attempt=task.attempt, records=records)
-        except Exception:  # noqa: BLE001 - storage trouble must not lose the outcome
-            log.exception("artifact upload failed", extra={"task_id": task.id, "job_id": task.job_id})
+                    self.pending_started[key] = item.pid
+                self.pending_outcomes[key] = message[2]
+                self.pending_progress.pop(key, None)
+                with self._running_lock:
+                    del self.running[key]
 
     def _flush_reports(self) -> None:
+        """Report what happened since the last pass; keep it all in memory until it is written."""
         self._drain_inbox()
         if not self._has_pending():
             return
-        outcomes, started = self.pending_outcomes, self.pending_started
-        progress = [(tid, att, value) for tid, (att, value) in self.pending_progress.items()]
-        logs = self.pending_logs
-        for attempt in range(REPORT_RETRIES):
-            try:
-                with transaction.atomic():
-                    if logs:
-                        write_events(logs)
-                    result = transitions.report(outcomes, started=started, agent_id=self.agent_id, source=self.source)
-                    if progress:
-                        transitions.report_progress(progress, source=self.source)
-                break
-            except (OperationalError, InterfaceError) as exc:
-                delay = min(5.0, 0.1 * 2 ** attempt) * random.uniform(0.5, 1.0)
-                log.warning("report failed (%s); retrying in %.2fs", exc, delay, extra={"node": self.node})
-                connection.close()
-                time.sleep(delay)
-        else:
-            log.error("giving up reporting %d outcome(s) for now; leases will expire and rescue them",
-                      len(outcomes), extra={"node": self.node})
+        self._mark_started_with_logs()
+        outcomes = dict(self.pending_outcomes)
+        started = dict(self.pending_started)
+        progress = dict(self.pending_progress)
+        logs = list(self.pending_logs)
+        try:
+            with transaction.atomic():
+                if logs:
+                    write_events(logs)
+                result = transitions.report(list(outcomes.values()), started=_started_items(started),
+                                            agent_id=self.agent_id, source=self.source)
+                if progress:
+                    transitions.report_progress([(k[0], k[1], v) for k, v in progress.items()], source=self.source)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if daemon.is_transient(exc):
+                raise
+            log.error("the database refused a report batch (%s); reporting item by item", daemon.first_line(exc),
+                      extra=self.extra)
+            self._report_each()
             return
-        self.pending_outcomes, self.pending_started, self.pending_progress, self.pending_logs = [], [], {}, []
+        self.pending_outcomes, self.pending_started, self.pending_progress, self.pending_logs = {}, {}, {}, []
+        self._account(result, outcomes.values())
+
+    def _mark_started_with_logs(self) -> None:
+        """Move to running, first and on their own, attempts whose log lines are in this batch.
+
+        So a task's log events never precede its running event. Done in a transaction of its
+        own: the report that follows locks jobs before tasks (the lock order), which a task
+        lock taken earlier in the same transaction would break.
+        """
+        with_logs = {(row.task_id, row.attempt) for row in self.pending_logs}
+        first = {k: pid for k, pid in self.pending_started.items() if k in with_logs}
+        if not first:
+            return
+        transitions.mark_running(_started_items(first), agent_id=self.agent_id, source=self.source)
+        for key in first:
+            self.pending_started.pop(key, None)
+
+    def _report_each(self) -> None:
+        """Report pending items one at a time; an attempt whose data is refused fails as bad_output."""
+        for key in sorted(set(self.pending_outcomes) | set(self.pending_started), key=str):
+            outcome = self.pending_outcomes.get(key)
+            start = {key: self.pending_started[key]} if key in self.pending_started else {}
+            try:
+                self._report_one(outcome, start)
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                if daemon.is_transient(exc):
+                    raise
+                if outcome is not None:
+                    self._report_refused(outcome, start, exc)
+                else:
+                    log.error("start of task %s attempt %d refused by the database (%s); dropped", key[0], key[1],
+                              daemon.first_line(exc), extra={**self.extra, "task_id": key[0]})
+            self.pending_outcomes.pop(key, None)
+            self.pending_started.pop(key, None)
+        for row in list(self.pending_logs):
+            try:
+                write_events([row])
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                if daemon.is_transient(exc):
+                    raise
+                log.error("log line of task %s refused by the database (%s); dropped", row.task_id,
+                          daemon.first_line(exc), extra=self.extra)
+            self.pending_logs.remove(row)
+        for key, value in list(self.pending_progress.items()):
+            try:
+                transitions.report_progress([(key[0], key[1], value)], source=self.source)
+            except Exception as exc:  # noqa: BLE001 - progress is a hint; a refused one is dropped
+                if daemon.is_transient(exc):
+                    raise
+            self.pending_progress.pop(key, None)
+
+    def _report_one(self, outcome: Outcome | None, start: dict[Key, int | None]) -> None:
+        with transaction.atomic():
+            result = transitions.report([outcome] if outcome else [], started=_started_items(start),
+                                        agent_id=self.agent_id, source=self.source)
+        if outcome is not None:
+            self._account(result, [outcome])
+
+    def _report_refused(self, outcome: Outcome, start: dict[Key, int | None], exc: BaseException) -> None:
+        """Fail the attempt whose report the database refused, with the reason; never drop it silently."""
+        reason = f"the database refused this attempt's report: {daemon.first_line(exc)}"
+        log.error("task %s attempt %d: %s", outcome.task_id, outcome.attempt, reason,
+                  extra={**self.extra, "task_id": outcome.task_id})
+        failed = bad_output(Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="failed",
+                                    exit_code=outcome.exit_code), reason)
+        try:
+            self._report_one(failed, start)
+        except Exception as again:  # noqa: BLE001 - sorted below
+            if daemon.is_transient(again):
+                self.pending_outcomes[(outcome.task_id, outcome.attempt)] = failed
+                raise
+            log.error("even the bad_output report of task %s was refused (%s); its lease will expire",
+                      outcome.task_id, daemon.first_line(again), extra=self.extra)
+
+    def _account(self, result, outcomes) -> None:
         self.stats["done"] += len(result.done)
         self.stats["failed"] += len(result.failed) + len(result.retried)
         self.stats["fenced"] += len(result.fenced)
+        fenced = set(result.fenced)
         for o in outcomes:
-            if o.task_id in result.fenced:
+            if o.task_id in fenced:
                 log.warning("report fenced: task %s attempt %s is no longer ours", o.task_id, o.attempt,
-                            extra={"task_id": o.task_id, "node": self.node})
+                            extra={**self.extra, "task_id": o.task_id})
             elif o.status != "succeeded":
                 log.info("task %s attempt %s %s: %s", o.task_id, o.attempt, o.status, o.error,
-                         extra={"task_id": o.task_id, "node": self.node})
+                         extra={**self.extra, "task_id": o.task_id})
 
     def _heartbeat(self) -> None:
-        held = [(tid, item.task.attempt) for tid, item in self.running.items()]
-        try:
-            lost, cancel = transitions.heartbeat(held, agent_id=self.agent_id, lease_seconds=self.lease_seconds)
-        except (OperationalError, InterfaceError) as exc:
-            log.warning("heartbeat failed: %s", exc, extra={"node": self.node})
-            connection.close()
+        items = [item for item in self._running_items() if not item.expired]
+        if not items:
             return
-        for tid, _attempt in lost | cancel:
-            item = self.running.get(tid)
-            if item is not None:
-                log.warning("stopping task %s (%s)", tid, "cancel requested" if (tid, _attempt) in cancel else "lease lost",
-                            extra={"task_id": tid, "node": self.node})
-                item.ctx.cancel.set()
+        renewed_at = time.monotonic()  # before the request: the renewed lease starts no earlier
+        lost, cancel = transitions.heartbeat([item.key for item in items], agent_id=self.agent_id,
+                                             lease_seconds=self.lease_seconds)
+        for item in items:
+            if item.key in lost:
+                log.warning("stopping task %s attempt %d: lease lost", item.task.id, item.task.attempt,
+                            extra={**self.extra, "task_id": item.task.id})
+                item.ctx.stop("lost", kill_grace=self.margin / 3)
+                continue
+            item.renewed_at = renewed_at
+            if item.key in cancel:
+                log.warning("stopping task %s attempt %d: cancel requested", item.task.id, item.task.attempt,
+                            extra={**self.extra, "task_id": item.task.id})
+                item.ctx.stop("cancel")
 
     # ------------------------------------------------------------------ waiting
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
+        except (BlockingIOError, OSError):
+            pass  # a full pipe wakes the loop just as well
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
             pass
 
     def _open_listen(self) -> None:
+        """Open the LISTEN connection; on failure, poll only and try again later with backoff."""
+        if time.monotonic() < self._listen_retry_at:
+            return
         try:
-            settings = connection.settings_dict
-            self._listen = psycopg.connect(
-                host=settings["HOST"], port=settings["PORT"] or None, dbname=settings["NAME"],
-                user=settings["USER"], password=settings["PASSWORD"] or None, autocommit=True)
+            conn = daemon.connect(application_name=f"accs agent {self.node} listen")
             for key in self.service_keys:
-                self._listen.execute(f'LISTEN "{service_channel(key)}"')
+                conn.execute(f'LISTEN "{service_channel(key)}"')
         except psycopg.Error as exc:
-            log.warning("LISTEN unavailable (%s); polling only", exc, extra={"node": self.node})
-            self._listen = None
+            self._listen_retry_at = time.monotonic() + self._listen_backoff.next_delay()
+            if not self._listen_broken:
+                self._listen_broken = True
+                log.warning("LISTEN unavailable (%s); polling until it is back", daemon.first_line(exc),
+                            extra=self.extra)
+            return
+        if self._listen_broken:
+            log.info("LISTEN re-established", extra=self.extra)
+        self._listen, self._listen_broken = conn, False
+        self._listen_backoff.reset()
+
+    def _close_listen(self) -> None:
+        if self._listen is not None:
+            try:
+                self._listen.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection may fail
+                pass
+        self._listen = None
+
+    def _listen_fd(self) -> int | None:
+        if self._listen is None:
+            self._open_listen()
+        if self._listen is None:
+            return None
+        try:
+            return self._listen.fileno()
+        except Exception:  # noqa: BLE001 - closed under us
+            self._close_listen()
+            return None
 
     def _wait(self) -> None:
         timeout = self.poll_interval * random.uniform(0.8, 1.2)
         if self.running:
             timeout = min(timeout, self.lease_seconds / 3)
         fds = [self._wake_r]
-        if self._listen is not None:
-            fds.append(self._listen.fileno())
+        listen_fd = self._listen_fd()
+        if listen_fd is not None:
+            fds.append(listen_fd)
         try:
             ready, _, _ = select.select(fds, [], [], timeout)
         except (OSError, ValueError):
             ready = []
-        if self._listen is not None and self._listen.fileno() in ready:
+        if listen_fd is not None and listen_fd in ready:
             try:
                 for _ in self._listen.notifies(timeout=0, stop_after=1000):
                     pass
             except psycopg.Error as exc:
-                log.warning("LISTEN connection lost (%s); reconnecting", exc, extra={"node": self.node})
-                self._listen.close()
+                log.warning("LISTEN connection lost (%s); reopening", daemon.first_line(exc), extra=self.extra)
+                self._listen_broken = True
+                self._close_listen()
                 self._open_listen()
+
+    def _sleep(self, delay: float) -> None:
+        """Back off for ``delay`` seconds; a signal (not a worker's news) cuts it short."""
+        deadline = time.monotonic() + delay
+        signalled = (self.stopping, self.stop_now, self.abandon)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.stopping, self.stop_now, self.abandon) != signalled:
+                return
+            try:
+                select.select([self._wake_r], [], [], left)
+            except (OSError, ValueError):
+                time.sleep(min(left, 0.1))
+            self._drain_wake_pipe()  # worker news stays in the inbox for the next pass
+
+
+def _started_items(started: dict[Key, int | None]) -> list[tuple[UUID, int, int | None]]:
+    return [(key[0], key[1], pid) for key, pid in started.items()]
+
+
+def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> Outcome:
+    """Name why the agent stopped an attempt: a shutdown interrupts it, a lost lease fails it.
+
+    An operator's cancel stays ``canceled``. An attempt that ended by itself keeps its outcome.
+    """
+    if outcome.status != "canceled" or ctx.stop_reason in ("", "cancel"):
+        return outcome
+    if ctx.stop_reason == "shutdown":
+        return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="interrupted",
+                       error="interrupted: the agent shut down and stopped the attempt", error_code="interrupted",
+                       exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
+    return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="failed", error_code="lease_lost",
+                   error=f"lease_lost: the agent could not renew the lease (TTL {lease_seconds:.0f}s) and stopped "
+                         "the attempt before another agent could take the task",
+                   exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
+
+
+def _stage_inputs(task: ClaimedTask, ctx: RunContext) -> None:
+    """Download the task's input artifacts into a fresh directory (ACCS_INPUT_DIR)."""
+    from events import artifacts
+
+    close_old_connections()
+    ctx.input_dir = scratch_dir(task)
+    artifacts.stage_inputs(job_id=task.job_id, task_id=task.id, directory=ctx.input_dir)
+
+
+def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> None:
+    """Upload output files and the attempt's log, in the worker thread, when storage is configured."""
+    if not accs.minio.configured:
+        return
+    from events import artifacts
+
+    try:
+        close_old_connections()  # this worker thread's connection may have died in an outage
+        if ctx.output_dir:
+            artifacts.collect_outputs(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
+                                      attempt=task.attempt, directory=ctx.output_dir)
+        records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
+                                      "message": f"attempt {task.attempt} ended: {outcome.status}"}]
+        artifacts.upload_attempt_log(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
+                                     attempt=task.attempt, records=records)
+    except Exception:  # noqa: BLE001 - storage trouble must not lose the outcome
+        log.exception("artifact upload failed", extra={"task_id": task.id, "job_id": task.job_id})
+        daemon.close_django_connection()
+
+
+def _now_iso() -> str:
+    from django.utils import timezone
+
+    return timezone.now().isoformat()

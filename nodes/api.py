@@ -54,3 +54,21 @@ def touch_node(name: str, *, agent_id: str) -> tuple[str, dict[str, Any]]:
     Node.objects.filter(name=name).update(last_seen=now, agent_id=agent_id, awake_state=AwakeState.AWAKE)
     row = Node.objects.filter(name=name).values("state", "slot_cap", "cpu_budget", "max_concurrency").first()
     return (row["state"], row) if row else ("active", {})
+
+
+HELD_ATTEMPTS_SQL = """
+-- Held tasks are few and served by the partial index on starting/running tasks; their current
+-- attempt row holds the pid of the process group the agent started.
+SELECT a.pid, t.id::text, a.agent_id
+  FROM accs_task t JOIN accs_attempt a ON a.task_id = t.id AND a.attempt_no = t.attempt
+ WHERE t.status IN ('starting', 'running') AND t.node = %s AND a.status = 'running' AND a.pid IS NOT NULL
+"""
+
+
+def held_attempt_processes(name: str) -> list[tuple[int, str, str]]:
+    """Return (pid, task id, agent id) of the unfinished attempts recorded for node ``name``."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(HELD_ATTEMPTS_SQL, [name])
+        return [(int(pid), task_id, agent_id) for pid, task_id, agent_id in cur.fetchall()]

@@ -7,20 +7,33 @@ start (pid), progress and log lines through ``ctx``; the agent batches those int
   shell) in its own process group. stdout → JSON results, stderr lines → log events
   (``::progress:: 0.5`` lines → progress), exit code 0 = success. Timeout and cancel kill the
   whole process group.
-* ``python``: a dotted callable ``fn(params, ctx)`` returning a JSON-able dict.
+* ``python``: a dotted callable ``fn(params, ctx)`` returning a JSON-able dict, run in the
+  worker thread; its timeout and cancel are enforced by raising an exception inside that thread
+  (a callable blocked in C code is stopped when it returns to Python). With
+  ``"isolation": "process"`` it runs in a child process instead, which can always be killed.
 * ``http``: POST ``{job_id, task_id, attempt, params}`` to a local service, optionally started by a
   start command and stopped after it was idle for a while.
 * ``simulate``: an unstable network with seeded delays, errors and timeouts.
+
+Every process a task starts dies with the agent: the direct child gets a parent-death signal,
+and an agent that starts on a node ends the process groups its dead predecessor left (see
+:mod:`nodes.agent`). What a task prints is cleaned before it reaches the database
+(:func:`sanitize_outcome`): NUL characters are stripped, NaN and Infinity are refused, sizes
+are capped, so one task's output can never make a report fail.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
+import math
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +54,10 @@ TAIL_CHARS = 4000
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")
 SECRET_KEY_RE = re.compile(r"(pass(word)?|secret|token|api[_-]?key|credential)", re.I)
 KILL_GRACE_SECONDS = 3.0
+# Results are one JSON document in a jsonb column; a task that needs more stores an artifact.
+MAX_RESULTS_BYTES = 1_000_000
+MAX_LOG_LINE_CHARS = 8000
+MAX_ERROR_CHARS = 2000
 
 
 def secrets_in(params: dict[str, Any]) -> list[str]:
@@ -74,12 +91,117 @@ class RunContext:
     secrets: list[str] = field(default_factory=list)
     output_dir: str | None = None
     input_dir: str | None = None
+    # How long a stopped process group gets between SIGTERM and SIGKILL; the agent shortens it
+    # when the lease is at stake (another agent may start the task soon).
+    kill_grace: float = KILL_GRACE_SECONDS
+    # Why the agent asked the attempt to stop: "cancel" (an operator), "shutdown", "lease".
+    stop_reason: str = ""
+    log_records: list[dict[str, Any]] = field(default_factory=list)
+    node: str = ""
+    agent_id: str = ""
 
     def log(self, message: str, *, level: str = "info") -> None:
-        self.on_log(level, redact(message, self.secrets))
+        text = clean_text(redact(str(message), self.secrets))[:MAX_LOG_LINE_CHARS]
+        self.log_records.append({"ts": _utc_now(), "level": level, "message": text})
+        self.on_log(level, text)
 
     def progress(self, value: float) -> None:
-        self.on_progress(value)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return
+        if math.isfinite(value):
+            self.on_progress(value)
+
+    def stop(self, reason: str, *, kill_grace: float | None = None) -> None:
+        """Ask the attempt to stop (the first reason given wins)."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+        if kill_grace is not None:
+            self.kill_grace = min(self.kill_grace, kill_grace)
+        self.cancel.set()
+
+
+def _utc_now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat()
+
+
+# --------------------------------------------------------------------------------------------
+# Cleaning output before it reaches the database
+# --------------------------------------------------------------------------------------------
+
+class BadOutput(ValueError):
+    """A task's output that can never be stored (NaN, too large, not JSON)."""
+
+
+def clean_text(text: str) -> str:
+    """Strip NUL characters, which PostgreSQL text and jsonb cannot hold."""
+    return text.replace("\x00", "") if "\x00" in text else text
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadOutput(f"results contain {name}, which JSON (and PostgreSQL) cannot store")
+
+
+def clean_results(value: Any, *, depth: int = 0) -> Any:
+    """Return ``value`` with NUL stripped from every string (keys too); refuse NaN and Infinity."""
+    if depth > 200:
+        raise BadOutput("results are nested too deeply")
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadOutput(f"results contain {value}, which JSON (and PostgreSQL) cannot store")
+        return value
+    if isinstance(value, dict):
+        return {clean_text(str(k)): clean_results(v, depth=depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_results(v, depth=depth + 1) for v in value]
+    return value
+
+
+def parse_results(stdout: str) -> Any:
+    """Parse a command's stdout as one JSON value; raise BadOutput when it cannot be stored."""
+    if not stdout.strip():
+        return {}
+    if len(stdout.encode(errors="replace")) > MAX_RESULTS_BYTES:
+        raise BadOutput(f"stdout is larger than {MAX_RESULTS_BYTES} bytes; store big outputs as files in ACCS_OUTPUT_DIR")
+    try:
+        return json.loads(stdout, parse_constant=_reject_constant)
+    except json.JSONDecodeError:
+        raise BadOutput("stdout is not JSON (the CLI contract wants one JSON value)") from None
+
+
+def sanitize_outcome(outcome: Outcome) -> Outcome:
+    """Make an outcome storable: clean text fields, check results; bad results fail the attempt.
+
+    A result that cannot be stored becomes a final failure (``bad_output``): running the task
+    again would print the same thing.
+    """
+    outcome.error = clean_text(outcome.error or "")[:MAX_ERROR_CHARS]
+    outcome.stdout_tail = clean_text(outcome.stdout_tail or "")[-TAIL_CHARS:]
+    outcome.stderr_tail = clean_text(outcome.stderr_tail or "")[-TAIL_CHARS:]
+    if outcome.results is None:
+        return outcome
+    try:
+        outcome.results = clean_results(outcome.results)
+        size = len(json.dumps(outcome.results, default=str, allow_nan=False))
+    except (BadOutput, ValueError, TypeError, RecursionError) as exc:
+        return bad_output(outcome, str(exc))
+    if size > MAX_RESULTS_BYTES:
+        return bad_output(outcome, f"results are {size} bytes, more than {MAX_RESULTS_BYTES}; "
+                                   "store big outputs as artifacts")
+    return outcome
+
+
+def bad_output(outcome: Outcome, reason: str) -> Outcome:
+    """Return a final failure of ``outcome``'s attempt for output that cannot be stored."""
+    return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="failed",
+                   error=clean_text(f"bad output: {reason}")[:MAX_ERROR_CHARS], error_code="bad_output",
+                   retryable=False, exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail,
+                   stderr_tail=outcome.stderr_tail)
 
 
 class Executor(Protocol):
@@ -104,6 +226,132 @@ def render_argv(template: list[str], params: dict[str, Any]) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# Processes that die with the agent
+# --------------------------------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+try:
+    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:  # pragma: no cover - a libc without dlopen(NULL)
+    _libc = None
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """Return a ``preexec_fn`` that makes the child receive SIGKILL when the agent dies.
+
+    Linux sends the signal when the thread that forked the child ends; the agent's worker
+    threads live as long as the agent. Grandchildren are not covered: they share the child's
+    process group, which the next agent on the node ends (:func:`end_orphan_groups`).
+    """
+    if _libc is None:
+        return None
+    parent = os.getpid()
+    prctl = _libc.prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the agent died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+def ours(pid: int, *, task_id: str) -> bool:
+    """Return whether process ``pid`` was started for task ``task_id`` (never a stranger's pid)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return f"ACCS_TASK_ID={task_id}".encode() in env
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Return the pids whose process group is ``pgid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # Fields after the ")" that closes the command name: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return {}
+    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def agent_alive(agent_id: str) -> bool:
+    """Return whether the agent ``hostname:pid:boot-id`` may still run on this machine.
+
+    An agent on another machine, or one whose pid now runs an agent again, counts as alive: the
+    safe answer when in doubt is not to kill.
+    """
+    host, _, rest = agent_id.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True
+    try:
+        with open(f"/proc/{pid_text}/cmdline", "rb") as fh:
+            return b"runagent" in fh.read()
+    except OSError:
+        return False
+
+
+def orphans_on_node(node: str, *, own_agent_id: str) -> list[tuple[int, str]]:
+    """Return (process group, task id) of task processes on ``node`` whose agent is dead."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        env = _environ(int(entry))
+        agent = env.get(b"ACCS_AGENT_ID", b"").decode(errors="replace")
+        if env.get(b"ACCS_NODE") != node.encode() or not agent or agent == own_agent_id:
+            continue
+        if agent_alive(agent):
+            continue
+        try:
+            found.add((os.getpgid(int(entry)), env.get(b"ACCS_TASK_ID", b"").decode()))
+        except ProcessLookupError:
+            continue
+    return sorted(found)
+
+
+def end_orphan_groups(candidates: list[tuple[int, str]]) -> list[int]:
+    """Kill the process groups of ``(pgid, task_id)`` pairs whose members are ours; return pids killed.
+
+    A pid the kernel has since given to another program is left alone: only processes whose
+    environment names the task (``ACCS_TASK_ID``) are signalled.
+    """
+    killed = []
+    for pgid, task_id in candidates:
+        for pid in processes_in_group(pgid):
+            if ours(pid, task_id=task_id):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+    return killed
+
+
+# --------------------------------------------------------------------------------------------
+# command
+# --------------------------------------------------------------------------------------------
+
 class CommandExecutor:
     """Run a CLI tool following the ACCS contract (no shell, own process group)."""
 
@@ -112,79 +360,118 @@ class CommandExecutor:
             argv = render_argv(ctx.service_config.get("argv", []), task.params)
         except ValueError as exc:
             return _outcome(task, "failed", error=str(exc), retryable=False, error_code="bad_params")
-        env = dict(os.environ)
-        env.update(ACCS_JOB_ID=str(task.job_id), ACCS_TASK_ID=str(task.id), ACCS_TASK_KEY=task.task_key,
-                   ACCS_ATTEMPT=str(task.attempt), ACCS_HOST=task.host or "", ACCS_PARAMS=json.dumps(task.params))
-        if ctx.output_dir:
-            env["ACCS_OUTPUT_DIR"] = ctx.output_dir
-        if ctx.input_dir:
-            env["ACCS_INPUT_DIR"] = ctx.input_dir
-        try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True, text=True, errors="replace")
-        except OSError as exc:
-            return _outcome(task, "failed", error=f"cannot start {argv[0]!r}: {exc}", error_code="spawn_failed")
-        ctx.on_started(proc.pid)
-        stdout_chunks: list[str] = []
-        stderr_tail: deque[str] = deque(maxlen=200)
-
-        def read_stdout() -> None:
-            stdout_chunks.append(proc.stdout.read())
-
-        def read_stderr() -> None:
-            for line in proc.stderr:
-                line = line.rstrip("\n")
-                match = PROGRESS_RE.match(line)
-                if match:
-                    ctx.progress(float(match.group(1)))
-                    continue
-                stderr_tail.append(line)
-                ctx.log(line, level="info")
-
-        readers = [threading.Thread(target=read_stdout, daemon=True), threading.Thread(target=read_stderr, daemon=True)]
-        for reader in readers:
-            reader.start()
-        deadline = time.monotonic() + task.timeout_seconds
-        ended_by = ""
-        while proc.poll() is None:
-            if ctx.cancel.wait(timeout=0.02):
-                ended_by = "canceled"
-            elif time.monotonic() > deadline:
-                ended_by = "timeout"
-            if ended_by:
-                _kill_group(proc)
-                break
-        proc.wait()
-        for reader in readers:
-            reader.join(timeout=5)
-        stdout = "".join(stdout_chunks)
-        tails = {"stdout_tail": redact(stdout[-TAIL_CHARS:], ctx.secrets),
-                 "stderr_tail": redact("\n".join(stderr_tail)[-TAIL_CHARS:], ctx.secrets), "exit_code": proc.returncode}
-        if ended_by == "timeout":
-            return _outcome(task, "timeout", error=f"timeout after {task.timeout_seconds}s: process group killed",
-                            error_code="timeout", **tails)
-        if ended_by == "canceled":
-            return _outcome(task, "canceled", error="canceled: process group killed", **tails)
-        if proc.returncode != 0:
-            last = next((line for line in reversed(stderr_tail) if line.strip()), "")
-            return _outcome(task, "failed", error=redact(f"exit code {proc.returncode}: {last}"[:500], ctx.secrets),
-                            error_code="exit_code", **tails)
-        try:
-            results = json.loads(stdout) if stdout.strip() else {}
-        except json.JSONDecodeError:
-            return _outcome(task, "failed", error="stdout is not JSON (the CLI contract wants one JSON value)",
-                            error_code="bad_stdout", retryable=False, **tails)
-        return _outcome(task, "succeeded", results=results, **tails)
+        return run_process(task, ctx, argv)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the whole process group: SIGTERM, then SIGKILL after a short grace."""
+def task_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
+    """Return the environment of a task's process (the CLI contract's ACCS_* variables)."""
+    env = dict(os.environ)
+    env.update(ACCS_JOB_ID=str(task.job_id), ACCS_TASK_ID=str(task.id), ACCS_TASK_KEY=task.task_key,
+               ACCS_ATTEMPT=str(task.attempt), ACCS_HOST=task.host or "", ACCS_PARAMS=json.dumps(task.params))
+    # Marks the process as the agent's, so the next agent on the node can find it if it is orphaned.
+    env.update(ACCS_NODE=ctx.node, ACCS_AGENT_ID=ctx.agent_id)
+    if ctx.output_dir:
+        env["ACCS_OUTPUT_DIR"] = ctx.output_dir
+    if ctx.input_dir:
+        env["ACCS_INPUT_DIR"] = ctx.input_dir
+    return env
+
+
+def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str]) -> Outcome:
+    """Run ``argv`` as the attempt: stdout → results, stderr → log lines, exit code → status."""
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                env=task_env(task, ctx), start_new_session=True, preexec_fn=die_with_parent(),
+                                text=True, errors="replace")
+    except OSError as exc:
+        return _outcome(task, "failed", error=f"cannot start {argv[0]!r}: {exc}", error_code="spawn_failed")
+    ctx.on_started(proc.pid)
+    stdout = _Capture(MAX_RESULTS_BYTES + 1)
+    stderr_tail: deque[str] = deque(maxlen=200)
+
+    def read_stdout() -> None:
+        for chunk in iter(lambda: proc.stdout.read(65536), ""):
+            stdout.add(chunk)
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            line = clean_text(line.rstrip("\n"))[:MAX_LOG_LINE_CHARS]
+            match = PROGRESS_RE.match(line)
+            if match:
+                ctx.progress(float(match.group(1)))
+                continue
+            stderr_tail.append(line)
+            ctx.log(line, level="info")
+
+    readers = [threading.Thread(target=read_stdout, daemon=True), threading.Thread(target=read_stderr, daemon=True)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + task.timeout_seconds
+    ended_by = ""
+    while proc.poll() is None:
+        if ctx.cancel.wait(timeout=0.02):
+            ended_by = "canceled"
+        elif time.monotonic() > deadline:
+            ended_by = "timeout"
+        if ended_by:
+            _kill_group(proc, grace=ctx.kill_grace)
+            break
+    proc.wait()
+    for reader in readers:
+        reader.join(timeout=5)
+    text = clean_text(stdout.text())
+    tails = {"stdout_tail": redact(clean_text(stdout.tail), ctx.secrets),
+             "stderr_tail": redact("\n".join(stderr_tail)[-TAIL_CHARS:], ctx.secrets), "exit_code": proc.returncode}
+    if ended_by == "timeout":
+        return _outcome(task, "timeout", error=f"timeout after {task.timeout_seconds}s: process group killed",
+                        error_code="timeout", **tails)
+    if ended_by == "canceled":
+        return _outcome(task, "canceled", error="canceled: process group killed", **tails)
+    if proc.returncode != 0:
+        last = next((line for line in reversed(stderr_tail) if line.strip()), "")
+        return _outcome(task, "failed", error=redact(f"exit code {proc.returncode}: {last}"[:500], ctx.secrets),
+                        error_code="exit_code", **tails)
+    if stdout.overflow:
+        return _outcome(task, "failed", error=f"bad output: stdout is larger than {MAX_RESULTS_BYTES} bytes; "
+                        "store big outputs as files in ACCS_OUTPUT_DIR", error_code="bad_output", retryable=False,
+                        **tails)
+    try:
+        results = parse_results(text)
+    except BadOutput as exc:
+        return _outcome(task, "failed", error=f"bad output: {exc}", error_code="bad_output", retryable=False, **tails)
+    return _outcome(task, "succeeded", results=results, **tails)
+
+
+class _Capture:
+    """Keep the first ``limit`` characters of a stream (for results) and its last TAIL_CHARS."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[str] = []
+        self.size = 0
+        self.overflow = False
+        self.tail = ""
+
+    def add(self, chunk: str) -> None:
+        self.tail = (self.tail + chunk)[-TAIL_CHARS:]
+        if self.size + len(chunk) > self.limit:
+            self.overflow = True
+            return
+        self.parts.append(chunk)
+        self.size += len(chunk)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _kill_group(proc: subprocess.Popen, *, grace: float = KILL_GRACE_SECONDS) -> None:
+    """Stop the whole process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     try:
-        proc.wait(timeout=KILL_GRACE_SECONDS)
+        proc.wait(timeout=max(grace, 0.0))
     except subprocess.TimeoutExpired:
         pass
     try:
@@ -192,6 +479,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
 
+
+# --------------------------------------------------------------------------------------------
+# python
+# --------------------------------------------------------------------------------------------
 
 _callables: dict[str, Callable] = {}
 
@@ -205,22 +496,155 @@ def load_callable(path: str) -> Callable:
     return fn
 
 
-class PythonExecutor:
-    """Call a Python function inside the agent process.
+class TaskStopped(BaseException):
+    """Raised inside a worker thread whose callable must stop (timeout or cancel).
 
-    A timeout is reported as such, but the thread cannot be killed: Python offers no safe way to
-    stop a running function. Use the ``command`` executor for work that must be killable.
+    A BaseException, so a callable's ``except Exception`` does not swallow it.
+    """
+
+
+class _StoppableCall:
+    """One callable running in a worker thread, which the stopper may interrupt exactly once."""
+
+    def __init__(self, *, deadline: float, cancel: threading.Event, grace: Callable[[], float]) -> None:
+        self.thread_id = threading.get_ident()
+        self.deadline = deadline
+        self.cancel = cancel
+        self.grace = grace
+        self.reason = ""
+        self._canceled_at: float | None = None
+        self._lock = threading.Lock()
+        self._active = True
+
+    def due(self, now: float) -> str:
+        """Return why the call must be interrupted now ("timeout", "canceled"), or ""."""
+        if now > self.deadline:
+            return "timeout"
+        if self.cancel.is_set():
+            # A cooperative callable sees ctx.cancel and returns by itself; interrupt it only
+            # after the same grace a process group gets.
+            self._canceled_at = self._canceled_at or now
+            if now - self._canceled_at >= self.grace():
+                return "canceled"
+        return ""
+
+    def interrupt(self, reason: str) -> None:
+        with self._lock:
+            if not self._active or self.reason:
+                return
+            self.reason = reason
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), ctypes.py_object(TaskStopped))
+
+    def finish(self) -> None:
+        """Leave the callable: no interruption may land after this (a pending one is withdrawn)."""
+        with self._lock:
+            if self._active and self.reason:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+            self._active = False
+
+
+class _Stopper:
+    """A daemon thread that interrupts python callables past their timeout or cancel grace."""
+
+    def __init__(self) -> None:
+        self._calls: set[_StoppableCall] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, call: _StoppableCall) -> None:
+        with self._lock:
+            self._calls.add(call)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="accs-python-stopper", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def discard(self, call: _StoppableCall) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                calls = list(self._calls)
+            if not calls:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            now = time.monotonic()
+            for call in calls:
+                reason = call.due(now)
+                if reason:
+                    call.interrupt(reason)
+            time.sleep(0.05)
+
+
+_stopper = _Stopper()
+
+# Run in a child interpreter for "isolation": "process": the callable gets a ctx whose log and
+# progress go to stderr (the command contract) and whose cancel is set by SIGTERM.
+PROCESS_RUNNER = r"""
+import importlib, json, os, signal, sys, threading
+cancel = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: cancel.set())
+if os.environ.get("DJANGO_SETTINGS_MODULE"):
+    import django
+    django.setup()
+
+class Ctx:
+    def __init__(self):
+        self.cancel = cancel
+    def progress(self, value):
+        print("::progress:: %f" % float(value), file=sys.stderr, flush=True)
+    def log(self, message, *, level="info"):
+        for line in str(message).splitlines() or [""]:
+            print(line, file=sys.stderr, flush=True)
+
+path = sys.argv[1]
+module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+fn = getattr(importlib.import_module(module), attr)
+result = fn(json.loads(os.environ["ACCS_PARAMS"]), Ctx())
+sys.stdout.write(json.dumps({} if result is None else result, default=str))
+"""
+
+
+class PythonExecutor:
+    """Call a Python function; enforce its timeout and cancel.
+
+    By default the callable runs in the worker thread (fast: no process per task); on timeout,
+    or when it ignores a cancel for the grace period, an exception (:class:`TaskStopped`) is
+    raised inside it. Code blocked in C (a long ``time.sleep``, a socket read) is stopped when it
+    returns to Python. ``"isolation": "process"`` runs the callable in a child interpreter that
+    is killed like a command's process group.
     """
 
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
+        config = ctx.service_config
+        if config.get("isolation") == "process":
+            return run_process(task, ctx, [sys.executable, "-c", PROCESS_RUNNER, config["callable"]])
         ctx.on_started(os.getpid())
+        call = _StoppableCall(deadline=time.monotonic() + task.timeout_seconds, cancel=ctx.cancel,
+                              grace=lambda: ctx.kill_grace)
+        _stopper.add(call)
         try:
-            fn = load_callable(ctx.service_config["callable"])
-            results = fn(task.params, ctx)
+            try:
+                fn = load_callable(config["callable"])
+                results = fn(task.params, ctx)
+            finally:
+                call.finish()
+        except TaskStopped:
+            call.finish()
+            if call.reason == "timeout":
+                return _outcome(task, "timeout", error=f"timeout after {task.timeout_seconds}s: the callable was interrupted",
+                                error_code="timeout")
+            return _outcome(task, "canceled", error="canceled: the callable was interrupted")
         except Exception as exc:  # noqa: BLE001 - user code may raise anything; it becomes the attempt's error
             tail = redact(traceback.format_exc()[-TAIL_CHARS:], ctx.secrets)
             return _outcome(task, "failed", error=redact(f"{type(exc).__name__}: {exc}"[:500], ctx.secrets),
                             error_code="exception", stderr_tail=tail)
+        finally:
+            _stopper.discard(call)
         if ctx.cancel.is_set():
             return _outcome(task, "canceled", error="canceled")
         return _outcome(task, "succeeded", results=results if results is not None else {})
@@ -329,3 +753,10 @@ def make_executors() -> dict[str, Executor]:
 def scratch_dir(task: ClaimedTask) -> str:
     """Return a fresh directory for a command's output files."""
     return tempfile.mkdtemp(prefix=f"accs-{str(task.id)[:8]}-{task.attempt}-")
+
+
+def remove_scratch(ctx: RunContext) -> None:
+    """Remove the attempt's scratch directories (after its outputs were collected)."""
+    for directory in (ctx.output_dir, ctx.input_dir):
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
