@@ -1,9 +1,6 @@
-from django.apps import AppConfig
+from accs_site.appconfig import AccsAppConfig
 
 
-class AccsSiteConfig(AppConfig):
+class AccsSiteConfig(AccsAppConfig):
     name = "accs_site"
     verbose_name = "ACCS site"
-
-    def ready(self) -> None:
-        from accs_site import checks  # noqa: F401  (registers the system checks)

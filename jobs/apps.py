@@ -1,6 +1,6 @@
-from django.apps import AppConfig
+from accs_site.appconfig import AccsAppConfig
 
 
-class JobsConfig(AppConfig):
+class JobsConfig(AccsAppConfig):
     name = "jobs"
     verbose_name = "Jobs and tasks"

@@ -1,6 +1,6 @@
-from django.apps import AppConfig
+from accs_site.appconfig import AccsAppConfig
 
 
-class NodesConfig(AppConfig):
+class NodesConfig(AccsAppConfig):
     name = "nodes"
     verbose_name = "Nodes and hosts"

@@ -1,6 +1,6 @@
-from django.apps import AppConfig
+from accs_site.appconfig import AccsAppConfig
 
 
-class WorkflowsConfig(AppConfig):
+class WorkflowsConfig(AccsAppConfig):
     name = "workflows"
     verbose_name = "Services and workflows"
