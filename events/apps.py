@@ -4,6 +4,7 @@ from accs_site.appconfig import AccsAppConfig
 
 
 class EventsConfig(AccsAppConfig):
+    default = True  # apps.py also imports the base class; this one is the app\'s config
     name = "events"
     verbose_name = "Timeline and artifacts"
 
