@@ -17,6 +17,7 @@ from ninja.errors import ValidationError as NinjaValidationError
 from jobs.api import JobConflict, NotFound
 from jobs.auth import BearerToken
 from jobs.http import router as jobs_router
+from jobs.http_events import router as events_router
 from workflows.http import router as workflows_router
 from workflows.validation import DefinitionError
 
@@ -30,6 +31,7 @@ def health(request) -> dict:
 
 
 api.add_router("/jobs", jobs_router)
+api.add_router("/events", events_router)
 api.add_router("/", workflows_router)
 
 

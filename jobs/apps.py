@@ -5,3 +5,8 @@ class JobsConfig(AccsAppConfig):
     default = True  # apps.py also imports the base class; this one is the app\'s config
     name = "jobs"
     verbose_name = "Jobs and tasks"
+
+    def import_models(self) -> None:
+        super().import_models()
+        # The event receipts live in their own module; importing it here registers the model.
+        from jobs import receipts  # noqa: F401
