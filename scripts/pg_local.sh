@@ -51,7 +51,8 @@ fi
 if [ "$(id -u)" = 0 ]; then
   id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
   PG_USER=postgres
-  as_pg() { runuser -u "$PG_USER" -- "$@"; }
+  # From /: postgres may not be allowed into the caller's working directory.
+  as_pg() { (cd / && runuser -u "$PG_USER" -- "$@"); }
 else
   PG_USER="$(id -un)"
   as_pg() { "$@"; }
@@ -62,7 +63,7 @@ url() { echo "postgres://postgres@127.0.0.1:$PORT/$DBNAME"; }
 is_running() { [ -f "$DATA/PG_VERSION" ] && as_pg "$PGBIN/pg_ctl" -D "$DATA" status >/dev/null 2>&1; }
 
 # True when the server's OS user can enter folder $1 (every parent must be traversable).
-pg_can_reach() { [ "$PG_USER" = "$(id -un)" ] || runuser -u "$PG_USER" -- test -x "$1" 2>/dev/null; }
+pg_can_reach() { [ "$PG_USER" = "$(id -un)" ] || as_pg test -x "$1" 2>/dev/null; }
 
 choose_run_base() {
   if [ ! -f "$DATA/PG_VERSION" ] && [ "$RUN_BASE" = "$BASE" ] && ! pg_can_reach "$BASE"; then
