@@ -17,9 +17,13 @@ install: $(STAMP)
 db: install
 	@scripts/pg_local.sh start
 
+# The demo stops the builder and agents it starts; the database and the S3 server stay up for the
+# next run, and it says so.
 demo: db
 	@$(PY) manage.py migrate --noinput -v0
-	@$(PY) manage.py demo
+	@$(PY) manage.py demo; status=$$?; \
+	  echo "left running for the next run: PostgreSQL at $$(scripts/pg_local.sh url) and the local S3 server (scripts/s3_local.sh); stop both with: make stop"; \
+	  exit $$status
 
 test: install
 	@$(PY) -m pytest $(PYTEST_ARGS)

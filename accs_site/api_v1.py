@@ -19,6 +19,7 @@ from accs_site.middleware import transient_reason
 from jobs.api import JobConflict, NotFound
 from jobs.auth import BearerToken
 from jobs.http import router as jobs_router
+from jobs.http_events import router as events_router
 from workflows.http import router as workflows_router
 from workflows.validation import DefinitionError
 
@@ -32,6 +33,7 @@ def health(request) -> dict:
 
 
 api.add_router("/jobs", jobs_router)
+api.add_router("/events", events_router)
 api.add_router("/", workflows_router)
 
 

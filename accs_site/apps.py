@@ -1,9 +1,7 @@
-from django.apps import AppConfig
+from accs_site.appconfig import AccsAppConfig
 
 
-class AccsSiteConfig(AppConfig):
+class AccsSiteConfig(AccsAppConfig):
+    default = True  # apps.py also imports the base class; this one is the app\'s config
     name = "accs_site"
     verbose_name = "ACCS site"
-
-    def ready(self) -> None:
-        from accs_site import checks  # noqa: F401  (registers the system checks)

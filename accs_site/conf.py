@@ -4,6 +4,11 @@ Nothing is read at import time. Each property parses its variable the first time
 raises :class:`SettingError` naming the variable when the value is malformed. The system check in
 :mod:`accs_site.checks` touches every property, so a bad value stops ``manage.py`` at start-up.
 
+The module works in any Django site, not only in ``accs_site``: a variable missing from the
+environment is looked up in the optional Django setting ``ACCS`` (a dict keyed by the same names,
+e.g. ``ACCS = {"ACC_HEARTBEAT_TTL_SEC": 60}``), so an embedding site may keep ACCS's settings in its
+own settings file. The environment wins, so operators can still override a value per process.
+
 Tests and daemons may call :func:`reload` after changing the environment.
 """
 
@@ -26,8 +31,30 @@ class SettingError(ImproperlyConfigured):
 
 
 def _raw(name: str) -> str | None:
+    """Return the stripped value of ``name`` from the environment, else from ``settings.ACCS``; None if unset."""
     value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        value = _from_django_settings(name)
     return None if value is None or value.strip() == "" else value.strip()
+
+
+def _django_settings_names() -> list[str]:
+    from django.conf import settings
+
+    table = getattr(settings, "ACCS", None) if settings.configured else None
+    return list(table) if isinstance(table, dict) else []
+
+
+def _from_django_settings(name: str) -> str | None:
+    from django.conf import settings
+
+    if not settings.configured:
+        return None
+    table = getattr(settings, "ACCS", None) or {}
+    if not isinstance(table, dict):
+        raise SettingError("ACCS", f"the Django setting ACCS must be a dict of ACC_* names, got {type(table).__name__}")
+    value = table.get(name)
+    return None if value is None else str(value)
 
 
 def _int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -103,7 +130,7 @@ class AccsSettings:
         """Per-service caps from ``ACC_MAX_CONCURRENCY_<SERVICE>`` (service key upper-cased, - → _)."""
         caps: dict[str, int] = {}
         prefix = "ACC_MAX_CONCURRENCY_"
-        for name in sorted(os.environ):
+        for name in sorted(set(os.environ) | set(_django_settings_names())):
             if name.startswith(prefix) and len(name) > len(prefix):
                 caps[name[len(prefix):].lower()] = _int(name, 0, minimum=0)
         return caps

@@ -11,15 +11,15 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 from accs_site.daemon import connect_options
+from accs_site.localdb import local_pg_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env")  # optional; real environment variables win
 
-# scripts/pg_local.sh remembers the port its cluster runs on (54329 unless that was taken).
-_local_pg_port = (BASE_DIR / ".local" / "pg" / "port").read_text().strip() if (BASE_DIR / ".local" / "pg" / "port").exists() else "54329"
-LOCAL_DB_URL = f"postgres://postgres@127.0.0.1:{_local_pg_port}/accs"
+# The project-local server of scripts/pg_local.sh, found the way that script finds it.
+LOCAL_DB_URL = local_pg_url(BASE_DIR)
 
 
 def _database_from_url(name: str, default: str) -> dict:
@@ -45,6 +45,8 @@ DEBUG = env.bool("ACC_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("ACC_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
 
 INSTALLED_APPS = [
+    # Above the admin, so its admin/base_site.html override adds the Dashboard link and styles everywhere.
+    "events",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -56,8 +58,12 @@ INSTALLED_APPS = [
     "workflows",
     "jobs",
     "nodes",
-    "events",
+    "django_tasks",
 ]
+
+# Django's Tasks API: @task functions run on ACCS agents (jobs/tasks_backend.py, docs/embedding.md).
+# QUEUES=[] accepts any queue name: each queue is a set of services agents are started for.
+TASKS = {"default": {"BACKEND": "jobs.tasks_backend.AccsTaskBackend", "QUEUES": []}}
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -75,7 +81,7 @@ ROOT_URLCONF = "accs_site.urls"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [],  # each ACCS app carries its templates
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import Q
@@ -30,22 +30,25 @@ def digest(raw: str) -> str:
     return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def create_token(user: Any, name: str) -> tuple[ApiToken, str]:
-    """Create a token for ``user``; return the row and the raw token (shown once, never stored)."""
+def create_token(user: Any, name: str, *, expires_at: datetime | None = None) -> tuple[ApiToken, str]:
+    """Create a token for ``user`` (valid until ``expires_at``, if given); return the row and the raw
+    token (shown once, never stored)."""
     raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    token = ApiToken.objects.create(user=user, name=name, prefix=raw[:PREFIX_CHARS], digest=digest(raw))
+    token = ApiToken.objects.create(user=user, name=name, prefix=raw[:PREFIX_CHARS], digest=digest(raw),
+                                    expires_at=expires_at)
     return token, raw
 
 
 def user_for_token(raw: str) -> Any | None:
-    """Return the active user a valid, unrevoked token belongs to, or None."""
+    """Return the active user a valid, unrevoked, unexpired token belongs to, or None."""
     if not raw or len(raw) > 200:
         return None
+    now = timezone.now()
     token = (ApiToken.objects.select_related("user")
-             .filter(digest=digest(raw), revoked_at__isnull=True, user__is_active=True).first())
+             .filter(digest=digest(raw), revoked_at__isnull=True, user__is_active=True)
+             .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now)).first())
     if token is None:
         return None
-    now = timezone.now()
     if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
         (ApiToken.objects.filter(pk=token.pk)
          .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_RESOLUTION))

@@ -25,6 +25,7 @@ from jobs.models import (
     TASK_HELD, ApprovalState, Attempt, Job, JobSource, JobStatus, MissedRunPolicy, Task, Tenant, Trigger,
     TriggerType,
 )
+from jobs.idempotency import differences
 from jobs.scoping import can_act, scope, tenant_ids_for
 from workflows.validation import DefinitionError, Problem
 
@@ -335,8 +336,15 @@ def _tenant_to_act_in(request: HttpRequest, given: str | None) -> Tenant:
 
 
 def _tenant_filter(request: HttpRequest, qs, slug: str | None):
+    """Scope ``qs`` to the caller's tenants, then to ``slug``; naming a tenant not readable is 403."""
     qs = scope(qs, request.auth)
-    return qs.filter(tenant__slug=slug) if slug else qs
+    if not slug:
+        return qs
+    allowed = tenant_ids_for(request.auth)
+    if allowed is not None and not Tenant.objects.filter(slug=slug, id__in=allowed).exists():
+        # Same answer for "no such tenant" and "not yours": tenant names are not disclosed.
+        raise PermissionDenied(f"you may not read tenant {slug!r}")
+    return qs.filter(tenant__slug=slug)
 
 
 def _page(items: list, limit: int) -> tuple[list, bool]:
@@ -357,7 +365,8 @@ def _action(request: HttpRequest, job: Job, result: api.ActionResult):
 @router.post("", response=responses({200: JobOut, 201: JobOut}), summary="Start a job (webhook enqueue)")
 def create_job(request: HttpRequest, body: JobIn):
     """Start a job; 201 when created, 200 with the existing job when ``external_id`` was seen before
-    in the tenant, 409 naming the holder when ``dedupe_key`` is held by a queued or running job."""
+    in the tenant with the same body, 409 naming that job when the body differs, 409 naming the holder
+    when ``dedupe_key`` is held by a queued or running job."""
     tenant = _tenant_to_act_in(request, body.tenant)
     spec = api.JobSpec(
         workflow=body.workflow, version=body.version, service=body.service, params=body.params,
@@ -371,6 +380,12 @@ def create_job(request: HttpRequest, body: JobIn):
         # A body naming an unknown workflow/service is an invalid request, not a missing resource.
         raise DefinitionError([Problem("workflow" if body.workflow else "service", str(exc))]) from None
     job = Job.objects.select_related(*JOB_RELATED).get(pk=started.pk)
+    if not started.was_created:
+        differ = differences(job, spec)
+        if differ:
+            return Status(409, {"detail": f"external_id {body.external_id!r} already names job {job.id}, "
+                                          f"started with a different {', '.join(differ)}; repeat the same body "
+                                          "to get that job, or use a new external_id", "job_id": job.id})
     return Status(201 if started.was_created else 200, _job_out(job))
 
 

@@ -77,6 +77,7 @@ class ApiToken(models.Model):
     created_at = models.DateTimeField(default=now)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="The API refuses the token from then on.")
 
     class Meta:
         db_table = "accs_api_token"

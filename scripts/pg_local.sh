@@ -3,19 +3,27 @@
 #   scripts/pg_local.sh start|stop|status|url|psql
 # The cluster lives in .local/pg (git-ignored), listens on 127.0.0.1:$ACC_PG_PORT only and
 # trusts loopback connections. initdb refuses to run as root, so under root the cluster is
-# owned and run by the 'postgres' OS user (created if missing).
+# owned and run by the 'postgres' OS user (created if missing). When 'postgres' cannot reach the
+# checkout (a clone in root's home, mode 700), the data, socket and log go to a folder of their own
+# under /var/tmp, named by a hash of the checkout's path, and $BASE/datadir remembers it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BASE="${ACC_PG_DIR:-$ROOT/.local/pg}"
+case "$BASE" in /*) ;; *) BASE="$ROOT/$BASE" ;; esac  # .env.example writes it relative to the checkout
 # The port: ACC_PG_PORT, else the one this cluster was started on (remembered in $BASE/port), else
 # 54329. A start that finds the port taken by another server (say, a second checkout's cluster)
 # moves to the next free port and remembers it, so `url` keeps telling the truth.
 PORT="${ACC_PG_PORT:-$(cat "$BASE/port" 2>/dev/null || echo 54329)}"
-DATA="$BASE/data"
-SOCK="$BASE/run"
-LOG="$BASE/server.log"
 DBNAME="${ACC_PG_DBNAME:-accs}"
+
+set_paths() {
+  RUN_BASE="$1"
+  DATA="$RUN_BASE/data"
+  SOCK="$RUN_BASE/run"
+  LOG="$RUN_BASE/server.log"
+}
+set_paths "$(cat "$BASE/datadir" 2>/dev/null || echo "$BASE")"
 
 find_pgbin() {
   if command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir)/initdb" ]; then
@@ -43,7 +51,8 @@ fi
 if [ "$(id -u)" = 0 ]; then
   id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
   PG_USER=postgres
-  as_pg() { runuser -u "$PG_USER" -- "$@"; }
+  # From /: postgres may not be allowed into the caller's working directory.
+  as_pg() { (cd / && runuser -u "$PG_USER" -- "$@"); }
 else
   PG_USER="$(id -un)"
   as_pg() { "$@"; }
@@ -53,9 +62,28 @@ url() { echo "postgres://postgres@127.0.0.1:$PORT/$DBNAME"; }
 
 is_running() { [ -f "$DATA/PG_VERSION" ] && as_pg "$PGBIN/pg_ctl" -D "$DATA" status >/dev/null 2>&1; }
 
+# True when the server's OS user can enter folder $1 (every parent must be traversable).
+pg_can_reach() { [ "$PG_USER" = "$(id -un)" ] || as_pg test -x "$1" 2>/dev/null; }
+
+choose_run_base() {
+  if [ ! -f "$DATA/PG_VERSION" ] && [ "$RUN_BASE" = "$BASE" ] && ! pg_can_reach "$BASE"; then
+    local elsewhere="/var/tmp/accs-pg-$(printf '%s' "$BASE" | sha256sum | cut -c1-16)"
+    install -d -m 755 -o "$PG_USER" "$elsewhere"
+    echo "$elsewhere" >"$BASE/datadir"
+    echo "pg_local: $PG_USER cannot enter $BASE; keeping the cluster in $elsewhere" >&2
+    set_paths "$elsewhere"
+  fi
+}
+
 start() {
   mkdir -p "$BASE"
   chmod 755 "$BASE"
+  choose_run_base
+  # A port named by ACC_PG_PORT wins over the one a running cluster was started on.
+  if [ -n "${ACC_PG_PORT:-}" ] && is_running && [ "$(cat "$BASE/port" 2>/dev/null)" != "$PORT" ]; then
+    echo "pg_local: restarting on port $PORT (ACC_PG_PORT)" >&2
+    as_pg "$PGBIN/pg_ctl" -D "$DATA" -m fast -w stop >/dev/null
+  fi
   if [ ! -f "$DATA/PG_VERSION" ]; then
     install -d -m 700 -o "$PG_USER" "$DATA"
     install -d -m 755 -o "$PG_USER" "$SOCK"

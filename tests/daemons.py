@@ -21,14 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 class Daemons:
     """Start daemons; stop them all at teardown (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, env: dict[str, str], log_dir: Path, *, manage_py: Path = ROOT / "manage.py") -> None:
         self.env = env
         self.log_dir = log_dir
+        self.manage_py = manage_py  # another site's manage.py runs the same daemons (tests/embedded_site)
         self.procs: list[subprocess.Popen] = []
 
     def start(self, *args: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, str(self.manage_py), *args], cwd=self.manage_py.parent,
                                 env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         proc.log_path = self.log_dir / f"{name}.log"  # type: ignore[attr-defined]
         self.procs.append(proc)

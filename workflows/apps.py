@@ -1,6 +1,7 @@
-from django.apps import AppConfig
+from accs_site.appconfig import AccsAppConfig
 
 
-class WorkflowsConfig(AppConfig):
+class WorkflowsConfig(AccsAppConfig):
+    default = True  # apps.py also imports the base class; this one is the app\'s config
     name = "workflows"
     verbose_name = "Services and workflows"

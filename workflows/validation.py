@@ -64,12 +64,23 @@ def argv_placeholders(argv: Iterable[str]) -> set[str]:
     """Return the ``{name}`` placeholders used in an argv template."""
     names: set[str] = set()
     for arg in argv:
-        for _, field, _, _ in string.Formatter().parse(arg):
+        try:
+            parsed = list(string.Formatter().parse(arg))
+        except ValueError as exc:
+            raise ValueError(f"{arg!r}: {exc}; {LITERAL_BRACES_HINT}") from None
+        for _, field, _, _ in parsed:
             if field == "" or (field and field.isdigit()):
-                raise ValueError(f"positional placeholder in {arg!r}; name it ({{param}}) or write literal braces as {{{{ }}}}")
+                raise ValueError(f"positional placeholder in {arg!r}; name it ({{param}}) or {LITERAL_BRACES_HINT}")
             if field:
-                names.add(field.split(".")[0].split("[")[0])
+                name = field.split(".")[0].split("[")[0]
+                if not name.isidentifier():
+                    raise ValueError(f"{{{field}}} in {arg!r} is not a placeholder name; {LITERAL_BRACES_HINT}")
+                names.add(name)
     return names
+
+
+# Argv elements are rendered with str.format, so literal braces (JSON, shell-like ${VAR}) are doubled.
+LITERAL_BRACES_HINT = 'write literal braces doubled ({{ for {, }} for }): the element {{"mode": "fast"}} renders {"mode": "fast"}'
 
 
 def service_problems(service) -> list[Problem]:

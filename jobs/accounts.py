@@ -1,0 +1,109 @@
+"""Tenants, memberships and API tokens, scripted: what the admin does, as functions commands call.
+
+Each function validates its input and raises :class:`AccountError` with a sentence naming the
+problem, so ``manage.py accs_tenant`` / ``accs_member`` / ``accs_token`` stay thin.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.utils import timezone
+from django.utils.text import slugify
+
+from jobs.auth import create_token
+from jobs.models import ApiToken, Tenant, TenantMembership, TenantRole
+
+DURATION_RE = re.compile(r"^(\d+)([smhdw])$")
+UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+class AccountError(ValueError):
+    """Input that cannot be applied; the message says what is wrong."""
+
+
+def parse_duration(text: str) -> timedelta:
+    """Parse ``90d``, ``12h``, ``30m``, ``2w`` or ``45s`` into a timedelta."""
+    found = DURATION_RE.match(text.strip())
+    if not found or int(found.group(1)) == 0:
+        raise AccountError(f"expected a duration such as 90d, 12h, 30m or 2w, got {text!r}")
+    return timedelta(**{UNITS[found.group(2)]: int(found.group(1))})
+
+
+def create_tenant(slug: str, *, name: str = "", tz: str = "UTC", max_in_flight: int = 0) -> tuple[Tenant, bool]:
+    """Create a tenant, or update the name/zone/limit of an existing one; return it and whether it is new."""
+    if slugify(slug) != slug or not slug or len(slug) > 100:
+        raise AccountError(f"a tenant slug is 1-100 lower-case letters, digits, '-' or '_', got {slug!r}")
+    try:
+        ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise AccountError(f"unknown time zone {tz!r}; use an IANA name such as Europe/Oslo") from None
+    if max_in_flight < 0:
+        raise AccountError("max in flight must be 0 (unlimited) or more")
+    return Tenant.objects.update_or_create(
+        slug=slug, defaults={"name": name or slug, "timezone": tz, "max_in_flight": max_in_flight})
+
+
+def _user(username: str):
+    user = get_user_model().objects.filter(username=username).first()
+    if user is None:
+        raise AccountError(f"no user {username!r}; create it first (manage.py createsuperuser or the admin)")
+    return user
+
+
+def _tenant(slug: str) -> Tenant:
+    tenant = Tenant.objects.filter(slug=slug).first()
+    if tenant is None:
+        raise AccountError(f"no tenant {slug!r}; create it with manage.py accs_tenant create {slug}")
+    return tenant
+
+
+def add_member(username: str, tenant_slug: str, *, role: str = TenantRole.ADMIN) -> TenantMembership:
+    """Give a user a role in a tenant (admin acts, viewer reads); an existing membership changes role.
+
+    Tenant admins use the Django admin too, so the user is made staff.
+    """
+    if role not in TenantRole.values:
+        raise AccountError(f"role must be one of {', '.join(TenantRole.values)}, got {role!r}")
+    user, tenant = _user(username), _tenant(tenant_slug)
+    with transaction.atomic():
+        membership, _ = TenantMembership.objects.update_or_create(user=user, tenant=tenant, defaults={"role": role})
+        if not user.is_staff:
+            type(user).objects.filter(pk=user.pk).update(is_staff=True)
+    return membership
+
+
+def remove_member(username: str, tenant_slug: str) -> bool:
+    """Remove a user's membership; False when there was none."""
+    deleted, _ = TenantMembership.objects.filter(user=_user(username), tenant=_tenant(tenant_slug)).delete()
+    return bool(deleted)
+
+
+def issue_token(username: str, name: str, *, expires_at: datetime | None = None) -> tuple[ApiToken, str]:
+    """Create an API token for an active user; return the row and the raw token (shown once)."""
+    user = _user(username)
+    if not user.is_active:
+        raise AccountError(f"user {username!r} is not active")
+    if not name.strip() or len(name) > 100:
+        raise AccountError("a token name is 1-100 characters")
+    if expires_at is not None and expires_at <= timezone.now():
+        raise AccountError("the expiry must be in the future")
+    return create_token(user, name.strip(), expires_at=expires_at)
+
+
+def revoke_tokens(*, prefix: str | None = None, username: str | None = None, name: str | None = None) -> int:
+    """Revoke the unrevoked tokens matching a prefix, or a user (and name); return how many."""
+    if not prefix and not username:
+        raise AccountError("say which tokens: a prefix (accs_...) or a user")
+    tokens = ApiToken.objects.filter(revoked_at__isnull=True)
+    if prefix:
+        tokens = tokens.filter(prefix__startswith=prefix[:12])
+    if username:
+        tokens = tokens.filter(user=_user(username))
+    if name:
+        tokens = tokens.filter(name=name)
+    return tokens.update(revoked_at=timezone.now())

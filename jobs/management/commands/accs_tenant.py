@@ -1,0 +1,33 @@
+"""``manage.py accs_tenant create SLUG [--name N] [--timezone Z] [--max-in-flight K]`` · ``accs_tenant list``."""
+
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand, CommandError
+
+from jobs.accounts import AccountError, create_tenant
+from jobs.models import Tenant
+
+
+class Command(BaseCommand):
+    help = "Create, update or list tenants."
+
+    def add_arguments(self, parser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True)
+        create = sub.add_parser("create", help="Create a tenant (or update an existing one's fields).")
+        create.add_argument("slug")
+        create.add_argument("--name", default="")
+        create.add_argument("--timezone", default="UTC", help="IANA zone for its schedules (default UTC).")
+        create.add_argument("--max-in-flight", type=int, default=0, help="Running jobs at once; 0 = unlimited.")
+        sub.add_parser("list", help="List tenants.")
+
+    def handle(self, *args, action: str, **options) -> None:
+        if action == "list":
+            for t in Tenant.objects.order_by("slug"):
+                self.stdout.write(f"{t.slug:<24} {t.name:<32} {t.timezone:<20} max_in_flight={t.max_in_flight}")
+            return
+        try:
+            tenant, created = create_tenant(options["slug"], name=options["name"], tz=options["timezone"],
+                                            max_in_flight=options["max_in_flight"])
+        except AccountError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"{'created' if created else 'updated'} tenant {tenant.slug} ({tenant.id})")

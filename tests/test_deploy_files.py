@@ -1,0 +1,126 @@
+"""The deployment files under deploy/ name only commands, modules, files and variables that exist."""
+
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from django.core.management import get_commands
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+ENV_FILES = {p.name: p for p in (DEPLOY / "env").glob("*.env")}
+ACC_VAR = re.compile(r"\bACC_[A-Z0-9_]+\b")
+REF_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def documented_acc_variables() -> set[str]:
+    """ACC_* names .env.example documents (commented or not)."""
+    return set(ACC_VAR.findall((ROOT / ".env.example").read_text()))
+
+
+def env_file_values(path: Path) -> dict[str, str]:
+    pairs = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            pairs[key] = value
+    return pairs
+
+
+def check_argv(argv: list[str], where: str) -> None:
+    """A manage.py command must exist; gunicorn must be installed and its WSGI module importable."""
+    words = [Path(w).name for w in argv]
+    if "manage.py" in words:
+        command = argv[words.index("manage.py") + 1]
+        assert command in get_commands(), f"{where}: manage.py {command} does not exist"
+    if "gunicorn" in words:
+        assert importlib.util.find_spec("gunicorn"), f"{where}: gunicorn is not installed (requirements.txt)"
+        module = argv[words.index("gunicorn") + 1].split(":")[0]
+        assert importlib.util.find_spec(module), f"{where}: WSGI module {module} does not exist"
+
+
+def unit(path: Path) -> configparser.RawConfigParser:
+    """Parse a systemd unit; repeated keys (EnvironmentFile, ExecStartPre) keep every value, one a line."""
+
+    class Multi(dict):
+        def __setitem__(self, key, value):
+            if key in self and isinstance(value, list):
+                self[key].extend(value)
+            else:
+                super().__setitem__(key, value)
+
+    parser = configparser.RawConfigParser(strict=False, dict_type=Multi, delimiters=("=",))
+    parser.optionxform = str
+    parser.read(path)
+    return parser
+
+
+def test_env_files_name_only_documented_acc_variables():
+    documented = documented_acc_variables()
+    for name, path in ENV_FILES.items():
+        unknown = sorted(set(env_file_values(path)) & {v for v in ACC_VAR.findall(path.read_text())} - documented)
+        assert not unknown, f"deploy/env/{name} sets {unknown}, which .env.example does not document"
+
+
+@pytest.mark.parametrize("path", UNITS, ids=[p.name for p in UNITS])
+def test_systemd_unit_commands_files_and_variables_exist(path):
+    parsed = unit(path)
+    service = parsed["Service"]
+    env_files = [Path(v).name for v in service.get("EnvironmentFile", "").split("\n") if v]
+    for name in env_files:
+        assert name in ENV_FILES, f"{path.name}: EnvironmentFile {name} has no deploy/env/{name}"
+    defined = {k for name in env_files for k in env_file_values(ENV_FILES[name])}
+    for key in ("ExecStart", "ExecStartPre"):
+        for line in filter(None, service.get(key, "").split("\n")):
+            check_argv(shlex.split(line), f"{path.name} {key}")
+            for var in REF_VAR.findall(line):
+                if var != "MAINPID":
+                    assert var in defined, f"{path.name}: ${{{var}}} is not set by {env_files}"
+    assert service["User"] and parsed["Install"]["WantedBy"]
+    if path.name.startswith("accs-agent") or path.name.startswith("accs-builder"):
+        assert service["Restart"] == "always"
+
+
+def test_builder_unit_is_a_template_for_two_instances():
+    assert (DEPLOY / "systemd" / "accs-builder@.service").exists()
+    assert "accs-builder@1 accs-builder@2" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_compose_file_services_commands_and_variables_exist():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"db", "minio", "web", "builder-1", "builder-2", "agent"} <= set(services)
+    documented = documented_acc_variables()
+    for name, svc in services.items():
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        for env_file in svc.get("env_file", []):
+            assert (DEPLOY / env_file).exists(), f"{name}: env_file {env_file} missing"
+        for var in svc.get("environment", {}):
+            assert not var.startswith("ACC_") or var in documented, f"{name}: {var} is not in .env.example"
+        command = svc.get("command")
+        if command and svc.get("image") == "accs":
+            argv = shlex.split(command[-1]) if command[0] == "sh" else command
+            check_argv(argv, f"compose {name}")
+            env_defined = {k for f in svc.get("env_file", []) for k in env_file_values(DEPLOY / f)}
+            for var in REF_VAR.findall(" ".join(command).replace("$$", "$")):
+                assert var in env_defined, f"compose {name}: ${var} is not set by its env files"
+        if "build" in svc:
+            assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
+
+
+def test_acc_variables_the_deploy_files_name_are_read_by_accs():
+    source = "\n".join(p.read_text() for p in ROOT.glob("*/*.py") if ".venv" not in p.parts)
+    named = set()
+    for path in [*UNITS, *ENV_FILES.values(), DEPLOY / "compose.yaml"]:
+        named |= set(ACC_VAR.findall(path.read_text()))
+    unread = sorted(v for v in named if f'"{v}"' not in source)
+    assert not unread, f"deploy files set {unread}, which no ACCS module reads"
