@@ -96,7 +96,8 @@ class Guard:
     """Run loop steps so that no exception ends the daemon; log each outage once.
 
     A transient database error starts an "outage": it is logged once, with the step that saw
-    it; further failures are quiet until a step succeeds again, which logs how long it lasted.
+    it; further failures are quiet until :meth:`probe` gets an answer again, which logs how long
+    it lasted (a step's success does not end it: many steps need no database when idle).
     Any other exception is logged with its traceback once per step until that step succeeds.
     ``failed`` tells the loop that this pass had a failure, so it backs off before the next one;
     ``outage_this_pass`` that the database is unreachable, so the pass's other steps are skipped.
@@ -145,14 +146,26 @@ class Guard:
                            extra=self.extra)
 
     def ok(self, step: str) -> None:
-        """Record that ``step`` succeeded; end the outage (logged once) or the step's breakage."""
-        if self.outage_since is not None:
-            self.log.info("database reachable again after %.1fs", time.monotonic() - self.outage_since,
-                          extra=self.extra)
-            self.outage_since = None
+        """Record that ``step`` succeeded (it may not have needed the database: no outage ends here)."""
         if step in self._broken_steps:
             self._broken_steps.discard(step)
             self.log.info("%s works again", step, extra=self.extra)
+
+    def probe(self) -> bool:
+        """During an outage, ask the database for ``SELECT 1``; end the outage (logged once) if it answers."""
+        if self.outage_since is None:
+            return True
+        try:
+            from django.db import connection
+
+            with connection.cursor() as cur:
+                cur.execute("SELECT 1")
+        except Exception as exc:  # noqa: BLE001 - still down
+            self.failed_step("database probe", exc)
+            return False
+        self.log.info("database reachable again after %.1fs", time.monotonic() - self.outage_since, extra=self.extra)
+        self.outage_since = None
+        return True
 
     def start_pass(self) -> None:
         """Forget the previous pass's failures (the outage itself lasts until a step succeeds)."""

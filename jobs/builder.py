@@ -1,10 +1,16 @@
-"""The builder loop (BLD1-BLD4): turn due jobs into tasks and keep the system healthy.
+"""The builder loop: turn due jobs into tasks and keep the system healthy.
 
-Every builder instantiates due jobs (several may run; SKIP LOCKED shares the work). One of them,
-the leader (a session-level advisory lock on a dedicated connection), also runs the maintenance
-services: rescue expired leases, fire cron triggers, expire governor conditions, wake nodes,
-keep event partitions ready and archive old months. Each service is small, bounded per pass
-(``limit``), idempotent, and logs what it did. A tick's work follows what is due, not table size.
+Every builder instantiates due jobs (several may run; SKIP LOCKED shares the work), within a
+budget per tick (batches and seconds), so a large backlog never starves the rest. One builder,
+the leader, holds a session-level advisory lock on a dedicated connection and also runs the
+maintenance duties (:mod:`jobs.duties`): rescue expired leases, fire cron triggers, expire
+governor conditions, wake nodes, keep event partitions ready, archive old months. Every due
+duty runs every tick within its own budget.
+
+Leadership is checked every tick on the session that holds the lock: if that session is gone
+(a restart, a network cut, an operator's ``pg_terminate_backend``), the lock went with it; the
+builder steps down, reconnects and competes again. Every step is guarded: a database outage
+is logged once, the loop backs off with jitter and resumes; start-up waits for the database.
 """
 
 from __future__ import annotations
@@ -14,82 +20,53 @@ import random
 import select
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import psycopg
 from django.db import close_old_connections, connection
-from django.db.utils import InterfaceError, OperationalError
-from django.utils import timezone
 
+from accs_site import daemon
 from jobs import transitions
+from jobs.duties import Duty, all_duties
 from jobs.notify import builder_channel
 
 log = logging.getLogger("accs.builder")
 
 LEADER_LOCK_KEY = 0x4143435301  # "ACCS" + 1
+LOCK_APPLICATION_NAME = "accs builder lock"
+INSTANTIATE_MAX_BATCHES = 4
+INSTANTIATE_MAX_SECONDS = 2.0
+STALL_LIMIT_SECONDS = daemon.DAEMON_STATEMENT_TIMEOUT_MS / 1000 + 15
 
-
-@dataclass
-class Service:
-    """One maintenance duty of the leader: run at most every ``every`` seconds."""
-
-    name: str
-    every: float
-    run: Callable[[], int | list | object]
-    last: float = field(default=0.0)
-
-
-def _optional(module: str, attr: str) -> Callable | None:
-    try:
-        return getattr(__import__(module, fromlist=[attr]), attr)
-    except (ImportError, AttributeError):
-        return None
-
-
-def _count(value) -> int:
-    """Return how much a maintenance duty did: a count, a list of what it did, or a ReportResult."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (list, tuple, set)):
-        return len(value)
-    if isinstance(value, transitions.ReportResult):
-        return len(value.retried) + len(value.failed)
-    return 0
-
-
-def maintenance_services(*, batch: int) -> list[Service]:
-    """Return the leader's duties; optional ones appear once their capability is installed."""
-    services = [
-        Service("rescue_expired_leases", 1.0, lambda: transitions.rescue_expired(limit=batch)),
-        Service("wake_nodes", 15.0, lambda: _optional("nodes.wake", "wake_nodes")()),
-    ]
-    fire = _optional("jobs.triggers", "fire_due_schedules")
-    if fire:
-        services.append(Service("fire_cron_triggers", 1.0, lambda: fire(limit=100)))
-    expire = _optional("workflows.governor", "expire_conditions")
-    if expire:
-        services.append(Service("expire_governor_conditions", 5.0, lambda: expire()))
-    ensure = _optional("events.partitions", "ensure_partitions")
-    if ensure:
-        services.append(Service("ensure_event_partitions", 3600.0, lambda: ensure()))
-    archive = _optional("events.partitions", "archive_partitions")
-    if archive:
-        services.append(Service("archive_event_partitions", 3600.0, lambda: archive(limit=1)))
-    return services
+# Is the leader lock held by this session? A session-level advisory lock on a bigint key shows
+# in pg_locks as classid (high 32 bits), objid (low 32 bits), objsubid 1.
+HOLDS_LOCK_SQL = """
+SELECT count(*) FROM pg_locks
+ WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND objsubid = 1
+   AND classid::bigint = (%(key)s::bigint >> 32) AND objid::bigint = (%(key)s::bigint & 4294967295)
+"""
 
 
 class Builder:
     """Run builder ticks until stopped (or, with ``once``, one pass of everything)."""
 
-    def __init__(self, *, tick_seconds: float = 1.0, batch: int = 500, once: bool = False) -> None:
+    def __init__(self, *, tick_seconds: float = 1.0, batch: int = 500, once: bool = False,
+                 duties: list[Duty] | None = None) -> None:
         self.tick_seconds = tick_seconds
         self.batch = batch
         self.once = once
         self.stopping = False
         self.is_leader = False
         self._conn: psycopg.Connection | None = None
-        self.services = maintenance_services(batch=batch)
+        self._conn_retry_at = 0.0
+        self._conn_backoff = daemon.Backoff(base=0.2, cap=10.0)
+        self.duties = duties if duties is not None else all_duties(batch=batch)
+        self._last_run: dict[str, float] = {}
+        self.guard = daemon.Guard(log, on_transient=daemon.close_django_connection)
+        self.backoff = daemon.Backoff(base=0.2, cap=10.0)
+        self._db = connection
+        self.stall = daemon.StallBreaker(limit=STALL_LIMIT_SECONDS, connections=lambda: [self._db, self._conn],
+                                         logger=log)
+        self.backlog = False
         self.stats = {"jobs_started": 0, "ticks": 0}
 
     def install_signal_handlers(self) -> None:
@@ -101,91 +78,148 @@ class Builder:
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
 
-    def _connect(self) -> None:
-        s = connection.settings_dict
-        self._conn = psycopg.connect(host=s["HOST"], port=s["PORT"] or None, dbname=s["NAME"], user=s["USER"],
-                                     password=s["PASSWORD"] or None, autocommit=True)
-        self._conn.execute(f'LISTEN "{builder_channel()}"')
+    # ------------------------------------------------------------------ the dedicated session
+    def _ensure_session(self) -> None:
+        """Open the dedicated connection (LISTEN + leader lock) if it is closed, with backoff."""
+        if self._conn is not None or time.monotonic() < self._conn_retry_at:
+            return
+        try:
+            conn = daemon.connect(application_name=LOCK_APPLICATION_NAME)
+            conn.execute(f'LISTEN "{builder_channel()}"')
+        except psycopg.Error:
+            self._conn_retry_at = time.monotonic() + self._conn_backoff.next_delay()
+            raise
+        self._conn, self.is_leader = conn, False
+        self._conn_backoff.reset()
+
+    def _drop_session(self, reason: str) -> None:
+        if self.is_leader:
+            log.warning("stepping down as leader: %s", reason)
         self.is_leader = False
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection may fail
+                pass
+        self._conn = None
 
     def _check_leader(self) -> None:
-        """Hold (or try to take) the leader lock; it lives as long as the dedicated session."""
-        if self.is_leader:
+        """Confirm the lock on its own session every tick; take it when free.
+
+        A failed session is dropped and reopened at once (one more try in this tick); if the
+        database itself is unreachable, the error goes to the loop's guard.
+        """
+        for last_try in (False, True):
+            try:
+                self._hold_or_take_lock()
+                return
+            except psycopg.Error as exc:
+                self._drop_session(f"its session failed ({daemon.first_line(exc)})")
+                if last_try:
+                    raise
+
+    def _hold_or_take_lock(self) -> None:
+        self._ensure_session()
+        if self._conn is None:  # waiting to reconnect (backoff)
+            self.is_leader = False
             return
-        row = self._conn.execute("SELECT pg_try_advisory_lock(%s)", [LEADER_LOCK_KEY]).fetchone()
-        if row[0]:
+        if self.is_leader:
+            if not self._conn.execute(HOLDS_LOCK_SQL, {"key": LEADER_LOCK_KEY}).fetchone()[0]:
+                self._drop_session("the leader lock is no longer held by this session")
+            return
+        if self._conn.execute("SELECT pg_try_advisory_lock(%s)", [LEADER_LOCK_KEY]).fetchone()[0]:
             self.is_leader = True
             log.info("this builder is now the leader")
 
+    # ------------------------------------------------------------------ one tick
     def tick(self) -> int:
-        """Do one pass: start due jobs (all builders), then due maintenance (leader). Return jobs started."""
-        close_old_connections()
-        started = 0
-        while True:  # drain what is due in bounded batches
+        """Do one pass: start due jobs (all builders), then due duties (leader). Return jobs started."""
+        self.guard.start_pass()
+        self._step("connection check", close_old_connections)
+        with self.stall.step("database probe"):
+            self.guard.probe()
+        started = self._step("instantiate due jobs", self._instantiate, default=0)
+        self._step("leadership", self._check_leader)
+        if self.is_leader:
+            now = time.monotonic()
+            for duty in self.duties:
+                if self.once or now - self._last_run.get(duty.name, -duty.every) >= duty.every:
+                    self._last_run[duty.name] = now
+                    done = self._step(duty.name, lambda duty=duty: run_duty(duty), default=0)
+                    if done:
+                        log.info("maintenance %s: %d", duty.name, done)
+        self.stats["ticks"] += 1
+        self.stats["jobs_started"] += started
+        return started
+
+    def _step(self, name: str, fn, *, default=None):
+        if self.guard.outage_this_pass:
+            return default
+        with self.stall.step(name):
+            return self.guard.run(name, fn, default=default)
+
+    def _instantiate(self) -> int:
+        """Start due jobs in batches, within this tick's budget (the rest waits for the next tick)."""
+        started, deadline = 0, time.monotonic() + INSTANTIATE_MAX_SECONDS
+        self.backlog = False
+        for _ in range(INSTANTIATE_MAX_BATCHES):
             ids = transitions.start_due_jobs(limit=self.batch)
             started += len(ids)
             if ids:
                 log.info("started %d job(s)", len(ids), extra={"job_id": ids[0] if len(ids) == 1 else None})
             if len(ids) < self.batch:
+                return started
+            if time.monotonic() > deadline:
                 break
-        self._check_leader()
-        if self.is_leader:
-            now = time.monotonic()
-            for service in self.services:
-                if self.once or now - service.last >= service.every:
-                    service.last = now
-                    try:
-                        done = _count(service.run())
-                    except Exception:  # noqa: BLE001 - one failing duty must not stop the others
-                        log.exception("maintenance %s failed", service.name)
-                        continue
-                    if done:
-                        log.info("maintenance %s: %d", service.name, done)
-        self.stats["ticks"] += 1
-        self.stats["jobs_started"] += started
+        self.backlog = True  # more is due: the next tick follows at once
         return started
 
+    # ------------------------------------------------------------------ waiting and running
     def _wait(self) -> None:
+        if self.backlog:
+            return
         timeout = self.tick_seconds * random.uniform(0.8, 1.2)
+        if self._conn is None:
+            time.sleep(timeout)
+            return
         try:
             ready, _, _ = select.select([self._conn.fileno()], [], [], timeout)
             if ready:
                 for _ in self._conn.notifies(timeout=0, stop_after=10000):
                     pass
-        except (OSError, psycopg.Error) as exc:
-            log.warning("LISTEN connection lost (%s); reconnecting", exc)
-            self._reconnect()
-
-    def _reconnect(self) -> None:
-        try:
-            if self._conn is not None:
-                self._conn.close()
-        finally:
-            self._conn = None
-        while not self.stopping:
-            try:
-                self._connect()
-                return
-            except psycopg.Error as exc:
-                log.warning("cannot reach the database (%s); retrying", exc)
-                time.sleep(min(5.0, self.tick_seconds))
+        except (OSError, ValueError, psycopg.Error) as exc:
+            self._drop_session(f"its session failed ({daemon.first_line(exc)})")
+            log.warning("LISTEN connection lost (%s); reopening", daemon.first_line(exc))
 
     def run(self) -> int:
-        self._connect()
-        log.info("builder started (tick %.2fs, batch %d)", self.tick_seconds, self.batch)
+        daemon.configure_daemon_session(application_name="accs builder")
+        self.stall.start()
         try:
+            if not daemon.wait_for_database(log, stopping=lambda: self.stopping):
+                return 0
+            log.info("builder started (tick %.2fs, batch %d)", self.tick_seconds, self.batch)
             while not self.stopping:
-                try:
-                    self.tick()
-                except (OperationalError, InterfaceError) as exc:
-                    log.warning("tick failed on a database error (%s); retrying", exc)
-                    connection.close()
-                    self._reconnect()
+                self.tick()
                 if self.once:
                     break
-                self._wait()
+                if self.guard.failed:
+                    time.sleep(self.backoff.next_delay())
+                else:
+                    self.backoff.reset()
+                    self._wait()
         finally:
-            if self._conn is not None:
-                self._conn.close()
+            self.stall.close()
+            self._drop_session("the builder is stopping")
             log.info("builder stopped: %s", self.stats)
         return 0
+
+
+def run_duty(duty: Duty) -> int:
+    """Run one duty within its budget: batches of ``limit`` while full, at most ``max_batches``."""
+    done = 0
+    for _ in range(duty.max_batches):
+        n = duty.run(duty.limit)
+        done += n
+        if n < duty.limit:
+            break
+    return done

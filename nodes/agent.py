@@ -217,6 +217,9 @@ class Agent:
     def _pass(self) -> int:
         """Run one pass of the loop; return how many tasks were claimed."""
         self._step("connection check", close_old_connections)
+        if not self.guard.outage_this_pass:
+            with self.stall.step("database probe"):
+                self.guard.probe()
         self._step("report", self._flush_reports)
         now = time.monotonic()
         if now - self._node_at >= NODE_REFRESH_SECONDS:

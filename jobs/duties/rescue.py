@@ -1,0 +1,16 @@
+"""Requeue (or fail for good) tasks whose lease expired: their agent died or was cut off."""
+
+from __future__ import annotations
+
+from jobs import transitions
+from jobs.duties import Duty
+
+
+def rescue(limit: int) -> int:
+    result = transitions.rescue_expired(limit=limit)
+    return len(result.retried) + len(result.failed)
+
+
+def duty(*, batch: int) -> Duty:
+    # Every tick, up to a few batches: a fleet-wide outage can expire many leases at once.
+    return Duty("rescue_expired_leases", every=1.0, limit=batch, run=rescue, max_batches=4)
