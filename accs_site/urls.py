@@ -6,6 +6,9 @@ from django.urls import path
 from accs_site.api_v1 import api
 from events.metrics import metrics_view
 
+# A transient database error raised outside a view (say, in a middleware) is a 503 too.
+handler500 = "accs_site.middleware.server_error"
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", api.urls),

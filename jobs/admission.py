@@ -356,6 +356,7 @@ def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channe
     # A prepared statement on Django's own connection (so in the caller's transaction): planning
     # this statement costs more than running it.
     connection.ensure_connection()
-    with psycopg.Cursor(connection.connection) as cur:  # server-side binding (Django's cursors bind client-side)
+    # Server-side binding (Django's cursors bind client-side); errors are still Django's.
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cur:
         cur.execute(START_NOW_SQL, params, prepare=True)
         return cur.fetchone()

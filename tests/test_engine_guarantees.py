@@ -431,3 +431,20 @@ def test_lease_times_come_from_postgres_clock_not_the_callers(make_service):
         lease_left, claimed_skew = cur.fetchone()
     assert timedelta(seconds=55) <= lease_left <= timedelta(seconds=60)
     assert abs(claimed_skew) < timedelta(seconds=1)
+
+
+def test_a_transient_error_raised_outside_a_view_is_a_503_too(rf):
+    """A middleware that cannot reach the database (sessions, auth) gets the same answer as a view."""
+    from accs_site.middleware import server_error
+
+    for path, kind in (("/api/v1/jobs", "application/json"), ("/admin/", "text/plain")):
+        try:
+            raise OperationalError("server closed the connection unexpectedly")
+        except OperationalError:
+            response = server_error(rf.get(path))
+        assert response.status_code == 503 and response["Content-Type"].startswith(kind)
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError:
+        response = server_error(rf.get("/api/v1/jobs"))
+    assert response.status_code == 500 and response["Content-Type"] == "application/json"
