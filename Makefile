@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo test test-fast bench bench-compare stop check
+.PHONY: install db demo test test-fast bench bench-compare chaos stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: db
 # bench/results/compare.json and the README's benchmark table.
 bench-compare: db
 	@$(PY) bench/compare.py
+
+# The fault scenario against real processes (chaos/README.md); CHAOS_TASKS=300 for a short run.
+chaos: install
+	@$(PY) chaos/run.py $(if $(CHAOS_TASKS),--tasks $(CHAOS_TASKS),)
 
 check: install
 	@$(PY) manage.py makemigrations --check --dry-run
