@@ -47,7 +47,7 @@ from accs_site import daemon
 from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from jobs import transitions
-from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim
+from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim_many
 from jobs.notify import service_channel
 from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, touch_node
@@ -55,6 +55,7 @@ from nodes.executors import (
     RunContext, agent_alive, bad_output, end_orphan_groups, make_executors, ours, orphans_on_node, remove_scratch,
     sanitize_outcome, scratch_dir, secrets_in,
 )
+from workflows.governor import claim_adjustments
 
 log = logging.getLogger("accs.agent")
 
@@ -302,7 +303,8 @@ class Agent:
 
         found = {}
         for s in ServiceModel.objects.filter(key__in=self.service_keys, is_active=True):
-            found[s.key] = Service(ServiceSpec(s.id, s.key, s.cpu_weight, s.max_concurrent, s.exclusive_per_host),
+            found[s.key] = Service(ServiceSpec(s.id, s.key, s.cpu_weight, s.max_concurrent, s.exclusive_per_host,
+                                               dict(s.required_labels or {})),
                                    s.executor, s.executor_config or {}, list(s.block_during or []),
                                    dict(s.priority_adjust_during or {}))
         missing = set(self.service_keys) - set(found)
@@ -316,8 +318,9 @@ class Agent:
             env_cap = accs.max_concurrency_for(key)
             if env_cap is not None:
                 per_service[key] = env_cap
+        labels = {**(self._node_limits.get("labels") or {}), **self.labels}
         return NodeLimits(self.node, int(self._node_limits.get("slot_cap") or accs.slot_cap),
-                          int(self._node_limits.get("cpu_budget") or accs.cpu_budget), per_service)
+                          int(self._node_limits.get("cpu_budget") or accs.cpu_budget), per_service, labels)
 
     def _sample_disk(self) -> None:
         from nodes.disk import sample_disk
@@ -336,36 +339,35 @@ class Agent:
 
     # ------------------------------------------------------------------ claiming
     def _claim(self) -> int:
-        free = self.max_concurrent - len(self.running)
+        """Claim across this agent's services in the one global order, in one statement."""
+        free = min(self.max_concurrent - len(self.running), self.claim_batch)
         if free <= 0 or self._paused:
             return 0
-        active = self._active_conditions
-        order = []
+        services, adjust = [], {}
         for key in self.service_keys:
             service = self._services.get(key)
-            if service is None or any(c in active for c in service.block_during):
+            if service is None:
                 continue
-            adjust = sum(v for c, v in service.priority_adjust_during.items() if c in active)
-            order.append((-adjust, self.service_keys.index(key), service))
-        limits = self._limits()
-        total = 0
-        for _, _, service in sorted(order, key=lambda o: (o[0], o[1])):
-            if free <= 0:
-                break
-            # Tasks still running here (any attempt) are never claimed again by this agent: the
-            # old attempt's finish would race the new one.
-            exclude = {task_id for task_id, _ in self.running}
-            renewed_at = time.monotonic()  # before the request: the lease starts no earlier
-            tasks = claim(service.spec, limits, agent_id=self.agent_id, free_slots=min(free, self.claim_batch),
-                          lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude)
-            for task in tasks:
-                self._start(task, service, renewed_at=renewed_at)
-            free -= len(tasks)
-            total += len(tasks)
-        if total:
-            self.stats["claimed"] += total
-            log.debug("claimed %d task(s)", total, extra=self.extra)
-        return total
+            blocked, delta = claim_adjustments(service, self._active_conditions)
+            if not blocked:
+                services.append(service)
+                adjust[service.spec.id] = delta
+        if not services:
+            return 0
+        by_key = {s.spec.key: s for s in services}
+        # Tasks still running here (any attempt) are never claimed again by this agent: the old
+        # attempt's finish would race the new one.
+        exclude = {task_id for task_id, _ in self.running}
+        renewed_at = time.monotonic()  # before the request: the lease starts no earlier
+        tasks = claim_many([s.spec for s in services], self._limits(), agent_id=self.agent_id, free_slots=free,
+                           lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude,
+                           priority_adjust=adjust)
+        for task in tasks:
+            self._start(task, by_key[task.service_key], renewed_at=renewed_at)
+        if tasks:
+            self.stats["claimed"] += len(tasks)
+            log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
+        return len(tasks)
 
     def _start(self, task: ClaimedTask, service: Service, *, renewed_at: float) -> None:
         inbox, wake = self.inbox, self._wake

@@ -7,8 +7,10 @@ import socket
 import uuid
 from typing import Any
 
-from django.db import transaction
-from django.utils import timezone
+from django.db import connection, transaction
+from django.db.models.functions import Now
+
+from accs_site.clock import db_now
 
 from events.timeline import EventRow, write_events
 from nodes.models import AwakeState, Node
@@ -25,8 +27,9 @@ def agent_identity() -> str:
 def register_node(name: str, *, labels: dict[str, Any], services: list[str], agent_id: str,
                   max_concurrency: dict[str, int] | None = None) -> Node:
     """Create or refresh the node row of an agent; the node is awake from now on."""
-    now = timezone.now()
     with transaction.atomic():
+        with connection.cursor() as cur:
+            now = db_now(cur)
         from accs_site.conf import accs
 
         # A new node takes its limits from ACC_SLOT_CAP / ACC_CPU_BUDGET; afterwards the row (admin) rules.
@@ -50,9 +53,9 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
 
 def touch_node(name: str, *, agent_id: str) -> tuple[str, dict[str, Any]]:
     """Heartbeat the node row; return its state and limits as the database has them now."""
-    now = timezone.now()
-    Node.objects.filter(name=name).update(last_seen=now, agent_id=agent_id, awake_state=AwakeState.AWAKE)
-    row = Node.objects.filter(name=name).values("state", "slot_cap", "cpu_budget", "max_concurrency").first()
+    # PostgreSQL's clock: every node's last_seen is compared with the others' and with now().
+    Node.objects.filter(name=name).update(last_seen=Now(), agent_id=agent_id, awake_state=AwakeState.AWAKE)
+    row = Node.objects.filter(name=name).values("state", "slot_cap", "cpu_budget", "max_concurrency", "labels").first()
     return (row["state"], row) if row else ("active", {})
 
 

@@ -15,7 +15,7 @@ from jobs import api, transitions
 from jobs.models import Attempt, Job, Task, Tenant
 from nodes.models import Host, HostBlock, Node
 from nodes import verbs as node_verbs
-from tests.daemons import Sampler, wait_all_final, wait_until
+from tests.daemons import Sampler, wait_all_final, wait_for, wait_until
 from workflows.api import create_workflow
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -312,3 +312,20 @@ def test_command_contract_results_logs_progress(make_service, daemons, db_url):
     assert logs == ["line one", "token=***"], "stderr lines become log events in order, secrets redacted"
     assert "s3cr3t" not in Attempt.objects.get(task=task).stderr_tail
     assert Event.objects.filter(task=task, type="progress").exists() or task.progress == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_defers_services_blocked_by_a_governor_condition_until_it_clears(make_service, daemons, db_url):
+    make_service("heavy", block_during=["live_session"])
+    make_service("light")
+    api.raise_condition("live_session", reason="studio is live", by="test")
+    heavy = [api.start_service("heavy") for _ in range(2)]
+    light = [api.start_service("light") for _ in range(2)]
+    daemons.agent("gov", "heavy,light", "--poll-interval", "0.2")
+    wait_for(lambda: Job.objects.filter(pk__in=[j.pk for j in light], status="done").count() == 2, timeout=30,
+             message="the agent runs the unblocked service")
+    # One claim covers both services: had heavy not been blocked, it would have gone with light.
+    assert not Attempt.objects.filter(task__job__in=heavy).exists(), "a blocked service was claimed"
+    api.clear_condition("live_session", by="test")
+    wait_for(lambda: Job.objects.filter(pk__in=[j.pk for j in heavy], status="done").count() == 2, timeout=30,
+             message="the blocked service runs once the condition clears")

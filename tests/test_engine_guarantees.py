@@ -448,3 +448,13 @@ def test_a_transient_error_raised_outside_a_view_is_a_503_too(rf):
     except RuntimeError:
         response = server_error(rf.get("/api/v1/jobs"))
     assert response.status_code == 500 and response["Content-Type"] == "application/json"
+
+
+def test_a_governor_priority_shift_reorders_one_claim_across_services(make_service):
+    light, heavy = make_service("render"), make_service("whisper")
+    first = [api.start_service(heavy).id for _ in range(2)]  # older, so first in the global order
+    later = [api.start_service(light).id for _ in range(2)]
+    claimed = claim_many([spec(heavy), spec(light)], NODE, agent_id="a", free_slots=2, lease_seconds=60,
+                         priority_adjust={heavy.id: -3})
+    assert [t.job_id for t in claimed] == later, "a condition's -3 puts the older heavy tasks behind"
+    assert first

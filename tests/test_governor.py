@@ -76,17 +76,6 @@ def test_claim_adjustments_block_and_reprioritise_only_while_conditions_hold(mak
     assert governor.claim_adjustments(light, {"other"}) == (False, 0)
 
 
-def test_active_conditions_cache_reads_at_most_once_per_max_age():
-    clock = [0.0]
-    cache = governor.ActiveConditionsCache(max_age=10, clock=lambda: clock[0])
-    assert cache.get() == set()
-    governor.raise_condition("live_session", reason="", by="x")
-    clock[0] = 9.9
-    assert cache.get() == set(), "still cached"
-    clock[0] = 10.0
-    assert cache.get() == {"live_session"}
-
-
 # --------------------------------------------------------------------------------------------
 # Disk watch
 # --------------------------------------------------------------------------------------------

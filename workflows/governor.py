@@ -9,13 +9,12 @@ admin, the Python API (:func:`jobs.api.raise_condition`) or the ORM. While it ho
 This module is the one place that changes a condition; each change writes a ``governor`` event in
 the same transaction. The builder calls :func:`expire_conditions` every tick; agents call
 :func:`active_conditions` (cheap: the table holds a handful of rows) through
-:class:`ActiveConditionsCache` and :func:`claim_adjustments` before claiming.
+:func:`claim_adjustments` before claiming (the agent refreshes the set every couple of seconds).
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
@@ -23,8 +22,8 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from events.timeline import EventRow, write_events
 from accs_site.clock import db_now
+from events.timeline import EventRow, write_events
 from workflows.models import GovernorCondition
 from workflows.validation import DefinitionError, Problem
 
@@ -129,26 +128,6 @@ def active_conditions(now: datetime | None = None) -> set[str]:
         return {r[0] for r in cur.fetchall()}
 
 
-class ActiveConditionsCache:
-    """Cache :func:`active_conditions` for ``max_age`` seconds (agents: WF1's "at most ~10 s")."""
-
-    def __init__(self, *, max_age: float = 10.0, clock=time.monotonic) -> None:
-        self.max_age = max_age
-        self._clock = clock
-        self._value: set[str] = set()
-        self._read_at: float | None = None
-
-    def get(self) -> set[str]:
-        """Return the cached set, reading the database when it is older than ``max_age``."""
-        if self._read_at is None or self._clock() - self._read_at >= self.max_age:
-            self._value = active_conditions()
-            self._read_at = self._clock()
-        return self._value
-
-    def invalidate(self) -> None:
-        self._read_at = None
-
-
 def claim_adjustments(service: Any, active: Iterable[str]) -> tuple[bool, int]:
     """Return (blocked, priority_delta) for ``service`` while the ``active`` conditions hold.
 
@@ -166,6 +145,6 @@ def claim_adjustments(service: Any, active: Iterable[str]) -> tuple[bool, int]:
 
 
 __all__ = [
-    "ActiveConditionsCache", "active_conditions", "claim_adjustments", "clear_condition", "expire_conditions",
+    "active_conditions", "claim_adjustments", "clear_condition", "expire_conditions",
     "raise_condition",
 ]
