@@ -412,21 +412,21 @@ WITH due AS (
     SELECT job_id, id, attempt, %(source)s, 'info', 'status', 'task scheduled → queued (backoff over)',
            '{"from": "scheduled", "to": "queued"}'::jsonb FROM up
 )
-SELECT DISTINCT s.key FROM up JOIN accs_service s ON s.id = up.service_id
+SELECT s.key, count(*) FROM up JOIN accs_service s ON s.id = up.service_id GROUP BY s.key
 """
 
 
 def promote_scheduled_in(cur, *, services: Sequence[int] | None = None, limit: int = 1000,
-                         source: str = BUILDER, now: datetime | None = None) -> list[str]:
-    """Promote due retries on ``cur`` (in the caller's transaction); return the services woken."""
+                         source: str = BUILDER, now: datetime | None = None) -> int:
+    """Promote due retries on ``cur`` (in the caller's transaction); wake their services; return how many."""
     cur.execute(PROMOTE_SCHEDULED_SQL, {"services": list(services) if services is not None else None,
                                         "limit": limit, "source": source, "now": now})
-    keys = [r[0] for r in cur.fetchall()]
-    notify(cur, [service_channel(k) for k in keys])
-    return keys
+    rows = cur.fetchall()
+    notify(cur, [service_channel(key) for key, _ in rows])
+    return sum(n for _, n in rows)
 
 
 def promote_scheduled(*, limit: int = 1000, now: datetime | None = None) -> int:
-    """Make retries whose backoff is over claimable again (a builder duty). Return how many services woke."""
+    """Make retries whose backoff is over claimable again (a builder duty). Return how many."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        return len(promote_scheduled_in(cur, limit=limit, now=now))
+        return promote_scheduled_in(cur, limit=limit, now=now)

@@ -458,3 +458,17 @@ def test_a_governor_priority_shift_reorders_one_claim_across_services(make_servi
                          priority_adjust={heavy.id: -3})
     assert [t.job_id for t in claimed] == later, "a condition's -3 puts the older heavy tasks behind"
     assert first
+
+
+def test_a_retry_waits_out_its_backoff_scheduled_then_the_builder_duty_queues_it(make_service):
+    from jobs.reports import promote_scheduled
+
+    svc = make_service("later", max_attempts=3, backoff_base_seconds=30, backoff_cap_seconds=30)
+    api.start_service(svc)
+    run_fail(claim_for(svc))
+    task = Task.objects.get(service=svc)
+    assert task.status == "scheduled", "a retry that must wait is out of the claim index"
+    assert promote_scheduled() == 0, "not before its time"
+    assert promote_scheduled(now=task.next_attempt_at + timedelta(seconds=1)) == 1
+    assert Task.objects.get(pk=task.pk).status == "queued"
+    assert Event.objects.filter(task_id=task.id, message="task scheduled → queued (backoff over)").exists()
