@@ -262,6 +262,41 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
                 for row in cur.fetchall()]
 
 
+ADOPT_SQL = """
+-- Tasks this agent claimed without hearing the answer (the claim committed, then the connection
+-- broke): still 'starting', never started. Their leases are renewed on PostgreSQL's clock, locks
+-- taken in id order; task_held_node_idx finds them.
+WITH l AS (
+    SELECT t.id FROM accs_task t
+     WHERE t.node = %(node)s AND t.status = 'starting' AND t.claimed_by = %(agent)s AND t.started_at IS NULL
+       AND t.id <> ALL(%(known)s::uuid[])
+     ORDER BY t.id FOR UPDATE OF t
+), upd AS (
+    UPDATE accs_task t SET lease_expires_at = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
+      FROM l WHERE t.id = l.id
+    RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.service_id,
+              t.priority, t.order_seq, t.created_at
+)
+SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name, s.key
+  FROM upd JOIN accs_service s ON s.id = upd.service_id LEFT JOIN accs_host h ON h.id = upd.host_id
+ ORDER BY upd.priority DESC, upd.order_seq, upd.created_at, upd.id
+"""
+
+
+def adopt_claimed(node: str, *, agent_id: str, known: Collection[UUID], lease_seconds: float) -> list[ClaimedTask]:
+    """Return the tasks ``agent_id`` claimed but does not know it holds, with their leases renewed.
+
+    A claim whose connection breaks after the commit leaves its tasks claimed by an agent that
+    never saw them; without this they would sit until their lease ended and run a second
+    attempt. ``known`` names every task the agent runs or still has to report.
+    """
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        cur.execute(ADOPT_SQL, {"node": node, "agent": agent_id, "known": [str(t) for t in known],
+                                "lease": float(lease_seconds)})
+        return [ClaimedTask(*row[:4], from_json(row[4]) or {}, row[5], host=row[6], service_key=row[7])
+                for row in cur.fetchall()]
+
+
 def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots: int, lease_seconds: float,
           pid: int | None = None, now: datetime | None = None, blocked_hosts: frozenset[int] = frozenset(),
           exclude: Collection[UUID] = ()) -> list[ClaimedTask]:

@@ -47,7 +47,7 @@ from accs_site import daemon
 from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from jobs import transitions
-from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim_many
+from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many
 from jobs.notify import service_channel
 from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, touch_node
@@ -132,6 +132,7 @@ class Agent:
         self.running: dict[Key, Running] = {}
         self._running_lock = threading.Lock()  # the watchdog reads ``running`` from its own thread
         self.pending_outcomes: dict[Key, Outcome] = {}
+        self._claim_in_doubt = False
         self.pending_started: dict[Key, int | None] = {}
         self.pending_progress: dict[Key, float] = {}
         self.pending_logs: list[EventRow] = []
@@ -238,6 +239,8 @@ class Agent:
         if self.stop_now:
             for item in self._running_items():
                 item.ctx.stop("shutdown")
+        if self._claim_in_doubt:
+            self._step("adopt claimed tasks", self._adopt)
         if self.stopping:
             return 0
         return self._step("claim", self._claim, default=0)
@@ -359,15 +362,34 @@ class Agent:
         # attempt's finish would race the new one.
         exclude = {task_id for task_id, _ in self.running}
         renewed_at = time.monotonic()  # before the request: the lease starts no earlier
+        # Until the answer arrives, the claim may have committed without this agent knowing.
+        self._claim_in_doubt = True
         tasks = claim_many([s.spec for s in services], self._limits(), agent_id=self.agent_id, free_slots=free,
                            lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude,
                            priority_adjust=adjust)
+        self._claim_in_doubt = False
         for task in tasks:
             self._start(task, by_key[task.service_key], renewed_at=renewed_at)
         if tasks:
             self.stats["claimed"] += len(tasks)
             log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
         return len(tasks)
+
+    def _adopt(self) -> None:
+        """Run the tasks a claim whose answer was lost gave this agent (found by its identity)."""
+        known = {task_id for task_id, _ in self.running} | {task_id for task_id, _ in self.pending_outcomes} \
+            | {task_id for task_id, _ in self.pending_started}
+        renewed_at = time.monotonic()
+        tasks = adopt_claimed(self.node, agent_id=self.agent_id, known=known, lease_seconds=self.lease_seconds)
+        self._claim_in_doubt = False
+        for task in tasks:
+            service = self._services.get(task.service_key)
+            if service is None:  # not served any more: its lease ends and the builder rescues it
+                continue
+            log.warning("adopting task %s attempt %d: its claim committed but the answer was lost", task.id,
+                        task.attempt, extra={**self.extra, "task_id": task.id, "job_id": task.job_id})
+            self._start(task, service, renewed_at=renewed_at)
+            self.stats["claimed"] += 1
 
     def _start(self, task: ClaimedTask, service: Service, *, renewed_at: float) -> None:
         inbox, wake = self.inbox, self._wake

@@ -303,3 +303,30 @@ def test_python_callable_timeout_and_cancel_are_enforced(make_service, daemons, 
     assert Task.objects.get(job=canceled).status == "canceled"
     assert Job.objects.get(pk=canceled.pk).status == "canceled"
     assert Attempt.objects.get(task__job=canceled).status == "canceled"
+
+
+def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make_service):
+    """A claim that commits while the connection breaks leaves tasks claimed by an agent that never
+    saw them; the agent finds them by its identity and runs them: one attempt each, not two."""
+    from jobs.claim import NodeLimits, claim_many
+    from nodes.agent import Agent
+    from tests.engine_helpers import spec
+
+    svc = make_service("adopted", backoff_base_seconds=0, backoff_cap_seconds=0)
+    jobs = [api.start_service(svc) for _ in range(3)]
+    agent = Agent(node="adopt-node", services=["adopted"], max_concurrent=4, once=True, lease_seconds=30)
+    limits = NodeLimits(name="adopt-node", slot_cap=4, cpu_budget=100, per_service={}, labels={})
+    lost = claim_many([spec(svc)], limits, agent_id=agent.agent_id, free_slots=2,
+                      lease_seconds=1)  # the answer never reached the agent
+    assert len(lost) == 2
+    other = claim_many([spec(svc)], limits, agent_id="another-agent", free_slots=1,
+                       lease_seconds=30)
+    agent._claim_in_doubt = True  # what a claim that raised leaves behind
+    assert agent.run() == 0
+    for task in lost:
+        task_row = Task.objects.get(pk=task.id)
+        assert task_row.status == "done" and task_row.attempt == task.attempt == 1
+        assert Attempt.objects.filter(task_id=task.id).count() == 1
+    [held] = other
+    assert Task.objects.get(pk=held.id).status == "starting", "another agent's claim is not taken"
+    assert len(jobs) == 3
