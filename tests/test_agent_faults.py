@@ -308,6 +308,8 @@ def test_python_callable_timeout_and_cancel_are_enforced(make_service, daemons, 
 def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make_service):
     """A claim that commits while the connection breaks leaves tasks claimed by an agent that never
     saw them; the agent finds them by its identity and runs them: one attempt each, not two."""
+    from django.db import connections
+
     from jobs.claim import NodeLimits, claim_many
     from nodes.agent import Agent
     from tests.engine_helpers import spec
@@ -322,7 +324,14 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     other = claim_many([spec(svc)], limits, agent_id="another-agent", free_slots=1,
                        lease_seconds=30)
     agent._claim_in_doubt = True  # what a claim that raised leaves behind
-    assert agent.run() == 0
+    options = connections.settings["default"].setdefault("OPTIONS", {})
+    saved = dict(options)
+    try:
+        assert agent.run() == 0
+    finally:  # the agent gave this process's connections the daemons' timeouts: take them back
+        options.clear()
+        options.update(saved)
+        connections.close_all()
     for task in lost:
         task_row = Task.objects.get(pk=task.id)
         assert task_row.status == "done" and task_row.attempt == task.attempt == 1
