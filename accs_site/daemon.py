@@ -223,6 +223,16 @@ def configure_daemon_session(*, application_name: str) -> None:
     options["application_name"] = application_name
 
 
+def close_quietly(conn: psycopg.Connection | None) -> None:
+    """Close a dedicated connection that may already be broken (closing it may fail too)."""
+    if conn is None:
+        return
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - a broken connection's close is allowed to fail
+        pass
+
+
 def database_address() -> str:
     """Return ``host:port`` of the default database, for messages."""
     from django.db import connections

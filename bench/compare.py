@@ -85,7 +85,10 @@ def compare(peers_dir: Path) -> dict:
         ratio = round(ours / figures[best_peer], 2) if best_peer and ours else None
         rows.append({"measure": label, "key": key, "higher_is_better": higher, "accs": ours, "peers": figures,
                      "best_peer": best_peer, "ratio_accs_to_best_peer": ratio})
-    return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    measured = accs.get("meta", {}).get("when")  # when bench/run.py ran, not when this rendered
+    when = (time.strftime("%Y-%m-%d %H:%M UTC", time.strptime(measured, "%Y-%m-%dT%H:%M:%SZ")) if measured
+            else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    return {"when": when,
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
             "peers_dir": str(peers_dir), "rows": rows}
 

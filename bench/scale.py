@@ -74,7 +74,10 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def scale(*, agents: int, slots: int, seconds: float, cap: int, say, reset, make_tasks) -> dict[str, float]:
-    """Run ``agents`` simulated agents of ``slots`` each for ``seconds``; return the figures."""
+    """Run ``agents`` simulated agents of ``slots`` each for ``seconds``; return the figures.
+
+    ``cap`` is the service's global ``max_concurrent`` (0: none).
+    """
     from django.db import connection
 
     from workflows.api import save_service
@@ -83,7 +86,8 @@ def scale(*, agents: int, slots: int, seconds: float, cap: int, say, reset, make
     save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
                  params_schema={"type": "object"}, max_concurrent=cap)
     # Enough work for every slot for the whole run (the mean task lasts 4 s).
-    tasks = int(min(agents * slots, cap) * seconds / 4 * 1.3) + agents * slots
+    busy = min(agents * slots, cap) if cap > 0 else agents * slots
+    tasks = int(busy * seconds / 4 * 1.3) + agents * slots
     make_tasks(tasks, service=SERVICE)
     run_dir = ROOT / ".local" / "bench" / f"scale-{time.time_ns()}"
     run_dir.mkdir(parents=True)
@@ -114,7 +118,7 @@ def scale(*, agents: int, slots: int, seconds: float, cap: int, say, reset, make
     q = statistics.quantiles(durations, n=100) if len(durations) > 1 else [0.0] * 99
     figures = {"claim_p50_ms": round(q[49], 2), "claim_p95_ms": round(q[94], 2), "claims": len(durations),
                "tasks_done": done, "tasks_per_s": round(done / seconds, 1), "held_peak": peak, "cap": cap,
-               "cap_violations": int(peak > cap), "double_claims": twice, "workers_failed": failed}
+               "cap_violations": int(cap > 0 and peak > cap), "double_claims": twice, "workers_failed": failed}
     say(f"  scale {agents} agents x {slots} slots, cap {cap}: {figures}")
     return figures
 

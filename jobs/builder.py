@@ -96,11 +96,7 @@ class Builder:
         if self.is_leader:
             log.warning("stepping down as leader: %s", reason)
         self.is_leader = False
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # noqa: BLE001 - closing a broken connection may fail
-                pass
+        daemon.close_quietly(self._conn)
         self._conn = None
 
     def _check_leader(self) -> None:

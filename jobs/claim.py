@@ -231,23 +231,35 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
         return []
     adjust = priority_adjust or {}
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        # Serialise claimers that share a limit: agents of this node, and every claimer of a
-        # service with a global cap. Transaction-scoped, released at commit.
-        advisory_locks(cur, [f"accs:node:{limits.name}"] + [f"accs:service:{s.id}" for s in services
-                                                            if s.max_concurrent > 0])
         cur.execute("SELECT id, status FROM accs_host WHERE node_id = %s", [limits.name])
         node_hosts = cur.fetchall()
         ok_hosts = [h for h, status in node_hosts if status == "ok"]
         eligible = [h for h in ok_hosts if h not in blocked_hosts]
-        # Retries of these services whose backoff is over become claimable first.
+        # Retries of these services whose backoff is over become claimable first (SKIP LOCKED:
+        # this waits for no one, so it needs none of the locks below).
         promote_scheduled_in(cur, services=[s.id for s in services], limit=max(free_slots, 100),
                              source=f"agent:{limits.name}", now=now)
-        held = _held(cur, limits, services)
-        node = node_room(limits, held, free_slots=free_slots, eligible_hosts=len(ok_hosts),
-                         node_has_hosts=bool(node_hosts))
-        slots, cpu = min(node["agent_free_slots"], node["node_slot_cap"]), node["node_cpu_budget"]
-        rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
-        rooms = [(s, n) for s, n in rooms if n > 0]
+
+        def rooms_now() -> tuple[int, int, list[tuple[ServiceSpec, int]]]:
+            held = _held(cur, limits, services)
+            node = node_room(limits, held, free_slots=free_slots, eligible_hosts=len(ok_hosts),
+                             node_has_hosts=bool(node_hosts))
+            slots, cpu = min(node["agent_free_slots"], node["node_slot_cap"]), node["node_cpu_budget"]
+            rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
+            return slots, cpu, [(s, n) for s, n in rooms if n > 0]
+
+        # A first look without the locks: a limit full now stays full for this claim (claims only
+        # fill it; a finish frees room for the next claim), so a claimer that finds no room does
+        # not queue behind every other claimer of a capped service for the lock.
+        slots, cpu, rooms = rooms_now()
+        if slots <= 0 or not rooms:
+            return []
+        services = [s for s, _ in rooms]
+        # Serialise claimers that share a limit: agents of this node, and every claimer of a
+        # service with a global cap. Transaction-scoped, released at commit.
+        advisory_locks(cur, [f"accs:node:{limits.name}"] + [f"accs:service:{s.id}" for s in services
+                                                            if s.max_concurrent > 0])
+        slots, cpu, rooms = rooms_now()
         if slots <= 0 or not rooms:
             return []
         by_id = {s.id: s for s, _ in rooms}

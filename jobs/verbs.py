@@ -83,15 +83,19 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
     return ActionResult(True, f"job canceled ({len(held)} running task(s) told to stop)")
 
 
+def _job_of_task(cur, task_id: UUID) -> UUID | None:
+    cur.execute("SELECT job_id FROM accs_task WHERE id = %s", [task_id])
+    row = cur.fetchone()
+    return row[0] if row else None
+
+
 def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Cancel one task: waiting/queued/scheduled → canceled; starting/running → the agent is told to stop."""
     source = _source(by)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        cur.execute("SELECT job_id FROM accs_task WHERE id = %s", [task_id])
-        row = cur.fetchone()
-        if not row:
+        job_id = _job_of_task(cur, task_id)
+        if job_id is None:
             return ActionResult(False, "no such task")
-        job_id = row[0]
         lock_jobs(cur, [job_id])
         lock_tasks_of_jobs(cur, [job_id], where="t.id = %s", params=[task_id])
         now = now or db_now(cur)
@@ -206,11 +210,9 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
     """Put one failed (dead-letter), skipped, canceled or blocked task back to queued, attempts reset."""
     source = _source(by)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        cur.execute("SELECT job_id FROM accs_task WHERE id = %s", [task_id])
-        row = cur.fetchone()
-        if not row:
+        job_id = _job_of_task(cur, task_id)
+        if job_id is None:
             return ActionResult(False, "no such task")
-        job_id = row[0]
         job = _locked_job(cur, job_id)
         now = now or db_now(cur)
         status, approval = job[:2]

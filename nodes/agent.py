@@ -660,11 +660,7 @@ class Agent:
         self._listen_backoff.reset()
 
     def _close_listen(self) -> None:
-        if self._listen is not None:
-            try:
-                self._listen.close()
-            except Exception:  # noqa: BLE001 - closing a broken connection may fail
-                pass
+        daemon.close_quietly(self._listen)
         self._listen = None
 
     def _listen_fd(self) -> int | None:
