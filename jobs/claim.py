@@ -248,13 +248,15 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
             rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
             return slots, cpu, [(s, n) for s, n in rooms if n > 0]
 
-        # A first look without the locks: a limit full now stays full for this claim (claims only
-        # fill it; a finish frees room for the next claim), so a claimer that finds no room does
-        # not queue behind every other claimer of a capped service for the lock.
-        slots, cpu, rooms = rooms_now()
-        if slots <= 0 or not rooms:
-            return []
-        services = [s for s, _ in rooms]
+        if any(s.max_concurrent > 0 for s in services):
+            # A service's global cap is a lock every claimer in the fleet shares. Look first
+            # without it: a limit full now stays full for this claim (claims only fill it; a
+            # finish frees room for the next claim), so a claimer that finds no room does not
+            # queue behind all the others for the lock.
+            slots, cpu, rooms = rooms_now()
+            if slots <= 0 or not rooms:
+                return []
+            services = [s for s, _ in rooms]
         # Serialise claimers that share a limit: agents of this node, and every claimer of a
         # service with a global cap. Transaction-scoped, released at commit.
         advisory_locks(cur, [f"accs:node:{limits.name}"] + [f"accs:service:{s.id}" for s in services

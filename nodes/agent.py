@@ -132,7 +132,6 @@ class Agent:
         self.running: dict[Key, Running] = {}
         self._running_lock = threading.Lock()  # the watchdog reads ``running`` from its own thread
         self.pending_outcomes: dict[Key, Outcome] = {}
-        self._claim_in_doubt = False
         self.pending_started: dict[Key, int | None] = {}
         self.pending_progress: dict[Key, float] = {}
         self.pending_logs: list[EventRow] = []
@@ -151,6 +150,7 @@ class Agent:
         self._disk_at = 0.0
         self._paused = False
         self._active_conditions: set[str] = set()
+        self._claim_in_doubt = False  # a claim raised: it may have committed all the same
         self._listen: psycopg.Connection | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = daemon.Backoff(base=0.5, cap=10.0)
@@ -377,8 +377,7 @@ class Agent:
 
     def _adopt(self) -> None:
         """Run the tasks a claim whose answer was lost gave this agent (found by its identity)."""
-        known = {task_id for task_id, _ in self.running} | {task_id for task_id, _ in self.pending_outcomes} \
-            | {task_id for task_id, _ in self.pending_started}
+        known = {task_id for task_id, _ in (*self.running, *self.pending_outcomes, *self.pending_started)}
         renewed_at = time.monotonic()
         tasks = adopt_claimed(self.node, agent_id=self.agent_id, known=known, lease_seconds=self.lease_seconds)
         self._claim_in_doubt = False
