@@ -10,7 +10,7 @@ WITH j AS (
     INSERT INTO accs_job (id, tenant_id, service_id, status, progress, current_task_key, priority, options,
                           step_params, scheduled_at, error_code, error_message, source, source_ref, correlation_id,
                           approval_state, approved_by, created_at, updated_at, started_at)
-    SELECT gen_random_uuid(), %(tenant)s, %(svc)s, 'running', 0, 'bench', 0, '{}', '{}', now(), '', '', 'manual', '',
+    SELECT gen_random_uuid(), %(tenant)s, %(svc)s, 'waiting', 0, 'bench', 0, '{}', '{}', now(), '', '', 'manual', '',
            '', 'not_required', '', now(), now(), now()
       FROM generate_series(1, %(n)s)
     RETURNING id, order_seq

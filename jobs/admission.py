@@ -1,12 +1,13 @@
-"""Admission and instantiation: the builder's side of a job's life (queued → running).
+"""Admission and instantiation: the builder's side of a job's life (queued → waiting).
 
 A due job (scheduled time reached, approval not pending or rejected) is admitted when its
 workflow's ``max_active_jobs`` and its tenant's ``max_in_flight`` have room, strictly in
 ``order_seq`` order, and then instantiated: one task per step (one per host for a fan-out step),
-its step counts, and its events, in the transaction that moves it to ``running``.
+its step counts, and its events, in the transaction that moves it to ``waiting`` (it becomes
+``running`` when an agent starts one of its tasks, see :mod:`jobs.reports`).
 
 Exactness under several builders: admission takes the advisory locks of every tenant and
-workflow whose cap it counts (sorted, see :mod:`jobs.locks`), counts their running jobs, and
+workflow whose cap it counts (sorted, see :mod:`jobs.locks`), counts their admitted jobs, and
 admits job by job in order, adding each admitted job to the counts before looking at the next.
 A job retried by an operator comes back through the same door (:func:`readmit`).
 """
@@ -28,6 +29,7 @@ from jobs.finalize import finalize_jobs
 from jobs.instantiate import HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for
 from jobs.locks import advisory_locks, lock_jobs
 from jobs.models import TaskStatus
+from jobs.states import JOB_ADMITTED, sql_in
 from jobs.notify import builder_channel, notify, service_channel
 from accs_site.clock import db_now
 from jobs.sql import from_json
@@ -72,11 +74,12 @@ def workflow_lock_key(workflow_id: Any) -> str:
     return f"accs:workflow:{workflow_id}"
 
 
-def _running_counts(cur, *, tenants: Sequence[Any], workflows: Sequence[Any]) -> tuple[dict, dict]:
-    cur.execute("SELECT tenant_id, count(*) FROM accs_job WHERE status = 'running' AND tenant_id = ANY(%s::uuid[])"
-                " GROUP BY tenant_id", [[str(t) for t in tenants]])
+def _admitted_counts(cur, *, tenants: Sequence[Any], workflows: Sequence[Any]) -> tuple[dict, dict]:
+    cur.execute(f"SELECT tenant_id, count(*) FROM accs_job WHERE status IN {sql_in(JOB_ADMITTED)}"
+                " AND tenant_id = ANY(%s::uuid[]) GROUP BY tenant_id", [[str(t) for t in tenants]])
     by_tenant = {str(t): n for t, n in cur.fetchall()}
-    cur.execute("SELECT workflow_id, count(*) FROM accs_job WHERE status = 'running' AND workflow_id = ANY(%s::uuid[])"
+    cur.execute(f"SELECT workflow_id, count(*) FROM accs_job WHERE status IN {sql_in(JOB_ADMITTED)}"
+                " AND workflow_id = ANY(%s::uuid[])"
                 " GROUP BY workflow_id", [[str(w) for w in workflows if w]])
     by_workflow = {str(w): n for w, n in cur.fetchall()}
     return by_tenant, by_workflow
@@ -91,7 +94,7 @@ def _admit_in_order(cur, candidates: list[tuple], *, limit: int) -> list[UUID]:
     """
     tenants = sorted({str(c[1]) for c in candidates})
     workflows = sorted({str(c[2]) for c in candidates if c[2]})
-    running_t, running_w = _running_counts(cur, tenants=tenants, workflows=workflows)
+    running_t, running_w = _admitted_counts(cur, tenants=tenants, workflows=workflows)
     held_t: set[str] = set()
     held_w: set[str] = set()
     admitted: list[UUID] = []
@@ -142,7 +145,7 @@ def start_jobs(job_ids: Sequence[UUID], *, now: datetime | None = None, source: 
 def readmit(cur, job_id: UUID, *, tenant_id: Any, workflow_id: Any, now: datetime, source: str) -> str:
     """Send a retried job back through admission; return the job's new status.
 
-    The caller holds the job's and its tasks' locks. A job under no cap is ``running`` again at
+    The caller holds the job's and its tasks' locks. A job under no cap is ``waiting`` again at
     once; under a workflow or tenant cap it is ``queued`` with its unstarted tasks ``waiting``,
     and a builder admits it in ``order_seq`` order with every other due job.
     """
@@ -150,7 +153,7 @@ def readmit(cur, job_id: UUID, *, tenant_id: Any, workflow_id: Any, now: datetim
                 " LEFT JOIN accs_workflow w ON w.id = %s WHERE tn.id = %s", [workflow_id, tenant_id])
     tenant_cap, wf_cap = cur.fetchone()
     if not (tenant_cap or wf_cap):
-        return "running"
+        return "waiting"
     # Under a cap the builder decides, in order_seq order with every other due job.
     cur.execute("WITH o AS (SELECT id, status FROM accs_task WHERE job_id = %s AND status IN ('queued', 'scheduled'))"
                 " UPDATE accs_task t SET status = 'waiting', updated_at = %s FROM o WHERE t.id = o.id"
@@ -200,9 +203,9 @@ def _insert_tasks(cur, rows: list[dict[str, Any]], *, now: datetime) -> None:
 
 
 def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> list[UUID]:
-    """Create the tasks of due queued jobs and move the jobs to running, with events.
+    """Create the tasks of due queued jobs and move the jobs to waiting, with events.
 
-    A job that already has tasks (re-admitted after a retry) only moves to running and has its
+    A job that already has tasks (re-admitted after a retry) only moves to waiting and has its
     waiting roots promoted. A job whose definition can no longer be turned into tasks (a step's
     service renamed or deleted, no host matches) fails alone, with the reason in its event.
     """
@@ -251,17 +254,17 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
     moving = started + readmitted
     if moving:
         cur.execute(
-            "UPDATE accs_job SET status = 'running', started_at = coalesce(started_at, %s), updated_at = %s"
+            "UPDATE accs_job SET status = 'waiting', started_at = coalesce(started_at, %s), updated_at = %s"
             " WHERE id = ANY(%s::uuid[]) AND status = 'queued' RETURNING id",
             [now, now, [str(j) for j in moving]],
         )
         moved = {r[0] for r in cur.fetchall()}
         started = [j for j in started if j in moved]
         readmitted = [j for j in readmitted if j in moved]
-        events += [EventRow(type="status", message="job queued → running", job_id=j, source=source,
-                            data={"from": "queued", "to": "running"}) for j in started]
-        events += [EventRow(type="status", message="job queued → running (admitted again after a retry)", job_id=j,
-                            source=source, data={"from": "queued", "to": "running"}) for j in readmitted]
+        events += [EventRow(type="status", message="job queued → waiting (tasks created)", job_id=j, source=source,
+                            data={"from": "queued", "to": "waiting"}) for j in started]
+        events += [EventRow(type="status", message="job queued → waiting (admitted again after a retry)", job_id=j,
+                            source=source, data={"from": "queued", "to": "waiting"}) for j in readmitted]
         started_set = set(started)
         for row in task_rows:
             if row["job_id"] in started_set:
@@ -291,7 +294,7 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
 
 START_NOW_SQL = """
 -- A job that is due now, needs no approval and is under no cap starts in ONE statement: the job
--- row (already running), its tasks, its step counts, its events and the wake-up of the agents.
+-- row (already admitted: waiting), its tasks, its step counts, its events and the wake-up of the agents.
 -- A conflicting external_id or dedupe_key inserts nothing at all (the caller then finds the
 -- holder): every part below reads from the job insert's RETURNING.
 WITH j AS (
@@ -299,7 +302,7 @@ WITH j AS (
                           options, step_params, scheduled_at, error_code, error_message, source, source_ref,
                           external_id, dedupe_key, correlation_id, approval_state, approved_by, created_by_id,
                           created_at, updated_at, started_at)
-    VALUES (%(id)s, %(tenant)s, %(wf)s, %(svc)s, 'running', 0, %(first_key)s, %(prio)s, %(opts)s::jsonb, %(sp)s::jsonb,
+    VALUES (%(id)s, %(tenant)s, %(wf)s, %(svc)s, 'waiting', 0, %(first_key)s, %(prio)s, %(opts)s::jsonb, %(sp)s::jsonb,
             coalesce(%(sched)s::timestamptz, now()), '', '', %(src)s, %(sref)s, %(ext)s, %(dk)s, %(corr)s,
             'not_required', '', %(cby)s, now(), now(), now())
     ON CONFLICT DO NOTHING
@@ -325,7 +328,8 @@ WITH j AS (
     SELECT j.id, NULL::uuid, %(event_source)s, 'info', 'status', 'job created queued',
            '{"from": "created", "to": "queued", "approval": "not_required"}'::jsonb FROM j
     UNION ALL
-    SELECT j.id, NULL, %(source)s, 'info', 'status', 'job queued → running', '{"from": "queued", "to": "running"}'
+    SELECT j.id, NULL, %(source)s, 'info', 'status', 'job queued → waiting (tasks created)',
+           '{"from": "queued", "to": "waiting"}'
       FROM j
     UNION ALL
     SELECT (SELECT id FROM j), t.id, %(source)s, 'info', 'status', 'task created ' || t.status,

@@ -39,7 +39,7 @@ from referencing.exceptions import Unresolvable
 from jobs import admission, transitions
 from jobs.definitions import definitions
 from jobs.instantiate import InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for
-from jobs.models import DEFAULT_TENANT_SLUG, ApprovalState, Job, JobSource, JobStatus, TaskStatus, Tenant
+from jobs.models import DEFAULT_TENANT_SLUG, JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus, Tenant
 from jobs.notify import builder_channel, notify, service_channel
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
@@ -333,7 +333,7 @@ def _existing_for(plan: _Plan) -> UUID | None:
         if found:
             return found
     if spec.dedupe_key is not None:
-        holder = (Job.objects.filter(tenant=plan.tenant, dedupe_key=spec.dedupe_key, status__in=["queued", "running"])
+        holder = (Job.objects.filter(tenant=plan.tenant, dedupe_key=spec.dedupe_key, status__in=JOB_ACTIVE)
                   .values_list("id", flat=True).first())
         if holder:
             raise JobConflict(spec.dedupe_key, holder)
@@ -387,7 +387,7 @@ def _start_now(plan: _Plan) -> Job | None:
     if inserted is None:
         return None
     jid, order_seq, created_at, scheduled_at = inserted[:4]
-    job = Job(id=jid, tenant=plan.tenant, workflow=plan.workflow, service=plan.service, status=JobStatus.RUNNING,
+    job = Job(id=jid, tenant=plan.tenant, workflow=plan.workflow, service=plan.service, status=JobStatus.WAITING,
               progress=0.0, current_task_key=min(tasks, key=lambda r: r["position"])["task_key"],
               priority=spec.priority, order_seq=order_seq, options=spec.options or {}, step_params=plan.step_params,
               scheduled_at=scheduled_at, source=spec.source, source_ref=spec.source_ref, external_id=spec.external_id,

@@ -21,7 +21,7 @@ from django.db.models import Count, Max, Sum
 from django.utils import timezone
 
 from jobs import api
-from jobs.models import Job
+from jobs.models import JOB_ACTIVE, Job
 from nodes.models import Host, Node
 from workflows.api import import_definitions
 from workflows.demo import definitions
@@ -136,7 +136,7 @@ class Demo:
             if line != last:
                 self.say(line)
                 last = line
-            if counts.get("queued", 0) + counts.get("running", 0) == 0:
+            if not any(counts.get(s, 0) for s in JOB_ACTIVE):
                 return
             if time.monotonic() > deadline:
                 self.say("  timed out waiting for the demo jobs")

@@ -9,7 +9,8 @@ on ``accs_task``), so its cost per call follows the steps of the job, not its ta
 * a step whose tasks are all done promotes its waiting dependents (``waiting → queued``) whose
   other dependencies are done too, once;
 * progress is the share of finished tasks, ``current_task_key`` the first unfinished step, and
-  a running job whose tasks are all final ends ``error`` (a task failed), ``canceled`` (a task
+  an admitted job is ``running`` while a task of it is starting or running, ``waiting``
+  otherwise, and one whose tasks are all final ends ``error`` (a task failed), ``canceled`` (a task
   was canceled), ``partial`` (some hosts were blocked) or ``done``.
 """
 
@@ -21,7 +22,7 @@ from uuid import UUID
 
 from events.timeline import EventRow
 from jobs.notify import notify, service_channel
-from jobs.states import TASK_UNSTARTED, sql_in
+from jobs.states import JOB_ADMITTED, TASK_HELD, TASK_UNSTARTED, sql_in
 
 MAX_DAG_DEPTH = 100  # skipping cascades one step level per pass
 
@@ -48,10 +49,10 @@ sk AS (
 SELECT count(DISTINCT id) FROM sk
 """
 
-RELEASE_STEPS_SQL = """
+RELEASE_STEPS_SQL = f"""
 UPDATE accs_job_step s SET released = true
  WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.released AND s.done = s.total
-   AND s.job_id IN (SELECT id FROM accs_job WHERE id = ANY(%(jobs)s::uuid[]) AND status = 'running')
+   AND s.job_id IN (SELECT id FROM accs_job WHERE id = ANY(%(jobs)s::uuid[]) AND status IN {sql_in(JOB_ADMITTED)})
 RETURNING s.job_id, s.step_key
 """
 
@@ -76,7 +77,10 @@ p AS (
 SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
 """
 
-FINISH_SQL = """
+FINISH_SQL = f"""
+-- Progress, current step and status of admitted jobs. A job whose tasks are all final ends; any
+-- other admitted job is "running" while a task of it is starting or running and "waiting"
+-- otherwise (task_job_status_idx answers the EXISTS with two index probes).
 WITH agg AS (
     SELECT job_id, sum(total) AS total, sum(done + error + skipped + canceled + blocked) AS finished,
            sum(error) AS error, sum(canceled) AS canceled, sum(blocked) AS blocked,
@@ -84,15 +88,20 @@ WITH agg AS (
                 FILTER (WHERE done + error + skipped + canceled + blocked < total))[1] AS current_key
       FROM accs_job_step WHERE job_id = ANY(%(jobs)s::uuid[]) GROUP BY job_id
 ), verdict AS (
-    SELECT agg.*, CASE WHEN j.status = 'running' AND agg.finished = agg.total THEN
-                           CASE WHEN agg.error > 0 THEN 'error' WHEN agg.canceled > 0 THEN 'canceled'
-                                WHEN agg.blocked > 0 THEN 'partial' ELSE 'done' END END AS ends
+    SELECT agg.*, j.status AS was,
+           CASE WHEN j.status IN {sql_in(JOB_ADMITTED)} AND agg.finished = agg.total THEN
+                     CASE WHEN agg.error > 0 THEN 'error' WHEN agg.canceled > 0 THEN 'canceled'
+                          WHEN agg.blocked > 0 THEN 'partial' ELSE 'done' END END AS ends,
+           CASE WHEN j.status IN {sql_in(JOB_ADMITTED)} THEN
+                     CASE WHEN EXISTS (SELECT 1 FROM accs_task t WHERE t.job_id = agg.job_id
+                                          AND t.status IN {sql_in(TASK_HELD)}) THEN 'running' ELSE 'waiting' END
+                END AS settles
       FROM agg JOIN accs_job j ON j.id = agg.job_id
 ), upd AS (
     UPDATE accs_job j
        SET progress = v.finished::float / greatest(v.total, 1),
            current_task_key = coalesce(v.current_key, j.current_task_key),
-           status = coalesce(v.ends, j.status),
+           status = coalesce(v.ends, v.settles, j.status),
            finished_at = CASE WHEN v.ends IS NOT NULL THEN %(now)s ELSE j.finished_at END,
            error_code = CASE v.ends WHEN 'error' THEN 'task_failed' WHEN 'canceled' THEN 'canceled'
                                     WHEN 'partial' THEN 'hosts_blocked' ELSE j.error_code END,
@@ -106,11 +115,17 @@ WITH agg AS (
 )
 INSERT INTO accs_event (job_id, source, level, type, message, data)
 SELECT v.job_id, %(source)s, CASE v.ends WHEN 'done' THEN 'info' WHEN 'error' THEN 'error' ELSE 'warn' END, 'status',
-       'job running → ' || v.ends || CASE WHEN v.ends = 'partial' THEN ' (' || v.blocked || ' of ' || v.total
+       'job ' || v.was || ' → ' || v.ends || CASE WHEN v.ends = 'partial' THEN ' (' || v.blocked || ' of ' || v.total
                                            || ' task(s) blocked)' ELSE '' END,
-       jsonb_build_object('from', 'running', 'to', v.ends, 'total', v.total, 'blocked', v.blocked,
+       jsonb_build_object('from', v.was, 'to', v.ends, 'total', v.total, 'blocked', v.blocked,
                           'canceled', v.canceled, 'error', v.error)
   FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NOT NULL
+UNION ALL
+SELECT v.job_id, %(source)s, 'info', 'status',
+       'job ' || v.was || ' → ' || v.settles || CASE v.settles WHEN 'waiting' THEN ' (no task starting or running)'
+                                                   ELSE ' (a task is starting or running)' END,
+       jsonb_build_object('from', v.was, 'to', v.settles)
+  FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NULL AND v.settles <> v.was
 """
 
 

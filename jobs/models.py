@@ -89,8 +89,9 @@ class ApiToken(models.Model):
 class JobStatus(models.TextChoices):
     """Lifecycle of a job."""
 
-    QUEUED = "queued", "Queued (waiting to be instantiated)"
-    RUNNING = "running", "Running (tasks created)"
+    QUEUED = "queued", "Queued (its tasks are not created yet)"
+    WAITING = "waiting", "Waiting (tasks created, none starting or running)"
+    RUNNING = "running", "Running (a task is starting or running)"
     DONE = "done", "Done"
     PARTIAL = "partial", "Partly done (some hosts were blocked)"
     ERROR = "error", "Error (a task failed for good)"
@@ -98,7 +99,9 @@ class JobStatus(models.TextChoices):
 
 
 JOB_FINAL = (JobStatus.DONE, JobStatus.PARTIAL, JobStatus.ERROR, JobStatus.CANCELED)
-JOB_ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+# Admitted: its tasks exist and count against the tenant's and the workflow's caps.
+JOB_ADMITTED = (JobStatus.WAITING, JobStatus.RUNNING)
+JOB_ACTIVE = (JobStatus.QUEUED, *JOB_ADMITTED)
 
 
 class JobSource(models.TextChoices):
@@ -191,7 +194,7 @@ class Job(models.Model):
             models.Index(fields=["scheduled_at", "order_seq"], condition=Q(status="queued"), name="job_due_idx"),
             models.Index(fields=["order_seq"], name="job_order_seq_idx"),
             models.Index(fields=["tenant", "status", "-created_at"], name="job_tenant_status_created_idx"),
-            models.Index(fields=["workflow", "status"], condition=Q(status="running"), name="job_workflow_running_idx"),
+            models.Index(fields=["workflow", "status"], condition=Q(status__in=JOB_ADMITTED), name="job_workflow_admitted_idx"),
             models.Index(fields=["-created_at"], name="job_created_idx"),
         ]
 

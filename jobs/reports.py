@@ -24,6 +24,7 @@ from jobs.backoff import backoff_delay
 from jobs.finalize import finalize_jobs, skip_unstarted
 from jobs.locks import lock_jobs_of_tasks, lock_tasks
 from jobs.notify import notify, service_channel
+from jobs.states import JOB_ADMITTED, sql_in
 from accs_site.clock import db_now
 
 log = logging.getLogger("accs.reports")
@@ -80,21 +81,50 @@ ev AS (
 SELECT id FROM run
 """
 
+JOBS_RUNNING_SQL = """
+-- A job is running while a task of it is starting or running: the first start moves it from
+-- waiting. Written just before the tasks' own start (same transaction, same fencing), so the
+-- timeline reads "job waiting → running", then "task starting → running".
+WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS v(id, attempt)),
+up AS (
+    UPDATE accs_job SET status = 'running', updated_at = %(now)s
+     WHERE status = 'waiting'
+       AND id IN (SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
+                   WHERE t.status = 'starting' AND t.claimed_by = %(agent)s)
+    RETURNING id
+)
+INSERT INTO accs_event (ts, job_id, source, level, type, message, data)
+SELECT %(now)s, id, %(source)s, 'info', 'status', 'job waiting → running',
+       '{"from": "waiting", "to": "running"}'::jsonb FROM up
+"""
+
 
 def mark_running(items: Sequence[tuple[UUID, int, int | None]], *, agent_id: str, source: str,
                  now: datetime | None = None) -> set[UUID]:
-    """Move claimed tasks to running; ``items`` are (task_id, attempt, pid). Return the ids moved."""
+    """Move claimed tasks (and their waiting jobs) to running; ``items`` are (task_id, attempt, pid).
+
+    Return the task ids moved.
+    """
     if not items:
         return set()
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        lock_jobs_of_tasks(cur, [i[0] for i in items])
         lock_tasks(cur, [i[0] for i in items])
         return _mark_running(cur, items, agent_id=agent_id, source=source, now=now or db_now(cur))
 
 
 def _mark_running(cur, items, *, agent_id: str, source: str, now: datetime) -> set[UUID]:
+    """Move tasks to running; the caller holds the locks of their jobs, then of the tasks."""
+    _jobs_running(cur, items, agent_id=agent_id, now=now, source=source)
     cur.execute(MARK_RUNNING_SQL, {"ids": [i[0] for i in items], "attempts": [i[1] for i in items],
                                    "pids": [i[2] for i in items], "now": now, "agent": agent_id, "source": source})
     return {r[0] for r in cur.fetchall()}
+
+
+def _jobs_running(cur, items, *, agent_id: str, now: datetime, source: str) -> None:
+    """Move the waiting jobs of starting tasks (``items`` start with task_id, attempt) to running."""
+    cur.execute(JOBS_RUNNING_SQL, {"ids": [i[0] for i in items], "attempts": [i[1] for i in items],
+                                   "now": now, "agent": agent_id, "source": source})
 
 
 COMPLETE_SQL = """
@@ -146,8 +176,7 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
     to_mark = [s for s in started if (s[0], s[1]) not in combined]
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         task_ids = [o.task_id for o in outcomes] + [s[0] for s in started]
-        if outcomes:
-            lock_jobs_of_tasks(cur, task_ids)
+        lock_jobs_of_tasks(cur, task_ids)
         lock_tasks(cur, task_ids)
         now = now or db_now(cur)
         if to_mark:
@@ -158,6 +187,8 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
         for group, from_status in ((ok_with_start, "starting"), (ok_running, "running")):
             if not group:
                 continue
+            if from_status == "starting":
+                _jobs_running(cur, [(o.task_id, o.attempt) for o in group], agent_id=agent_id, now=now, source=source)
             cur.execute(COMPLETE_SQL, {
                 "ids": [o.task_id for o in group], "attempts": [o.attempt for o in group],
                 "results": [json.dumps(o.results if o.results is not None else {}, default=str) for o in group],
@@ -288,13 +319,16 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
             events += quarantine_host(cur, host_id, reason=f"task {tid} failed for good: {error[:200]}",
                                       job_id=jid, task_id=tid, now=now, source=source)
         cur.execute(
-            "UPDATE accs_job SET status = 'error', error_code = 'task_failed', error_message = %s, finished_at = %s,"
-            " updated_at = %s WHERE id = %s AND status = 'running' RETURNING id",
-            [f"task {tid} failed: {error[:500]}", now, now, jid],
+            "WITH o AS (SELECT id, status FROM accs_job WHERE id = %s)"
+            " UPDATE accs_job j SET status = 'error', error_code = 'task_failed', error_message = %s,"
+            f" finished_at = %s, updated_at = %s FROM o WHERE j.id = o.id AND o.status IN {sql_in(JOB_ADMITTED)}"
+            " RETURNING o.status",
+            [jid, f"task {tid} failed: {error[:500]}", now, now],
         )
-        if cur.fetchone():
+        row = cur.fetchone()
+        if row:
             events.append(EventRow(type="status", level="error", job_id=jid, source=source,
-                                   message="job running → error", data={"from": "running", "to": "error"}))
+                                   message=f"job {row[0]} → error", data={"from": row[0], "to": "error"}))
             events += skip_unstarted(cur, [jid], now=now, source=source, reason="job failed")
     write_events(events, cursor=cur)
     return touched
@@ -373,6 +407,27 @@ def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportRe
 # Progress
 # --------------------------------------------------------------------------------------------
 
+PROGRESS_SQL = """
+-- Progress lives on the task row (the job page reads it there). The timeline gets a milestone
+-- only when a task crosses a quarter (25, 50 or 75 per cent), not one event per report.
+WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(att)s::int[], %(p)s::float8[]) AS v(id, attempt, p)),
+o AS (SELECT t.id, coalesce(t.progress, 0) AS old FROM accs_task t JOIN v ON v.id = t.id),
+upd AS (
+    UPDATE accs_task t SET progress = least(greatest(v.p, 0), 1), updated_at = %(now)s
+      FROM v JOIN o ON o.id = v.id
+     WHERE t.id = v.id AND t.attempt = v.attempt AND t.status = 'running'
+    RETURNING t.id, t.job_id, t.attempt, t.progress, o.old
+), ev AS (
+    INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
+    SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'progress',
+           'progress reached ' || (floor(progress * 4) * 25)::int || ' %%',
+           jsonb_build_object('progress', progress, 'milestone', floor(progress * 4) / 4)
+      FROM upd WHERE floor(progress * 4) > floor(old * 4) AND progress < 1
+)
+SELECT count(*) FROM upd
+"""
+
+
 def report_progress(items: Sequence[tuple[UUID, int, float]], *, source: str, now: datetime | None = None) -> int:
     """Record live progress of running tasks (fenced by attempt). Return how many were updated."""
     if not items:
@@ -380,18 +435,9 @@ def report_progress(items: Sequence[tuple[UUID, int, float]], *, source: str, no
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         lock_tasks(cur, [i[0] for i in items])
         now = now or db_now(cur)
-        cur.execute(
-            "WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(att)s::int[], %(p)s::float8[]) AS v(id, attempt, p)),"
-            " upd AS (UPDATE accs_task t SET progress = least(greatest(v.p, 0), 1), updated_at = %(now)s FROM v"
-            "         WHERE t.id = v.id AND t.attempt = v.attempt AND t.status = 'running'"
-            "         RETURNING t.id, t.job_id, t.attempt, t.progress)"
-            " INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)"
-            " SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'progress', 'progress ' || round((progress * 100)::numeric, 1) || '%%',"
-            "        jsonb_build_object('progress', progress) FROM upd",
-            {"ids": [i[0] for i in items], "att": [i[1] for i in items], "p": [i[2] for i in items],
-             "now": now, "source": source},
-        )
-        return cur.rowcount
+        cur.execute(PROGRESS_SQL, {"ids": [i[0] for i in items], "att": [i[1] for i in items],
+                                   "p": [i[2] for i in items], "now": now, "source": source})
+        return cur.fetchone()[0]
 
 
 PROMOTE_SCHEDULED_SQL = """

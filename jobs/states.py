@@ -25,6 +25,8 @@ TASK_RETRYABLE: frozenset[str] = frozenset({T.ERROR, T.SKIPPED, T.CANCELED, T.BL
 
 JOB_FINAL: frozenset[str] = frozenset(models.JOB_FINAL)
 JOB_ACTIVE: frozenset[str] = frozenset(models.JOB_ACTIVE)
+# Admitted jobs (tasks created): "running" while a task of it is starting or running, else "waiting".
+JOB_ADMITTED: frozenset[str] = frozenset(models.JOB_ADMITTED)
 JOB_RETRYABLE: frozenset[str] = frozenset({J.ERROR, J.CANCELED, J.PARTIAL})
 
 # Task status → the statuses it may move to. "created" is the pseudo-state of a new row.
@@ -47,12 +49,15 @@ TASK_TRANSITIONS: dict[str, frozenset[str]] = {
 
 JOB_TRANSITIONS: dict[str, frozenset[str]] = {
     "created": frozenset({J.QUEUED}),
-    J.QUEUED: frozenset({J.RUNNING, J.ERROR, J.CANCELED}),
-    J.RUNNING: frozenset({J.DONE, J.PARTIAL, J.ERROR, J.CANCELED}),
-    J.DONE: frozenset({J.RUNNING}),  # one task retried by an operator
-    J.PARTIAL: frozenset({J.RUNNING, J.QUEUED}),
-    J.ERROR: frozenset({J.RUNNING, J.QUEUED}),
-    J.CANCELED: frozenset({J.RUNNING, J.QUEUED}),
+    # queued → waiting: admitted, its tasks created.
+    J.QUEUED: frozenset({J.WAITING, J.ERROR, J.CANCELED}),
+    # waiting ⇄ running: a task of it started; its last starting or running task ended.
+    J.WAITING: frozenset({J.RUNNING, J.DONE, J.PARTIAL, J.ERROR, J.CANCELED}),
+    J.RUNNING: frozenset({J.WAITING, J.DONE, J.PARTIAL, J.ERROR, J.CANCELED}),
+    J.DONE: frozenset({J.WAITING}),  # one task retried by an operator
+    J.PARTIAL: frozenset({J.WAITING, J.QUEUED}),
+    J.ERROR: frozenset({J.WAITING, J.QUEUED}),
+    J.CANCELED: frozenset({J.WAITING, J.QUEUED}),
 }
 
 

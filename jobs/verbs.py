@@ -23,7 +23,7 @@ from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
 from accs_site.clock import db_now
-from jobs.states import JOB_ACTIVE, JOB_RETRYABLE, TASK_RETRYABLE, TASK_UNSTARTED, sql_in
+from jobs.states import JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, TASK_RETRYABLE, TASK_UNSTARTED, sql_in
 
 
 @dataclass
@@ -56,7 +56,7 @@ def _admission_locks_for_job(cur, job_id: UUID) -> None:
 
 
 def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
-    """Cancel a queued or running job: unstarted tasks are canceled, running ones told to stop."""
+    """Cancel a queued, waiting or running job: unstarted tasks are canceled, running ones told to stop."""
     source = _source(by)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         if not lock_jobs(cur, [job_id]):
@@ -66,7 +66,7 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
         cur.execute(f"SELECT status FROM accs_job WHERE id = %s AND status IN {sql_in(JOB_ACTIVE)}", [job_id])
         row = cur.fetchone()
         if not row:
-            return ActionResult(False, "job is not queued or running; nothing to cancel")
+            return ActionResult(False, "job is not queued, waiting or running; nothing to cancel")
         cur.execute("UPDATE accs_job SET status = 'canceled', finished_at = %s, updated_at = %s,"
                     " error_code = 'canceled', error_message = %s WHERE id = %s",
                     [now, now, f"canceled by {by or 'api'}", job_id])
@@ -152,7 +152,7 @@ def _notify_services(cur, service_ids: Iterable[int]) -> None:
 
 
 def _back_to_work(cur, job_id: UUID, job: tuple, *, by: str, now: datetime, what: str) -> str:
-    """Move a finished job back to running (or queued, through admission); return the new status."""
+    """Move a finished job back to waiting (or queued, through admission); return the new status."""
     status, _approval, instantiated, tenant_id, workflow_id = job
     source = _source(by)
     if instantiated:
@@ -198,7 +198,7 @@ def retry_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Act
         rows = _reset_tasks(cur, job_id, now=now, source=source)
         reset_step_flags(cur, [job_id])
         new_status = _back_to_work(cur, job_id, job, by=by, now=now, what="retry")
-        if new_status == "running":
+        if new_status in JOB_ADMITTED:
             _notify_services(cur, [r[2] for r in rows if r[1] == "queued"])
             finalize_jobs(cur, [job_id], now=now, source=source)
     waits = " (waiting for approval)" if approval == ApprovalState.PENDING else (
@@ -227,7 +227,7 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
             rows += _reset_tasks(cur, job_id, statuses=["skipped"], now=now, source=source)
             new_status = _back_to_work(cur, job_id, job, by=by, now=now, what="task retried")
         reset_step_flags(cur, [job_id])
-        if new_status == "running":
+        if new_status in JOB_ADMITTED:
             _notify_services(cur, [r[2] for r in rows if r[1] == "queued"])
             finalize_jobs(cur, [job_id], now=now, source=source)
     return ActionResult(True, "task queued again" + (" (the job waits for admission)" if new_status == "queued" else ""))

@@ -77,7 +77,7 @@ def test_retry_button_requeues_the_failed_task_through_the_transition(client, ro
     job = failed_service_job(tenants.acme)
     response = client.post(reverse("admin:jobs_job_act", args=[job.pk, "retry"]), follow=True)
     assert response.status_code == 200
-    assert any("Retry: job back to running; 1 task(s) reset" in m for m in messages_of(response))
+    assert any("Retry: job back to waiting; 1 task(s) reset" in m for m in messages_of(response))
     task = Task.objects.get(job=job)
     # The retry renews the budget; attempt numbers never go back (old attempts stay fenced).
     assert task.status == "queued" and task.max_attempts - task.attempt == task.service.max_attempts
@@ -122,8 +122,8 @@ def test_bulk_retry_reports_changed_and_unchanged_with_reasons(client, root, ten
     failed = failed_service_job(tenants.acme)
     queued = api.start_service("flaky", tenant=tenants.acme)
     msgs = _bulk(client, "job", "retry_jobs", [failed.pk, queued.pk])
-    assert msgs == ["Retry: job back to running; 1 task(s) reset; "
-                    "unchanged: job is running; only failed, partial or canceled jobs can be retried"]
+    assert msgs == ["Retry: job back to waiting; 1 task(s) reset; "
+                    "unchanged: job is waiting; only failed, partial or canceled jobs can be retried"]
     assert Task.objects.get(job=failed).status == "queued"
 
 

@@ -59,7 +59,7 @@ def test_emit_event_in_a_rolled_back_transaction_starts_nothing(flow, default_te
 def test_job_exists_when_the_caller_commits(flow, default_tenant):
     with transaction.atomic():
         job = api.start_workflow("ingest")
-    assert Job.objects.filter(pk=job.pk, status="running").exists()
+    assert Job.objects.filter(pk=job.pk, status="waiting").exists()
 
 
 def test_workflow_by_name_runs_the_latest_active_version_or_the_one_given(flow):
@@ -165,5 +165,5 @@ def test_cancel_and_retry_through_the_api(flow):
     result = api.retry(job.id, by="ops")
     assert result.changed, result.message
     job.refresh_from_db()
-    assert job.status == "running"
+    assert job.status == "waiting"
     assert sorted(Task.objects.filter(job=job).values_list("status", flat=True)) == ["queued", "waiting"]

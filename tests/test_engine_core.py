@@ -70,9 +70,11 @@ def test_every_status_change_writes_an_event(two_step):
     run_ok(claim_for(b))
     messages = list(Event.objects.filter(job_id=job.id).order_by("id").values_list("message", flat=True))
     assert messages == [
-        "job created queued", "job queued → running", "task created queued", "task created waiting",
-        "task queued → starting", "task starting → running", "task running → done", "task waiting → queued",
-        "task queued → starting", "task starting → running", "task running → done", "job running → done",
+        "job created queued", "job queued → waiting (tasks created)", "task created queued", "task created waiting",
+        "task queued → starting", "job waiting → running", "task starting → running", "task running → done",
+        "task waiting → queued", "job running → waiting (no task starting or running)",
+        "task queued → starting", "job waiting → running", "task starting → running", "task running → done",
+        "job running → done",
     ]
 
 
@@ -212,3 +214,46 @@ def test_retried_dead_letter_task_runs_again_with_fresh_budget_and_new_attempt_n
     assert job.status == "done"
     assert list(Attempt.objects.filter(task__job=job).order_by("attempt_no").values_list("attempt_no", "status")) == [
         (1, "failed"), (2, "succeeded")]
+
+
+def _status(job) -> str:
+    return Job.objects.values_list("status", flat=True).get(pk=job.pk)
+
+
+def test_a_job_is_running_only_while_a_task_of_it_is_starting_or_running(make_service):
+    """Job status words: tasks created → waiting; a task started → running; its last held task ended → waiting."""
+    svc = make_service("fan", max_attempts=2, backoff_base_seconds=30, backoff_cap_seconds=30)
+    create_workflow(name="pair", steps=[{"key": "a", "service": "fan", "depends_on": []},
+                                        {"key": "b", "service": "fan", "depends_on": []}])
+    job = api.start_workflow("pair")
+    idle = [api.start_service("fan") for _ in range(3)]
+    assert _status(job) == "waiting" and {_status(j) for j in idle} == {"waiting"}
+    claimed = [t for t in claim_for(svc, n=10) if t.job_id == job.id]
+    assert len(claimed) == 2 and _status(job) == "waiting", "claimed but not started: still waiting"
+    transitions.mark_running([(t.id, t.attempt, 1) for t in claimed], agent_id="agent-t", source="agent:test")
+    assert _status(job) == "running"
+    done, failing = claimed
+    transitions.report([transitions.Outcome(task_id=done.id, attempt=done.attempt, status="succeeded")],
+                       agent_id="agent-t", source="agent:test")
+    assert _status(job) == "running", "the other task still runs"
+    result = transitions.report([transitions.Outcome(task_id=failing.id, attempt=failing.attempt, status="failed")],
+                                agent_id="agent-t", source="agent:test")
+    assert result.retried == [failing.id]
+    assert _status(job) == "waiting", "its retry waits out its backoff: nothing of the job runs"
+    assert {_status(j) for j in idle} == {"waiting"}, "never-claimed jobs never show running"
+    moves = list(Event.objects.filter(job_id=job.id, task_id=None, type="status").order_by("id")
+                 .values_list("data__from", "data__to"))
+    assert moves == [("created", "queued"), ("queued", "waiting"), ("waiting", "running"), ("running", "waiting")]
+
+
+def test_progress_is_kept_on_the_task_and_only_quarter_milestones_reach_the_timeline(make_service):
+    svc = make_service("slow")
+    api.start_service("slow")
+    [task] = claim_for(svc)
+    transitions.mark_running([(task.id, task.attempt, 1)], agent_id="agent-t", source="agent:test")
+    for p in (0.05, 0.1, 0.2, 0.26, 0.3, 0.49, 0.51, 0.8, 0.9):
+        assert transitions.report_progress([(task.id, task.attempt, p)], source="agent:test") == 1
+    assert Task.objects.get(pk=task.id).progress == pytest.approx(0.9)
+    milestones = list(Event.objects.filter(task_id=task.id, type="progress").order_by("id").values_list("message", flat=True))
+    assert milestones == ["progress reached 25 %", "progress reached 50 %", "progress reached 75 %"]
+    assert transitions.report_progress([(task.id, task.attempt + 1, 0.95)], source="agent:test") == 0, "fenced"

@@ -184,7 +184,7 @@ def test_two_workflows_of_one_tenant_share_its_cap_within_one_builder_tick(make_
         api.start_workflow(name, tenant=tenant)
     started = transitions.start_due_jobs()
     assert len(started) == 2
-    assert Job.objects.filter(tenant=tenant, status="running").count() == 2
+    assert Job.objects.filter(tenant=tenant, status="waiting").count() == 2
     # Oldest first across the workflows: the two admitted jobs are the two oldest.
     oldest = list(Job.objects.filter(tenant=tenant).order_by("order_seq").values_list("id", flat=True)[:2])
     assert sorted(map(str, started)) == sorted(map(str, oldest))
@@ -217,8 +217,8 @@ def test_admission_is_exact_with_three_builders_racing(make_service, transaction
     for t in threads:
         t.join()
     assert not errors, errors
-    assert Job.objects.filter(tenant=tenant, status="running").count() == 3
-    running = list(Job.objects.filter(tenant=tenant, status="running").values_list("workflow__name", flat=True))
+    assert Job.objects.filter(tenant=tenant, status="waiting").count() == 3
+    running = list(Job.objects.filter(tenant=tenant, status="waiting").values_list("workflow__name", flat=True))
     assert max(running.count("r1"), running.count("r2")) <= 2
 
 

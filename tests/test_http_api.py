@@ -138,7 +138,7 @@ def test_list_filters_and_paginates_without_counting(world):
     assert (len(rest["items"]), rest["has_more"]) == (2, False)
     assert {j["id"] for j in page["items"]}.isdisjoint({j["id"] for j in rest["items"]})
     assert len(alice.get("/api/v1/jobs", {"source": "webhook"}).json()["items"]) == 4
-    assert len(alice.get("/api/v1/jobs", {"status": "running", "service": "sync"}).json()["items"]) == 5
+    assert len(alice.get("/api/v1/jobs", {"status": "waiting", "service": "sync"}).json()["items"]) == 5
     future = (timezone.now() + timedelta(hours=1)).isoformat()
     assert alice.get("/api/v1/jobs", {"created_after": future}).json()["items"] == []
     assert len(alice.get("/api/v1/jobs", {"created_before": future}).json()["items"]) == 5
@@ -157,7 +157,7 @@ def test_detail_attempts_cancel_retry_and_summary(world):
     attempts = alice.get(f"/api/v1/jobs/{job.id}/attempts").json()
     assert [(a["attempt_no"], a["status"], a["error_text"]) for a in attempts] == [(1, "failed", "boom")]
     retried = post(alice, f"/api/v1/jobs/{job.id}/retry")
-    assert retried.status_code == 200 and retried.json()["job"]["status"] == "running"
+    assert retried.status_code == 200 and retried.json()["job"]["status"] == "waiting"
     assert post(alice, f"/api/v1/jobs/{job.id}/retry").status_code == 409
     canceled = post(alice, f"/api/v1/jobs/{job.id}/cancel")
     assert canceled.json()["job"]["status"] == "canceled"
@@ -202,7 +202,7 @@ def test_tenant_admin_cannot_see_or_act_on_another_tenants_jobs(world, make_serv
     assert alice.get("/api/v1/jobs/summary", {"tenant": "globex"}).status_code == 403
     other.refresh_from_db()
     pending.refresh_from_db()
-    assert (other.status, pending.approval_state) == ("running", "pending"), "nothing changed"
+    assert (other.status, pending.approval_state) == ("waiting", "pending"), "nothing changed"
     # The superuser sees both tenants.
     assert len(world["root"].get("/api/v1/jobs").json()["items"]) == 3
     assert world["root"].get("/api/v1/jobs/summary").json()["pending_approval"] == 1
@@ -214,7 +214,7 @@ def test_viewer_reads_but_cannot_act(world):
     assert post(vera, f"/api/v1/jobs/{job.id}/cancel").status_code == 403
     assert post(vera, "/api/v1/jobs", {"service": "sync"}).status_code == 403
     job.refresh_from_db()
-    assert job.status == "running"
+    assert job.status == "waiting"
 
 
 def test_tenant_admin_cannot_see_or_change_another_tenants_triggers(world):
