@@ -152,6 +152,11 @@ class AccsSettings:
         return _int("ACC_HEARTBEAT_TTL_SEC", 120, minimum=3)
 
     @cached_property
+    def node_lost_after_sec(self) -> float:
+        """How long an online node may stay silent before the builder marks it lost."""
+        return _float("ACC_NODE_LOST_AFTER_SEC", 600.0, minimum=10.0)
+
+    @cached_property
     def notify_channel_prefix(self) -> str:
         prefix = _raw("ACC_NOTIFY_CHANNEL_PREFIX") or "accs_"
         if not prefix.replace("_", "").isalnum() or len(prefix) > 30:

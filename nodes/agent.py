@@ -50,7 +50,7 @@ from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many
 from jobs.notify import service_channel
 from jobs.transitions import Outcome
-from nodes.api import agent_identity, held_attempt_processes, register_node, touch_node
+from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
 from nodes.executors import (
     RunContext, agent_alive, bad_output, end_orphan_groups, make_executors, ours, orphans_on_node, remove_scratch,
     sanitize_outcome, scratch_dir, secrets_in,
@@ -162,6 +162,8 @@ class Agent:
                                          extra=self.extra)
         self._closed = threading.Event()
         self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "expired": 0}
+        self.known_services: list[str] = []
+        self.unknown_services: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
@@ -189,6 +191,12 @@ class Agent:
         try:
             if not daemon.wait_for_database(log, stopping=lambda: self.stopping, extra=self.extra):
                 return 0
+            if not self._until_ok("check services", self._check_services):
+                return 0
+            if self.unknown_services:
+                log.error("unknown service(s): %s; known services: %s", ", ".join(self.unknown_services),
+                          ", ".join(self.known_services) or "(none defined)", extra=self.extra)
+                return 2
             if not self._until_ok("register node", self._register):
                 return 0
             self._step("end orphans", self._end_orphans)
@@ -274,10 +282,22 @@ class Agent:
         self._closed.set()
         self.stall.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if not self.abandon and not self.unknown_services:
+            self.guard.start_pass()
+            if self._step("sign off", lambda: sign_off(self.node, agent_id=self.agent_id)):
+                log.info("node %s is offline", self.node, extra=self.extra)
         self._close_listen()
         log.info("agent stopped: %s", self.stats, extra=self.extra)
 
     # ------------------------------------------------------------------ node, services, orphans
+    def _check_services(self) -> None:
+        """Refuse service keys that name no service (a typo would otherwise register a phantom node)."""
+        from workflows.models import Service as ServiceModel
+
+        known = sorted(ServiceModel.objects.values_list("key", flat=True))
+        self.known_services = known
+        self.unknown_services = sorted(set(self.service_keys) - set(known))
+
     def _register(self) -> None:
         register_node(self.node, labels=self.labels, services=self.service_keys, agent_id=self.agent_id)
         self._load_services(force=True)

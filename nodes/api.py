@@ -1,4 +1,5 @@
-"""Node presence: agents register their node and heartbeat it (AGT1)."""
+"""Node presence: agents register their node, heartbeat it and sign off; the builder marks the
+silent ones lost; operators retire the ones that never ran anything."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from django.db.models.functions import Now
 from accs_site.clock import db_now
 
 from events.timeline import EventRow, write_events
-from nodes.models import AwakeState, Node
+from nodes.models import AwakeState, Node, Presence
 
 VERSION = "0.1.0"
 BOOT_ID = uuid.uuid4().hex[:8]
@@ -36,6 +37,8 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
         node, created = Node.objects.select_for_update().get_or_create(
             name=name, defaults={"labels": labels, "slot_cap": accs.slot_cap, "cpu_budget": accs.cpu_budget})
         was = node.awake_state
+        was_presence = node.presence
+        node.presence = Presence.ONLINE
         node.labels = {**node.labels, **labels}
         node.services = sorted(set(node.services or []) | set(services))
         node.agent_id = agent_id
@@ -48,15 +51,111 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
         if created or was != AwakeState.AWAKE:
             write_events([EventRow(type="node", message=f"node {name} {was} → awake ({agent_id})", source=f"agent:{name}",
                                    data={"node": name, "from": was, "to": "awake", "services": services})])
+        if not created and was_presence != Presence.ONLINE:
+            write_events([_presence_event(name, was_presence, Presence.ONLINE, f"agent {agent_id} started")])
     return node
 
 
+def _presence_event(name: str, frm: str, to: str, why: str, *, source: str = "") -> EventRow:
+    return EventRow(type="node", message=f"node {name} {frm} → {to} ({why})", source=source or f"agent:{name}",
+                    level="info" if to == Presence.ONLINE else "warn", data={"node": name, "from": frm, "to": to})
+
+
+TOUCH_SQL = """
+-- PostgreSQL's clock: every node's last_seen is compared with the others' and with now().
+WITH o AS (SELECT name, presence FROM accs_node WHERE name = %(name)s FOR NO KEY UPDATE)
+UPDATE accs_node n SET last_seen = now(), agent_id = %(agent)s, awake_state = 'awake', presence = 'online'
+  FROM o WHERE n.name = o.name
+RETURNING o.presence, n.state, n.slot_cap, n.cpu_budget, n.max_concurrency, n.labels
+"""
+
+
 def touch_node(name: str, *, agent_id: str) -> tuple[str, dict[str, Any]]:
-    """Heartbeat the node row; return its state and limits as the database has them now."""
-    # PostgreSQL's clock: every node's last_seen is compared with the others' and with now().
-    Node.objects.filter(name=name).update(last_seen=Now(), agent_id=agent_id, awake_state=AwakeState.AWAKE)
-    row = Node.objects.filter(name=name).values("state", "slot_cap", "cpu_budget", "max_concurrency", "labels").first()
-    return (row["state"], row) if row else ("active", {})
+    """Heartbeat the node row (it is online again if it was not); return its state and limits."""
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute(TOUCH_SQL, {"name": name, "agent": agent_id})
+        row = cur.fetchone()
+        if row is None:
+            return "active", {}
+        was, state, slot_cap, cpu_budget, max_concurrency, labels = row
+        if was != Presence.ONLINE:
+            write_events([_presence_event(name, was, Presence.ONLINE, f"heartbeat from {agent_id}")], cursor=cur)
+    return state, {"state": state, "slot_cap": slot_cap, "cpu_budget": cpu_budget,
+                   "max_concurrency": _json(max_concurrency), "labels": _json(labels)}
+
+
+def _json(value: Any) -> Any:
+    import json
+
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def sign_off(name: str, *, agent_id: str) -> bool:
+    """Mark the node offline when its agent stops cleanly; False if another agent touched it since."""
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("UPDATE accs_node SET presence = 'offline' WHERE name = %s AND agent_id = %s"
+                    " AND presence = 'online' RETURNING name", [name, agent_id])
+        if cur.fetchone() is None:
+            return False
+        write_events([_presence_event(name, Presence.ONLINE, Presence.OFFLINE, f"agent {agent_id} stopped")],
+                     cursor=cur)
+    return True
+
+
+MARK_LOST_SQL = """
+-- Online nodes whose last heartbeat is older than the limit, on PostgreSQL's clock.
+WITH lost AS (
+    UPDATE accs_node SET presence = 'lost'
+     WHERE name IN (SELECT name FROM accs_node WHERE presence = 'online'
+                       AND (last_seen IS NULL OR last_seen < now() - make_interval(secs => %(after)s))
+                     ORDER BY name LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED)
+    RETURNING name, last_seen
+)
+SELECT name, extract(epoch FROM now() - last_seen) FROM lost
+"""
+
+
+def mark_lost(*, after_seconds: float, limit: int = 1000) -> list[str]:
+    """Mark online nodes without a heartbeat for ``after_seconds`` lost, with events; return their names."""
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute(MARK_LOST_SQL, {"after": float(after_seconds), "limit": limit})
+        rows = cur.fetchall()
+        write_events([_presence_event(name, Presence.ONLINE, Presence.LOST,
+                                      "never heard from" if ago is None else f"no heartbeat for {float(ago):.0f}s",
+                                      source="builder") for name, ago in rows], cursor=cur)
+    return [r[0] for r in rows]
+
+
+def retire_nodes(names: list[str], *, by: str = "") -> tuple[list[str], dict[str, str]]:
+    """Delete nodes that are not online and never held a task (a typo, a one-off test agent).
+
+    Return (retired, refused with the reason). Nodes with history stay: their tasks, attempts
+    and hosts name them.
+    """
+    retired: list[str] = []
+    refused: dict[str, str] = {}
+    with transaction.atomic(), connection.cursor() as cur:
+        for name in sorted(set(names)):
+            cur.execute("SELECT presence FROM accs_node WHERE name = %s FOR UPDATE", [name])
+            row = cur.fetchone()
+            if row is None:
+                refused[name] = "no such node"
+                continue
+            if row[0] == Presence.ONLINE:
+                refused[name] = "it is online (stop its agent first)"
+                continue
+            cur.execute("SELECT EXISTS (SELECT 1 FROM accs_attempt WHERE node = %s)"
+                        " OR EXISTS (SELECT 1 FROM accs_task WHERE node = %s OR assigned_node = %s)"
+                        " OR EXISTS (SELECT 1 FROM accs_host WHERE node_id = %s)", [name, name, name, name])
+            if cur.fetchone()[0]:
+                refused[name] = "it has run tasks or has hosts; its history keeps it"
+                continue
+            Node.objects.filter(name=name).delete()  # its disk samples go with it
+            retired.append(name)
+        write_events([EventRow(type="node", message=f"node {name} retired (by {by or 'api'})", level="warn",
+                               source=f"user:{by}" if by else "api", data={"node": name, "to": "retired"})
+                      for name in retired], cursor=cur)
+    return retired, refused
 
 
 HELD_ATTEMPTS_SQL = """

@@ -29,6 +29,14 @@ class WakeMethod(models.TextChoices):
     SCRIPT = "script", "Shell script"
 
 
+class Presence(models.TextChoices):
+    """Whether an agent is running on a node, as its heartbeats tell."""
+
+    ONLINE = "online", "Online (an agent heartbeats)"
+    OFFLINE = "offline", "Offline (its agent stopped cleanly)"
+    LOST = "lost", "Lost (no heartbeat for too long)"
+
+
 class NodeState(models.TextChoices):
     """Whether a node's agents may claim new work."""
 
@@ -43,6 +51,7 @@ class Node(models.Model):
     labels = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.ACTIVE)
     awake_state = models.CharField(max_length=16, choices=AwakeState.choices, default=AwakeState.UNKNOWN)
+    presence = models.CharField(max_length=16, choices=Presence.choices, default=Presence.ONLINE)
     wake_method = models.CharField(max_length=16, choices=WakeMethod.choices, default=WakeMethod.NONE)
     mac = models.CharField(max_length=17, blank=True, default="")
     wake_address = models.CharField(
@@ -67,6 +76,7 @@ class Node(models.Model):
         constraints = [
             _choices_check("state", NodeState, "node_state_valid"),
             _choices_check("awake_state", AwakeState, "node_awake_state_valid"),
+            _choices_check("presence", Presence, "node_presence_valid"),
             _choices_check("wake_method", WakeMethod, "node_wake_method_valid"),
         ]
 
