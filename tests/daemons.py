@@ -96,11 +96,11 @@ def wait_all_final(url: str, *, timeout: float, expected: int | None = None) -> 
     with psycopg.connect(url, autocommit=True) as conn:
         while True:
             total, open_ = conn.execute(
-                "SELECT count(*), count(*) FILTER (WHERE status IN ('queued', 'running')) FROM accs_job").fetchone()
+                "SELECT count(*), count(*) FILTER (WHERE status IN ('queued', 'waiting', 'running')) FROM accs_job").fetchone()
             if open_ == 0 and (expected is None or total == expected):
                 return
             if time.monotonic() > deadline:
-                pytest.fail(f"timed out: {open_} of {total} jobs still queued/running")
+                pytest.fail(f"timed out: {open_} of {total} jobs still queued/waiting/running")
             time.sleep(0.1)
 
 
