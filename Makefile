@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo test test-fast bench bench-compare chaos stop check
+.PHONY: install db demo serve test test-fast bench bench-compare chaos stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,11 +25,21 @@ demo: db
 	  echo "left running for the next run: PostgreSQL at $$(scripts/pg_local.sh url) and the local S3 server (scripts/s3_local.sh); stop both with: make stop"; \
 	  exit $$status
 
+# The production server (gunicorn, scripts/serve.sh) on http://127.0.0.1:8000/admin/, after migrating.
+# ACCS_WEB_HOST, ACCS_WEB_PORT, ACCS_WEB_WORKERS, ACCS_WEB_THREADS change where and how much it serves.
+serve: db
+	@$(PY) manage.py migrate --noinput -v0
+	@echo "serving http://$${ACCS_WEB_HOST:-127.0.0.1}:$${ACCS_WEB_PORT:-8000}/admin/ (Ctrl-C stops; a login: $(PY) manage.py createsuperuser)"
+	@exec scripts/serve.sh
+
+# The browser tests need Debian's chromium and chromedriver: installed here when missing (root or sudo).
 test: install
+	@scripts/browser_deps.sh
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 # Skip the slow chaos/race tests locally.
 test-fast: install
+	@scripts/browser_deps.sh
 	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: db

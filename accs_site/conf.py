@@ -21,6 +21,8 @@ from functools import cached_property
 
 from django.core.exceptions import ImproperlyConfigured
 
+LOG_FORMATS = ("auto", "text", "json")
+
 
 class SettingError(ImproperlyConfigured):
     """A malformed ACC_* variable; ``variable`` names it."""
@@ -186,6 +188,14 @@ class AccsSettings:
     @cached_property
     def metrics_token(self) -> str | None:
         return _raw("ACC_METRICS_TOKEN")
+
+    @cached_property
+    def log_format(self) -> str:
+        """How log lines look: ``text`` for people, ``json`` for collectors, ``auto`` (text on a terminal)."""
+        value = (_raw("ACC_LOG_FORMAT") or "auto").lower()
+        if value not in LOG_FORMATS:
+            raise SettingError("ACC_LOG_FORMAT", f"expected one of {', '.join(LOG_FORMATS)}, got {value!r}")
+        return value
 
     @cached_property
     def minio(self) -> MinioSettings:

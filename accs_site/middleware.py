@@ -1,10 +1,15 @@
-"""Answer transient database errors with 503 instead of a 500 page.
+"""Error answers: JSON everywhere under ``/api/``, 503 for transient database errors, 413 for big bodies.
 
 A deadlock victim, a serialization failure or a connection lost mid-request changed nothing (its
 transaction rolled back) and is worth retrying; saying so (503 with ``Retry-After``) lets clients
-and load balancers do the right thing. API paths get JSON, every other path a short text page.
-The middleware answers for views; :func:`server_error` (the site's ``handler500``) for errors
-raised anywhere else, such as a session middleware that cannot reach the database.
+and load balancers do the right thing. A request body over ``DATA_UPLOAD_MAX_MEMORY_SIZE`` is a
+413 naming the limit, not Django's 400 page. API clients get every error as ``{"detail": ...}``,
+whoever produced it (an unknown URL, a method the endpoint does not take, a middleware's 400);
+every other path keeps Django's pages, or a short text page for the cases above.
+
+The middleware answers for views and rewrites other error responses under ``/api/``;
+:func:`server_error` (the site's ``handler500``) answers for errors raised anywhere else, such as
+a session middleware that cannot reach the database.
 """
 
 from __future__ import annotations
@@ -13,10 +18,16 @@ import json
 import logging
 import sys
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse
 
 log = logging.getLogger("accs.http")
+
+API_PREFIX = "/api/"
+# Headers an error answer keeps when it is rewritten as JSON.
+KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate")
 
 
 def transient_reason(exc: BaseException) -> str:
@@ -24,16 +35,46 @@ def transient_reason(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
+def is_api(request: HttpRequest) -> bool:
+    """Return whether the request is for the HTTP API (its clients read JSON only)."""
+    return request.path.startswith(API_PREFIX)
+
+
+def error_response(request: HttpRequest, status: int, detail: str) -> HttpResponse:
+    """Return an error answer: ``{"detail": ...}`` under ``/api/``, the text alone elsewhere."""
+    if is_api(request):
+        return HttpResponse(json.dumps({"detail": detail}), status=status, content_type="application/json")
+    return HttpResponse(detail, status=status, content_type="text/plain; charset=utf-8")
+
+
 def _transient_response(request: HttpRequest, exc: BaseException) -> HttpResponse:
     reason = transient_reason(exc)
     log.warning("transient database error on %s: %s", request.path, reason)
-    detail = f"database temporarily unavailable, retry: {reason}"
-    if request.path.startswith("/api/"):
-        response = HttpResponse(json.dumps({"detail": detail}), status=503, content_type="application/json")
-    else:
-        response = HttpResponse(detail, status=503, content_type="text/plain; charset=utf-8")
+    response = error_response(request, 503, f"database temporarily unavailable, retry: {reason}")
     response["Retry-After"] = "1"
     return response
+
+
+def _declared_length(request: HttpRequest) -> int | None:
+    try:
+        return int(request.META.get("CONTENT_LENGTH") or "")
+    except ValueError:
+        return None
+
+
+def too_big_detail(request: HttpRequest) -> str:
+    """Say that the body is over the limit, and what the limit is."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    size = _declared_length(request)
+    sent = f" ({size:,} bytes)" if size is not None else ""
+    mib = f"{limit / 2**20:.1f} MiB, " if limit >= 2**20 else ""
+    return f"request body too large{sent}: the limit is {limit:,} bytes ({mib}DATA_UPLOAD_MAX_MEMORY_SIZE)"
+
+
+def _too_big_response(request: HttpRequest) -> HttpResponse:
+    log.warning("request body over the limit on %s (Content-Length %s)", request.path,
+                request.META.get("CONTENT_LENGTH") or "unknown")
+    return error_response(request, 413, too_big_detail(request))
 
 
 def server_error(request: HttpRequest) -> HttpResponse:
@@ -45,23 +86,56 @@ def server_error(request: HttpRequest) -> HttpResponse:
     exc = sys.exc_info()[1]
     if isinstance(exc, (OperationalError, InterfaceError)):
         return _transient_response(request, exc)
-    if request.path.startswith("/api/"):
-        return HttpResponse(json.dumps({"detail": "internal error"}), status=500, content_type="application/json")
+    if is_api(request):
+        return error_response(request, 500, "internal error")
     from django.views.defaults import server_error as django_server_error
 
     return django_server_error(request)
 
 
-class TransientDatabaseErrorMiddleware:
-    """Turn OperationalError/InterfaceError raised by a view into a 503 answer."""
+def _is_json(response: HttpResponse) -> bool:
+    return "json" in response.get("Content-Type", "")
+
+
+def _as_json(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+    """Rewrite a non-JSON error answer under ``/api/`` as ``{"detail": ...}`` with the same status."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    size = _declared_length(request)
+    if response.status_code == 400 and limit is not None and size is not None and size > limit:
+        # Django answers an oversized body read outside a view (by a middleware) with a plain 400.
+        return _too_big_response(request)
+    status = response.status_code
+    detail = (response.reason_phrase or "error").lower()
+    if status == 404:
+        detail = f"not found: {request.method} {request.path}"
+    elif status == 405 and response.has_header("Allow"):
+        detail = f"method {request.method} not allowed; allowed: {response['Allow']}"
+    answer = error_response(request, status, detail)
+    for header in KEPT_HEADERS:
+        if response.has_header(header):
+            answer[header] = response[header]
+    return answer
+
+
+class ErrorResponseMiddleware:
+    """Answer transient database errors with 503 and oversized bodies with 413; JSON under ``/api/``.
+
+    Placed first in ``MIDDLEWARE``, it sees every response, so an error produced by Django or
+    another middleware under ``/api/`` is rewritten as JSON too.
+    """
 
     def __init__(self, get_response) -> None:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        return self.get_response(request)
+        response = self.get_response(request)
+        if response.status_code >= 400 and is_api(request) and not _is_json(response):
+            return _as_json(request, response)
+        return response
 
     def process_exception(self, request: HttpRequest, exc: Exception) -> HttpResponse | None:
-        if not isinstance(exc, (OperationalError, InterfaceError)):
-            return None
-        return _transient_response(request, exc)
+        if isinstance(exc, (OperationalError, InterfaceError)):
+            return _transient_response(request, exc)
+        if isinstance(exc, RequestDataTooBig):
+            return _too_big_response(request)
+        return None

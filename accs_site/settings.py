@@ -5,6 +5,7 @@ django-environ. ACCS's operational settings (backoff, heartbeat TTL, node identi
 lazily by :mod:`accs_site.conf` and validated by system checks (:mod:`accs_site.checks`).
 """
 
+import warnings
 from pathlib import Path
 
 import environ
@@ -52,8 +53,12 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    # runserver leaves static files to WhiteNoise too, so it serves them as gunicorn does.
+    "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "django.contrib.postgres",
+    # django-ninja's templates and static files: Swagger UI at /api/v1/docs from local assets.
+    "ninja",
     "accs_site",
     "workflows",
     "jobs",
@@ -66,14 +71,17 @@ INSTALLED_APPS = [
 TASKS = {"default": {"BACKEND": "jobs.tasks_backend.AccsTaskBackend", "QUEUES": []}}
 
 MIDDLEWARE = [
+    # Outermost, so every error under /api/ (a 404, an oversized body, a middleware's 400) is JSON.
+    "accs_site.middleware.ErrorResponseMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # Static files (the admin's styles, Swagger UI) from the app itself, under any server.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "accs_site.middleware.TransientDatabaseErrorMiddleware",
 ]
 
 ROOT_URLCONF = "accs_site.urls"
@@ -119,14 +127,21 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+# WhiteNoise serves each file from where Django's finders find it (the apps' static/ folders), so
+# a fresh clone, runserver, gunicorn and the Docker image need no collectstatic step. STATIC_ROOT
+# is only for those who still collect (a CDN or a proxy in front); WhiteNoise serves it too when
+# it exists, and a never-collected one is not worth a warning at every start.
 STATIC_ROOT = BASE_DIR / ".local" / "static"
+WHITENOISE_USE_FINDERS = True
+warnings.filterwarnings("ignore", message=r"No directory at: .*static", category=UserWarning)
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": "events.logging.JsonFormatter"}},
+    # Readable lines on a terminal, JSON lines elsewhere; ACC_LOG_FORMAT=text|json decides instead.
+    "formatters": {"console": {"()": "events.logging.console_formatter"}},
     "handlers": {
-        "stdout": {"class": "logging.StreamHandler", "formatter": "json"},
+        "stdout": {"class": "logging.StreamHandler", "formatter": "console"},
         # EVT2: records with a job_id also land on the job's timeline.
         "timeline": {"class": "events.logging.EventBridgeHandler", "level": "INFO"},
     },

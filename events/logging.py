@@ -1,7 +1,10 @@
-"""JSON logging and the EventBridge (EVT2).
+"""Console logging (JSON lines or readable text) and the EventBridge (EVT2).
 
-``JsonFormatter`` prints one JSON object per line on stdout (daemons, executors), keeping the
-job/task context fields. ``EventBridgeHandler`` also writes records that carry a ``job_id`` (and
+``JsonFormatter`` prints one JSON object per line (daemons, executors), keeping the job/task
+context fields; ``TextFormatter`` prints the same as one readable line for a person at a
+terminal. :func:`console_formatter` picks one: ``ACC_LOG_FORMAT=json`` or ``text`` decides, and
+by default (``auto``) a terminal gets text and anything else (a file, a pipe, journald) JSON.
+``EventBridgeHandler`` also writes records that carry a ``job_id`` (and
 optionally ``task_id``) to the timeline, so a daemon's log line about a task shows on that task's
 page. Use it through the standard ``logging`` API:
 
@@ -12,8 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from datetime import datetime, timezone
+from typing import TextIO
 
 LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",
           logging.CRITICAL: "error"}
@@ -38,6 +43,42 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """Format a record as one readable line: UTC time, level, logger, message, then the context."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.fromtimestamp(record.created, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        line = f"{ts} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        context = [f"{key}={getattr(record, key)}" for key in JsonFormatter.CONTEXT
+                   if getattr(record, key, None) is not None]
+        if context:
+            line += f"  [{' '.join(context)}]"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def choose_format(setting: str, stream: TextIO | None) -> str:
+    """Return ``"text"`` or ``"json"``: what ``setting`` names, else text when ``stream`` is a terminal."""
+    if setting in ("text", "json"):
+        return setting
+    try:
+        return "text" if stream is not None and stream.isatty() else "json"
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return "json"
+
+
+def console_formatter() -> logging.Formatter:
+    """Build the console handler's formatter (``LOGGING`` names this factory); the handler writes to stderr."""
+    from accs_site.conf import SettingError, accs
+
+    try:
+        setting = accs.log_format
+    except SettingError:
+        setting = "auto"  # the system check reports the bad value; logging must come up regardless
+    return TextFormatter() if choose_format(setting, sys.stderr) == "text" else JsonFormatter()
 
 
 class EventBridgeHandler(logging.Handler):

@@ -158,4 +158,5 @@ class Demo:
             self.say(f"{str(job.id)[:8]:<10}{job.target_name:<22}{job.status:<9}{agg['n']:>6}{agg['attempts'] or 0:>10}"
                      f"{duration:>9.1f}s{artifacts:>11}")
         self.say("")
-        self.say("Open the admin to explore: python manage.py createsuperuser; python manage.py runserver 127.0.0.1:8000")
+        self.say("Open the admin to explore: .venv/bin/python manage.py createsuperuser; make serve "
+                 "(http://127.0.0.1:8000/admin/)")

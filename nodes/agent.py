@@ -164,6 +164,7 @@ class Agent:
         self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "expired": 0}
         self.known_services: list[str] = []
         self.unknown_services: list[str] = []
+        self.registered = False  # the node row is ours to sign off only once we registered it
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
@@ -282,7 +283,7 @@ class Agent:
         self._closed.set()
         self.stall.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if not self.abandon and not self.unknown_services:
+        if self.registered and not self.abandon:
             self.guard.start_pass()
             if self._step("sign off", lambda: sign_off(self.node, agent_id=self.agent_id)):
                 log.info("node %s is offline", self.node, extra=self.extra)
@@ -300,6 +301,7 @@ class Agent:
 
     def _register(self) -> None:
         register_node(self.node, labels=self.labels, services=self.service_keys, agent_id=self.agent_id)
+        self.registered = True
         self._load_services(force=True)
 
     def _end_orphans(self) -> None:

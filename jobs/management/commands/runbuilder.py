@@ -1,23 +1,26 @@
-"""``manage.py runbuilder [--tick SECONDS] [--batch N] [--once]``."""
+"""``manage.py runbuilder [--tick SECONDS] [--batch N] [--once]``.
+
+Bad options and settings are refused before anything starts: one line on stderr, exit code 2
+(:mod:`accs_site.cli`).
+"""
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
-
+from accs_site.cli import OperatorCommand, bounded
 from jobs.builder import Builder
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = "Run a builder: start due jobs; the elected leader also runs maintenance (leases, cron, partitions, wake)."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--tick", type=float, default=1.0, help="Seconds between ticks without a NOTIFY.")
-        parser.add_argument("--batch", type=int, default=500, help="Most jobs started per statement.")
+        parser.add_argument("--tick", type=bounded(float, above=0, minimum=0.01, maximum=3600), default=1.0,
+                            help="Seconds between ticks without a NOTIFY, 0.01-3600 (default: %(default)s).")
+        parser.add_argument("--batch", type=bounded(int, minimum=1, maximum=10000), default=500,
+                            help="Most jobs started per statement, 1-10000 (default: %(default)s).")
         parser.add_argument("--once", action="store_true", help="Run one tick (and all maintenance) and exit.")
 
     def handle(self, *args, **options) -> None:
-        if options["tick"] <= 0 or options["batch"] < 1:
-            raise CommandError("--tick must be positive and --batch at least 1")
         builder = Builder(tick_seconds=options["tick"], batch=options["batch"], once=options["once"])
         builder.install_signal_handlers()
         raise SystemExit(builder.run())

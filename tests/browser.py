@@ -1,0 +1,95 @@
+"""Headless Chromium for the operators' screens: the ``browser`` and ``shots`` fixtures and helpers.
+
+Debian's ``chromium`` and ``chromium-driver`` (``make test`` installs them when it can), driven by
+selenium against a live server on 127.0.0.1. Set ``ACCS_SCREENSHOT_DIR=docs/screenshots`` to refresh
+the README's screenshots; by default they go to the test's temporary directory.
+
+Test modules import the fixtures by name (``from tests.browser import browser, shots``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.ops_helpers import PASSWORD
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+WAIT = 15  # seconds: the longest any page may take to show what a step waits for
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """A fresh headless Chromium (own profile, no background network) for one test."""
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        if os.environ.get("CI"):
+            pytest.fail("CI needs chromium and chromium-driver (.ci/run installs them)")
+        pytest.skip("install chromium and chromium-driver (apt-get) to run the browser tests")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--no-first-run", f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}", "--window-size=1440,1000",
+                "--force-device-scale-factor=1"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(WAIT * 2)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def shots(tmp_path) -> Path:
+    target = Path(os.environ.get("ACCS_SCREENSHOT_DIR") or tmp_path / "screenshots")
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def wait(driver, condition, message: str):
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, WAIT, poll_frequency=0.1).until(condition)
+    except TimeoutException:
+        pytest.fail(f"timed out after {WAIT}s waiting for: {message} (at {driver.current_url})")
+
+
+def css(driver, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def log_in(driver, base: str, username: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"{base}/admin/login/?next=/admin/")
+    driver.find_element(By.ID, "id_username").send_keys(username)
+    driver.find_element(By.ID, "id_password").send_keys(PASSWORD)
+    driver.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    wait(driver, lambda d: d.current_url.rstrip("/").endswith("/admin"), f"{username} is logged in")
+    # Collapse the navigation sidebar (Django remembers it in localStorage): wider pages, cleaner shots.
+    driver.execute_script("localStorage.setItem('django.admin.navSidebarIsOpen', 'false')")
+
+
+def full_page_screenshot(driver, path: Path, *, max_height: int = 2400) -> None:
+    """Save a PNG of the whole page (up to ``max_height`` CSS pixels), not just the viewport."""
+    import base64
+
+    metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
+    size = metrics.get("cssContentSize") or metrics["contentSize"]
+    height = min(int(size["height"]) + 16, max_height)
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
+        "format": "png", "captureBeyondViewport": True,
+        "clip": {"x": 0, "y": 0, "width": int(size["width"]), "height": height, "scale": 1},
+    })
+    path.write_bytes(base64.b64decode(shot["data"]))
+    assert path.stat().st_size > 10_000, f"{path} looks empty"
