@@ -47,7 +47,7 @@ ALLOWED_HOSTS = env.list("ACC_ALLOWED_HOSTS", default=["127.0.0.1", "localhost",
 
 INSTALLED_APPS = [
     # Above the admin, so its admin/base_site.html override adds the Dashboard link and styles everywhere.
-    "events",
+    "ops",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "workflows",
     "jobs",
     "nodes",
+    "events",
     "django_tasks",
 ]
 

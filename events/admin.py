@@ -1,4 +1,4 @@
-"""Admin for the timeline and artifacts (read-only, tenant-scoped), and the operators' dashboard URLs."""
+"""Admin for the timeline and artifacts (read-only, tenant-scoped)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ from uuid import UUID
 
 from django.contrib import admin
 from django.db.models import Q
-from django.urls import path
 
-from events import dashboard
 from events.models import Artifact, Event, EventType
-from jobs.admin import ReadOnlyScopedAdmin, uuid_or_none
+from accs_site.admin_kit import ReadOnlyScopedAdmin, uuid_or_none
 
 
 class EventTypeFilter(admin.SimpleListFilter):
@@ -66,26 +64,3 @@ class ArtifactAdmin(ReadOnlyScopedAdmin):
         if as_uuid:
             return queryset.filter(job_id=as_uuid), False
         return super().get_search_results(request, queryset, search_term)
-
-
-def _mount_dashboard(site: admin.AdminSite) -> None:
-    """Add the dashboard pages to the admin site's URLs (admin:accs_dashboard, admin:accs_dashboard_data).
-
-    The default site is built by django.contrib.admin before any app's admin module runs, so the
-    URLs are added to it here instead of replacing the site class.
-    """
-    original = site.get_urls
-
-    def get_urls():
-        return [
-            path("dashboard/", site.admin_view(dashboard.dashboard_view), name="accs_dashboard"),
-            path("dashboard/data.json", site.admin_view(dashboard.dashboard_data_view), name="accs_dashboard_data"),
-        ] + original()
-
-    site.get_urls = get_urls
-
-
-admin.site.site_header = "ACCS operations"
-admin.site.site_title = "ACCS"
-admin.site.index_title = "Jobs, workflows, nodes and timeline"
-_mount_dashboard(admin.site)

@@ -4,226 +4,37 @@ State-holding models (jobs, tasks, attempts) are read-only. Operators change sta
 actions and with the buttons on the job page; both call :mod:`jobs.transitions` (the same functions
 the API uses) and report the outcome with ``message_user``.
 
-Tenant isolation has one definition, :mod:`jobs.scoping`: every tenant-owned list is filtered
-through it, objects of other tenants do not exist for a tenant admin (their URLs redirect like a
-deleted object's), and actions only touch objects the user may act on.
+Tenant isolation, the page buttons and the bulk actions come from :mod:`accs_site.admin_kit`; the
+list's bulk actions are built from the same action tables as the job and task pages' buttons.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
-from collections import Counter
-from collections.abc import Callable
-from functools import cached_property
 from typing import Any
 from uuid import UUID
 
 from django import forms
-from django.contrib import admin, messages
-from django.contrib.admin import ShowFacets
+from django.contrib import admin
 from django.core.exceptions import PermissionDenied
-from django.core.paginator import Paginator
-from django.db.models import Q, QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
-from django.urls import path, reverse
+from django.db.models import Q
+from django.http import HttpRequest
+from django.urls import reverse
 from django.utils.html import format_html
-from django.utils.http import url_has_allowed_host_and_scheme
 
+from accs_site.admin_kit import (
+    ActionTable, PageActionsAdmin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
+    status_pill, uuid_or_none,
+)
 from jobs import transitions
 from jobs.models import (
-    ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, Trigger, TriggerType,
+    JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, Trigger,
+    TriggerType,
 )
-from jobs.scoping import can_act, scope, tenant_ids_for
+from jobs.scoping import can_act, scope
 
-#: Up to this many rows a list page counts exactly; beyond, it shows the planner's estimate.
-EXACT_COUNT_LIMIT = 10_000
-#: An action over "all N selected" acts on at most this many objects per click.
-MAX_BULK = 1_000
 #: Rows shown on the job page (the lists link to the full, filtered admin lists).
 JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS = 300, 100, 200
 LEVELS = ("debug", "info", "warn", "error")
-
-
-# --------------------------------------------------------------------------------------------
-# Shared machinery: cheap pagination, tenant scoping, running transitions as actions
-# --------------------------------------------------------------------------------------------
-
-class EstimatedCountPaginator(Paginator):
-    """Count exactly up to :data:`EXACT_COUNT_LIMIT` rows, then use PostgreSQL's row estimate.
-
-    Django's changelist counts the filtered rows on every page view; on a table with millions of
-    rows that exact ``COUNT(*)`` costs more than the page itself.
-    """
-
-    @cached_property
-    def count(self) -> int:
-        queryset = self.object_list
-        if not isinstance(queryset, QuerySet):
-            return super().count
-        capped = queryset.order_by()[: EXACT_COUNT_LIMIT + 1].count()
-        if capped <= EXACT_COUNT_LIMIT:
-            return capped
-        try:
-            plan = json.loads(queryset.order_by().explain(format="json"))
-            return max(int(plan[0]["Plan"]["Plan Rows"]), capped)
-        except Exception:  # noqa: BLE001 - an estimate is optional; the capped count is still right
-            return capped
-
-
-def actor(request: HttpRequest) -> str:
-    """Name the operator for the timeline (events record ``user:<name>``)."""
-    return request.user.get_username()
-
-
-def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
-           results: list[transitions.ActionResult], *, denied: int = 0, capped: bool = False) -> None:
-    """Summarise action outcomes in one message: how many changed, which did not and why."""
-    changed = [r for r in results if r.changed]
-    unchanged = Counter(r.message for r in results if not r.changed)
-    parts = []
-    if changed:
-        detail = changed[0].message if len(changed) == 1 else f"{len(changed)} changed"
-        parts.append(f"{verb}: {detail}")
-    for message, n in unchanged.most_common():
-        parts.append(f"{n} unchanged ({message})" if n > 1 else f"unchanged: {message}")
-    if denied:
-        parts.append(f"{denied} not permitted (another tenant, or viewer role)")
-    if capped:
-        parts.append(f"stopped after {MAX_BULK}; run the action again for the rest")
-    level = messages.SUCCESS if changed and not unchanged and not denied else (
-        messages.WARNING if changed else messages.ERROR)
-    modeladmin.message_user(request, "; ".join(parts) or f"{verb}: nothing selected", level)
-
-
-def uuid_or_none(text: str) -> UUID | None:
-    try:
-        return uuid.UUID(text.strip())
-    except (ValueError, AttributeError):
-        return None
-
-
-class TenantListFilter(admin.SimpleListFilter):
-    """Filter by tenant, offering only the tenants the viewer may see (never other tenants' names)."""
-
-    title = "tenant"
-    parameter_name = "tenant"
-    tenant_path = "tenant_id"
-
-    def lookups(self, request, model_admin):
-        return [(str(t.id), t.slug) for t in scope(Tenant.objects.all(), request.user, field="id")]
-
-    def queryset(self, request, queryset):
-        value = uuid_or_none(self.value() or "")
-        return queryset.filter(**{self.tenant_path: value}) if value else queryset
-
-
-class TenantScopedAdmin(admin.ModelAdmin):
-    """Admin for a tenant-owned model: lists, pages and actions follow :mod:`jobs.scoping`.
-
-    Members of a tenant (non-superuser staff with a TenantMembership) may view these models
-    without Django model permissions; acting needs the tenant-admin role. Superusers see all.
-    """
-
-    tenant_path = "tenant_id"
-    show_full_result_count = False  # no exact COUNT(*) of the unfiltered table
-    show_facets = ShowFacets.NEVER  # facet counts are one COUNT per filter option
-    paginator = EstimatedCountPaginator
-
-    def tenant_of(self, obj: Any) -> UUID | None:
-        """Return the tenant id an object belongs to (override when ``tenant_path`` crosses a relation)."""
-        return getattr(obj, "tenant_id", None)
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet:
-        return scope(super().get_queryset(request), request.user, field=self.tenant_path)
-
-    def _member(self, request: HttpRequest, *, write: bool = False) -> bool:
-        allowed = tenant_ids_for(request.user, write=write)
-        return request.user.is_staff and (allowed is None or bool(allowed))
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return super().has_module_permission(request) or self._member(request)
-
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        if obj is not None and not can_act(request.user, self.tenant_of(obj), write=False):
-            return False
-        return super().has_view_permission(request, obj) or self._member(request)
-
-    def has_act_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        """Whether the user may run state-changing actions (on ``obj``, or on anything here)."""
-        if not request.user.is_staff:
-            return False
-        if obj is not None:
-            return can_act(request.user, self.tenant_of(obj), write=True)
-        return self._member(request, write=True)
-
-    def act_on(self, request: HttpRequest, queryset: QuerySet, verb: str,
-               fn: Callable[[Any], transitions.ActionResult]) -> None:
-        """Run ``fn`` on each selected object the user may act on, then report."""
-        ids = list(queryset.order_by().values_list("pk", flat=True)[: MAX_BULK + 1])
-        capped = len(ids) > MAX_BULK
-        ids = ids[:MAX_BULK]
-        allowed = scope(self.model.objects.filter(pk__in=ids), request.user, write=True, field=self.tenant_path)
-        objects = list(allowed)
-        results = [fn(obj) for obj in objects]
-        report(request, self, verb, results, denied=len(ids) - len(objects), capped=capped)
-
-
-class ReadOnlyScopedAdmin(TenantScopedAdmin):
-    """State changes go through jobs.transitions, never through a form."""
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
-
-
-def status_pill(status: str, *, extra: str = "") -> str:
-    return format_html('<span class="accs-pill accs-{}">{}</span>{}', status, status, extra)
-
-
-def safe_next(request: HttpRequest, fallback: str) -> str:
-    """Return the ``next`` URL when it points back into this site, else ``fallback``."""
-    target = request.POST.get("next") or request.GET.get("next") or ""
-    if target and url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()},
-                                                  require_https=request.is_secure()):
-        return target
-    return fallback
-
-
-class PageActionsAdmin(ReadOnlyScopedAdmin):
-    """Run one action from a button on an object's page (POST ``<id>/act/<action>/``), then go back.
-
-    Subclasses name their actions (``page_actions``: name → (verb, transition)) and where to
-    return (``after_action_url``); the URL is ``admin:<app>_<model>_act``.
-    """
-
-    page_actions: dict[str, tuple[str, Callable[..., transitions.ActionResult]]] = {}
-
-    def after_action_url(self, request: HttpRequest, obj: Any) -> str:
-        raise NotImplementedError
-
-    def get_urls(self):
-        name = f"{self.opts.app_label}_{self.opts.model_name}_act"
-        return [
-            path("<path:object_id>/act/<str:action>/", self.admin_site.admin_view(self.act_view), name=name),
-        ] + super().get_urls()
-
-    def act_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
-        obj = self.get_object(request, object_id)
-        if obj is None:
-            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
-        if action not in self.page_actions or not self.has_act_permission(request, obj):
-            raise PermissionDenied
-        verb, fn = self.page_actions[action]
-        report(request, self, verb, [fn(obj.pk, by=actor(request))])
-        return HttpResponseRedirect(self.after_action_url(request, obj))
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +68,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
 # Jobs: list with bulk actions; the job page with DAG, tasks, attempts, timeline and buttons
 # --------------------------------------------------------------------------------------------
 
-JOB_ACTIONS: dict[str, tuple[str, Callable[..., transitions.ActionResult]]] = {
+JOB_ACTIONS: ActionTable = {
     "retry": ("Retry", transitions.retry_job),
     "cancel": ("Cancel", transitions.cancel_job),
     "approve": ("Approve", transitions.approve),
@@ -273,7 +84,7 @@ def job_actions_for(job: Job) -> list[str]:
     if job.status in (JobStatus.ERROR, JobStatus.CANCELED) and job.approval_state not in (
             ApprovalState.PENDING, ApprovalState.REJECTED):
         out.append("retry")
-    if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+    if job.status in JOB_ACTIVE:
         out.append("cancel")
     return out
 
@@ -298,7 +109,7 @@ class JobAdmin(PageActionsAdmin):
     search_help_text = "A job id, or an exact external id / dedupe key / correlation id."
     list_select_related = ("tenant", "workflow", "service")
     ordering = ("-created_at",)  # job_created_idx
-    actions = ("retry_jobs", "cancel_jobs", "approve_jobs", "reject_jobs")
+    actions = bulk_actions(JOB_ACTIONS, "jobs")
     change_form_template = "admin/jobs/job/change_form.html"
     fieldsets = (
         (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress", "current_task_key",
@@ -334,24 +145,6 @@ class JobAdmin(PageActionsAdmin):
     def progress_pct(self, obj: Job) -> str:
         return f"{obj.progress * 100:.0f} %"
 
-    # Bulk actions -------------------------------------------------------------------------
-
-    @admin.action(description="Retry selected failed/canceled jobs", permissions=["act"])
-    def retry_jobs(self, request, queryset):
-        self.act_on(request, queryset, "Retry", lambda job: transitions.retry_job(job.pk, by=actor(request)))
-
-    @admin.action(description="Cancel selected jobs", permissions=["act"])
-    def cancel_jobs(self, request, queryset):
-        self.act_on(request, queryset, "Cancel", lambda job: transitions.cancel_job(job.pk, by=actor(request)))
-
-    @admin.action(description="Approve selected jobs", permissions=["act"])
-    def approve_jobs(self, request, queryset):
-        self.act_on(request, queryset, "Approve", lambda job: transitions.approve(job.pk, by=actor(request)))
-
-    @admin.action(description="Reject selected jobs", permissions=["act"])
-    def reject_jobs(self, request, queryset):
-        self.act_on(request, queryset, "Reject", lambda job: transitions.reject(job.pk, by=actor(request)))
-
     # The job page ---------------------------------------------------------------------------
 
     page_actions = JOB_ACTIONS
@@ -368,7 +161,7 @@ class JobAdmin(PageActionsAdmin):
 
     def job_page_context(self, request: HttpRequest, job: Job) -> dict[str, Any]:
         """Collect the job page's picture, tasks, attempts and timeline (each bounded)."""
-        from events.dag import job_dag_svg
+        from ops.dag import job_dag_svg
         from events.models import Event
 
         level = request.GET.get("level", "")
@@ -408,9 +201,9 @@ class JobAdmin(PageActionsAdmin):
 # Tasks and attempts
 # --------------------------------------------------------------------------------------------
 
-TASK_ACTIONS: dict[str, tuple[str, Callable[..., transitions.ActionResult]]] = {
-    "retry": ("Retry task", transitions.retry_task),
-    "cancel": ("Cancel task", transitions.cancel_task),
+TASK_ACTIONS: ActionTable = {
+    "retry": ("Retry", transitions.retry_task),
+    "cancel": ("Cancel", transitions.cancel_task),
 }
 
 
@@ -423,7 +216,7 @@ class TaskAdmin(PageActionsAdmin):
     search_help_text = "A task id or a job id (exact), or a task key."
     list_select_related = ("service", "host")
     ordering = ("-pk",)  # the primary key is the only index covering every task
-    actions = ("retry_tasks", "cancel_tasks")
+    actions = bulk_actions(TASK_ACTIONS, "tasks")
 
     def get_search_results(self, request, queryset, search_term):
         term = search_term.strip()
@@ -446,14 +239,6 @@ class TaskAdmin(PageActionsAdmin):
     @admin.display(description="attempt")
     def attempts(self, obj: Task) -> str:
         return f"{obj.attempt}/{obj.max_attempts}"
-
-    @admin.action(description="Retry selected tasks (attempts reset)", permissions=["act"])
-    def retry_tasks(self, request, queryset):
-        self.act_on(request, queryset, "Retry", lambda task: transitions.retry_task(task.pk, by=actor(request)))
-
-    @admin.action(description="Cancel selected tasks", permissions=["act"])
-    def cancel_tasks(self, request, queryset):
-        self.act_on(request, queryset, "Cancel", lambda task: transitions.cancel_task(task.pk, by=actor(request)))
 
     page_actions = TASK_ACTIONS
 
@@ -574,7 +359,3 @@ class TriggerAdmin(TenantScopedAdmin):
         if not change and obj.created_by_id is None:
             obj.created_by = request.user
         super().save_model(request, obj, form, change)
-
-
-__all__ = ["EstimatedCountPaginator", "ReadOnlyScopedAdmin", "TenantScopedAdmin", "actor", "report", "uuid_or_none"]
-

@@ -12,9 +12,9 @@ from django.contrib.admin import ShowFacets
 from django.utils import timezone
 from django.utils.html import format_html
 
-from events.overview import human_age, stale_after_seconds
+from ops.overview import human_age, stale_after_seconds
 from nodes import verbs
-from jobs.admin import EstimatedCountPaginator, actor, report
+from accs_site.admin_kit import EstimatedCountPaginator, actor, report
 from nodes.models import DiskSample, Host, HostBlock, Node
 
 

@@ -339,10 +339,10 @@ def test_adding_a_condition_raises_it(client, root):
 
 def test_dashboard_page_and_json_show_cards_nodes_and_conditions(client, root, tenants):
     pipeline_scene(tenants)
-    page = client.get(reverse("admin:accs_dashboard"))
+    page = client.get(reverse("ops:dashboard"))
     body = page.content.decode()
     assert page.status_code == 200 and 'id="accs-cards"' in body and 'data-url="/admin/dashboard/data.json"' in body
-    data = client.get(reverse("admin:accs_dashboard_data")).json()
+    data = client.get(reverse("ops:dashboard_data")).json()
     by_tenant = {c["tenant"]: c for c in data["data"]["tenants"]}
     assert by_tenant["acme"]["dead_letter"] == 1 and by_tenant["globex"]["dead_letter"] == 1
     assert by_tenant["acme"]["failed_24h"] == 1
@@ -357,20 +357,20 @@ def test_dashboard_page_and_json_show_cards_nodes_and_conditions(client, root, t
     assert stats["finished"] >= 7 and stats["failed"] == 3 and stats["run_p50"] is not None
     assert stats["latency_p95"] is not None
     assert 'data-node="edge-2" data-stale="1"' in data["html"]
-    assert reverse("admin:accs_dashboard") in client.get(reverse("admin:index")).content.decode()
+    assert reverse("ops:dashboard") in client.get(reverse("admin:index")).content.decode()
 
 
 def test_dashboard_for_tenant_admin_shows_only_their_tenant_and_no_nodes(client, tenants):
     pipeline_scene(tenants)
     client.force_login(make_user("alice", tenants={tenants.acme: "admin"}))
-    data = client.get(reverse("admin:accs_dashboard_data")).json()["data"]
+    data = client.get(reverse("ops:dashboard_data")).json()["data"]
     assert [c["tenant"] for c in data["tenants"]] == ["acme"]
     assert {f["tenant"] for f in data["failures"]} == {"acme"}
     assert data["nodes"] == [] and data["conditions"] == []
 
 
 def test_dashboard_needs_a_staff_login(client):
-    response = client.get(reverse("admin:accs_dashboard_data"))
+    response = client.get(reverse("ops:dashboard_data"))
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
 
 
@@ -379,12 +379,12 @@ def test_dashboard_needs_a_staff_login(client):
 # --------------------------------------------------------------------------------------------
 
 def test_list_pages_count_exactly_only_up_to_a_limit(monkeypatch, client, root, tenants, make_service):
-    from jobs import admin as jobs_admin
+    from accs_site import admin_kit
 
     make_service("bulk")
     for _ in range(8):
         api.start_service("bulk", tenant=tenants.acme)
-    monkeypatch.setattr(jobs_admin, "EXACT_COUNT_LIMIT", 5)
+    monkeypatch.setattr(admin_kit, "EXACT_COUNT_LIMIT", 5)
     with CaptureSQL() as sql:
         response = client.get(reverse("admin:jobs_job_changelist"))
     assert response.status_code == 200
@@ -414,7 +414,7 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
     """With many finished tasks and attempts, the dashboard's queries avoid scanning them."""
     from django.db import connection
 
-    from events import overview
+    from ops import overview
 
     svc = make_service("hist")
     job = api.start_service("hist", tenant=tenants.acme)

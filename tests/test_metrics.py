@@ -10,7 +10,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from accs_site import conf
-from events import metrics
+from ops import metrics
 from events.models import Event
 from jobs import api
 from jobs.models import Job

@@ -19,9 +19,9 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
-from events.dag import render_svg, steps_from
+from ops.dag import render_svg, steps_from
 from jobs import api
-from jobs.admin import actor, report
+from accs_site.admin_kit import actor, report
 from jobs.transitions import ActionResult
 from workflows.models import GovernorCondition, Service, Workflow
 from workflows.validation import DefinitionError

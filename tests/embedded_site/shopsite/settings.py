@@ -26,6 +26,8 @@ INSTALLED_APPS = [
     "jobs",
     "nodes",
     "events",
+    "ops",
+    "ninja",
 ]
 
 MIDDLEWARE = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import template
 from django.utils.html import format_html
 
-from events.overview import human_age
+from ops.overview import human_age
 
 register = template.Library()
 

@@ -6,7 +6,7 @@ PostgreSQL when scraped:
 
 * **Gauges** — queue depth by tenant/service/status, dead letters, oldest queued age, jobs by
   status, node heartbeats, drain state and disk use, governor conditions — come from
-  :mod:`events.overview`, which reads only the live part of the tables.
+  :mod:`ops.overview`, which reads only the live part of the tables.
 * **Counters and histograms** — claims, finished attempts by outcome, retries, dead letters, fenced
   reports, jobs started and finished, queue latency and run time — are derived from the timeline,
   which records every transition exactly once whichever process made it. The collector folds new
@@ -61,7 +61,7 @@ WITH e AS (
              WHEN e.task_id IS NOT NULL AND e.data->>'dead_letter' = 'true' THEN 'dead_letter'
              WHEN e.task_id IS NOT NULL AND e.attempt IS NOT NULL AND e.data->>'to' = 'canceled' THEN 'canceled'
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' = 'queued'
-                  AND e.data->>'to' = 'running' THEN 'job_started'
+                  AND e.data->>'to' IN ('waiting', 'running') THEN 'job_started'
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL
                   AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected') THEN 'job_' || (e.data->>'to')
            END AS kind
@@ -159,7 +159,7 @@ class TimelineCounters:
                                    labels=["service"])
         fenced = CounterMetricFamily("accs_task_fenced_reports", "Late reports rejected by attempt fencing.",
                                      labels=["service"])
-        jobs_started = CounterMetricFamily("accs_jobs_started", "Jobs instantiated (queued → running).",
+        jobs_started = CounterMetricFamily("accs_jobs_started", "Jobs instantiated (queued → waiting, their tasks created).",
                                            labels=["tenant"])
         jobs_finished = CounterMetricFamily("accs_jobs_finished", "Jobs that ended, by final status.",
                                             labels=["tenant", "status"])
@@ -202,7 +202,7 @@ class AccsCollector:
         self.counters = counters or TimelineCounters()
 
     def collect(self) -> Iterator[Metric]:
-        from events.overview import governor_conditions, node_health, queue_depth
+        from ops.overview import governor_conditions, node_health, queue_depth
 
         started = time.monotonic()
         now = timezone.now()

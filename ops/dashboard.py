@@ -1,6 +1,6 @@
 """The operators' dashboard inside the admin (OPS2): a page and the JSON it refreshes itself from.
 
-``/admin/dashboard/`` renders :func:`events.overview.overview` for the viewer's tenants (all of
+``/admin/dashboard/`` renders :func:`ops.overview.overview` for the viewer's tenants (all of
 them for superusers); ``/admin/dashboard/data.json`` returns the same figures plus the rendered
 body, which the page fetches every few seconds. Both are mounted on the admin site by
 :mod:`events.admin`, so they need a staff login like every admin page.
@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 
-from events.overview import Overview, group_by_tenant, overview
+from ops.overview import Overview, group_by_tenant, overview
 from jobs.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.

@@ -1,7 +1,11 @@
 """``manage.py accs_status [--tenant SLUG] [--failures N] [--watch SECONDS] [--json]``.
 
 A terminal summary of queues, services, nodes, governor conditions and recent failures: the same
-figures as the admin dashboard (:mod:`events.overview`), as readable tables.
+figures as the admin dashboard (:mod:`ops.overview`), as readable tables.
+
+Exit codes: 0 printed; 2 a bad option, an unknown tenant, or the database unreachable (one line
+on stderr naming the address). With ``--watch``, an outage after the first picture is shown as a
+line and retried at the next refresh.
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from django.core.management.base import BaseCommand, CommandError
-from django.db import close_old_connections, connection
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from django.utils import timezone
 
-from events.overview import Overview, human_age, overview, recent_failures
+from accs_site.cli import OperatorCommand, bounded, usage_error
+from accs_site.daemon import close_django_connection, database_address, first_line
 from jobs.models import Tenant
+from ops.overview import Overview, human_age, overview, recent_failures
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: frozenset[int] | set[int] = frozenset()
@@ -36,34 +41,39 @@ def _secs(value: float | None) -> str:
     return human_age(value)
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = "Show queues, nodes and recent failures as tables (the admin dashboard's figures)."
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--tenant", action="append", default=[], help="Only this tenant (slug); repeatable.")
-        parser.add_argument("--failures", type=int, default=10, help="Recent failed attempts to list (default 10).")
-        parser.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
-                            help="Refresh every SECONDS until interrupted.")
+        parser.add_argument("--failures", type=bounded(int, minimum=0, maximum=1000), default=10,
+                            help="Recent failed attempts to list, 0-1000 (default: %(default)s).")
+        parser.add_argument("--watch", type=bounded(float, minimum=0.5, maximum=3600), default=None, metavar="SECONDS",
+                            help="Refresh every SECONDS (0.5-3600) until interrupted.")
         parser.add_argument("--json", action="store_true", help="Print the figures as JSON instead of tables.")
 
     def handle(self, *args, **options) -> None:
-        tenant_ids = None
-        if options["tenant"]:
-            found = dict(Tenant.objects.filter(slug__in=options["tenant"]).values_list("slug", "id"))
-            missing = sorted(set(options["tenant"]) - set(found))
-            if missing:
-                raise CommandError(f"no tenant {', '.join(missing)} (known: "
-                                   f"{', '.join(Tenant.objects.values_list('slug', flat=True)) or 'none'})")
-            tenant_ids = set(found.values())
-        if options["failures"] < 0:
-            raise CommandError("--failures must be 0 or more")
-        if options["watch"] and options["watch"] < 0.5:
-            raise CommandError("--watch needs at least 0.5 seconds")
+        try:
+            tenant_ids = self._tenants(options["tenant"])
+        except (OperationalError, InterfaceError) as exc:
+            raise usage_error(f"database unreachable at {database_address()}: {first_line(exc)}") from None
+        shown = False
         while True:
             started = time.monotonic()
             self._progress("reading queues, timings, nodes and failures…")
-            data = overview(tenant_ids=tenant_ids)
-            data.failures = recent_failures(tenant_ids=tenant_ids, limit=options["failures"]) if options["failures"] else []
+            try:
+                data = overview(tenant_ids=tenant_ids)
+                data.failures = (recent_failures(tenant_ids=tenant_ids, limit=options["failures"])
+                                 if options["failures"] else [])
+            except (OperationalError, InterfaceError) as exc:
+                self._progress("")
+                close_django_connection()
+                if not (options["watch"] and shown):
+                    raise usage_error(f"database unreachable at {database_address()}: {first_line(exc)}") from None
+                self.stderr.write(f"database unreachable at {database_address()}: {first_line(exc)}; retrying")
+                time.sleep(options["watch"])
+                continue
+            shown = True
             self._progress("")
             if options["json"]:
                 self.stdout.write(json.dumps(data.as_json(), indent=2, default=str))
@@ -78,6 +88,18 @@ class Command(BaseCommand):
                 time.sleep(options["watch"])  # a display refresh interval, not a wait for a condition
             except KeyboardInterrupt:
                 return
+
+    @staticmethod
+    def _tenants(slugs: list[str]) -> set | None:
+        """Return the ids of the named tenants (None: all); an unknown slug is a usage error."""
+        if not slugs:
+            return None
+        found = dict(Tenant.objects.filter(slug__in=slugs).values_list("slug", "id"))
+        missing = sorted(set(slugs) - set(found))
+        if missing:
+            known = ", ".join(Tenant.objects.values_list("slug", flat=True)) or "none"
+            raise usage_error(f"no tenant {', '.join(missing)} (known: {known})")
+        return set(found.values())
 
     def _progress(self, message: str) -> None:
         """Show what is being read on an interactive terminal (stderr, erased afterwards)."""

@@ -1,0 +1,237 @@
+"""The admin toolkit the ACCS apps share: tenant-scoped model admins, actions run as transitions,
+page buttons and bulk actions from one table, a list paginator that does not count millions of rows,
+and the status pill.
+
+Tenant isolation has one definition, :mod:`jobs.scoping`: every tenant-owned list is filtered
+through it, objects of other tenants do not exist for a tenant admin (their URLs redirect like a
+deleted object's), and actions only touch objects the user may act on.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any
+from uuid import UUID
+
+from django.contrib import admin, messages
+from django.contrib.admin import ShowFacets
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.urls import path
+from django.utils.html import format_html
+from django.utils.http import url_has_allowed_host_and_scheme
+
+from jobs.models import Tenant
+from jobs.scoping import can_act, scope, tenant_ids_for
+from jobs.transitions import ActionResult
+
+#: Up to this many rows a list page counts exactly; beyond, it shows the planner's estimate.
+EXACT_COUNT_LIMIT = 10_000
+#: An action over "all N selected" acts on at most this many objects per click.
+MAX_BULK = 1_000
+
+
+class EstimatedCountPaginator(Paginator):
+    """Count exactly up to :data:`EXACT_COUNT_LIMIT` rows, then use PostgreSQL's row estimate.
+
+    Django's changelist counts the filtered rows on every page view; on a table with millions of
+    rows that exact ``COUNT(*)`` costs more than the page itself.
+    """
+
+    @cached_property
+    def count(self) -> int:
+        queryset = self.object_list
+        if not isinstance(queryset, QuerySet):
+            return super().count
+        capped = queryset.order_by()[: EXACT_COUNT_LIMIT + 1].count()
+        if capped <= EXACT_COUNT_LIMIT:
+            return capped
+        try:
+            plan = json.loads(queryset.order_by().explain(format="json"))
+            return max(int(plan[0]["Plan"]["Plan Rows"]), capped)
+        except Exception:  # noqa: BLE001 - an estimate is optional; the capped count is still right
+            return capped
+
+
+def actor(request: HttpRequest) -> str:
+    """Name the operator for the timeline (events record ``user:<name>``)."""
+    return request.user.get_username()
+
+
+def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
+           results: list[ActionResult], *, denied: int = 0, capped: bool = False) -> None:
+    """Summarise action outcomes in one message: how many changed, which did not and why."""
+    changed = [r for r in results if r.changed]
+    unchanged = Counter(r.message for r in results if not r.changed)
+    parts = []
+    if changed:
+        detail = changed[0].message if len(changed) == 1 else f"{len(changed)} changed"
+        parts.append(f"{verb}: {detail}")
+    for message, n in unchanged.most_common():
+        parts.append(f"{n} unchanged ({message})" if n > 1 else f"unchanged: {message}")
+    if denied:
+        parts.append(f"{denied} not permitted (another tenant, or viewer role)")
+    if capped:
+        parts.append(f"stopped after {MAX_BULK}; run the action again for the rest")
+    level = messages.SUCCESS if changed and not unchanged and not denied else (
+        messages.WARNING if changed else messages.ERROR)
+    modeladmin.message_user(request, "; ".join(parts) or f"{verb}: nothing selected", level)
+
+
+def uuid_or_none(text: str) -> UUID | None:
+    """Return ``text`` as a UUID, or None when it is not one."""
+    try:
+        return uuid.UUID(text.strip())
+    except (ValueError, AttributeError):
+        return None
+
+
+class TenantListFilter(admin.SimpleListFilter):
+    """Filter by tenant, offering only the tenants the viewer may see (never other tenants' names)."""
+
+    title = "tenant"
+    parameter_name = "tenant"
+    tenant_path = "tenant_id"
+
+    def lookups(self, request, model_admin):
+        return [(str(t.id), t.slug) for t in scope(Tenant.objects.all(), request.user, field="id")]
+
+    def queryset(self, request, queryset):
+        value = uuid_or_none(self.value() or "")
+        return queryset.filter(**{self.tenant_path: value}) if value else queryset
+
+
+class TenantScopedAdmin(admin.ModelAdmin):
+    """Admin for a tenant-owned model: lists, pages and actions follow :mod:`jobs.scoping`.
+
+    Members of a tenant (non-superuser staff with a TenantMembership) may view these models
+    without Django model permissions; acting needs the tenant-admin role. Superusers see all.
+    """
+
+    tenant_path = "tenant_id"
+    show_full_result_count = False  # no exact COUNT(*) of the unfiltered table
+    show_facets = ShowFacets.NEVER  # facet counts are one COUNT per filter option
+    paginator = EstimatedCountPaginator
+
+    def tenant_of(self, obj: Any) -> UUID | None:
+        """Return the tenant id an object belongs to (override when ``tenant_path`` crosses a relation)."""
+        return getattr(obj, "tenant_id", None)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        return scope(super().get_queryset(request), request.user, field=self.tenant_path)
+
+    def _member(self, request: HttpRequest, *, write: bool = False) -> bool:
+        allowed = tenant_ids_for(request.user, write=write)
+        return request.user.is_staff and (allowed is None or bool(allowed))
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return super().has_module_permission(request) or self._member(request)
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None and not can_act(request.user, self.tenant_of(obj), write=False):
+            return False
+        return super().has_view_permission(request, obj) or self._member(request)
+
+    def has_act_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Whether the user may run state-changing actions (on ``obj``, or on anything here)."""
+        if not request.user.is_staff:
+            return False
+        if obj is not None:
+            return can_act(request.user, self.tenant_of(obj), write=True)
+        return self._member(request, write=True)
+
+    def act_on(self, request: HttpRequest, queryset: QuerySet, verb: str,
+               fn: Callable[[Any], ActionResult]) -> None:
+        """Run ``fn`` on each selected object the user may act on, then report."""
+        ids = list(queryset.order_by().values_list("pk", flat=True)[: MAX_BULK + 1])
+        capped = len(ids) > MAX_BULK
+        ids = ids[:MAX_BULK]
+        allowed = scope(self.model.objects.filter(pk__in=ids), request.user, write=True, field=self.tenant_path)
+        objects = list(allowed)
+        results = [fn(obj) for obj in objects]
+        report(request, self, verb, results, denied=len(ids) - len(objects), capped=capped)
+
+
+class ReadOnlyScopedAdmin(TenantScopedAdmin):
+    """State changes go through jobs.transitions, never through a form."""
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
+def status_pill(status: str, *, extra: str = "") -> str:
+    """Render a status as a coloured pill (colours in ``admin/accs/_styles.html``)."""
+    return format_html('<span class="accs-pill accs-{}">{}</span>{}', status, status, extra)
+
+
+def safe_next(request: HttpRequest, fallback: str) -> str:
+    """Return the ``next`` URL when it points back into this site, else ``fallback``."""
+    target = request.POST.get("next") or request.GET.get("next") or ""
+    if target and url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()},
+                                                  require_https=request.is_secure()):
+        return target
+    return fallback
+
+
+#: An action table: name → (verb, transition called as ``fn(pk, by=operator)``).
+ActionTable = dict[str, tuple[str, Callable[..., ActionResult]]]
+
+
+def bulk_actions(table: ActionTable, noun: str) -> tuple[Callable, ...]:
+    """Build the list page's bulk actions from the same table as the page buttons.
+
+    Each becomes ``<name>_<noun>`` ("retry_jobs"), needs the act permission, and runs its
+    transition on every selected object the user may act on (:meth:`TenantScopedAdmin.act_on`).
+    """
+    built = []
+    for name, (verb, fn) in table.items():
+        def action(modeladmin, request, queryset, verb=verb, fn=fn):
+            modeladmin.act_on(request, queryset, verb, lambda obj: fn(obj.pk, by=actor(request)))
+
+        action.__name__ = f"{name}_{noun}"
+        built.append(admin.action(description=f"{verb}: the selected {noun}", permissions=["act"])(action))
+    return tuple(built)
+
+
+class PageActionsAdmin(ReadOnlyScopedAdmin):
+    """Run one action from a button on an object's page (POST ``<id>/act/<action>/``), then go back.
+
+    Subclasses name their actions (``page_actions``, an :data:`ActionTable`; :func:`bulk_actions`
+    builds the list's actions from the same table) and where to return (``after_action_url``);
+    the URL is ``admin:<app>_<model>_act``.
+    """
+
+    page_actions: ActionTable = {}
+
+    def after_action_url(self, request: HttpRequest, obj: Any) -> str:
+        raise NotImplementedError
+
+    def get_urls(self):
+        name = f"{self.opts.app_label}_{self.opts.model_name}_act"
+        return [
+            path("<path:object_id>/act/<str:action>/", self.admin_site.admin_view(self.act_view), name=name),
+        ] + super().get_urls()
+
+    def act_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        obj = self.get_object(request, object_id)
+        if obj is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if action not in self.page_actions or not self.has_act_permission(request, obj):
+            raise PermissionDenied
+        verb, fn = self.page_actions[action]
+        report(request, self, verb, [fn(obj.pk, by=actor(request))])
+        return HttpResponseRedirect(self.after_action_url(request, obj))
