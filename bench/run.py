@@ -284,12 +284,16 @@ def median_of(fn, reps: int) -> tuple[float, list[float]]:
     return statistics.median(runs), runs
 
 
-def main() -> int:
-    call_command("migrate", verbosity=0)
+def define_services() -> None:
     save_service(key="bench-noop", executor="python", executor_config={"callable": "bench.tasks:noop"},
                  params_schema={"type": "object", "properties": {"n": {"type": "integer"}}})
     save_service(key="bench-stamp", executor="python", executor_config={"callable": "bench.tasks:stamp"},
                  params_schema={"type": "object", "properties": {"t0": {"type": "number"}}})
+
+
+def main() -> int:
+    call_command("migrate", verbosity=0)
+    define_services()
     say(f"ACCS benchmarks: N={N}, reps={REPS}, {os.cpu_count()} cores, Python {platform.python_version()}")
     results: dict[str, object] = {}
     runs: dict[str, list[float]] = {}
