@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from pathlib import Path
 
@@ -117,3 +117,43 @@ def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, interval: f
 
 
 wait_until = wait_for
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def http_server(argv: list[str], *, env: dict[str, str], port: int, log_path: Path, name: str,
+                timeout: float = 60) -> Iterator[str]:
+    """Run a web server process until it answers ``/api/v1/health``; yield its URL; stop it after."""
+    import requests
+
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited: {log_path.read_text()[-2000:]}")
+        try:
+            return requests.get(f"{url}/api/v1/health", timeout=5).status_code == 200
+        except requests.RequestException:  # not listening yet, or the first request is still warming up
+            return False
+
+    try:
+        wait_for(up, timeout=timeout, message=f"{name} answering /api/v1/health")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

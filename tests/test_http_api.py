@@ -4,8 +4,6 @@ a live-server race of identical webhooks, the OpenAPI document and a property-ba
 from __future__ import annotations
 
 import io
-import socket
-import subprocess
 import sys
 import threading
 from datetime import timedelta
@@ -20,7 +18,8 @@ from jobs import api
 from jobs.auth import digest
 from jobs.models import ApiToken, Job, Task, Tenant, Trigger
 from tests.api_helpers import client_for, user_with_token
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT
+from tests.daemons import free_port, http_server
 from tests.engine_helpers import claim_for, run_fail
 from workflows.models import Service, Workflow
 
@@ -302,40 +301,14 @@ def test_service_and_workflow_management_validates_like_the_admin(world):
 # Live server: 50 identical webhooks at once
 # --------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def live_server_url(subprocess_env, tmp_path: Path):
     """Serve the app (Django's threaded server, see tests/wsgi_server.py) on the test database; yield its URL."""
-    port = _free_port()
-    env = {**subprocess_env, "ACC_DB_CONN_MAX_AGE": "0"}
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {(tmp_path / 'server.log').read_text()[-2000:]}")
-        try:
-            return requests.get(f"{url}/api/v1/health", timeout=5).status_code == 200
-        except requests.RequestException:  # not listening yet, or the first request is still warming up
-            return False
-
-    try:
-        wait_for(up, timeout=30, message="runserver answering /api/v1/health")
+    port = free_port()
+    argv = [sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)]
+    with http_server(argv, env={**subprocess_env, "ACC_DB_CONN_MAX_AGE": "0"}, port=port,
+                     log_path=tmp_path / "server.log", name="runserver", timeout=30) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -6,7 +6,6 @@ Also, in process: every error under ``/api/`` is JSON.
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -19,15 +18,10 @@ import requests
 from jobs.models import Job
 from tests.api_helpers import client_for, user_with_token
 from tests.conftest import ROOT, wait_for
+from tests.daemons import free_port, http_server
 from tests.browser import browser, css, wait  # noqa: F401  (the headless Chromium fixture)
 
 SERVE = ROOT / "scripts" / "serve.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_make_serve_runs_the_serve_script_and_it_runs_gunicorn_on_loopback():
@@ -43,32 +37,10 @@ def test_make_serve_runs_the_serve_script_and_it_runs_gunicorn_on_loopback():
 @pytest.fixture
 def production_server(subprocess_env, tmp_path: Path):
     """Run ``scripts/serve.sh`` (gunicorn, default workers and threads) on a free loopback port; yield its URL."""
-    port = _free_port()
+    port = free_port()
     env = {**subprocess_env, "ACCS_WEB_HOST": "127.0.0.1", "ACCS_WEB_PORT": str(port)}
-    log_path = tmp_path / "gunicorn.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([str(SERVE)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"gunicorn exited: {log_path.read_text()[-2000:]}")
-        try:
-            return requests.get(f"{url}/api/v1/health", timeout=5).status_code == 200
-        except requests.RequestException:
-            return False
-
-    try:
-        wait_for(up, timeout=60, message="gunicorn answering /api/v1/health")
+    with http_server([str(SERVE)], env=env, port=port, log_path=tmp_path / "gunicorn.log", name="gunicorn") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,7 +95,7 @@ def test_a_ten_megabyte_body_is_a_json_413_naming_the_limit(make_service, defaul
 @pytest.mark.django_db(transaction=True)
 def test_runserver_with_debug_off_serves_the_admins_styles(subprocess_env, tmp_path):
     """The README's development server, DEBUG off as by default: the app serves its static files itself."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "runserver.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "runserver", "--noreload", f"127.0.0.1:{port}"],
