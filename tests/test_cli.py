@@ -80,6 +80,8 @@ AGENT = ("runagent", "--services", "resize")
     (("runbuilder", "--tick", "nan"), "--tick: expected a number"),
     (("runbuilder", "--batch", "0"), "--batch: must be at least 1"),
     (("runbuilder", "--batch", "1000000"), "--batch: must be at most 10000"),
+    (("accs_status", "--failures", "-1"), "--failures: must be at least 0"),
+    (("accs_status", "--watch", "0.1"), "--watch: must be at least 0.5"),
 ], ids=lambda v: " ".join(v)[:40] if isinstance(v, tuple) else None)
 def test_bad_option_is_refused_in_one_line_with_exit_code_2(argv, needle):
     assert_one_line_refusal(run_command(*argv), needle)
@@ -94,6 +96,16 @@ def test_bad_option_is_refused_in_one_line_with_exit_code_2(argv, needle):
 ])
 def test_bad_setting_is_refused_in_one_line_with_exit_code_2(variables, needle):
     assert_one_line_refusal(run_command(*AGENT, env=env_with_database_down(**variables)), needle)
+
+
+@pytest.mark.parametrize("argv", [("accs_status",), ("accs_status", "--json"), ("accs_status", "--tenant", "acme")],
+                         ids=["tables", "json", "tenant"])
+def test_accs_status_with_the_database_down_is_one_line_and_exit_code_2(argv):
+    env = env_with_database_down()
+    address = env["ACC_DB_URL"].split("@", 1)[1].split("/", 1)[0]
+    result = run_command(*argv, env=env)
+    assert_one_line_refusal(result, f"database unreachable at {address}")
+    assert result.stdout == "", "nothing half-printed"
 
 
 def test_help_shows_each_default_and_bound():
