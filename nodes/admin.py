@@ -1,38 +1,50 @@
 """Admin for nodes, hosts, host blocks and disk samples.
 
 A node's configuration (labels, limits, wake method) is editable; its state (active/draining,
-awake, heartbeat, disk level) is not: operators drain and undrain with actions, and clear a host's
-quarantine with an action, all through :mod:`nodes.verbs`.
+presence, heartbeat, disk level) is not: operators drain and undrain with actions, and clear a host's
+quarantine with an action, all through :mod:`nodes.verbs`. Nodes are not deleted from a form:
+the *Retire* action removes only those :func:`nodes.api.retire_nodes` allows (not online, no
+history) and says why it kept the others.
 """
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin import ShowFacets
 from django.utils import timezone
 from django.utils.html import format_html
 
 from ops.overview import human_age, stale_after_seconds
 from nodes import verbs
-from accs_site.admin_kit import EstimatedCountPaginator, actor, report
+from nodes.api import retire_nodes
+from accs_site.admin_kit import EstimatedCountPaginator, actor, report, status_pill
 from nodes.models import DiskSample, Host, HostBlock, Node
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("name", "state_badge", "awake_state", "heartbeat", "slot_cap", "cpu_budget", "disk_level",
-                    "version")
-    list_filter = ("state", "awake_state", "wake_method", "disk_level")
+    list_display = ("name", "presence_badge", "heartbeat", "state_badge", "services_list", "slot_cap", "cpu_budget",
+                    "disk_level", "version")
+    list_filter = ("presence", "state", "awake_state", "wake_method", "disk_level")
     search_fields = ("name", "agent_id")
-    readonly_fields = ("state", "awake_state", "agent_id", "version", "services", "last_seen", "last_wake_at",
-                       "disk_level", "created_at")
+    readonly_fields = ("state", "presence", "awake_state", "agent_id", "version", "services", "last_seen",
+                       "last_wake_at", "disk_level", "created_at")
     fieldsets = (
-        (None, {"fields": ("name", "state", "awake_state", "last_seen", "agent_id", "version", "services",
+        (None, {"fields": ("name", "presence", "state", "awake_state", "last_seen", "agent_id", "version", "services",
                            "disk_level", "created_at")}),
         ("Limits", {"fields": ("labels", "max_concurrency", "slot_cap", "cpu_budget")}),
         ("Wake-up", {"fields": ("wake_method", "mac", "wake_address", "provider_ref", "script", "last_wake_at")}),
     )
-    actions = ("drain", "undrain")
+    actions = ("drain", "undrain", "retire")
+
+    def get_actions(self, request):
+        # Deleting a node by hand would orphan the history that names it: retiring is the way out.
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
 
     def get_readonly_fields(self, request, obj=None):
         # The name is the primary key: set once when an operator pre-registers a node.
@@ -42,14 +54,22 @@ class NodeAdmin(admin.ModelAdmin):
     def state_badge(self, obj: Node) -> str:
         return format_html('<span class="accs-pill accs-{}">{}</span>', obj.state, obj.state)
 
-    @admin.display(description="last heartbeat", ordering="last_seen")
+    @admin.display(description="presence", ordering="presence")
+    def presence_badge(self, obj: Node) -> str:
+        return status_pill(obj.presence)
+
+    @admin.display(description="last seen", ordering="last_seen")
     def heartbeat(self, obj: Node) -> str:
         if obj.last_seen is None:
-            return format_html('<span class="accs-pill accs-stale">{}</span>', "never")
+            return "never"
         ago = (timezone.now() - obj.last_seen).total_seconds()
-        stale = obj.awake_state != "sleep" and ago > stale_after_seconds()
-        badge = format_html('<span class="accs-pill accs-stale">{}</span> ', "stale") if stale else ""
-        return format_html("{}{} ago", badge, human_age(ago))
+        # An online node whose heartbeat is overdue, before the builder marks it lost.
+        late = obj.presence == "online" and obj.awake_state != "sleep" and ago > stale_after_seconds()
+        return format_html("{} ago {}", human_age(ago), status_pill("late") if late else "")
+
+    @admin.display(description="services")
+    def services_list(self, obj: Node) -> str:
+        return ", ".join(obj.services or []) or "—"
 
     @admin.action(description="Drain selected nodes (claim nothing new)", permissions=["change"])
     def drain(self, request, queryset):
@@ -58,6 +78,14 @@ class NodeAdmin(admin.ModelAdmin):
     @admin.action(description="Undrain selected nodes (claim again)", permissions=["change"])
     def undrain(self, request, queryset):
         report(request, self, "Undrain", [verbs.undrain_node(n.name, by=actor(request)) for n in queryset])
+
+    @admin.action(description="Retire selected nodes (not online, never ran anything)", permissions=["change"])
+    def retire(self, request, queryset):
+        retired, refused = retire_nodes(list(queryset.values_list("name", flat=True)), by=actor(request))
+        parts = [f"Retired: {', '.join(retired)}"] if retired else []
+        parts += [f"kept {name}: {why}" for name, why in sorted(refused.items())]
+        level = messages.SUCCESS if not refused else messages.WARNING if retired else messages.ERROR
+        self.message_user(request, "; ".join(parts) or "Retire: nothing selected", level)
 
 
 @admin.register(Host)

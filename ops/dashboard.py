@@ -8,14 +8,17 @@ body, which the page fetches every few seconds. Both are mounted on the admin si
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.http import urlencode
 
-from ops.overview import Overview, group_by_tenant, overview
+from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
 from jobs.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.
@@ -35,6 +38,35 @@ def sees_infrastructure(user) -> bool:
     return user.is_superuser or user.has_perm("nodes.view_node")
 
 
+def list_links(*, tenant_id: str = "", now: datetime) -> dict[str, str]:
+    """Return the admin list each figure links to, filtered the way the figure counts.
+
+    The parameters are those of the jobs and tasks lists' filters (``status__exact``,
+    ``approval_state__exact``, ``tenant``) plus plain field lookups for what a filter cannot say
+    (several statuses, retries, the failure window).
+    """
+    jobs, tasks = reverse("admin:jobs_job_changelist"), reverse("admin:jobs_task_changelist")
+    scope = {"tenant": tenant_id} if tenant_id else {}
+
+    def url(base: str, **params: str) -> str:
+        return f"{base}?{urlencode({**params, **scope})}"
+
+    return {
+        "jobs": url(jobs),
+        "jobs_queued": url(jobs, status__exact="queued"),
+        "awaiting_approval": url(jobs, status__exact="queued", approval_state__exact="pending"),
+        "jobs_waiting": url(jobs, status__exact="waiting"),
+        "jobs_running": url(jobs, status__exact="running"),
+        "jobs_in_flight": url(jobs, status__in="waiting,running"),
+        "failed_24h": url(jobs, status__exact="error", finished_at__gte=(now - FAILED_WINDOW).isoformat()),
+        "waiting": url(tasks, status__exact="waiting"),
+        "queued": url(tasks, status__in="queued,scheduled"),
+        "running": url(tasks, status__in="starting,running"),
+        "retrying": url(tasks, status__in="queued,scheduled", attempt__gt="0"),
+        "dead_letter": url(tasks, status__exact="error"),
+    }
+
+
 def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
     """Collect the figures for this viewer and the template context around them."""
     data = overview(tenant_ids=tenant_ids_for(request.user), include_infra=sees_infrastructure(request.user))
@@ -42,12 +74,13 @@ def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
     stages = ("waiting", "queued", "running", "dead_letter")
     context = {
         "ov": data,
-        "by_tenant": by_tenant,
-        "bars": [
-            {"tenant": card.tenant, "total": sum(getattr(card, s) for s in stages),
-             "parts": [(s, getattr(card, s)) for s in stages]}
+        "links": list_links(now=data.generated_at),
+        "tenant_rows": [
+            {"card": card, "links": list_links(tenant_id=card.tenant_id, now=data.generated_at),
+             "total": sum(getattr(card, s) for s in stages), "parts": [(s, getattr(card, s)) for s in stages]}
             for card in data.tenants
         ],
+        "by_tenant": by_tenant,
         "infra": sees_infrastructure(request.user),
         "refresh_seconds": refresh_seconds(request),
     }

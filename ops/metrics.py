@@ -227,17 +227,20 @@ class AccsCollector:
         for card in tenants:
             jobs.add_metric([card.tenant, "queued"], card.jobs_queued)
             jobs.add_metric([card.tenant, "awaiting_approval"], card.awaiting_approval)
+            jobs.add_metric([card.tenant, "waiting"], card.jobs_waiting)
+            jobs.add_metric([card.tenant, "running"], card.jobs_running)
             jobs.add_metric([card.tenant, "failed_24h"], card.failed_24h)
         yield from (tasks, dead, retrying, oldest, jobs)
 
-        up = GaugeMetricFamily("accs_node_up", "1 when the node heartbeated within 3 × TTL/3.", labels=["node"])
+        up = GaugeMetricFamily("accs_node_up", "1 when the node is online and heartbeated within 3 × TTL/3.",
+                               labels=["node"])
         seen = GaugeMetricFamily("accs_node_last_seen_timestamp_seconds", "Last heartbeat (Unix time).", labels=["node"])
         draining = GaugeMetricFamily("accs_node_draining", "1 when the node claims nothing new.", labels=["node"])
         running = GaugeMetricFamily("accs_node_running_tasks", "Tasks held by the node.", labels=["node"])
         disk = GaugeMetricFamily("accs_node_disk_used_ratio", "Disk use from the latest sample (0..1).",
                                  labels=["node", "level"])
         for node in node_health(now=now):
-            up.add_metric([node.name], 0 if node.stale else 1)
+            up.add_metric([node.name], 1 if node.presence == "online" and not node.stale else 0)
             if node.last_seen:
                 seen.add_metric([node.name], node.last_seen.timestamp())
             draining.add_metric([node.name], 1 if node.state == "draining" else 0)

@@ -4,8 +4,11 @@ Every query here must stay cheap when the tables hold millions of rows, so each 
 the live part of the data through a partial index or a bounded window:
 
 * active tasks (queued / starting / running) through ``task_claim_idx`` and the held-task indexes;
-* waiting tasks through running jobs (``job_workflow_running_idx`` holds exactly those);
+* waiting tasks and admitted jobs through the waiting / running jobs (``job_workflow_admitted_idx``
+  holds exactly those);
 * failed jobs and dead letters through the jobs in ``error`` (``job_tenant_status_created_idx``);
+* why queued work does not move from the queued tasks, the held tasks per service, and the small
+  node, service and governor tables;
 * latency, run time, throughput and recent failures from the newest attempts only
   (``ORDER BY id DESC LIMIT n`` on the primary key), never from a scan of the whole history.
 
@@ -14,6 +17,7 @@ No exact ``COUNT(*)`` over a whole table happens here.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
@@ -59,11 +63,21 @@ SELECT t.tenant_id, t.service_id, CASE WHEN t.status = 'scheduled' THEN 'queued'
 """
 
 WAITING_TASKS_SQL = """
--- Waiting tasks only exist in running jobs; job_workflow_running_idx holds exactly those jobs.
+-- Waiting tasks only exist in admitted jobs (waiting or running); job_workflow_admitted_idx holds
+-- exactly those jobs.
 SELECT t.tenant_id, t.service_id, count(*)
   FROM accs_job j JOIN accs_task t ON t.job_id = j.id AND t.status = 'waiting'
- WHERE j.status = 'running' AND {tenants}
+ WHERE j.status IN ('waiting', 'running') AND {tenants}
  GROUP BY 1, 2
+"""
+
+ADMITTED_JOBS_SQL = """
+-- Jobs whose tasks exist: waiting (none of their tasks starting or running) or running.
+-- job_workflow_admitted_idx holds exactly those jobs.
+SELECT j.tenant_id, count(*) FILTER (WHERE j.status = 'waiting'), count(*) FILTER (WHERE j.status = 'running')
+  FROM accs_job j
+ WHERE j.status IN ('waiting', 'running') AND {tenants}
+ GROUP BY 1
 """
 
 QUEUED_JOBS_SQL = """
@@ -101,14 +115,18 @@ class TenantQueue:
 
     tenant_id: str
     tenant: str
-    jobs_queued: int = 0
-    awaiting_approval: int = 0
-    waiting: int = 0
-    queued: int = 0
-    running: int = 0
-    retrying: int = 0
+    # Jobs
+    jobs_queued: int = 0  # not instantiated yet (due later, awaiting approval or the builder)
+    awaiting_approval: int = 0  # of those, waiting for an approval
+    jobs_waiting: int = 0  # tasks created, none starting or running
+    jobs_running: int = 0  # a task starting or running
     failed_24h: int = 0  # jobs that ended in error in the last 24 h
-    dead_letter: int = 0
+    # Tasks
+    waiting: int = 0  # waiting for their dependencies
+    queued: int = 0  # claimable, or a retry waiting out its backoff
+    running: int = 0  # starting or running
+    retrying: int = 0  # queued again after a failure
+    dead_letter: int = 0  # failed for good
     oldest_queued_age: float | None = None
 
 
@@ -173,6 +191,10 @@ def queue_depth(*, tenant_ids: set[UUID] | None = None, now: datetime | None = N
             svc(tenant_id, service_id).waiting = n
             if tenant_id in per_tenant:
                 per_tenant[tenant_id].waiting += n
+        cur.execute(ADMITTED_JOBS_SQL.format(tenants=where), params)
+        for tenant_id, waiting, running in cur.fetchall():
+            if tenant_id in per_tenant:
+                per_tenant[tenant_id].jobs_waiting, per_tenant[tenant_id].jobs_running = waiting, running
         cur.execute(QUEUED_JOBS_SQL.format(tenants=where), {"now": now, **params})
         for tenant_id, n, pending, oldest_due in cur.fetchall():
             card = per_tenant.get(tenant_id)
@@ -283,8 +305,8 @@ def recent_stats(*, tenant_ids: set[UUID] | None = None, now: datetime | None = 
 # --------------------------------------------------------------------------------------------
 
 NODES_SQL = """
-SELECT n.name, n.state, n.awake_state, n.last_seen, n.version, n.services, n.disk_level, n.agent_id,
-       d.used_pct, d.level, d.ts, d.path
+SELECT n.name, n.state, n.presence, n.awake_state, n.last_seen, n.version, n.services, n.labels, n.disk_level,
+       n.agent_id, d.used_pct, d.level, d.ts, d.path
   FROM accs_node n
   LEFT JOIN LATERAL (SELECT used_pct, level, ts, path FROM accs_disk_sample s
                       WHERE s.node_id = n.name ORDER BY s.ts DESC LIMIT 1) d ON TRUE
@@ -294,22 +316,34 @@ SELECT n.name, n.state, n.awake_state, n.last_seen, n.version, n.services, n.dis
 
 @dataclass
 class NodeHealth:
-    """A node's heartbeat, drain state and disk, as an operator needs them at a glance."""
+    """A node's presence, drain state and disk, as an operator needs them at a glance.
+
+    ``presence`` is what the agents said (online, offline after a clean stop, lost once the
+    builder noticed the silence); ``stale`` flags an online node whose heartbeat is already
+    overdue, before the builder marks it lost.
+    """
 
     name: str
     state: str
+    presence: str
     awake_state: str
     last_seen: datetime | None
     seen_ago: float | None
     stale: bool
     version: str
     services: list[str]
+    labels: dict[str, Any]
     running: int
     disk_level: str
     disk_used_pct: float | None
     disk_path: str
     disk_sampled_at: datetime | None
     agent_id: str
+
+    @property
+    def live(self) -> bool:
+        """Whether an agent on this node claims work now: online and active."""
+        return self.presence == "online" and self.state == "active"
 
 
 def stale_after_seconds() -> float:
@@ -318,7 +352,7 @@ def stale_after_seconds() -> float:
 
 
 def node_health(*, now: datetime | None = None) -> list[NodeHealth]:
-    """Return every node with its last heartbeat (stale ones flagged), held tasks and latest disk sample."""
+    """Return every node with its presence, last heartbeat (overdue ones flagged), held tasks and disk."""
     now = now or timezone.now()
     stale_after = stale_after_seconds()
     with connection.cursor() as cur:
@@ -328,17 +362,23 @@ def node_health(*, now: datetime | None = None) -> list[NodeHealth]:
         cur.execute(NODES_SQL)
         rows = cur.fetchall()
     out = []
-    for name, state, awake, last_seen, version, services, disk_level, agent_id, pct, level, ts, path in rows:
+    for (name, state, presence, awake, last_seen, version, services, labels, disk_level, agent_id, pct, level, ts,
+         path) in rows:
         ago = (now - last_seen).total_seconds() if last_seen else None
-        asleep = awake == "sleep"
+        services, labels = _json(services), _json(labels)
         out.append(NodeHealth(
-            name=name, state=state, awake_state=awake, last_seen=last_seen, seen_ago=ago,
-            stale=not asleep and (ago is None or ago > stale_after), version=version,
-            services=list(services or []) if isinstance(services, list) else [], running=held.get(name, 0),
+            name=name, state=state, presence=presence, awake_state=awake, last_seen=last_seen, seen_ago=ago,
+            stale=presence == "online" and awake != "sleep" and (ago is None or ago > stale_after), version=version,
+            services=list(services) if isinstance(services, list) else [],
+            labels=labels if isinstance(labels, dict) else {}, running=held.get(name, 0),
             disk_level=level or disk_level or "ok", disk_used_pct=pct, disk_path=path or "", disk_sampled_at=ts,
             agent_id=agent_id,
         ))
     return out
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
 
 
 @dataclass
@@ -410,6 +450,160 @@ def recent_failures(*, tenant_ids: set[UUID] | None = None, limit: int = 10,
 
 
 # --------------------------------------------------------------------------------------------
+# Why isn't it moving?
+# --------------------------------------------------------------------------------------------
+
+STUCK_QUEUED_SQL = """
+-- Queued tasks (and retries waiting out their backoff) per tenant and service, with those bound
+-- to a quarantined host. One branch per partial index, each branch's condition being exactly the
+-- index's (task_claim_idx, task_claim_host_idx, task_scheduled_idx), so the planner reads those
+-- small indexes rather than walking an index over every task ever created.
+WITH q AS (
+    SELECT t.tenant_id, t.service_id, NULL::bigint AS host_id
+      FROM accs_task t WHERE t.status = 'queued' AND t.host_id IS NULL AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.host_id
+      FROM accs_task t WHERE t.status = 'queued' AND t.host_id IS NOT NULL AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.host_id
+      FROM accs_task t WHERE t.status = 'scheduled' AND {tenants}
+)
+SELECT q.tenant_id, q.service_id, count(*), count(*) FILTER (WHERE h.status = 'error'),
+       (array_agg(DISTINCT h.name) FILTER (WHERE h.status = 'error'))[1:5]
+  FROM q LEFT JOIN accs_host h ON h.id = q.host_id
+ GROUP BY 1, 2
+"""
+
+HELD_BY_SERVICE_SQL = """
+-- Held tasks per service in every tenant (a global cap counts them all): the partial indexes of
+-- held tasks (task_held_service_idx, task_held_node_idx) hold only these rows.
+SELECT t.service_id, count(*) FROM accs_task t WHERE t.status IN ('starting', 'running') GROUP BY 1
+"""
+
+
+class Stuck:
+    """Why queued tasks of a service are not claimed (the ``reason`` of a :class:`StuckReason`)."""
+
+    NO_AGENT = "no_agent"  # no node that is online and active serves the service
+    DRAINING = "draining"  # every node serving it is draining
+    LABELS = "labels"  # live agents serve it, but none has the labels it requires
+    GOVERNOR = "governor"  # a governor condition it is blocked during holds
+    AT_CAP = "at_cap"  # as many of its tasks run as its global cap allows
+    QUARANTINED_HOST = "quarantined_host"  # tasks bound to a host in quarantine
+
+
+@dataclass
+class StuckReason:
+    """One reason queued work does not move: a sentence for people and its figures.
+
+    ``tenant`` is set when the tasks concerned belong to one tenant; ``count`` is how many
+    tasks the reason holds back; ``detail`` says what to look at or do.
+    """
+
+    service: str
+    tenant: str
+    reason: str
+    count: int
+    message: str
+    detail: str
+
+
+def _tasks(n: int) -> str:
+    return f"{n} task" if n == 1 else f"{n} tasks"
+
+
+def _node_words(node: NodeHealth) -> str:
+    """Describe why a node serving a service does not claim it, e.g. ``edge-2 (lost, seen 12 min ago)``."""
+    words = [node.presence] if node.presence != "online" else []
+    if node.state != "active":
+        words.append(node.state)
+    seen = "never seen" if node.seen_ago is None else f"seen {human_age(node.seen_ago)} ago"
+    return f"{node.name} ({', '.join(words + [seen])})"
+
+
+def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenant_ids: set[UUID] | None = None,
+                  show_nodes: bool = True) -> list[StuckReason]:
+    """Return why queued tasks are not claimed: per service, each reason with the tasks it holds back.
+
+    A service is served live by a node that is online and active and lists it among its services.
+    ``show_nodes`` False leaves node names out of the details (viewers without infrastructure rights).
+    """
+    with connection.cursor() as cur:
+        cur.execute("SELECT id, slug FROM accs_tenant")
+        slugs = dict(cur.fetchall())
+        cur.execute("SELECT id, key, max_concurrent, block_during, required_labels FROM accs_service")
+        services = {r[0]: r[1:] for r in cur.fetchall()}
+        where, params = _tenant_filter("t.tenant_id", tenant_ids)
+        cur.execute(STUCK_QUEUED_SQL.format(tenants=where), params)
+        queued_rows = cur.fetchall()
+        held: dict[int, int] = {}
+        if queued_rows:
+            cur.execute(HELD_BY_SERVICE_SQL)
+            held = dict(cur.fetchall())
+    queued: dict[int, dict[str, int]] = defaultdict(dict)  # service → tenant slug → tasks
+    quarantined: dict[int, dict[str, int]] = defaultdict(dict)
+    quarantined_hosts: dict[int, set[str]] = defaultdict(set)
+    for tenant_id, service_id, n, on_quarantined, hosts in queued_rows:
+        slug = slugs.get(tenant_id, str(tenant_id))
+        queued[service_id][slug] = n
+        if on_quarantined:
+            quarantined[service_id][slug] = on_quarantined
+            quarantined_hosts[service_id].update(hosts or [])
+    holding = {c.name: c for c in conditions if c.holds}
+
+    out: list[StuckReason] = []
+    for service_id, per_tenant in queued.items():
+        key, cap, block_during, required = services.get(service_id, (str(service_id), 0, [], {}))
+        required = _json(required) or {}
+
+        def add(reason: str, counts: dict[str, int], message: str, detail: str) -> None:
+            n = sum(counts.values())
+            tenant = next(iter(counts)) if len(counts) == 1 else ""
+            if len(counts) > 1:
+                split = " · ".join(f"{slug} {k}" for slug, k in sorted(counts.items()))
+                detail = f"{detail} ({split})" if detail else split
+            out.append(StuckReason(service=key, tenant=tenant, reason=reason, count=n,
+                                   message=message.format(tasks=_tasks(n), key=key), detail=detail))
+
+        serving = [n for n in nodes if key in n.services]
+        live = [n for n in serving if n.live]
+        if not live and serving and all(n.state != "active" for n in serving):
+            add(Stuck.DRAINING, per_tenant, "{tasks} queued for '{key}' and every node serving it is draining",
+                ("undrain one: " + ", ".join(_node_words(n) for n in serving)) if show_nodes else
+                "ask an operator to undrain a node serving it")
+        elif not live:
+            if not show_nodes:
+                detail = "ask an operator to start an agent serving it"
+            elif serving:
+                detail = "nodes serving it: " + ", ".join(_node_words(n) for n in serving)
+            else:
+                detail = f"no node serves it; start one with manage.py runagent --services {key}"
+            add(Stuck.NO_AGENT, per_tenant, "{tasks} queued for '{key}' and no live agent serves it", detail)
+        elif required and not any(all(str(n.labels.get(k)) == str(v) for k, v in required.items()) for n in live):
+            wanted = ", ".join(f"{k}={v}" for k, v in sorted(required.items()))
+            add(Stuck.LABELS, per_tenant, "{tasks} queued for '{key}' and no live agent serving it has its labels",
+                f"it requires {wanted}" + (f"; live: {', '.join(n.name for n in live)}" if show_nodes else ""))
+        for name in block_during or []:
+            if name in holding:
+                c = holding[name]
+                until = f"until {c.expires_at:%Y-%m-%d %H:%M}" if c.expires_at else "until cleared"
+                add(Stuck.GOVERNOR, per_tenant,
+                    f"{{tasks}} queued for '{{key}}' held back by governor condition '{name}'",
+                    f"raised by {c.raised_by or 'api'}, {until}" + (f": {c.reason}" if c.reason else ""))
+        if cap and held.get(service_id, 0) >= cap:
+            add(Stuck.AT_CAP, per_tenant, "{tasks} queued for '{key}', which is at its global cap"
+                f" ({held.get(service_id, 0)}/{cap} running)",
+                "they start as running ones finish; the cap is the service's max_concurrent")
+        if quarantined.get(service_id):
+            hosts = sorted(quarantined_hosts[service_id])
+            add(Stuck.QUARANTINED_HOST, quarantined[service_id],
+                "{tasks} queued for '{key}' bound to quarantined hosts",
+                f"clear the quarantine of {', '.join(hosts)}" + (" …" if len(hosts) >= 5 else "")
+                + " (admin: Hosts)")
+    return sorted(out, key=lambda r: (r.service, r.reason, r.tenant))
+
+
+# --------------------------------------------------------------------------------------------
 # Everything at once
 # --------------------------------------------------------------------------------------------
 
@@ -426,6 +620,7 @@ class Overview:
     conditions: list[Condition] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     stale_after: float = 0.0
+    stuck: list[StuckReason] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """Return the overview as JSON-ready data (datetimes as ISO strings)."""
@@ -443,22 +638,26 @@ class Overview:
 
 def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
              now: datetime | None = None) -> Overview:
-    """Collect the dashboard's figures; ``include_infra`` adds nodes and governor conditions."""
+    """Collect the dashboard's figures and why queued work is stuck; ``include_infra`` adds nodes and
+    governor conditions (and names nodes in the stuck reasons)."""
     now = now or timezone.now()
     tenants, services = queue_depth(tenant_ids=tenant_ids, now=now)
     totals = TenantQueue(tenant_id="", tenant="all")
     for card in tenants:
-        for name in ("jobs_queued", "awaiting_approval", "waiting", "queued", "running", "retrying", "failed_24h",
-                     "dead_letter"):
+        for name in ("jobs_queued", "awaiting_approval", "jobs_waiting", "jobs_running", "failed_24h", "waiting",
+                     "queued", "running", "retrying", "dead_letter"):
             setattr(totals, name, getattr(totals, name) + getattr(card, name))
         totals.oldest_queued_age = _max_age(totals.oldest_queued_age, card.oldest_queued_age)
+    # Nodes and conditions are read for everyone (the stuck reasons need them), shown to infra viewers only.
+    nodes, conditions = node_health(now=now), governor_conditions(now=now)
     return Overview(
         generated_at=now, tenants=tenants, services=services, totals=totals,
         stats=recent_stats(tenant_ids=tenant_ids, now=now),
-        nodes=node_health(now=now) if include_infra else [],
-        conditions=governor_conditions(now=now) if include_infra else [],
+        nodes=nodes if include_infra else [],
+        conditions=conditions if include_infra else [],
         failures=recent_failures(tenant_ids=tenant_ids),
         stale_after=stale_after_seconds(),
+        stuck=stuck_reasons(nodes=nodes, conditions=conditions, tenant_ids=tenant_ids, show_nodes=include_infra),
     )
 
 

@@ -59,3 +59,19 @@ def disk_colour(level: str) -> str:
 def share(part: int, whole: int) -> float:
     """Return ``part`` as a percentage of ``whole`` (for bar widths)."""
     return 0.0 if not whole else round(100.0 * part / whole, 2)
+
+
+@register.simple_tag
+def figure(n: int, url: str) -> str:
+    """Render a count linking to the list it counts (a zero stays plain text)."""
+    return format_html('<a href="{}">{}</a>', url, n) if n else "0"
+
+
+STUCK_LABELS = {"no_agent": "no agent", "draining": "draining", "labels": "labels", "governor": "governor",
+                "at_cap": "at cap", "quarantined_host": "quarantine"}
+
+
+@register.filter
+def stuck_pill(reason: str) -> str:
+    """Render a stuck reason's kind as a short pill."""
+    return format_html('<span class="accs-pill accs-stuck-{}">{}</span>', reason, STUCK_LABELS.get(reason, reason))

@@ -1,7 +1,8 @@
 """``manage.py accs_status [--tenant SLUG] [--failures N] [--watch SECONDS] [--json]``.
 
-A terminal summary of queues, services, nodes, governor conditions and recent failures: the same
-figures as the admin dashboard (:mod:`ops.overview`), as readable tables.
+A terminal summary of why queued work is stuck, queues, services, nodes, governor conditions and
+recent failures: the same figures as the admin dashboard (:mod:`ops.overview`), as readable
+tables. ``--json`` prints them as JSON (the stuck reasons under ``stuck``).
 
 Exit codes: 0 printed; 2 a bad option, an unknown tenant, or the database unreachable (one line
 on stderr naming the address). With ``--watch``, an outage after the first picture is shown as a
@@ -117,19 +118,28 @@ class Command(OperatorCommand):
             f"ACCS status at {timezone.localtime(data.generated_at):%Y-%m-%d %H:%M:%S %Z}"
             f" — database {db['NAME']} on {db['HOST'] or 'local socket'}:{db['PORT'] or 5432}"))
         t, s = data.totals, data.stats.overall
-        summary = (f"queued {t.queued} · running {t.running} · retrying {t.retrying} · waiting {t.waiting}"
-                   f" · jobs not started {t.jobs_queued} · failed 24 h {t.failed_24h} · dead letter {t.dead_letter}"
-                   f" · oldest queued {_secs(t.oldest_queued_age)}")
+        summary = (f"jobs: not started {t.jobs_queued} · awaiting approval {t.awaiting_approval}"
+                   f" · waiting {t.jobs_waiting} · running {t.jobs_running} · failed 24 h {t.failed_24h}"
+                   f" | tasks: queued {t.queued} · running {t.running} · retrying {t.retrying} · waiting {t.waiting}"
+                   f" · dead letter {t.dead_letter} · oldest queued {_secs(t.oldest_queued_age)}")
         self.stdout.write(self.style.ERROR(summary) if t.dead_letter else summary)
         self.stdout.write(f"last {_secs(data.stats.window_seconds)}: {s.finished} attempts finished"
                           f" ({s.per_minute:.1f}/min), {s.failed} failed · queue latency p50 {_secs(s.latency_p50)}"
                           f" p95 {_secs(s.latency_p95)} · run time p50 {_secs(s.run_p50)} p95 {_secs(s.run_p95)}")
 
-        self.heading("Queues per tenant")
-        rows = [[c.tenant, str(c.jobs_queued), str(c.awaiting_approval), str(c.waiting), str(c.queued), str(c.running),
-                 str(c.retrying), str(c.failed_24h), str(c.dead_letter), _secs(c.oldest_queued_age)] for c in data.tenants]
-        for line in table(["tenant", "not started", "approval", "waiting", "queued", "running", "retrying",
-                           "failed 24h", "dead letter", "oldest"], rows, right=set(range(1, 10))):
+        self.heading("Why isn't it moving?")
+        for r in data.stuck:
+            self.stdout.write(self.style.WARNING(f"{r.message}" + (f" — {r.detail}" if r.detail else "")))
+        if not data.stuck:
+            self.stdout.write("(nothing stuck: every service with queued tasks has a live agent and room)")
+
+        self.heading("Queues per tenant (jobs | tasks)")
+        rows = [[c.tenant, str(c.jobs_queued), str(c.awaiting_approval), str(c.jobs_waiting), str(c.jobs_running),
+                 str(c.failed_24h), str(c.waiting), str(c.queued), str(c.running), str(c.retrying), str(c.dead_letter),
+                 _secs(c.oldest_queued_age)] for c in data.tenants]
+        for line in table(["tenant", "jobs: not started", "approval", "waiting", "running", "failed 24h",
+                           "tasks: waiting", "queued", "running", "retrying", "dead letter", "oldest"], rows,
+                          right=set(range(1, 12))):
             self.stdout.write(line)
 
         self.heading("Services")
@@ -155,18 +165,22 @@ class Command(OperatorCommand):
         if not rows:
             self.stdout.write("(nothing queued, running or finished recently)")
 
-        self.heading(f"Nodes (stale after {_secs(data.stale_after)} without a heartbeat)")
+        self.heading(f"Nodes (an online node is LATE after {_secs(data.stale_after)} without a heartbeat)")
         rows = []
         for n in data.nodes:
             seen = "never" if n.seen_ago is None else f"{_secs(n.seen_ago)} ago"
             disk = "—" if n.disk_used_pct is None else f"{n.disk_used_pct:.0f} % {n.disk_level}"
-            rows.append([n.name, n.state, n.awake_state, ("STALE " if n.stale else "") + seen, str(n.running), disk,
+            presence = n.presence + (" LATE" if n.stale else "") + (" asleep" if n.awake_state == "sleep" else "")
+            rows.append([n.name, presence, seen, n.state, ",".join(n.services) or "—", str(n.running), disk,
                          n.version])
-        lines = table(["node", "state", "awake", "last heartbeat", "running", "disk", "version"], rows, right={4})
+        lines = table(["node", "presence", "last seen", "state", "services", "running", "disk", "version"], rows,
+                      right={5})
         for i, line in enumerate(lines):
             node = data.nodes[i - 2] if i >= 2 else None
-            bad = node is not None and (node.stale or node.disk_level in ("critical", "emergency"))
-            warn = node is not None and (node.state == "draining" or node.disk_level == "warning")
+            bad = node is not None and (node.stale or node.presence == "lost"
+                                        or node.disk_level in ("critical", "emergency"))
+            warn = node is not None and (node.state == "draining" or node.presence == "offline"
+                                         or node.disk_level == "warning")
             self.stdout.write(self.style.ERROR(line) if bad else self.style.WARNING(line) if warn else line)
         if not rows:
             self.stdout.write("(no node has registered; start manage.py runagent)")
