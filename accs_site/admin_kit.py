@@ -92,6 +92,23 @@ def uuid_or_none(text: str) -> UUID | None:
         return None
 
 
+#: The shortest id prefix a search turns into a key range (shorter ones match too much to be useful).
+MIN_ID_PREFIX = 4
+
+
+def uuid_prefix_range(text: str) -> tuple[UUID, UUID] | None:
+    """Return the (lowest, highest) UUIDs that start with ``text``, or None when it is no id prefix.
+
+    A prefix is at least :data:`MIN_ID_PREFIX` hex digits (dashes as in a pasted id are ignored).
+    Searching ``pk >= lowest AND pk <= highest`` reads the primary-key index; ``LIKE`` on the id
+    cast to text would read every row.
+    """
+    digits = text.strip().replace("-", "").lower()
+    if not (MIN_ID_PREFIX <= len(digits) <= 32) or any(c not in "0123456789abcdef" for c in digits):
+        return None
+    return UUID(digits.ljust(32, "0")), UUID(digits.ljust(32, "f"))
+
+
 class TenantListFilter(admin.SimpleListFilter):
     """Filter by tenant, offering only the tenants the viewer may see (never other tenants' names)."""
 

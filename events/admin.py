@@ -6,6 +6,8 @@ from uuid import UUID
 
 from django.contrib import admin
 from django.db.models import Q
+from django.utils import timezone
+from django.utils.html import format_html
 
 from events.models import Artifact, Event, EventType
 from accs_site.admin_kit import ReadOnlyScopedAdmin, uuid_or_none
@@ -30,7 +32,7 @@ class EventAdmin(ReadOnlyScopedAdmin):
     # Events carry no tenant: they are scoped through their job (events without a job, such as
     # node or host events, are visible to superusers only).
     tenant_path = "job__tenant_id"
-    list_display = ("ts", "level", "type", "source", "job_id", "task_id", "attempt", "message")
+    list_display = ("time", "level", "type", "source", "job_id", "task_id", "attempt", "message")
     list_filter = ("level", EventTypeFilter)
     search_fields = ("message",)
     search_help_text = "A job or task id (exact), or words of the message."
@@ -40,6 +42,13 @@ class EventAdmin(ReadOnlyScopedAdmin):
 
     def tenant_of(self, obj: Event) -> UUID | None:
         return obj.job.tenant_id if obj.job_id and obj.job else None
+
+    @admin.display(description="time")
+    def time(self, obj: Event) -> str:
+        """The event's time to the millisecond (events of one second are often many)."""
+        ts = timezone.localtime(obj.ts)
+        return format_html('<span style="white-space:nowrap">{} {}</span>',
+                           f"{ts:%Y-%m-%d}", f"{ts:%H:%M:%S}.{ts.microsecond // 1000:03d}")
 
     def get_search_results(self, request, queryset, search_term):
         as_uuid = uuid_or_none(search_term)

@@ -23,7 +23,7 @@ import logging
 import mimetypes
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 from uuid import UUID
@@ -43,6 +43,7 @@ from events.storage import (
     is_configured,
     iter_object,
     sha256_of,
+    validate_key,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ __all__ = [
     "ChecksumMismatch",
     "StorageNotConfigured",
     "collect_outputs",
+    "open_artifact",
     "read_artifact",
     "record_artifact",
     "stage_inputs",
@@ -120,6 +122,35 @@ def read_artifact(artifact: Artifact) -> bytes:
     buffer = io.BytesIO()
     _download(storage, artifact, buffer)
     return buffer.getvalue()
+
+
+def open_artifact(artifact: Artifact) -> Iterator[bytes]:
+    """Open an artifact for streaming: return an iterator over its bytes, in chunks.
+
+    The object is opened now, so a missing object raises FileNotFoundError here (and no storage
+    raises :class:`StorageNotConfigured`), before a caller has sent anything. The iterator checks
+    the bytes against the recorded checksum and raises :class:`ChecksumMismatch` after the last
+    chunk when they differ, so a changed object is never delivered as if it were whole.
+    """
+    storage = get_storage(bucket=artifact.bucket, action=f"read artifact {artifact.key}")
+    try:
+        body = storage.bucket.Object(validate_key(artifact.key)).get()["Body"]
+    except storage.connection.meta.client.exceptions.NoSuchKey:
+        raise FileNotFoundError(f"artifact object s3://{artifact.bucket}/{artifact.key} is missing") from None
+    return _checked_chunks(body, artifact)
+
+
+def _checked_chunks(body: Any, artifact: Artifact) -> Iterator[bytes]:
+    digest = hashlib.sha256()
+    try:
+        for chunk in body.iter_chunks(CHUNK_SIZE):
+            digest.update(chunk)
+            yield chunk
+    finally:
+        body.close()
+    actual = f"sha256:{digest.hexdigest()}"
+    if actual != artifact.checksum:
+        raise ChecksumMismatch(bucket=artifact.bucket, key=artifact.key, expected=artifact.checksum, actual=actual)
 
 
 def collect_outputs(

@@ -16,14 +16,15 @@ from uuid import UUID
 from django import forms
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
-from django.db.models import Q
+from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet
+from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html
 
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
-    status_pill, uuid_or_none,
+    status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import transitions
 from jobs.models import (
@@ -31,10 +32,9 @@ from jobs.models import (
     TriggerType,
 )
 from jobs.scoping import can_act, scope
+from ops.overview import human_age
+from workflows.models import Service, Workflow
 
-#: Rows shown on the job page (the lists link to the full, filtered admin lists).
-JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS = 300, 100, 200
-LEVELS = ("debug", "info", "warn", "error")
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,11 +102,12 @@ def task_actions_for(task: Task) -> list[str]:
 @admin.register(Job)
 class JobAdmin(PageActionsAdmin):
     list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "priority",
-                    "source", "approval_state", "created_at", "finished_at")
+                    "source", "approval_state", "age", "duration", "finished_at")
     list_display_links = ("short_id",)
     list_filter = ("status", "approval_state", "source", TenantListFilter)
-    search_fields = ("id",)  # see get_search_results: exact matches only, served by indexes
-    search_help_text = "A job id, or an exact external id / dedupe key / correlation id."
+    search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
+    search_help_text = ("A job id or its first characters (4 or more hex digits), else an exact external id / "
+                        "dedupe key / correlation id, workflow name or service key.")
     list_select_related = ("tenant", "workflow", "service")
     ordering = ("-created_at",)  # job_created_idx
     actions = bulk_actions(JOB_ACTIONS, "jobs")
@@ -120,6 +121,14 @@ class JobAdmin(PageActionsAdmin):
         ("Parameters", {"fields": ("options", "step_params"), "classes": ("collapse",)}),
     )
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        # Ages and durations by the database's clock, the one that stamped the times.
+        return super().get_queryset(request).annotate(
+            age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
+            run_interval=ExpressionWrapper(Coalesce(F("finished_at"), Now()) - F("started_at"),
+                                           output_field=DurationField()),
+        )
+
     def get_search_results(self, request, queryset, search_term):
         term = search_term.strip()
         if not term:
@@ -127,7 +136,18 @@ class JobAdmin(PageActionsAdmin):
         as_uuid = uuid_or_none(term)
         if as_uuid:
             return queryset.filter(pk=as_uuid), False
-        return queryset.filter(Q(external_id=term) | Q(dedupe_key=term) | Q(correlation_id=term)), False
+        if span := uuid_prefix_range(term):
+            # An id prefix is searched as an id range only: OR-ing it with the unindexed text
+            # fields below would read every job.
+            return queryset.filter(pk__gte=span[0], pk__lte=span[1]), False
+        match = Q(external_id=term) | Q(dedupe_key=term) | Q(correlation_id=term)
+        # Workflows and services are few: look their ids up first, so the jobs are found by the
+        # foreign-key indexes rather than by a join per row.
+        if workflow_ids := list(Workflow.objects.filter(name=term).values_list("id", flat=True)):
+            match |= Q(workflow_id__in=workflow_ids)
+        if service_ids := list(Service.objects.filter(key=term).values_list("id", flat=True)):
+            match |= Q(service_id__in=service_ids)
+        return queryset.filter(match), False
 
     @admin.display(description="job", ordering="id")
     def short_id(self, obj: Job) -> str:
@@ -145,6 +165,21 @@ class JobAdmin(PageActionsAdmin):
     def progress_pct(self, obj: Job) -> str:
         return f"{obj.progress * 100:.0f} %"
 
+    @admin.display(description="age", ordering="-created_at")
+    def age(self, obj: Job) -> str:
+        interval = getattr(obj, "age_interval", None)
+        return format_html('<span title="created {}">{}</span>', obj.created_at.isoformat(timespec="seconds"),
+                           human_age(interval.total_seconds()) if interval is not None else "—")
+
+    @admin.display(description="duration")
+    def duration(self, obj: Job) -> str:
+        """How long the job ran (finished − started), or has been running so far."""
+        interval = getattr(obj, "run_interval", None)
+        if interval is None:
+            return "—"
+        text = human_age(interval.total_seconds())
+        return text if obj.finished_at else f"{text} so far"
+
     # The job page ---------------------------------------------------------------------------
 
     page_actions = JOB_ACTIONS
@@ -153,48 +188,13 @@ class JobAdmin(PageActionsAdmin):
         return reverse("admin:jobs_job_change", args=[obj.pk])
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
+        from ops.jobpage import job_page_context
+
         job = self.get_object(request, object_id)
         extra = dict(extra_context or {})
         if job is not None:
-            extra.update(self.job_page_context(request, job))
+            extra.update(job_page_context(request, job))
         return super().change_view(request, object_id, form_url, extra_context=extra)
-
-    def job_page_context(self, request: HttpRequest, job: Job) -> dict[str, Any]:
-        """Collect the job page's picture, tasks, attempts and timeline (each bounded)."""
-        from ops.dag import job_dag_svg
-        from events.models import Event
-
-        level = request.GET.get("level", "")
-        level = level if level in LEVELS else ""
-        tasks = list(Task.objects.filter(job_id=job.pk).select_related("service", "host")
-                     .order_by("created_at", "task_key")[:JOB_PAGE_TASKS])
-        # Show tasks in the order of the workflow's steps (they are created together).
-        position = {s.get("key"): i for i, s in enumerate(job.workflow.steps or [])} if job.workflow_id else {}
-        tasks.sort(key=lambda t: (position.get(t.step_key, len(position)), t.task_key))
-        can = self.has_act_permission(request, job)
-        for task in tasks:
-            task.ops = task_actions_for(task) if can else []
-        task_keys = {t.pk: t.task_key for t in tasks}
-        attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
-                        .order_by("-id")[:JOB_PAGE_ATTEMPTS])
-        events = Event.objects.filter(job_id=job.pk)
-        if level:
-            events = events.filter(level__in=LEVELS[LEVELS.index(level):])
-        events = list(events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS])
-        for event in events:
-            event.task_key = task_keys.get(event.task_id, "") if event.task_id else ""
-        return {
-            "dag_svg": job_dag_svg(job),
-            "job_ops": job_actions_for(job) if can else [],
-            "job_tasks": tasks,
-            "job_tasks_capped": len(tasks) >= JOB_PAGE_TASKS,
-            "job_attempts": attempts,
-            "job_events": events,
-            "event_level": level,
-            "event_levels": LEVELS,
-            "events_capped": len(events) >= JOB_PAGE_EVENTS,
-            "can_act": can,
-        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,12 +209,13 @@ TASK_ACTIONS: ActionTable = {
 
 @admin.register(Task)
 class TaskAdmin(PageActionsAdmin):
-    list_display = ("task_key", "job_link", "service", "status_badge", "attempts", "priority", "node", "host",
-                    "next_attempt_at", "finished_at")
+    list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "priority", "node",
+                    "host", "next_attempt_at", "finished_at")
     list_filter = ("status", "service", TenantListFilter)
-    search_fields = ("id",)
-    search_help_text = "A task id or a job id (exact), or a task key."
-    list_select_related = ("service", "host")
+    search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
+    search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
+                        "exact task key or service key.")
+    list_select_related = ("service", "host", "job__workflow")
     ordering = ("-pk",)  # the primary key is the only index covering every task
     actions = bulk_actions(TASK_ACTIONS, "tasks")
 
@@ -225,7 +226,18 @@ class TaskAdmin(PageActionsAdmin):
         as_uuid = uuid_or_none(term)
         if as_uuid:
             return queryset.filter(Q(pk=as_uuid) | Q(job_id=as_uuid)), False
-        return queryset.filter(task_key=term), False
+        if span := uuid_prefix_range(term):
+            # Ranges on the primary key and on task_job_status_idx (job first), nothing else: an
+            # OR with the unindexed fields below would read every task.
+            return queryset.filter(Q(pk__gte=span[0], pk__lte=span[1]) | Q(job_id__gte=span[0], job_id__lte=span[1])), False
+        match = Q(task_key=term)
+        if service_ids := list(Service.objects.filter(key=term).values_list("id", flat=True)):
+            match |= Q(service_id__in=service_ids)
+        return queryset.filter(match), False
+
+    @admin.display(description="workflow")
+    def workflow(self, obj: Task) -> str:
+        return obj.job.workflow.name if obj.job.workflow_id else "—"
 
     @admin.display(description="job")
     def job_link(self, obj: Task) -> str:

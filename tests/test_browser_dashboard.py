@@ -33,7 +33,7 @@ def test_no_live_agent_warning_goes_away_by_itself_when_a_node_serving_it_comes_
     assert panel.location["y"] < cards.location["y"], "the warning sits above the cards"
     presences = {r.get_attribute("data-node"): r.get_attribute("data-presence") for r in css(browser, "tr[data-node]")}
     assert presences == {"edge-2": "online", "gpu-3": "online", "node-t": "online"}
-    full_page_screenshot(browser, shots / "dashboard.png")
+    full_page_screenshot(browser, shots / "dashboard_stuck.png")
 
     # A marker that a reload would wipe: the warning must go by the page's own refresh.
     browser.execute_script("window.accsNoReload = true")

@@ -1,0 +1,375 @@
+"""The job page's read side: its live sections, the data.json it refreshes from, artifact downloads
+and attempt logs.
+
+The page itself is the admin's change view of a job (:class:`jobs.admin.JobAdmin`), which asks
+:func:`job_page_context` for everything above the job's fields. While the job is active the page
+fetches ``job/<id>/data.json`` every few seconds and swaps in the sections it returns, the way the
+dashboard does; once the job is final the answer says so and the page stops asking.
+
+Every view here answers 404 for a job the viewer may not see, exactly as for a job that does not
+exist, so ids of other tenants' jobs, artifacts and attempts reveal nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from django.contrib import admin
+from django.db.models import DurationField, ExpressionWrapper, F
+from django.db.models.functions import Coalesce, Now
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.template.loader import render_to_string
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.http import content_disposition_header, urlencode
+
+from events.models import Artifact, ArtifactKind, Event, EventType
+from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, Task, TaskStatus
+from jobs.scoping import can_act, scope
+from ops.overview import human_age
+
+#: Rows shown on the job page (the sections link to the full, filtered admin lists).
+JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 100, 200, 200
+#: Event levels, lowest first; a level filter keeps that level and those after it.
+LEVELS = ("debug", "info", "warn", "error")
+#: Seconds between refreshes of an active job's page (``?refresh=N`` overrides, 1-300).
+REFRESH_SECONDS = 3
+#: Lines an attempt log page shows by default (``?tail=N`` overrides, up to MAX_TAIL).
+DEFAULT_TAIL, MAX_TAIL = 500, 20_000
+#: Level names agents may write, mapped onto the page's levels.
+LOG_LEVEL_ALIASES = {"warning": "warn", "critical": "error", "fatal": "error"}
+
+
+# --------------------------------------------------------------------------------------------
+# Access
+# --------------------------------------------------------------------------------------------
+
+def visible_job(request: HttpRequest, job_id: UUID) -> Job:
+    """Return the job if the viewer may see it; raise Http404 otherwise (missing or another tenant's)."""
+    job = (scope(Job.objects.filter(pk=job_id), request.user)
+           .select_related("tenant", "workflow", "service").first())
+    if job is None:
+        raise Http404("no such job")
+    return job
+
+
+def may_act(request: HttpRequest, job: Job) -> bool:
+    """Whether the viewer may press the job's buttons (tenant admins and superusers)."""
+    return request.user.is_staff and can_act(request.user, job.tenant_id, write=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The page's sections
+# --------------------------------------------------------------------------------------------
+
+def refresh_seconds(request: HttpRequest) -> int:
+    """Return the refresh interval: ``?refresh=N`` (1-300 s) or :data:`REFRESH_SECONDS`."""
+    try:
+        return min(300, max(1, int(request.GET.get("refresh", REFRESH_SECONDS))))
+    except ValueError:
+        return REFRESH_SECONDS
+
+
+def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
+    """Collect the job page's picture, tasks, attempts, artifacts and timeline (each bounded)."""
+    from jobs.admin import job_actions_for, task_actions_for
+    from ops.dag import job_dag_svg
+
+    level = request.GET.get("level", "")
+    level = level if level in LEVELS else ""
+    event_type = request.GET.get("type", "")
+    event_type = event_type if event_type in EventType.values else ""
+    can = may_act(request, job)
+
+    tasks = _tasks(job)
+    for task in tasks:
+        task.ops = task_actions_for(task) if can else []
+    task_keys = {t.pk: t.task_key for t in tasks}
+    attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
+                    .order_by("-id")[:JOB_PAGE_ATTEMPTS])
+    events = Event.objects.filter(job_id=job.pk)
+    if level:
+        events = events.filter(level__in=LEVELS[LEVELS.index(level):])
+    if event_type:
+        events = events.filter(type=event_type)
+    events = list(events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS])
+    for event in events:
+        event.task_key = task_keys.get(event.task_id, "") if event.task_id else ""
+    artifacts = _artifacts(job)
+    attempt_ids = {(a.task_id, a.attempt_no): a.pk for a in attempts}
+    for artifact in artifacts:
+        is_log = artifact.kind == ArtifactKind.LOG
+        artifact.log_attempt_id = attempt_ids.get((artifact.task_id, artifact.attempt)) if is_log else None
+    page_url = reverse("admin:jobs_job_change", args=[job.pk])
+    return {
+        "job_active": job.status in JOB_ACTIVE,
+        "page_url": page_url + (f"?{request.GET.urlencode()}" if request.GET else ""),
+        "data_url": reverse("ops:job_data", args=[job.pk]) + (f"?{request.GET.urlencode()}" if request.GET else ""),
+        "refresh_seconds": refresh_seconds(request),
+        "dag_svg": job_dag_svg(job),
+        "job_ops": job_actions_for(job) if can else [],
+        "job_tasks": tasks,
+        "job_tasks_capped": len(tasks) >= JOB_PAGE_TASKS,
+        "job_attempts": attempts,
+        "job_artifacts": artifacts,
+        "artifacts_capped": len(artifacts) >= JOB_PAGE_ARTIFACTS,
+        "job_events": events,
+        "event_level": level,
+        "event_type": event_type,
+        "level_links": _filter_links(request, page_url, "level", [(lv, f"≥ {lv}") for lv in LEVELS]),
+        "type_links": _filter_links(request, page_url, "type", EventType.choices),
+        "events_capped": len(events) >= JOB_PAGE_EVENTS,
+        "can_act": can,
+    }
+
+
+def _tasks(job: Job) -> list[Task]:
+    """Return the job's tasks in the workflow's step order, each with its elapsed time."""
+    # Elapsed time is measured by the database's clock, the one that stamped started_at, so a
+    # web server whose clock is off does not show a running task as minutes old or negative.
+    elapsed = ExpressionWrapper(Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField())
+    tasks = list(Task.objects.filter(job_id=job.pk).select_related("service", "host").annotate(elapsed=elapsed)
+                 .order_by("created_at", "task_key")[:JOB_PAGE_TASKS])
+    # Show tasks in the order of the workflow's steps (they are created together).
+    position = {s.get("key"): i for i, s in enumerate(job.workflow.steps or [])} if job.workflow_id else {}
+    tasks.sort(key=lambda t: (position.get(t.step_key, len(position)), t.task_key))
+    for task in tasks:
+        task.shown_progress = shown_progress(task)
+        if task.shown_progress is not None:  # attribute and CSS values, never localised
+            task.progress_attr = f"{task.shown_progress:.3f}"
+            task.progress_width = f"{task.shown_progress * 100:.1f}"
+        task.elapsed_text = elapsed_text(task)
+    return tasks
+
+
+def shown_progress(task: Task) -> float | None:
+    """Return the 0..1 progress to draw for a task: its reported progress, full once done."""
+    if task.status == TaskStatus.DONE:
+        return 1.0
+    if task.progress is None:
+        return None if task.status not in TASK_HELD else 0.0
+    return max(0.0, min(1.0, task.progress))
+
+
+def elapsed_text(task: Task) -> str:
+    """Describe how long a held task has been running, or how long a finished one ran."""
+    elapsed = getattr(task, "elapsed", None)
+    if elapsed is None or not (task.status in TASK_HELD or task.status in TASK_FINAL):
+        return ""  # not started, or queued again for a retry: the last start says nothing about now
+    return human_age(elapsed.total_seconds())
+
+
+def _artifacts(job: Job) -> list[Artifact]:
+    rows = list(Artifact.objects.filter(job_id=job.pk).select_related("task")
+                .order_by("task__task_key", "attempt", "kind", "key")[:JOB_PAGE_ARTIFACTS])
+    for artifact in rows:
+        artifact.name = artifact_name(artifact)
+    return rows
+
+
+def artifact_name(artifact: Artifact) -> str:
+    """Return the file name of an artifact: its key after ``{kind}/{job}/{task}/``."""
+    parts = artifact.key.split("/", 3)
+    return parts[3] if len(parts) == 4 else artifact.key
+
+
+def _filter_links(request: HttpRequest, page_url: str, name: str,
+                  choices: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Build one filter's links, each keeping the page's other filters."""
+    others = {k: v for k, v in request.GET.items() if k != name}
+    current = request.GET.get(name, "")
+
+    def link(value: str) -> str:
+        params = {**others, name: value} if value else others
+        return f"{page_url}?{urlencode(params)}#accs-timeline" if params else f"{page_url}#accs-timeline"
+
+    out = [{"value": "", "label": "all", "url": link(""), "active": not current}]
+    out += [{"value": value, "label": label, "url": link(value), "active": current == value}
+            for value, label in choices]
+    return out
+
+
+def job_data_view(request: HttpRequest, job_id: UUID) -> JsonResponse:
+    """Return the job's live sections, rendered, and whether the page should keep refreshing."""
+    job = visible_job(request, job_id)
+    context = {"original": job, **job_page_context(request, job)}
+    html = render_to_string("admin/jobs/job/_live.html", context, request=request)
+    return JsonResponse({
+        "status": job.status,
+        "active": context["job_active"],
+        "progress": job.progress,
+        "generated_at": timezone.now().isoformat(),
+        "html": html,
+    })
+
+
+# --------------------------------------------------------------------------------------------
+# Artifacts
+# --------------------------------------------------------------------------------------------
+
+def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
+    """Stream one of the job's artifacts from object storage as an attachment."""
+    from events.artifacts import StorageNotConfigured, open_artifact
+
+    job = visible_job(request, job_id)
+    artifact = Artifact.objects.filter(pk=artifact_id, job_id=job.pk).first()
+    if artifact is None:
+        raise Http404("no such artifact")
+    try:
+        chunks = open_artifact(artifact)
+    except FileNotFoundError:
+        raise Http404("the artifact's object is missing from storage") from None
+    except StorageNotConfigured as exc:
+        return HttpResponse(str(exc), status=503, content_type="text/plain; charset=utf-8")
+    response = StreamingHttpResponse(chunks, content_type=artifact.content_type or "application/octet-stream")
+    response["Content-Length"] = str(artifact.size_bytes)
+    response["Content-Disposition"] = content_disposition_header(True, artifact_name(artifact).rsplit("/", 1)[-1])
+    response["X-Content-Type-Options"] = "nosniff"
+    return response
+
+
+# --------------------------------------------------------------------------------------------
+# Attempt logs
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LogLine:
+    """One record of an attempt's log, as the page shows it."""
+
+    ts: datetime | None
+    level: str
+    message: str
+
+
+@dataclass(frozen=True)
+class LogTail:
+    """The last lines of a log that pass a level filter, and how many lines were read in all."""
+
+    lines: list[LogLine]
+    total: int
+    matched: int
+
+
+def parse_log_line(raw: str) -> LogLine | None:
+    """Turn one ``.jsonl`` line into a :class:`LogLine` (None for a blank line).
+
+    A line that is not a JSON object is shown as it is, at level info, rather than dropped.
+    """
+    raw = raw.strip()
+    if not raw:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        return LogLine(ts=None, level="info", message=raw)
+    level = str(record.get("level") or "info").lower()
+    level = LOG_LEVEL_ALIASES.get(level, level)
+    ts = None
+    if isinstance(record.get("ts"), str):
+        try:
+            ts = datetime.fromisoformat(record["ts"])
+        except ValueError:
+            ts = None
+    return LogLine(ts=ts, level=level if level in LEVELS else "info", message=str(record.get("message", "")))
+
+
+def tail_log(chunks: Iterable[bytes], *, min_level: str = "", tail: int = DEFAULT_TAIL) -> LogTail:
+    """Read a log's chunks line by line and keep the last ``tail`` lines at ``min_level`` or above.
+
+    Only the kept lines stay in memory, however long the log is.
+    """
+    wanted = set(LEVELS[LEVELS.index(min_level):]) if min_level in LEVELS else set(LEVELS)
+    kept: deque[LogLine] = deque(maxlen=tail)
+    total = matched = 0
+    for raw in _lines(chunks):
+        line = parse_log_line(raw)
+        if line is None:
+            continue
+        total += 1
+        if line.level in wanted:
+            matched += 1
+            kept.append(line)
+    return LogTail(lines=list(kept), total=total, matched=matched)
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
+def tail_size(request: HttpRequest) -> int:
+    """Return the number of lines to show: ``?tail=N`` (1 to MAX_TAIL) or :data:`DEFAULT_TAIL`."""
+    try:
+        return min(MAX_TAIL, max(1, int(request.GET.get("tail", DEFAULT_TAIL))))
+    except ValueError:
+        return DEFAULT_TAIL
+
+
+def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> HttpResponse:
+    """Show an attempt's log (its ``.jsonl`` log artifact) as a table, filtered and tailed."""
+    from events.artifacts import ChecksumMismatch, StorageNotConfigured, open_artifact
+
+    job = visible_job(request, job_id)
+    attempt = Attempt.objects.filter(pk=attempt_id, task__job_id=job.pk).select_related("task").first()
+    if attempt is None:
+        raise Http404("no such attempt")
+    level = request.GET.get("level", "")
+    level = level if level in LEVELS[1:] else ""
+    tail = tail_size(request)
+    artifact = (Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no, kind=ArtifactKind.LOG)
+                .order_by("-created_at").first())
+    problem, log = "", None
+    if artifact is None:
+        problem = ("This attempt has no log artifact: agents store one when an attempt ends and artifact "
+                   "storage is configured. The attempt's output tails are on the job page.")
+    else:
+        try:
+            log = tail_log(open_artifact(artifact), min_level=level, tail=tail)
+        except StorageNotConfigured:
+            problem = ("Artifact storage is not configured on this server (ACC_MINIO_ENDPOINT, ACC_MINIO_ACCESS_KEY, "
+                       "ACC_MINIO_SECRET_KEY), so the log cannot be read.")
+        except FileNotFoundError:
+            problem = f"The log's object {artifact.key} is missing from storage."
+        except ChecksumMismatch as exc:
+            problem = f"The log was changed after it was stored and is not shown: {exc}"
+    page = reverse("ops:attempt_log", args=[job.pk, attempt.pk])
+    others = {"tail": tail} if "tail" in request.GET else {}
+    level_links = [{"label": "all", "url": f"{page}?{urlencode(others)}" if others else page, "active": not level}]
+    level_links += [{"label": f"≥ {lv}", "value": lv, "url": f"{page}?{urlencode({**others, 'level': lv})}",
+                     "active": level == lv} for lv in LEVELS[1:]]
+    context = {
+        **admin.site.each_context(request),
+        "title": f"Log of {attempt.task.task_key}, attempt {attempt.attempt_no}",
+        "job": job,
+        "attempt": attempt,
+        "artifact": artifact,
+        "log": log,
+        "problem": problem,
+        "level": level,
+        "level_links": level_links,
+        "tail": tail,
+        "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
+        "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]) if artifact else "",
+    }
+    return TemplateResponse(request, "admin/accs/attempt_log.html", context)
+
+
+__all__ = [
+    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "attempt_log_view", "job_data_view",
+    "job_page_context", "parse_log_line", "tail_log", "visible_job",
+]
