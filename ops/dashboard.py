@@ -25,12 +25,12 @@ from jobs.scoping import tenant_ids_for
 REFRESH_SECONDS = 5
 
 
-def refresh_seconds(request: HttpRequest) -> int:
-    """Return the refresh interval: ``?refresh=N`` (1-300 s) or :data:`REFRESH_SECONDS`."""
+def refresh_seconds(request: HttpRequest, default: int = REFRESH_SECONDS) -> int:
+    """Return a self-refreshing page's interval: ``?refresh=N`` (1-300 s) or ``default``."""
     try:
-        return min(300, max(1, int(request.GET.get("refresh", REFRESH_SECONDS))))
+        return min(300, max(1, int(request.GET.get("refresh", default))))
     except ValueError:
-        return REFRESH_SECONDS
+        return default
 
 
 def sees_infrastructure(user) -> bool:

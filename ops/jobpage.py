@@ -33,6 +33,7 @@ from django.utils.http import content_disposition_header, urlencode
 from events.models import Artifact, ArtifactKind, Event, EventType
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, Task, TaskStatus
 from jobs.scoping import can_act, scope
+from ops.dashboard import refresh_seconds
 from ops.overview import human_age
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).
@@ -69,14 +70,6 @@ def may_act(request: HttpRequest, job: Job) -> bool:
 # The page's sections
 # --------------------------------------------------------------------------------------------
 
-def refresh_seconds(request: HttpRequest) -> int:
-    """Return the refresh interval: ``?refresh=N`` (1-300 s) or :data:`REFRESH_SECONDS`."""
-    try:
-        return min(300, max(1, int(request.GET.get("refresh", REFRESH_SECONDS))))
-    except ValueError:
-        return REFRESH_SECONDS
-
-
 def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     """Collect the job page's picture, tasks, attempts, artifacts and timeline (each bounded)."""
     from jobs.admin import job_actions_for, task_actions_for
@@ -112,7 +105,7 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "job_active": job.status in JOB_ACTIVE,
         "page_url": page_url + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "data_url": reverse("ops:job_data", args=[job.pk]) + (f"?{request.GET.urlencode()}" if request.GET else ""),
-        "refresh_seconds": refresh_seconds(request),
+        "refresh_seconds": refresh_seconds(request, REFRESH_SECONDS),
         "dag_svg": job_dag_svg(job),
         "job_ops": job_actions_for(job) if can else [],
         "job_tasks": tasks,
