@@ -1,5 +1,6 @@
 """The job page and attempt logs in a real browser (headless Chromium against a live server): the
-progress bar moving without a reload, the page stopping its refresh when the job ends, a download,
+progress bar moving without a reload, the page stopping its refresh when the job ends, a download
+(and none for another tenant's admin),
 and an attempt's log filtered by level.
 
 Set ``ACCS_SCREENSHOT_DIR=docs/screenshots`` to refresh the README's screenshots (``job_page.png``,
@@ -124,3 +125,26 @@ def test_attempt_log_page_shows_lines_and_filters_by_level(browser, live_server,
     assert [r.get_attribute("data-level") for r in css(browser, "tr.accs-log-line")] == ["warn", "error"]
     css(browser, "#accs-back")[0].click()
     wait(browser, lambda d: css(d, "svg.accs-dag"), "back on the job page")
+
+
+def test_another_tenants_admin_gets_no_download_and_no_page(browser, live_server, tmp_path, s3):
+    tenants = two_tenants()
+    scene = pipeline_scene(tenants)
+    assert scene.running.tenant_id == tenants.acme.pk
+    make_user("gina", tenants={tenants.globex: "admin"})
+    task = Task.objects.get(job=scene.running)
+    artifact = record_artifact(job_id=scene.running.pk, task_id=task.pk, attempt=task.attempt, kind="output",
+                               name="secret.csv", data=b"acme only\n")
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    base = live_server.url
+    log_in(browser, base, "gina")
+    browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+
+    browser.get(base + reverse("ops:job_artifact", args=[scene.running.pk, artifact.pk]))
+    wait(browser, lambda d: "not found" in d.find_element("tag name", "body").text.lower(), "a not-found page")
+    browser.get(base + reverse("admin:jobs_job_change", args=[scene.running.pk]))
+    wait(browser, lambda d: css(d, ".messagelist"), "the admin's message after the redirect")
+    assert "doesn’t exist" in css(browser, ".messagelist")[0].text, "the job is as good as missing for her"
+    assert "secret.csv" not in browser.page_source
+    assert list(downloads.iterdir()) == [], "nothing was downloaded"
