@@ -341,7 +341,7 @@ def test_dashboard_page_and_json_show_cards_nodes_and_conditions(client, root, t
     pipeline_scene(tenants)
     page = client.get(reverse("ops:dashboard"))
     body = page.content.decode()
-    assert page.status_code == 200 and 'id="accs-cards"' in body and 'data-url="/admin/dashboard/data.json"' in body
+    assert page.status_code == 200 and 'id="accs-cards"' in body and 'data-live-url="/admin/dashboard/data.json"' in body
     data = client.get(reverse("ops:dashboard_data")).json()
     by_tenant = {c["tenant"]: c for c in data["data"]["tenants"]}
     assert by_tenant["acme"]["dead_letter"] == 1 and by_tenant["globex"]["dead_letter"] == 1
