@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import pytest
 from datetime import timedelta
 
 from django.contrib.auth import get_user_model
@@ -111,3 +113,30 @@ def pipeline_scene(tenants: Tenants) -> Scene:
 
 
 __all__ = ["PASSWORD", "Scene", "Tenants", "failed_service_job", "make_user", "pipeline_scene", "two_tenants"]
+
+
+# Fixtures the operators' test modules share; a module imports them by name
+# (``from tests.ops_helpers import root, tenants``).
+
+@pytest.fixture
+def tenants() -> Tenants:
+    return two_tenants()
+
+
+@pytest.fixture
+def root(client):
+    """A superuser, logged in on the test client."""
+    user = make_user("root", superuser=True)
+    client.force_login(user)
+    return user
+
+
+def insert_done_tasks(cur, *, job_id, tenant_id, service_id, n: int = 20_000) -> None:
+    """Insert ``n`` finished tasks of one job: history that the live-row queries must not read."""
+    cur.execute(
+        "INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, exclusive, status,"
+        " depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds, params,"
+        " assigned_node, claimed_by, node, finished_at, error_code, error_message, created_at, updated_at)"
+        " SELECT gen_random_uuid(), %s, %s, 'h' || g, 'h', %s, false, 'done', '{}', 1, 3, now(), 0, g, 600, '{}',"
+        " '', '', '', now(), '', '', now(), now() FROM generate_series(1, %s) g",
+        [job_id, tenant_id, service_id, n])

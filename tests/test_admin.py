@@ -16,22 +16,12 @@ from jobs import api
 from jobs.models import Job, Task, Trigger
 from nodes.models import Host, Node
 from tests.engine_helpers import claim_for
-from tests.ops_helpers import failed_service_job, make_user, pipeline_scene, two_tenants
+from tests.ops_helpers import (  # noqa: F401  (root, tenants: fixtures)
+    failed_service_job, insert_done_tasks, make_user, pipeline_scene, root, tenants,
+)
 from workflows.models import GovernorCondition, Service, Workflow
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def tenants():
-    return two_tenants()
-
-
-@pytest.fixture
-def root(client):
-    user = make_user("root", superuser=True)
-    client.force_login(user)
-    return user
 
 
 def messages_of(response) -> list[str]:
@@ -420,13 +410,7 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
     job = api.start_service("hist", tenant=tenants.acme)
     with connection.cursor() as cur:
         # 20,000 finished tasks with one attempt each: history the dashboard must not read.
-        cur.execute(
-            "INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, exclusive, status,"
-            " depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds, params,"
-            " assigned_node, claimed_by, node, finished_at, error_code, error_message, created_at, updated_at)"
-            " SELECT gen_random_uuid(), %s, %s, 'h' || g, 'h', %s, false, 'done', '{}', 1, 3, now(), 0, g, 600, '{}',"
-            " '', '', '', now(), '', '', now(), now() FROM generate_series(1, 20000) g",
-            [job.pk, tenants.acme.pk, svc.pk])
+        insert_done_tasks(cur, job_id=job.pk, tenant_id=tenants.acme.pk, service_id=svc.pk)
         cur.execute("INSERT INTO accs_attempt (task_id, attempt_no, node, agent_id, status, started_at, finished_at,"
                     " stdout_tail, stderr_tail, error_text)"
                     " SELECT id, 1, 'n', 'a', 'succeeded', now() - interval '1 day', now() - interval '1 day', '', '', ''"

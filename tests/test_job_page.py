@@ -18,22 +18,12 @@ from events.models import Artifact, Event
 from jobs import api, transitions
 from jobs.models import Attempt, Job, Task
 from tests.engine_helpers import claim_for
-from tests.ops_helpers import failed_service_job, make_user, pipeline_scene, two_tenants
+from tests.ops_helpers import (  # noqa: F401  (root, tenants: fixtures)
+    failed_service_job, make_user, pipeline_scene, root, tenants,
+)
 from workflows.api import create_workflow
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def tenants():
-    return two_tenants()
-
-
-@pytest.fixture
-def root(client):
-    user = make_user("root", superuser=True)
-    client.force_login(user)
-    return user
 
 
 def job_url(job: Job) -> str:

@@ -23,17 +23,10 @@ from nodes.api import register_node, sign_off
 from nodes.models import Host, Node
 from ops.overview import HELD_BY_SERVICE_SQL, STUCK_QUEUED_SQL, overview
 from tests.engine_helpers import claim_for, run_fail, run_ok
-from tests.ops_helpers import failed_service_job, make_user, two_tenants
+from tests.ops_helpers import failed_service_job, insert_done_tasks, root, two_tenants  # noqa: F401  (root: a fixture)
 from workflows.api import create_workflow
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def root(client):
-    user = make_user("root", superuser=True)
-    client.force_login(user)
-    return user
 
 
 def reasons(**kwargs) -> list[tuple[str, str, int]]:
@@ -170,13 +163,7 @@ def test_stuck_queries_read_the_live_rows_through_partial_indexes(make_service, 
     job = api.start_service("hist")
     with connection.cursor() as cur:
         # 20,000 finished tasks: history the stuck reasons must not read.
-        cur.execute(
-            "INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, exclusive, status,"
-            " depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds, params,"
-            " assigned_node, claimed_by, node, finished_at, error_code, error_message, created_at, updated_at)"
-            " SELECT gen_random_uuid(), %s, %s, 'h' || g, 'h', %s, false, 'done', '{}', 1, 3, now(), 0, g, 600, '{}',"
-            " '', '', '', now(), '', '', now(), now() FROM generate_series(1, 20000) g",
-            [job.pk, default_tenant.pk, svc.pk])
+        insert_done_tasks(cur, job_id=job.pk, tenant_id=default_tenant.pk, service_id=svc.pk)
         cur.execute("ANALYZE accs_task")
         plans = {}
         for name, sql in (("queued", STUCK_QUEUED_SQL.format(tenants="TRUE")), ("held", HELD_BY_SERVICE_SQL)):
