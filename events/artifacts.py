@@ -41,7 +41,6 @@ from events.storage import (
     build_key,
     get_storage,
     is_configured,
-    iter_object,
     sha256_of,
     validate_key,
 )
@@ -118,10 +117,7 @@ def read_artifact(artifact: Artifact) -> bytes:
     Raise :class:`ChecksumMismatch` when the stored object changed, FileNotFoundError when it is
     gone, :class:`StorageNotConfigured` when there is no storage.
     """
-    storage = get_storage(bucket=artifact.bucket, action=f"read artifact {artifact.key}")
-    buffer = io.BytesIO()
-    _download(storage, artifact, buffer)
-    return buffer.getvalue()
+    return b"".join(open_artifact(artifact))
 
 
 def open_artifact(artifact: Artifact) -> Iterator[bytes]:
@@ -132,7 +128,10 @@ def open_artifact(artifact: Artifact) -> Iterator[bytes]:
     the bytes against the recorded checksum and raises :class:`ChecksumMismatch` after the last
     chunk when they differ, so a changed object is never delivered as if it were whole.
     """
-    storage = get_storage(bucket=artifact.bucket, action=f"read artifact {artifact.key}")
+    return _open_checked(get_storage(bucket=artifact.bucket, action=f"read artifact {artifact.key}"), artifact)
+
+
+def _open_checked(storage: Any, artifact: Artifact) -> Iterator[bytes]:
     try:
         body = storage.bucket.Object(validate_key(artifact.key)).get()["Body"]
     except storage.connection.meta.client.exceptions.NoSuchKey:
@@ -326,16 +325,8 @@ class _seekable:
 
 
 def _download(storage: Any, artifact: Artifact, out: IO[bytes]) -> None:
-    digest = hashlib.sha256()
-    try:
-        for chunk in iter_object(storage, artifact.key):
-            digest.update(chunk)
-            out.write(chunk)
-    except storage.connection.meta.client.exceptions.NoSuchKey:
-        raise FileNotFoundError(f"artifact object s3://{artifact.bucket}/{artifact.key} is missing") from None
-    actual = f"sha256:{digest.hexdigest()}"
-    if actual != artifact.checksum:
-        raise ChecksumMismatch(bucket=artifact.bucket, key=artifact.key, expected=artifact.checksum, actual=actual)
+    for chunk in _open_checked(storage, artifact):
+        out.write(chunk)
 
 
 def _regular_files(root: Path) -> Iterable[Path]:
