@@ -21,7 +21,8 @@ from django.contrib import admin, messages
 from django.contrib.admin import ShowFacets
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import QuerySet
+from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
+from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.urls import path
 from django.utils.html import format_html
@@ -82,6 +83,15 @@ def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
     level = messages.SUCCESS if changed and not unchanged and not denied else (
         messages.WARNING if changed else messages.ERROR)
     modeladmin.message_user(request, "; ".join(parts) or f"{verb}: nothing selected", level)
+
+
+def run_interval() -> ExpressionWrapper:
+    """How long a row ran (``finished_at - started_at``), or has run so far, by PostgreSQL's clock.
+
+    The database's ``now()`` is the clock that stamped the times, so a web server whose own clock
+    is off shows neither negative nor inflated durations.
+    """
+    return ExpressionWrapper(Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField())
 
 
 def uuid_or_none(text: str) -> UUID | None:
@@ -188,9 +198,9 @@ class ReadOnlyScopedAdmin(TenantScopedAdmin):
         return False
 
 
-def status_pill(status: str, *, extra: str = "") -> str:
-    """Render a status as a coloured pill (colours in ``admin/accs/_styles.html``)."""
-    return format_html('<span class="accs-pill accs-{}">{}</span>{}', status, status, extra)
+def status_pill(status: str, *, extra: str = "", label: str | None = None) -> str:
+    """Render a status as a coloured pill (colours in ``admin/accs/_styles.html``), ``label`` as its text."""
+    return format_html('<span class="accs-pill accs-{}">{}</span>{}', status, status if label is None else label, extra)
 
 
 def safe_next(request: HttpRequest, fallback: str) -> str:

@@ -17,14 +17,14 @@ from django import forms
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
 from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet
-from django.db.models.functions import Coalesce, Now
+from django.db.models.functions import Now
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html
 
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
-    status_pill, uuid_or_none, uuid_prefix_range,
+    run_interval, status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import transitions
 from jobs.models import (
@@ -125,8 +125,7 @@ class JobAdmin(PageActionsAdmin):
         # Ages and durations by the database's clock, the one that stamped the times.
         return super().get_queryset(request).annotate(
             age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
-            run_interval=ExpressionWrapper(Coalesce(F("finished_at"), Now()) - F("started_at"),
-                                           output_field=DurationField()),
+            run_interval=run_interval(),
         )
 
     def get_search_results(self, request, queryset, search_term):

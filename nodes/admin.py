@@ -52,7 +52,7 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Node) -> str:
-        return format_html('<span class="accs-pill accs-{}">{}</span>', obj.state, obj.state)
+        return status_pill(obj.state)
 
     @admin.display(description="presence", ordering="presence")
     def presence_badge(self, obj: Node) -> str:
@@ -101,7 +101,7 @@ class HostAdmin(admin.ModelAdmin):
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Host) -> str:
         label = "quarantined" if obj.status == "error" else obj.status
-        return format_html('<span class="accs-pill accs-{}">{}</span>', obj.status, label)
+        return status_pill(obj.status, label=label)
 
     @admin.action(description="Clear quarantine of selected hosts", permissions=["change"])
     def clear_quarantine(self, request, queryset):

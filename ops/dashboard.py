@@ -25,12 +25,17 @@ from jobs.scoping import tenant_ids_for
 REFRESH_SECONDS = 5
 
 
-def refresh_seconds(request: HttpRequest, default: int = REFRESH_SECONDS) -> int:
-    """Return a self-refreshing page's interval: ``?refresh=N`` (1-300 s) or ``default``."""
+def query_int(request: HttpRequest, name: str, *, default: int, low: int, high: int) -> int:
+    """Return the whole number ``?name=N`` clamped to ``low``..``high``, or ``default`` when absent or not one."""
     try:
-        return min(300, max(1, int(request.GET.get("refresh", default))))
+        return min(high, max(low, int(request.GET.get(name, default))))
     except ValueError:
         return default
+
+
+def refresh_seconds(request: HttpRequest, default: int = REFRESH_SECONDS) -> int:
+    """Return a self-refreshing page's interval: ``?refresh=N`` (1-300 s) or ``default``."""
+    return query_int(request, "refresh", default=default, low=1, high=300)
 
 
 def sees_infrastructure(user) -> bool:

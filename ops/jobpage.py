@@ -21,8 +21,6 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib import admin
-from django.db.models import DurationField, ExpressionWrapper, F
-from django.db.models.functions import Coalesce, Now
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
@@ -30,16 +28,17 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import content_disposition_header, urlencode
 
-from events.models import Artifact, ArtifactKind, Event, EventType
+from events.models import Artifact, ArtifactKind, Event, EventType, Level
+from accs_site.admin_kit import run_interval
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, Task, TaskStatus
 from jobs.scoping import can_act, scope
-from ops.dashboard import refresh_seconds
+from ops.dashboard import query_int, refresh_seconds
 from ops.overview import human_age
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).
 JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 100, 200, 200
-#: Event levels, lowest first; a level filter keeps that level and those after it.
-LEVELS = ("debug", "info", "warn", "error")
+#: Event levels, lowest first (the timeline's own); a level filter keeps that level and those after it.
+LEVELS = tuple(Level.values)
 #: Seconds between refreshes of an active job's page (``?refresh=N`` overrides, 1-300).
 REFRESH_SECONDS = 3
 #: Lines an attempt log page shows by default (``?tail=N`` overrides, up to MAX_TAIL).
@@ -51,6 +50,11 @@ LOG_LEVEL_ALIASES = {"warning": "warn", "critical": "error", "fatal": "error"}
 # --------------------------------------------------------------------------------------------
 # Access
 # --------------------------------------------------------------------------------------------
+
+def levels_from(level: str) -> tuple[str, ...]:
+    """Return ``level`` and the levels above it; every level for an empty or unknown one."""
+    return LEVELS[LEVELS.index(level):] if level in LEVELS else LEVELS
+
 
 def visible_job(request: HttpRequest, job_id: UUID) -> Job:
     """Return the job if the viewer may see it; raise Http404 otherwise (missing or another tenant's)."""
@@ -89,7 +93,7 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
                     .order_by("-id")[:JOB_PAGE_ATTEMPTS])
     events = Event.objects.filter(job_id=job.pk)
     if level:
-        events = events.filter(level__in=LEVELS[LEVELS.index(level):])
+        events = events.filter(level__in=levels_from(level))
     if event_type:
         events = events.filter(type=event_type)
     events = list(events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS])
@@ -125,10 +129,7 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
 
 def _tasks(job: Job) -> list[Task]:
     """Return the job's tasks in the workflow's step order, each with its elapsed time."""
-    # Elapsed time is measured by the database's clock, the one that stamped started_at, so a
-    # web server whose clock is off does not show a running task as minutes old or negative.
-    elapsed = ExpressionWrapper(Coalesce(F("finished_at"), Now()) - F("started_at"), output_field=DurationField())
-    tasks = list(Task.objects.filter(job_id=job.pk).select_related("service", "host").annotate(elapsed=elapsed)
+    tasks = list(Task.objects.filter(job_id=job.pk).select_related("service", "host").annotate(elapsed=run_interval())
                  .order_by("created_at", "task_key")[:JOB_PAGE_TASKS])
     # Show tasks in the order of the workflow's steps (they are created together).
     position = {s.get("key"): i for i, s in enumerate(job.workflow.steps or [])} if job.workflow_id else {}
@@ -280,7 +281,7 @@ def tail_log(chunks: Iterable[bytes], *, min_level: str = "", tail: int = DEFAUL
 
     Only the kept lines stay in memory, however long the log is.
     """
-    wanted = set(LEVELS[LEVELS.index(min_level):]) if min_level in LEVELS else set(LEVELS)
+    wanted = set(levels_from(min_level))
     kept: deque[LogLine] = deque(maxlen=tail)
     total = matched = 0
     for raw in _lines(chunks):
@@ -307,10 +308,7 @@ def _lines(chunks: Iterable[bytes]) -> Iterator[str]:
 
 def tail_size(request: HttpRequest) -> int:
     """Return the number of lines to show: ``?tail=N`` (1 to MAX_TAIL) or :data:`DEFAULT_TAIL`."""
-    try:
-        return min(MAX_TAIL, max(1, int(request.GET.get("tail", DEFAULT_TAIL))))
-    except ValueError:
-        return DEFAULT_TAIL
+    return query_int(request, "tail", default=DEFAULT_TAIL, low=1, high=MAX_TAIL)
 
 
 def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> HttpResponse:

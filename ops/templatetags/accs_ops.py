@@ -5,6 +5,7 @@ from __future__ import annotations
 from django import template
 from django.utils.html import format_html
 
+from accs_site.admin_kit import status_pill
 from ops.overview import human_age
 
 register = template.Library()
@@ -13,7 +14,7 @@ register = template.Library()
 @register.filter
 def pill(status: str) -> str:
     """Render a status as a coloured pill (colours in admin/accs/_styles.html)."""
-    return format_html('<span class="accs-pill accs-{}">{}</span>', status, status)
+    return status_pill(status)
 
 
 @register.filter
