@@ -119,6 +119,17 @@ def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, interval: f
 wait_until = wait_for
 
 
+def stop_process(proc: subprocess.Popen, *, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+    """Send ``sig`` to a process that still runs; kill it if it has not exited after ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
     import socket
@@ -150,10 +161,5 @@ def http_server(argv: list[str], *, env: dict[str, str], port: int, log_path: Pa
         wait_for(up, timeout=timeout, message=f"{name} answering /api/v1/health")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()

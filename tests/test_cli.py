@@ -12,8 +12,6 @@ import json
 import logging
 import os
 import pty
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,21 +20,15 @@ import pytest
 
 from events.logging import JsonFormatter, TextFormatter, choose_format
 from tests.conftest import ROOT, wait_for
+from tests.daemons import free_port, stop_process
 
 MANAGE = str(ROOT / "manage.py")
-
-
-def closed_port() -> int:
-    """Return a loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def env_with_database_down(**extra: str) -> dict[str, str]:
     """Environment whose database URL points at a closed port: a daemon that got past its checks would wait."""
     env = {key: value for key, value in os.environ.items() if key != "ACC_LOG_FORMAT"}
-    env.update(ACC_DB_URL=f"postgres://postgres@127.0.0.1:{closed_port()}/accs", PYTHONPATH=str(ROOT),
+    env.update(ACC_DB_URL=f"postgres://postgres@127.0.0.1:{free_port()}/accs", PYTHONPATH=str(ROOT),
                PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -162,13 +154,7 @@ def start(argv: tuple[str, ...], env: dict[str, str], *, terminal: bool) -> tupl
 
 
 def stop(proc: subprocess.Popen, output: Output) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc)
     output.join()
     os.close(output.fd)
 

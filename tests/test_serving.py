@@ -18,7 +18,7 @@ import requests
 from jobs.models import Job
 from tests.api_helpers import client_for, user_with_token
 from tests.conftest import ROOT, wait_for
-from tests.daemons import free_port, http_server
+from tests.daemons import free_port, http_server, stop_process
 from tests.browser import browser, css, wait  # noqa: F401  (the headless Chromium fixture)
 
 SERVE = ROOT / "scripts" / "serve.sh"
@@ -113,8 +113,7 @@ def test_runserver_with_debug_off_serves_the_admins_styles(subprocess_env, tmp_p
             [response] = wait_for(css_answer, timeout=60, message="runserver answering")
             assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/css")
         finally:
-            proc.terminate()
-            proc.wait(15)
+            stop_process(proc)
 
 
 # --------------------------------------------------------------------------------------------
