@@ -38,6 +38,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: froze
     return [line(headers), line(["─" * w for w in widths]), *[line(r) for r in rows]]
 
 
+def _unreachable(exc: BaseException) -> str:
+    return f"database unreachable at {database_address()}: {first_line(exc)}"
+
+
 def _secs(value: float | None) -> str:
     return human_age(value)
 
@@ -57,7 +61,7 @@ class Command(OperatorCommand):
         try:
             tenant_ids = self._tenants(options["tenant"])
         except (OperationalError, InterfaceError) as exc:
-            raise usage_error(f"database unreachable at {database_address()}: {first_line(exc)}") from None
+            raise usage_error(_unreachable(exc)) from None
         shown = False
         while True:
             started = time.monotonic()
@@ -70,8 +74,8 @@ class Command(OperatorCommand):
                 self._progress("")
                 close_django_connection()
                 if not (options["watch"] and shown):
-                    raise usage_error(f"database unreachable at {database_address()}: {first_line(exc)}") from None
-                self.stderr.write(f"database unreachable at {database_address()}: {first_line(exc)}; retrying")
+                    raise usage_error(_unreachable(exc)) from None
+                self.stderr.write(f"{_unreachable(exc)}; retrying")
                 time.sleep(options["watch"])
                 continue
             shown = True
