@@ -263,12 +263,12 @@ def _fill_queue(n: int) -> None:
 
 def claim_cost(n: int, claims: int = 50) -> float:
     """Return the median ms of one claim of 10 tasks with ``n`` tasks queued (see :func:`_fill_queue`)."""
-    from jobs.claim import NodeLimits, ServiceSpec, claim_many
+    from jobs.claim import NodeLimits, claim_many, service_spec
     from workflows.models import Service
 
     _fill_queue(n)
     svc = Service.objects.get(key="bench-noop")
-    spec = ServiceSpec(svc.id, svc.key, svc.cpu_weight, svc.max_concurrent, svc.exclusive_per_host)
+    spec = service_spec(svc)
     limits = NodeLimits("bench-claim", slot_cap=10_000, cpu_budget=100_000, per_service={})
     times = []
     for _ in range(claims):

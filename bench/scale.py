@@ -37,12 +37,12 @@ def worker(args: argparse.Namespace) -> int:
     import django
 
     django.setup()
-    from jobs.claim import NodeLimits, ServiceSpec, claim_many
+    from jobs.claim import NodeLimits, claim_many, service_spec
     from jobs.reports import Outcome, report
     from workflows.models import Service
 
     svc = Service.objects.get(key=SERVICE)
-    spec = ServiceSpec(svc.id, svc.key, svc.cpu_weight, svc.max_concurrent, svc.exclusive_per_host)
+    spec = service_spec(svc)
     node = f"bench-scale-{args.index}"
     limits = NodeLimits(node, slot_cap=args.slots, cpu_budget=args.slots * 10, per_service={})
     agent_id = f"{node}:{os.getpid()}"

@@ -53,6 +53,36 @@ class ServiceSpec:
     max_concurrent: int
     exclusive: bool
     required_labels: Mapping[str, Any] = field(default_factory=dict)
+    rate_limit: int = 0
+    rate_period: int = 60
+    rate_key: str = ""
+    rate_key_limit: int = 0
+    concurrency_key: str = ""
+    concurrency_key_limit: int = 0
+
+    @property
+    def keyed(self) -> bool:
+        """Whether a limit applies per value of a params key."""
+        return self.rate_key_limit > 0 or self.concurrency_key_limit > 0
+
+    @property
+    def rated(self) -> bool:
+        """Whether its starts count against a rate limit (service-wide or per key)."""
+        return self.rate_limit > 0 or self.rate_key_limit > 0
+
+    @property
+    def fleet_limited(self) -> bool:
+        """Whether every claimer in the fleet shares a limit of it (a cap, a rate, a per-key cap)."""
+        return self.max_concurrent > 0 or self.rated or self.keyed
+
+
+def service_spec(service) -> ServiceSpec:
+    """Return what the claim needs to know about a ``workflows.models.Service``."""
+    return ServiceSpec(service.id, service.key, service.cpu_weight, service.max_concurrent,
+                       service.exclusive_per_host, dict(service.required_labels or {}),
+                       rate_limit=service.rate_limit, rate_period=service.rate_period_seconds,
+                       rate_key=service.rate_key, rate_key_limit=service.rate_key_limit,
+                       concurrency_key=service.concurrency_key, concurrency_key_limit=service.concurrency_key_limit)
 
 
 @dataclass(frozen=True)
@@ -78,51 +108,56 @@ class ClaimedTask:
     service_key: str
 
 
-CLAIM_SQL = """
+# The claim statement, built from parts: services with a per-key limit need the key filters, and
+# services with a rate limit record their starts; a claim that involves neither runs the plain
+# statement, whose cost is what the hot path was measured with.
+_CLAIM_HEAD = """
 WITH svc AS (
-    SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[])
-             AS s(id, room, weight, adjust)
-), free AS (
+    SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[],
+                         %(scans)s::int[], %(rpaths)s::text[], %(rlimits)s::int[], %(cpaths)s::text[],
+                         %(climits)s::int[], %(periods)s::int[], %(rated)s::bool[])
+             AS s(id, room, weight, adjust, scan, rpath, rlimit, cpath, climit, period, rated)
+){keyed_ctes}, free AS (
     -- Tasks bound to no host, per service: served by task_claim_idx (service_id, priority DESC,
     -- order_seq, created_at, id) WHERE queued AND no host; each scan stops after the service's
     -- room. SKIP LOCKED: concurrent claimers never wait for each other nor take the same row.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM svc CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at{key_cols}
           FROM accs_task t
          WHERE t.service_id = svc.id AND t.status = 'queued' AND t.host_id IS NULL
            AND t.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
            -- Tasks this agent still runs (an older attempt it has not finished) are never
            -- claimed by it again: its own late finish would otherwise race the new attempt.
-           AND t.id <> ALL(%(exclude)s::uuid[])
+           AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
-         LIMIT svc.room
+         LIMIT svc.scan
            FOR UPDATE OF t SKIP LOCKED) c
 ), bound AS (
     -- Tasks bound to this node's eligible hosts, per host and service: task_claim_host_idx. Other
     -- nodes' host-bound work is never scanned.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM svc CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at{key_cols}
           FROM accs_task t
          WHERE t.host_id = h.id AND t.service_id = svc.id AND t.status = 'queued'
            AND t.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
-           AND t.id <> ALL(%(exclude)s::uuid[])
+           AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
            -- Exclusive work: not while another exclusive task is held on the host (served by
            -- the partial unique index task_one_held_per_exclusive_host).
            AND NOT (t.exclusive AND EXISTS (SELECT 1 FROM accs_task x WHERE x.host_id = t.host_id AND x.exclusive
                                                AND x.status IN ('starting', 'running')))
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
-         LIMIT svc.room
+         LIMIT svc.scan
            FOR UPDATE OF t SKIP LOCKED) c
 ), cand AS (
     SELECT * FROM free UNION ALL SELECT * FROM bound
-), ranked AS (
-    SELECT cand.*,
+){keyed_pick}, ranked AS (
+    SELECT src.*,
            row_number() OVER (PARTITION BY CASE WHEN exclusive THEN host_id END
                               ORDER BY eff_priority DESC, order_seq, created_at, id) AS host_rank,
            row_number() OVER w AS n, sum(weight) OVER w AS cpu
-      FROM cand
+      FROM {source} src
     WINDOW w AS (ORDER BY eff_priority DESC, order_seq, created_at, id)
 ), pick AS (
     -- One global order across the services; the node's slot and CPU room taken in that order;
@@ -151,11 +186,91 @@ WITH svc AS (
     SELECT coalesce(%(now)s::timestamptz, now()), job_id, id, attempt, %(source)s, 'info', 'status',
            'task queued → starting', jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', %(agent)s::text)
       FROM upd
-)
+){record_starts}
 SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name, upd.service_id
   FROM upd LEFT JOIN accs_host h ON h.id = upd.host_id
  ORDER BY upd.priority DESC, upd.order_seq, upd.created_at, upd.id
 """
+
+
+def _key_of(alias: str, path: str) -> str:
+    """SQL for a task's key: the params value at a dotted path ('' when the params lack it)."""
+    return f"coalesce({alias}.params #>> string_to_array({path}, '.'), '')"
+
+
+# Held tasks of each key of the services with a per-key cap (task_held_service_idx: the held
+# tasks of those services only, so the cost follows the running work).
+_KEYED_CTES = f"""
+, cused AS (
+    SELECT h.service_id, {_key_of('h', 'svc.cpath')} AS key, count(*) AS used
+      FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
+     WHERE svc.climit > 0
+     GROUP BY 1, 2
+)"""
+
+_KEY_COLS = f""",
+               CASE WHEN svc.rlimit > 0 THEN {_key_of('t', 'svc.rpath')} END AS rkey,
+               CASE WHEN svc.climit > 0 THEN {_key_of('t', 'svc.cpath')} END AS ckey"""
+
+# A key already at its limit is passed over in the scan itself, so one busy key cannot fill the
+# scan window and hide the tasks of other keys behind it. The rate probe reads at most the limit's
+# count of index entries (rate_start_key_at_idx).
+_KEY_FILTER = f"""
+           AND (svc.climit = 0 OR NOT EXISTS (
+                 SELECT 1 FROM cused u WHERE u.service_id = svc.id AND u.used >= svc.climit
+                    AND u.key = {_key_of('t', 'svc.cpath')}))
+           AND (svc.rlimit = 0 OR (
+                 SELECT count(*) FROM (SELECT 1 FROM accs_rate_start r
+                                        WHERE r.service_id = svc.id AND r.key = {_key_of('t', 'svc.rpath')}
+                                          AND r.at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => svc.period)
+                                        LIMIT svc.rlimit) x) < svc.rlimit)"""
+
+# Per key, no more tasks than the key has room for (its rate or its cap, whichever is nearer);
+# then per service no more than the service's room. Ranks count the candidates of a key in the
+# global order, so a key's room goes to its most important tasks.
+_KEYED_PICK = """, rused AS (
+    SELECT k.service_id, k.rkey, (SELECT count(*) FROM accs_rate_start r
+                                   WHERE r.service_id = k.service_id AND r.key = k.rkey
+                                     AND r.at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => svc.period)) AS used
+      FROM (SELECT DISTINCT service_id, rkey FROM cand WHERE rkey IS NOT NULL) k JOIN svc ON svc.id = k.service_id
+), keyed AS (
+    SELECT cand.*, svc.room, svc.rlimit - coalesce(ru.used, 0) AS rleft, svc.climit - coalesce(cu.used, 0) AS cleft,
+           row_number() OVER (PARTITION BY cand.service_id, cand.rkey
+                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS rrank,
+           row_number() OVER (PARTITION BY cand.service_id, cand.ckey
+                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS crank
+      FROM cand JOIN svc ON svc.id = cand.service_id
+      LEFT JOIN rused ru ON ru.service_id = cand.service_id AND ru.rkey = cand.rkey
+      LEFT JOIN cused cu ON cu.service_id = cand.service_id AND cu.key = cand.ckey
+), allowed AS (
+    SELECT keyed.*, row_number() OVER (PARTITION BY service_id ORDER BY eff_priority DESC, order_seq, created_at, id)
+                    AS srank
+      FROM keyed
+     WHERE (rkey IS NULL OR rrank <= rleft) AND (ckey IS NULL OR crank <= cleft)
+), keyed_cand AS (
+    SELECT id, service_id, host_id, exclusive, priority, order_seq, created_at, weight, eff_priority
+      FROM allowed WHERE srank <= room
+)"""
+
+# Every start of a rate-limited service is recorded (with its key), in the claim's own statement.
+_RECORD_STARTS = f""", starts AS (
+    INSERT INTO accs_rate_start (service_id, key, at)
+    SELECT upd.service_id, CASE WHEN svc.rlimit > 0 THEN {_key_of('upd', 'svc.rpath')} END,
+           coalesce(%(now)s::timestamptz, now())
+      FROM upd JOIN svc ON svc.id = upd.service_id WHERE svc.rated
+)"""
+
+
+def claim_sql(*, keyed: bool, rated: bool) -> str:
+    """Return the claim statement for services with (or without) per-key limits and rate limits."""
+    return _CLAIM_HEAD.format(
+        keyed_ctes=_KEYED_CTES if keyed else "", key_cols=_KEY_COLS if keyed else "",
+        key_filter=_KEY_FILTER if keyed else "", keyed_pick=_KEYED_PICK if keyed else "",
+        source="keyed_cand" if keyed else "cand", record_starts=_RECORD_STARTS if rated else "")
+
+
+CLAIM_SQL = claim_sql(keyed=False, rated=False)
+_CLAIM_VARIANTS = {(k, r): claim_sql(keyed=k, rated=r) for k in (False, True) for r in (False, True)}
 
 HELD_SQL = """
 -- Held tasks on this node (task_held_node_idx) and of the capped services (task_held_service_idx):
@@ -165,6 +280,13 @@ SELECT t.service_id, count(*) FILTER (WHERE t.node = %(node)s), count(*), coales
   FROM accs_task t JOIN accs_service s ON s.id = t.service_id
  WHERE t.status IN ('starting', 'running') AND (t.node = %(node)s OR t.service_id = ANY(%(capped)s::bigint[]))
  GROUP BY t.service_id
+"""
+
+STARTED_SQL = """
+-- Starts of the rate-limited services in each one's last period (rate_start_service_at_idx).
+SELECT s.id, (SELECT count(*) FROM accs_rate_start r
+               WHERE r.service_id = s.id AND r.at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => s.period))
+  FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS s(id, period)
 """
 
 
@@ -184,13 +306,19 @@ class FleetHeld:
     node_cpu: int
     node_by_service: dict[int, int]
     by_service: dict[int, int]
+    started: dict[int, int] = field(default_factory=dict)  # starts in the rate period, per rate-limited service
 
 
-def _held(cur, limits: NodeLimits, services: Sequence[ServiceSpec]) -> FleetHeld:
+def _held(cur, limits: NodeLimits, services: Sequence[ServiceSpec], *, now: datetime | None = None) -> FleetHeld:
     cur.execute(HELD_SQL, {"node": limits.name, "capped": [s.id for s in services if s.max_concurrent > 0]})
     rows = cur.fetchall()
+    started: dict[int, int] = {}
+    rated = [s for s in services if s.rate_limit > 0]
+    if rated:
+        cur.execute(STARTED_SQL, {"ids": [s.id for s in rated], "periods": [s.rate_period for s in rated], "now": now})
+        started = dict(cur.fetchall())
     return FleetHeld(sum(r[1] for r in rows), int(sum(r[3] for r in rows)), {r[0]: r[1] for r in rows},
-                     {r[0]: r[2] for r in rows})
+                     {r[0]: r[2] for r in rows}, started)
 
 
 def node_room(limits: NodeLimits, held: FleetHeld, *, free_slots: int, eligible_hosts: int,
@@ -209,6 +337,8 @@ def service_room(service: ServiceSpec, limits: NodeLimits, held: FleetHeld, *, s
         reasons["node_service_cap"] = per_service - held.node_by_service.get(service.id, 0)
     if service.max_concurrent > 0:
         reasons["service_global_max"] = service.max_concurrent - held.by_service.get(service.id, 0)
+    if service.rate_limit > 0:
+        reasons["service_rate_limit"] = service.rate_limit - held.started.get(service.id, 0)
     return Room(max(0, min(reasons.values())), reasons)
 
 
@@ -241,33 +371,43 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
                              source=f"agent:{limits.name}", now=now)
 
         def rooms_now() -> tuple[int, int, list[tuple[ServiceSpec, int]]]:
-            held = _held(cur, limits, services)
+            held = _held(cur, limits, services, now=now)
             node = node_room(limits, held, free_slots=free_slots, eligible_hosts=len(ok_hosts),
                              node_has_hosts=bool(node_hosts))
             slots, cpu = min(node["agent_free_slots"], node["node_slot_cap"]), node["node_cpu_budget"]
             rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
             return slots, cpu, [(s, n) for s, n in rooms if n > 0]
 
-        if any(s.max_concurrent > 0 for s in services):
-            # A service's global cap is a lock every claimer in the fleet shares. Look first
-            # without it: a limit full now stays full for this claim (claims only fill it; a
-            # finish frees room for the next claim), so a claimer that finds no room does not
-            # queue behind all the others for the lock.
+        if any(s.fleet_limited for s in services):
+            # A service's global cap, rate limit or per-key cap is a lock every claimer in the
+            # fleet shares. Look first without it: a limit full now stays full for this claim
+            # (claims only fill it; a finish or the passing window frees room for the next claim),
+            # so a claimer that finds no room does not queue behind all the others for the lock.
             slots, cpu, rooms = rooms_now()
             if slots <= 0 or not rooms:
                 return []
             services = [s for s, _ in rooms]
         # Serialise claimers that share a limit: agents of this node, and every claimer of a
-        # service with a global cap. Transaction-scoped, released at commit.
+        # service with a fleet-wide limit. Transaction-scoped, released at commit. Under these
+        # locks the counts (held tasks, starts in the period, held per key) are exact, so no two
+        # claimers can both take the last of a limit.
         advisory_locks(cur, [f"accs:node:{limits.name}"] + [f"accs:service:{s.id}" for s in services
-                                                            if s.max_concurrent > 0])
+                                                            if s.fleet_limited])
         slots, cpu, rooms = rooms_now()
         if slots <= 0 or not rooms:
             return []
         by_id = {s.id: s for s, _ in rooms}
-        cur.execute(CLAIM_SQL, {
-            "svc_ids": [s.id for s, _ in rooms], "rooms": [n for _, n in rooms],
-            "weights": [max(s.cpu_weight, 1) for s, _ in rooms], "adjust": [adjust.get(s.id, 0) for s, _ in rooms],
+        specs = [s for s, _ in rooms]
+        sql = _CLAIM_VARIANTS[(any(s.keyed for s in specs), any(s.rated for s in specs))]
+        cur.execute(sql, {
+            "svc_ids": [s.id for s in specs], "rooms": [n for _, n in rooms],
+            "weights": [max(s.cpu_weight, 1) for s in specs], "adjust": [adjust.get(s.id, 0) for s in specs],
+            # A service with a per-key limit scans past its room: some candidates may belong to
+            # keys with less room than the service has.
+            "scans": [min(n * 4 + 16, 1000) if s.keyed else n for s, n in rooms],
+            "rpaths": [s.rate_key for s in specs], "rlimits": [s.rate_key_limit for s in specs],
+            "cpaths": [s.concurrency_key for s in specs], "climits": [s.concurrency_key_limit for s in specs],
+            "periods": [s.rate_period for s in specs], "rated": [s.rated for s in specs],
             "now": now, "hosts": eligible, "slots": slots, "cpu": cpu, "agent": agent_id,
             "node": limits.name, "lease": float(lease_seconds), "pid": pid, "source": f"agent:{limits.name}",
             "exclude": [str(t) for t in exclude],

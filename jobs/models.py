@@ -452,3 +452,28 @@ class Trigger(models.Model):
 
     def __str__(self) -> str:
         return self.label
+
+
+class RateStart(models.Model):
+    """One task start of a rate-limited service, kept while it counts against a limit.
+
+    The claim writes a row per start of a service that has a rate limit (with the value of its
+    ``rate_key`` when it has one) and counts the rows of the last period under the service's
+    claim lock, so no window of that length ever holds more starts than the limit, whichever
+    agents claimed them. Rows older than the period count for nothing; a builder duty deletes them.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    service = models.ForeignKey("workflows.Service", on_delete=models.CASCADE, related_name="+", db_index=False)
+    key = models.TextField(null=True, blank=True, help_text="The value of the service's rate_key; empty: none.")
+    at = models.DateTimeField(help_text="When the claim started the task (PostgreSQL's clock).")
+
+    class Meta:
+        db_table = "accs_rate_start"
+        indexes = [
+            models.Index(fields=["service", "at"], name="rate_start_service_at_idx"),
+            models.Index(fields=["service", "key", "at"], condition=Q(key__isnull=False), name="rate_start_key_at_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"start of service {self.service_id} at {self.at}"

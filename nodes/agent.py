@@ -47,7 +47,7 @@ from accs_site import daemon
 from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from jobs import transitions
-from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many
+from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many, service_spec
 from jobs.notify import service_channel
 from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
@@ -328,8 +328,7 @@ class Agent:
 
         found = {}
         for s in ServiceModel.objects.filter(key__in=self.service_keys, is_active=True):
-            found[s.key] = Service(ServiceSpec(s.id, s.key, s.cpu_weight, s.max_concurrent, s.exclusive_per_host,
-                                               dict(s.required_labels or {})),
+            found[s.key] = Service(service_spec(s),
                                    s.executor, s.executor_config or {}, list(s.block_during or []),
                                    dict(s.priority_adjust_during or {}))
         missing = set(self.service_keys) - set(found)

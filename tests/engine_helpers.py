@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from jobs import transitions
-from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim
+from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim, service_spec
 from workflows.models import Service
 
 NODE = NodeLimits(name="node-t", slot_cap=20, cpu_budget=8, per_service={})
 
 
 def spec(service: Service) -> ServiceSpec:
-    return ServiceSpec(service.id, service.key, service.cpu_weight, service.max_concurrent, service.exclusive_per_host,
-                       service.required_labels or {})
+    return service_spec(service)
 
 
 def claim_for(service: Service, n: int = 10, *, limits: NodeLimits = NODE, agent: str = "agent-t", now=None) -> list[ClaimedTask]:

@@ -58,6 +58,28 @@ class Service(models.Model):
     required_labels = models.JSONField(
         default=dict, blank=True, help_text='Node labels this service needs, e.g. {"gpu": "true"}.'
     )
+    # Flow control, enforced by the claim across every agent (jobs.claim).
+    rate_limit = models.PositiveIntegerField(
+        default=0, help_text="Task starts per period across the fleet; 0 = unlimited."
+    )
+    rate_period_seconds = models.PositiveIntegerField(
+        default=60, validators=[MinValueValidator(1)],
+        help_text="The rate limits' period: at most that many starts in any window this long.",
+    )
+    rate_key = models.CharField(
+        max_length=200, blank=True, default="",
+        help_text="Params path (dotted, e.g. customer_id or customer.id) whose value has its own rate limit.",
+    )
+    rate_key_limit = models.PositiveIntegerField(
+        default=0, help_text="Task starts per period for each value of rate_key; 0 = none."
+    )
+    concurrency_key = models.CharField(
+        max_length=200, blank=True, default="",
+        help_text="Params path (dotted) whose value has its own concurrency cap.",
+    )
+    concurrency_key_limit = models.PositiveIntegerField(
+        default=0, help_text="Tasks held (starting or running) at once for each value of concurrency_key; 0 = none."
+    )
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
@@ -69,6 +91,11 @@ class Service(models.Model):
             models.CheckConstraint(condition=Q(cpu_weight__gte=1, cpu_weight__lte=5), name="service_cpu_weight_1_5"),
             models.CheckConstraint(condition=Q(timeout_seconds__gte=1), name="service_timeout_positive"),
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="service_max_attempts_positive"),
+            models.CheckConstraint(condition=Q(rate_period_seconds__gte=1), name="service_rate_period_positive"),
+            models.CheckConstraint(condition=Q(rate_key_limit=0) | ~Q(rate_key=""), name="service_rate_key_named"),
+            models.CheckConstraint(
+                condition=Q(concurrency_key_limit=0) | ~Q(concurrency_key=""), name="service_concurrency_key_named"
+            ),
             models.CheckConstraint(
                 condition=Q(executor__in=[c.value for c in Executor]), name="service_executor_valid"
             ),
@@ -76,6 +103,11 @@ class Service(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+    @property
+    def has_flow_control(self) -> bool:
+        """Whether a rate limit or a per-key cap applies to this service."""
+        return bool(self.rate_limit or self.rate_key_limit or self.concurrency_key_limit)
 
     def clean(self) -> None:
         from workflows.validation import validate_service

@@ -151,7 +151,31 @@ def service_problems(service) -> list[Problem]:
         isinstance(v, int) for v in (service.priority_adjust_during or {}).values()
     ):
         problems.append(Problem("priority_adjust_during", 'expected {"condition": integer, ...}'))
+    problems += flow_control_problems(service)
     problems += key_change_problems(service)
+    return problems
+
+
+PARAMS_PATH_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+
+
+def flow_control_problems(service) -> list[Problem]:
+    """Check the rate limits and the per-key cap: a limit with a key needs a params path, and so on."""
+    problems: list[Problem] = []
+    if (service.rate_period_seconds or 0) < 1:
+        problems.append(Problem("rate_period_seconds", "must be at least 1"))
+    for key_field, limit_field in (("rate_key", "rate_key_limit"), ("concurrency_key", "concurrency_key_limit")):
+        path, limit = getattr(service, key_field) or "", getattr(service, limit_field) or 0
+        if path and not PARAMS_PATH_RE.match(path):
+            problems.append(Problem(key_field, f"{path!r} is not a params path: expected names joined by dots,"
+                                               " e.g. customer_id or customer.id"))
+        if limit and not path:
+            problems.append(Problem(key_field, f"{limit_field} is {limit}: name the params path that gives the key"))
+        if path and not limit:
+            problems.append(Problem(limit_field, f"{key_field} is {path!r}: give the limit per key (at least 1)"))
+    if service.rate_limit and service.rate_key_limit and service.rate_key_limit > service.rate_limit:
+        problems.append(Problem("rate_key_limit", f"{service.rate_key_limit} per key is more than the service's"
+                                                  f" rate_limit of {service.rate_limit}: it could never be reached"))
     return problems
 
 

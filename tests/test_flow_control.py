@@ -1,0 +1,251 @@
+"""Flow control in the claim: rate limits per service and per key, per-key concurrency caps (BEY4).
+
+The in-process tests drive the real claim statement with PostgreSQL's clock shifted by an
+injected ``now``; the race tests run four real agent processes against one database and check
+every recorded start and every held task against the limits.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.db.models import Count
+
+from jobs import api, transitions
+from jobs.claim import NodeLimits, claim_many, service_spec
+from jobs.models import RateStart, Task
+from tests.daemons import Sampler, wait_for
+from tests.engine_helpers import run_ok
+from workflows.api import save_service
+from workflows.validation import DefinitionError
+
+NODE = NodeLimits(name="node-fc", slot_cap=50, cpu_budget=100, per_service={})
+KEYED = {"params_schema": {"type": "object", "properties": {"customer": {"type": "string"},
+                                                            "seconds": {"type": "number"}}}}
+
+
+def db_now():
+    with connection.cursor() as cur:
+        cur.execute("SELECT now()")
+        return cur.fetchone()[0]
+
+
+def enqueue(service_key: str, customers: list[str]) -> None:
+    api.start_many([api.JobSpec(service=service_key, params={"customer": c}) for c in customers])
+    transitions.start_due_jobs(limit=10_000)
+
+
+def claim(service, n: int = 50, *, now=None, agent: str = "agent-fc"):
+    service.refresh_from_db()
+    return claim_many([service_spec(service)], NODE, agent_id=agent, free_slots=n, lease_seconds=60, now=now)
+
+
+def customers_of(tasks) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for t in tasks:
+        counts[t.params.get("customer", "")] += 1
+    return dict(counts)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_service_rate_limit_allows_n_starts_per_period_then_refills_as_the_window_passes(make_service):
+    svc = make_service("rated", rate_limit=5, rate_period_seconds=60, **KEYED)
+    enqueue("rated", ["a"] * 20)
+    t0 = db_now()
+    assert len(claim(svc, now=t0)) == 5
+    assert claim(svc, now=t0 + timedelta(seconds=30)) == [], "the window still holds 5 starts"
+    assert RateStart.objects.filter(service=svc).count() == 5
+    assert len(claim(svc, now=t0 + timedelta(seconds=60.5))) == 5, "the first 5 left the window"
+    assert len(claim(svc, 2, now=t0 + timedelta(seconds=90))) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rate_limit_per_key_limits_each_customer_and_lets_others_through(make_service):
+    svc = make_service("per-customer", rate_key="customer", rate_key_limit=2, rate_period_seconds=60, **KEYED)
+    # The busy customer comes first in the global order: its tasks must not hide the others.
+    enqueue("per-customer", ["busy"] * 30 + ["b"] * 3 + ["c"])
+    t0 = db_now()
+    assert customers_of(claim(svc, now=t0)) == {"busy": 2, "b": 2, "c": 1}
+    assert claim(svc, now=t0 + timedelta(seconds=10)) == []
+    assert customers_of(claim(svc, now=t0 + timedelta(seconds=61))) == {"busy": 2, "b": 1}
+    keys = dict(RateStart.objects.filter(service=svc).values_list("key").annotate(n=Count("id")))
+    assert keys == {"busy": 4, "b": 3, "c": 1}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rate_limit_per_key_under_a_service_limit_takes_both(make_service):
+    svc = make_service("both", rate_limit=3, rate_key="customer", rate_key_limit=2, **KEYED)
+    enqueue("both", ["a"] * 5 + ["b"] * 5)
+    t0 = db_now()
+    assert customers_of(claim(svc, now=t0)) == {"a": 2, "b": 1}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_per_key_concurrency_caps_held_tasks_and_frees_room_when_one_finishes(make_service):
+    svc = make_service("per-key-cap", concurrency_key="customer", concurrency_key_limit=2, **KEYED)
+    enqueue("per-key-cap", ["a"] * 6 + ["b"] * 6 + ["c"])
+    first = claim(svc)
+    assert customers_of(first) == {"a": 2, "b": 2, "c": 1}
+    assert claim(svc) == [], "every key is at its cap"
+    run_ok([t for t in first if t.params["customer"] == "a"][:1], agent="agent-fc")
+    assert customers_of(claim(svc)) == {"a": 1}
+    assert not RateStart.objects.exists(), "no rate limit: no starts recorded"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_missing_key_counts_as_one_shared_key(make_service):
+    svc = make_service("no-key", concurrency_key="customer.id", concurrency_key_limit=1, **KEYED)
+    enqueue("no-key", ["x", "x", "y"])  # params have "customer": "x", so customer.id is missing for all
+    assert len(claim(svc)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_nested_key_path_reads_inside_params(make_service):
+    svc = make_service("nested", concurrency_key="order.customer", concurrency_key_limit=1,
+                       params_schema={"type": "object"})
+    api.start_many([api.JobSpec(service="nested", params={"order": {"customer": c}}) for c in ("a", "a", "b")])
+    transitions.start_due_jobs(limit=100)
+    assert sorted(t.params["order"]["customer"] for t in claim(svc)) == ["a", "b"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_flow_limits_keep_the_global_order_across_services(make_service):
+    """A limited service and a plain one claimed together still follow priority, then order_seq."""
+    limited = make_service("limited", concurrency_key="customer", concurrency_key_limit=1, **KEYED)
+    plain = make_service("plain", **KEYED)
+    enqueue("limited", ["a", "a", "b"])
+    enqueue("plain", ["z", "z"])
+    got = claim_many([service_spec(limited), service_spec(plain)], NODE, agent_id="agent-fc", free_slots=3,
+                     lease_seconds=60)
+    seq = dict(Task.objects.values_list("id", "order_seq"))
+    assert [seq[t.id] for t in got] == sorted(seq[t.id] for t in got)
+    assert [(t.service_key, t.params["customer"]) for t in got] == [("limited", "a"), ("limited", "b"),
+                                                                     ("plain", "z")]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("fields, where, words", [
+    ({"rate_key_limit": 3}, "rate_key", "name the params path"),
+    ({"rate_key": "customer"}, "rate_key_limit", "give the limit per key"),
+    ({"concurrency_key": "a..b", "concurrency_key_limit": 1}, "concurrency_key", "is not a params path"),
+    ({"rate_limit": 2, "rate_key": "c", "rate_key_limit": 5}, "rate_key_limit", "could never be reached"),
+    ({"rate_period_seconds": 0}, "rate_period_seconds", "at least 1"),
+])
+def test_bad_flow_control_settings_are_refused_naming_the_field(make_service, fields, where, words):
+    with pytest.raises(DefinitionError) as err:
+        make_service("bad-flow", **fields)
+    assert any(p.where == where and words in p.message for p in err.value.problems), err.value.problems
+
+
+# ---------------------------------------------------------------------------------- races
+
+SLEEPY = {"executor": "python", "executor_config": {"callable": "tests.callables:sleep"}, **KEYED}
+
+
+def starts(service_id: int) -> list[tuple]:
+    """(claim time, customer, agent) of every start of the service, from the timeline."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT e.ts, t.params->>'customer', e.data->>'agent' FROM accs_event e"
+                    " JOIN accs_task t ON t.id = e.task_id"
+                    " WHERE e.message = 'task queued → starting' AND t.service_id = %s ORDER BY e.ts", [service_id])
+        return cur.fetchall()
+
+
+def max_in_window(times: list, period: float) -> int:
+    """The most starts in any window of ``period`` seconds (each window opening at a start)."""
+    times = sorted(times)
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while (t - times[lo]).total_seconds() >= period:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def agents(daemons, service_key: str, n: int = 4) -> None:
+    for i in range(n):
+        daemons.agent(f"fc-{i}", service_key, "--max-concurrent", "4",
+                      env={"ACC_POLL_INTERVAL_SEC": "0.1"})
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_four_agents_never_exceed_the_service_rate_limit(make_service, daemons, db_url):
+    svc = save_service(key="rate-race", rate_limit=6, rate_period_seconds=2, **{**SLEEPY})
+    api.start_many([api.JobSpec(service="rate-race", params={"seconds": 0.01}) for _ in range(40)])
+    transitions.start_due_jobs(limit=100)
+    agents(daemons, "rate-race")
+    wait_for(lambda: Task.objects.filter(service=svc, status="done").count() >= 24, timeout=60,
+             message="24 tasks done through a 6-per-2s limit")
+    daemons.stop_all()
+    rows = starts(svc.id)
+    assert max_in_window([r[0] for r in rows], 2.0) == 6, "never more than 6 starts in any 2 s, and the limit was reached"
+    assert len({r[2] for r in rows}) >= 2, "several agents took part"
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_four_agents_never_exceed_the_per_key_rate_limit(make_service, daemons, db_url):
+    svc = save_service(key="key-rate-race", rate_key="customer", rate_key_limit=2, rate_period_seconds=2,
+                       **{**SLEEPY})
+    api.start_many([api.JobSpec(service="key-rate-race", params={"customer": c, "seconds": 0.01})
+                    for c in ("a", "b", "c") * 10])
+    transitions.start_due_jobs(limit=100)
+    agents(daemons, "key-rate-race")
+    wait_for(lambda: Task.objects.filter(service=svc, status="done").count() >= 18, timeout=60,
+             message="18 tasks done through a 2-per-2s-per-customer limit")
+    daemons.stop_all()
+    by_key = defaultdict(list)
+    for ts, customer, _ in starts(svc.id):
+        by_key[customer].append(ts)
+    assert {k: max_in_window(v, 2.0) for k, v in by_key.items()} == {"a": 2, "b": 2, "c": 2}
+
+
+PEAK_TRIGGER = """
+CREATE TABLE fc_peak (customer text, held int);
+CREATE FUNCTION fc_record_held() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO fc_peak SELECT NEW.params->>'customer', count(*) FROM accs_task
+     WHERE service_id = NEW.service_id AND status IN ('starting', 'running')
+       AND params->>'customer' = NEW.params->>'customer';
+    RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER fc_record_held AFTER UPDATE OF status ON accs_task DEFERRABLE INITIALLY DEFERRED
+   FOR EACH ROW WHEN (NEW.status = 'starting') EXECUTE FUNCTION fc_record_held();
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_four_agents_never_hold_more_than_the_per_key_cap(make_service, daemons, db_url):
+    svc = save_service(key="key-cap-race", concurrency_key="customer", concurrency_key_limit=2, **{**SLEEPY})
+    api.start_many([api.JobSpec(service="key-cap-race", params={"customer": c, "seconds": 0.3})
+                    for c in ("a", "b", "c") * 8])
+    transitions.start_due_jobs(limit=100)
+    with connection.cursor() as cur:
+        # At each claim's commit, the held tasks of the claimed task's key (all committed claims
+        # and this one): a second witness beside the sampler.
+        cur.execute(PEAK_TRIGGER)
+    sql = ("SELECT coalesce(max(n), 0), coalesce(sum(n), 0) FROM (SELECT count(*) n FROM accs_task"
+           " WHERE status IN ('starting', 'running') AND service_id = %s GROUP BY params->>'customer') x")
+    try:
+        with Sampler(db_url, sql, (svc.id,)) as s:
+            agents(daemons, "key-cap-race")
+            wait_for(lambda: Task.objects.filter(service=svc, status="done").count() == 24, timeout=90,
+                     message="all 24 tasks done")
+        daemons.stop_all()
+        with connection.cursor() as cur:
+            cur.execute("SELECT customer, max(held) FROM fc_peak GROUP BY 1 ORDER BY 1")
+            peaks = dict(cur.fetchall())
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("DROP TABLE IF EXISTS fc_peak; DROP TRIGGER IF EXISTS fc_record_held ON accs_task;"
+                        " DROP FUNCTION IF EXISTS fc_record_held()")
+    assert s.maxima[0] == 2, "never three held tasks of one customer, and the cap was reached"
+    assert s.maxima[1] > 2, "customers ran side by side"
+    assert peaks == {"a": 2, "b": 2, "c": 2}
+    agents_used = {r[2] for r in starts(svc.id)}
+    assert len(agents_used) >= 2
