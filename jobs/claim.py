@@ -457,3 +457,20 @@ def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots
     """Claim tasks of one service (see :func:`claim_many`)."""
     return claim_many([service], limits, agent_id=agent_id, free_slots=free_slots, lease_seconds=lease_seconds,
                       pid=pid, now=now, blocked_hosts=blocked_hosts, exclude=exclude)
+
+
+FORGET_STARTS_SQL = """
+-- Starts older than their service's rate period count against nothing any more. Oldest first, a
+-- bounded batch by ctid so a long pause never turns into one huge delete.
+DELETE FROM accs_rate_start WHERE ctid = ANY(ARRAY(
+    SELECT r.ctid FROM accs_rate_start r JOIN accs_service s ON s.id = r.service_id
+     WHERE r.at < now() - make_interval(secs => s.rate_period_seconds)
+     LIMIT %(limit)s))
+"""
+
+
+def forget_old_starts(*, limit: int = 5000) -> int:
+    """Delete up to ``limit`` recorded starts that no rate window holds any more; return how many."""
+    with connection.cursor() as cur:
+        cur.execute(FORGET_STARTS_SQL, {"limit": limit})
+        return cur.rowcount

@@ -249,3 +249,40 @@ def test_four_agents_never_hold_more_than_the_per_key_cap(make_service, daemons,
     assert peaks == {"a": 2, "b": 2, "c": 2}
     agents_used = {r[2] for r in starts(svc.id)}
     assert len(agents_used) >= 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_builder_forgets_starts_that_left_the_rate_window(make_service):
+    from jobs.builder import Builder
+    from jobs.duties import rate_window
+
+    svc = make_service("forget", rate_limit=100, rate_period_seconds=60, **KEYED)
+    enqueue("forget", ["a"] * 4)
+    t0 = db_now()
+    claim(svc, 2, now=t0 - timedelta(seconds=120))  # started two minutes ago: out of the window
+    claim(svc, 2, now=t0)
+    Builder(once=True, duties=[rate_window.duty()]).tick()
+    assert sorted(RateStart.objects.values_list("at", flat=True)) == [t0, t0]
+
+
+@pytest.mark.django_db
+def test_flow_limits_are_edited_through_the_http_api_with_the_same_validation(make_service):
+    import json
+
+    from tests.api_helpers import client_for, user_with_token
+
+    make_service("api-flow", **KEYED)
+    client = client_for(user_with_token("root-fc", superuser=True)[1])
+
+    def patch(body):
+        return client.patch("/api/v1/services/api-flow", json.dumps(body), content_type="application/json")
+
+    ok = patch({"rate_limit": 100, "rate_period_seconds": 60, "concurrency_key": "customer",
+                "concurrency_key_limit": 3})
+    assert ok.status_code == 200, ok.content
+    assert (ok.json()["rate_limit"], ok.json()["concurrency_key_limit"]) == (100, 3)
+    bad = patch({"rate_key_limit": 5})
+    assert bad.status_code == 422 and "rate_key" in bad.content.decode()
+    from workflows.models import Service
+
+    assert Service.objects.get(key="api-flow").rate_key_limit == 0, "nothing written by the refused change"

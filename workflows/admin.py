@@ -78,6 +78,11 @@ class ServiceAdmin(admin.ModelAdmin):
         ("Safety", {"fields": ("requires_approval", "exclusive_per_host", "quarantine_host_on_final_failure",
                                "required_labels")}),
         ("Resource governor", {"fields": ("block_during", "priority_adjust_during")}),
+        ("Flow control", {"fields": ("rate_limit", "rate_period_seconds", "rate_key", "rate_key_limit",
+                                     "concurrency_key", "concurrency_key_limit"),
+                          "description": "Enforced by every agent's claim across the fleet. A key is the value at a"
+                                         " dotted path in the task's params (e.g. customer_id); tasks whose params"
+                                         " lack it share one key."}),
     )
 
 

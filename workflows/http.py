@@ -46,6 +46,12 @@ class ServiceFields(In):
     block_during: list[str] = Field(default_factory=list, max_length=100)
     priority_adjust_during: dict[str, int] = Field(default_factory=dict)
     required_labels: dict[str, str] = Field(default_factory=dict)
+    rate_limit: int = Field(0, ge=0, le=INT32)
+    rate_period_seconds: int = Field(60, ge=1, le=INT32)
+    rate_key: str = Field("", max_length=200)
+    rate_key_limit: int = Field(0, ge=0, le=INT32)
+    concurrency_key: str = Field("", max_length=200)
+    concurrency_key_limit: int = Field(0, ge=0, le=INT32)
     is_active: bool = True
 
 
@@ -71,6 +77,12 @@ class ServicePatch(In):
     block_during: list[str] | None = Field(None, max_length=100)
     priority_adjust_during: dict[str, int] | None = None
     required_labels: dict[str, str] | None = None
+    rate_limit: int | None = Field(None, ge=0, le=INT32)
+    rate_period_seconds: int | None = Field(None, ge=1, le=INT32)
+    rate_key: str | None = Field(None, max_length=200)
+    rate_key_limit: int | None = Field(None, ge=0, le=INT32)
+    concurrency_key: str | None = Field(None, max_length=200)
+    concurrency_key_limit: int | None = Field(None, ge=0, le=INT32)
     is_active: bool | None = None
 
 
@@ -94,6 +106,12 @@ class ServiceOut(Schema):
     block_during: list[str]
     priority_adjust_during: dict[str, Any]
     required_labels: dict[str, Any]
+    rate_limit: int
+    rate_period_seconds: int
+    rate_key: str
+    rate_key_limit: int
+    concurrency_key: str
+    concurrency_key_limit: int
     is_active: bool
     created_at: datetime
     updated_at: datetime
