@@ -231,6 +231,7 @@ class AccsCollector:
             jobs.add_metric([card.tenant, "running"], card.jobs_running)
             jobs.add_metric([card.tenant, "failed_24h"], card.failed_24h)
         yield from (tasks, dead, retrying, oldest, jobs)
+        yield from _flow_metrics()
 
         up = GaugeMetricFamily("accs_node_up", "1 when the node is online and heartbeated within 3 × TTL/3.",
                                labels=["node"])
@@ -257,6 +258,29 @@ class AccsCollector:
         took = GaugeMetricFamily("accs_metrics_scrape_seconds", "Time spent reading the database for this scrape.")
         took.add_metric([], time.monotonic() - started)
         yield took
+
+
+def _flow_metrics() -> Iterator[Metric]:
+    """Rate limits and per-key caps: starts left in the window, keys at a limit, tasks held back."""
+    from ops.overview import flow_limits
+
+    left = GaugeMetricFamily("accs_rate_limit_starts_left", "Starts the service's rate limit still allows in its"
+                             " window.", labels=["service"])
+    keys = GaugeMetricFamily("accs_flow_keys_at_limit", "Key values at their per-key rate limit or cap.",
+                             labels=["service", "limit"])
+    waiting = GaugeMetricFamily("accs_flow_waiting_tasks", "Queued tasks held back by a flow limit.",
+                                labels=["service", "limit"])
+    for f in flow_limits():
+        if f.starts_left is not None:
+            left.add_metric([f.service], f.starts_left)
+            waiting.add_metric([f.service, "rate_limit"], f.waiting_on_rate)
+        if f.rate_key_limit:
+            keys.add_metric([f.service, "key_rate_limit"], f.keys_at_rate_limit)
+            waiting.add_metric([f.service, "key_rate_limit"], f.waiting_on_key_rate)
+        if f.concurrency_key_limit:
+            keys.add_metric([f.service, "key_cap"], f.keys_at_cap)
+            waiting.add_metric([f.service, "key_cap"], f.waiting_on_key_cap)
+    yield from (left, keys, waiting)
 
 
 _registry: CollectorRegistry | None = None

@@ -481,6 +481,102 @@ SELECT t.service_id, count(*) FROM accs_task t WHERE t.status IN ('starting', 'r
 """
 
 
+FLOW_SAMPLE = 10_000  # queued tasks read per service to tell which limit holds them back
+
+FLOW_SQL = """
+-- The services with flow control: starts in their rate window, keys at their limits, and the
+-- queued tasks each limit holds back per tenant (the first FLOW_SAMPLE per service, so a huge
+-- backlog costs a bounded read). Keys are read from params as the claim reads them.
+WITH s AS (
+    SELECT id, key, rate_limit, rate_period_seconds AS period, rate_key, rate_key_limit, concurrency_key,
+           concurrency_key_limit
+      FROM accs_service WHERE rate_limit > 0 OR rate_key_limit > 0 OR concurrency_key_limit > 0
+), starts AS (
+    SELECT r.service_id, r.key FROM accs_rate_start r JOIN s ON s.id = r.service_id
+     WHERE r.at > now() - make_interval(secs => s.period)
+), rfull AS (
+    SELECT st.service_id, st.key FROM starts st JOIN s ON s.id = st.service_id
+     WHERE s.rate_key_limit > 0 AND st.key IS NOT NULL GROUP BY 1, 2 HAVING count(*) >= min(s.rate_key_limit)
+), cfull AS (
+    SELECT h.service_id, coalesce(h.params #>> string_to_array(s.concurrency_key, '.'), '') AS key
+      FROM accs_task h JOIN s ON s.id = h.service_id
+     WHERE s.concurrency_key_limit > 0 AND h.status IN ('starting', 'running')
+     GROUP BY 1, 2 HAVING count(*) >= min(s.concurrency_key_limit)
+), q AS (
+    SELECT s.id AS service_id, t.tenant_id,
+           EXISTS (SELECT 1 FROM rfull f WHERE f.service_id = s.id
+                      AND f.key = coalesce(t.params #>> string_to_array(s.rate_key, '.'), '')) AS on_key_rate,
+           EXISTS (SELECT 1 FROM cfull f WHERE f.service_id = s.id
+                      AND f.key = coalesce(t.params #>> string_to_array(s.concurrency_key, '.'), '')) AS on_key_cap
+      FROM s CROSS JOIN LATERAL (SELECT t.tenant_id, t.params FROM accs_task t
+                                  WHERE t.service_id = s.id AND t.status = 'queued' AND {tenants}
+                                  LIMIT %(sample)s) t
+)
+SELECT s.key, s.rate_limit, s.period, s.rate_key, s.rate_key_limit, s.concurrency_key, s.concurrency_key_limit,
+       (SELECT count(*) FROM starts WHERE starts.service_id = s.id),
+       (SELECT count(*) FROM rfull WHERE rfull.service_id = s.id),
+       (SELECT count(*) FROM cfull WHERE cfull.service_id = s.id),
+       q.tenant_id, count(q.service_id), count(*) FILTER (WHERE q.on_key_rate), count(*) FILTER (WHERE q.on_key_cap)
+  FROM s LEFT JOIN q ON q.service_id = s.id
+ GROUP BY s.id, s.key, s.rate_limit, s.period, s.rate_key, s.rate_key_limit, s.concurrency_key,
+          s.concurrency_key_limit, q.tenant_id
+ ORDER BY s.key
+"""
+
+
+@dataclass
+class FlowLimit:
+    """A service's rate limits and per-key cap right now, and the queued tasks each holds back.
+
+    ``starts_left`` is what the service-wide rate limit still allows in its window (None: no
+    such limit); ``waiting_*`` count queued tasks held back by each limit, ``by_tenant`` the
+    same per tenant slug.
+    """
+
+    service: str
+    rate_limit: int
+    period_seconds: int
+    started: int
+    starts_left: int | None
+    rate_key: str
+    rate_key_limit: int
+    keys_at_rate_limit: int
+    concurrency_key: str
+    concurrency_key_limit: int
+    keys_at_cap: int
+    queued: int = 0
+    waiting_on_rate: int = 0
+    waiting_on_key_rate: int = 0
+    waiting_on_key_cap: int = 0
+    by_tenant: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def flow_limits(*, tenant_ids: set[UUID] | None = None) -> list[FlowLimit]:
+    """Return the flow-control state of every service that has a rate limit or a per-key cap."""
+    where, params = _tenant_filter("t.tenant_id", tenant_ids)
+    with connection.cursor() as cur:
+        cur.execute("SELECT id, slug FROM accs_tenant")
+        slugs = dict(cur.fetchall())
+        cur.execute(FLOW_SQL.format(tenants=where), {**params, "sample": FLOW_SAMPLE})
+        rows = cur.fetchall()
+    out: dict[str, FlowLimit] = {}
+    for (key, rate, period, rkey, rkey_limit, ckey, ckey_limit, started, keys_rate, keys_cap, tenant_id,
+         queued, on_key_rate, on_key_cap) in rows:
+        left = max(rate - started, 0) if rate else None
+        flow = out.setdefault(key, FlowLimit(key, rate, period, started, left, rkey, rkey_limit, keys_rate, ckey,
+                                             ckey_limit, keys_cap))
+        if not queued:
+            continue
+        on_rate = queued if left == 0 else 0
+        counts = {"queued": queued, "rate_limit": on_rate, "key_rate_limit": on_key_rate, "key_cap": on_key_cap}
+        flow.by_tenant[slugs.get(tenant_id, str(tenant_id))] = counts
+        flow.queued += queued
+        flow.waiting_on_rate += on_rate
+        flow.waiting_on_key_rate += on_key_rate
+        flow.waiting_on_key_cap += on_key_cap
+    return list(out.values())
+
+
 class Stuck:
     """Why queued tasks of a service are not claimed (the ``reason`` of a :class:`StuckReason`)."""
 
@@ -490,6 +586,9 @@ class Stuck:
     GOVERNOR = "governor"  # a governor condition it is blocked during holds
     AT_CAP = "at_cap"  # as many of its tasks run as its global cap allows
     QUARANTINED_HOST = "quarantined_host"  # tasks bound to a host in quarantine
+    RATE_LIMIT = "rate_limit"  # the service used every start its rate limit allows in the window
+    KEY_RATE_LIMIT = "key_rate_limit"  # their key used every start its per-key rate limit allows
+    KEY_CAP = "key_cap"  # their key holds as many tasks as the per-key cap allows
 
 
 @dataclass
@@ -522,7 +621,7 @@ def _node_words(node: NodeHealth) -> str:
 
 
 def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenant_ids: set[UUID] | None = None,
-                  show_nodes: bool = True) -> list[StuckReason]:
+                  show_nodes: bool = True, flow: list[FlowLimit] | None = None) -> list[StuckReason]:
     """Return why queued tasks are not claimed: per service, each reason with the tasks it holds back.
 
     A service is served live by a node that is online and active and lists it among its services.
@@ -557,13 +656,7 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
         required = _json(required) or {}
 
         def add(reason: str, counts: dict[str, int], message: str, detail: str) -> None:
-            n = sum(counts.values())
-            tenant = next(iter(counts)) if len(counts) == 1 else ""
-            if len(counts) > 1:
-                split = " · ".join(f"{slug} {k}" for slug, k in sorted(counts.items()))
-                detail = f"{detail} ({split})" if detail else split
-            out.append(StuckReason(service=key, tenant=tenant, reason=reason, count=n,
-                                   message=message.format(tasks=_tasks(n), key=key), detail=detail))
+            out.append(_reason(key, reason, counts, message, detail))
 
         serving = [n for n in nodes if key in n.services]
         live = [n for n in serving if n.live]
@@ -600,7 +693,42 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
                 "{tasks} queued for '{key}' bound to quarantined hosts",
                 f"clear the quarantine of {', '.join(hosts)}" + (" …" if len(hosts) >= 5 else "")
                 + " (admin: Hosts)")
+    out += _flow_reasons(flow if flow is not None else flow_limits(tenant_ids=tenant_ids))
     return sorted(out, key=lambda r: (r.service, r.reason, r.tenant))
+
+
+def _flow_reasons(flow: list[FlowLimit]) -> list[StuckReason]:
+    """Say which queued tasks wait on a rate limit or a per-key cap, per service and tenant."""
+    out: list[StuckReason] = []
+    for f in flow:
+        period = human_age(f.period_seconds)
+        said = {
+            Stuck.RATE_LIMIT: (f"{{tasks}} queued for '{f.service}' wait for its rate limit"
+                               f" ({f.started}/{f.rate_limit} starts in the last {period})",
+                               "they start as the window moves on; the limit is the service's rate_limit"),
+            Stuck.KEY_RATE_LIMIT: (f"{{tasks}} queued for '{f.service}' wait for their key's rate limit"
+                                   f" ({f.keys_at_rate_limit} value(s) of {f.rate_key} at {f.rate_key_limit}"
+                                   f" starts per {period})", "other keys still start; the limit is rate_key_limit"),
+            Stuck.KEY_CAP: (f"{{tasks}} queued for '{f.service}' wait for their key's cap"
+                            f" ({f.keys_at_cap} value(s) of {f.concurrency_key} at {f.concurrency_key_limit} running)",
+                            "they start as running tasks of the same key finish; the cap is concurrency_key_limit"),
+        }
+        for reason, (message, detail) in said.items():
+            counts = {slug: c[reason] for slug, c in f.by_tenant.items() if c[reason]}
+            if counts:
+                out.append(_reason(f.service, reason, counts, message, detail))
+    return out
+
+
+def _reason(service: str, reason: str, counts: dict[str, int], message: str, detail: str) -> StuckReason:
+    """Build one reason from the tasks it holds back per tenant (named when there is one tenant)."""
+    n = sum(counts.values())
+    tenant = next(iter(counts)) if len(counts) == 1 else ""
+    if len(counts) > 1:
+        split = " · ".join(f"{slug} {k}" for slug, k in sorted(counts.items()))
+        detail = f"{detail} ({split})" if detail else split
+    return StuckReason(service=service, tenant=tenant, reason=reason, count=n,
+                       message=message.format(tasks=_tasks(n), key=service), detail=detail)
 
 
 # --------------------------------------------------------------------------------------------
@@ -621,6 +749,7 @@ class Overview:
     failures: list[Failure] = field(default_factory=list)
     stale_after: float = 0.0
     stuck: list[StuckReason] = field(default_factory=list)
+    flow: list[FlowLimit] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """Return the overview as JSON-ready data (datetimes as ISO strings)."""
@@ -650,6 +779,7 @@ def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
         totals.oldest_queued_age = _max_age(totals.oldest_queued_age, card.oldest_queued_age)
     # Nodes and conditions are read for everyone (the stuck reasons need them), shown to infra viewers only.
     nodes, conditions = node_health(now=now), governor_conditions(now=now)
+    flow = flow_limits(tenant_ids=tenant_ids)
     return Overview(
         generated_at=now, tenants=tenants, services=services, totals=totals,
         stats=recent_stats(tenant_ids=tenant_ids, now=now),
@@ -657,7 +787,9 @@ def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
         conditions=conditions if include_infra else [],
         failures=recent_failures(tenant_ids=tenant_ids),
         stale_after=stale_after_seconds(),
-        stuck=stuck_reasons(nodes=nodes, conditions=conditions, tenant_ids=tenant_ids, show_nodes=include_infra),
+        stuck=stuck_reasons(nodes=nodes, conditions=conditions, tenant_ids=tenant_ids, show_nodes=include_infra,
+                            flow=flow),
+        flow=flow,
     )
 
 

@@ -286,3 +286,44 @@ def test_flow_limits_are_edited_through_the_http_api_with_the_same_validation(ma
     from workflows.models import Service
 
     assert Service.objects.get(key="api-flow").rate_key_limit == 0, "nothing written by the refused change"
+
+
+# ---------------------------------------------------------------------------------- where it shows
+
+@pytest.mark.django_db
+def test_dashboard_metrics_and_stuck_reasons_show_starts_left_and_tasks_waiting_on_each_limit(client, make_service):
+    from django.urls import reverse
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ops import metrics
+    from ops.overview import flow_limits, overview
+    from tests.ops_helpers import make_user
+
+    rated = make_service("rated-dash", rate_limit=3, rate_period_seconds=60, **KEYED)
+    keyed = make_service("keyed-dash", concurrency_key="customer", concurrency_key_limit=1, rate_key="customer",
+                         rate_key_limit=5, **KEYED)
+    enqueue("rated-dash", ["a"] * 5)
+    enqueue("keyed-dash", ["a", "a", "a", "b"])
+    assert len(claim(rated)) == 3
+    assert customers_of(claim(keyed)) == {"a": 1, "b": 1}
+
+    flows = {f.service: f for f in flow_limits()}
+    r, k = flows["rated-dash"], flows["keyed-dash"]
+    assert (r.started, r.starts_left, r.queued, r.waiting_on_rate) == (3, 0, 2, 2)
+    assert (k.starts_left, k.keys_at_cap, k.keys_at_rate_limit, k.queued, k.waiting_on_key_cap) == (None, 2, 0, 2, 2)
+    stuck = {(s.service, s.reason): s for s in overview().stuck}
+    assert stuck[("rated-dash", "rate_limit")].count == 2
+    assert "3/3 starts in the last 60 s" in stuck[("rated-dash", "rate_limit")].message
+    assert stuck[("keyed-dash", "key_cap")].count == 2
+    assert ("keyed-dash", "key_rate_limit") not in stuck
+
+    client.force_login(make_user("root-flow", superuser=True))
+    body = client.get(reverse("ops:dashboard")).content.decode()
+    assert 'id="accs-flow"' in body and 'data-flow="rated-dash"' in body and "3/3 per 60 s" in body
+    metrics._collector = metrics._registry = None
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(client.get("/metrics").content.decode()) for s in fam.samples}
+    assert samples[("accs_rate_limit_starts_left", (("service", "rated-dash"),))] == 0
+    assert samples[("accs_flow_waiting_tasks", (("limit", "rate_limit"), ("service", "rated-dash")))] == 2
+    assert samples[("accs_flow_keys_at_limit", (("limit", "key_cap"), ("service", "keyed-dash")))] == 2
+    assert samples[("accs_flow_waiting_tasks", (("limit", "key_cap"), ("service", "keyed-dash")))] == 2
