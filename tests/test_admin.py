@@ -230,7 +230,8 @@ SERVICE_FORM = {
     "executor_config": '{"argv": ["render", "{preset}"]}', "params_schema": '{"type": "object"}',
     "timeout_seconds": 600, "max_attempts": 3, "backoff_base_seconds": "", "backoff_cap_seconds": 3600,
     "cpu_weight": 1, "max_concurrent": 0, "base_priority": 0, "required_labels": "{}", "block_during": "",
-    "priority_adjust_during": "{}",
+    "priority_adjust_during": "{}", "rate_limit": 0, "rate_period_seconds": 60, "rate_key": "", "rate_key_limit": 0,
+    "concurrency_key": "", "concurrency_key_limit": 0,
 }
 
 

@@ -327,3 +327,23 @@ def test_dashboard_metrics_and_stuck_reasons_show_starts_left_and_tasks_waiting_
     assert samples[("accs_flow_waiting_tasks", (("limit", "rate_limit"), ("service", "rated-dash")))] == 2
     assert samples[("accs_flow_keys_at_limit", (("limit", "key_cap"), ("service", "keyed-dash")))] == 2
     assert samples[("accs_flow_waiting_tasks", (("limit", "key_cap"), ("service", "keyed-dash")))] == 2
+
+
+@pytest.mark.django_db
+def test_admin_service_form_puts_each_flow_problem_under_its_field(client):
+    from django.urls import reverse
+
+    from tests.ops_helpers import make_user
+    from tests.test_admin import SERVICE_FORM
+    from workflows.models import Service
+
+    client.force_login(make_user("root-flow-form", superuser=True))
+    form = {**SERVICE_FORM, "params_schema": '{"type": "object", "properties": {"preset": {"type": "string"}}}'}
+    response = client.post(reverse("admin:workflows_service_add"), {**form, "concurrency_key_limit": 2})
+    errors = response.context["adminform"].form.errors
+    assert any("name the params path" in e for e in errors["concurrency_key"]), errors
+    assert not Service.objects.filter(key="render").exists()
+    ok = client.post(reverse("admin:workflows_service_add"), {**form, "concurrency_key": "customer.id",
+                                                             "concurrency_key_limit": 2})
+    assert ok.status_code == 302
+    assert Service.objects.get(key="render").concurrency_key_limit == 2
