@@ -272,6 +272,23 @@ def claim_sql(*, keyed: bool, rated: bool) -> str:
 CLAIM_SQL = claim_sql(keyed=False, rated=False)
 _CLAIM_VARIANTS = {(k, r): claim_sql(keyed=k, rated=r) for k in (False, True) for r in (False, True)}
 
+
+def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
+                    adjust: Mapping[int, int]) -> tuple[str, dict[str, Any]]:
+    """Return the claim statement these services need and its per-service parameters."""
+    specs = [s for s, _ in rooms]
+    sql = _CLAIM_VARIANTS[(any(s.keyed for s in specs), any(s.rated for s in specs))]
+    return sql, {
+        "svc_ids": [s.id for s in specs], "rooms": [n for _, n in rooms],
+        "weights": [max(s.cpu_weight, 1) for s in specs], "adjust": [adjust.get(s.id, 0) for s in specs],
+        # A service with a per-key limit scans past its room: some candidates may belong to keys
+        # with less room left than the service has.
+        "scans": [min(n * 4 + 16, 1000) if s.keyed else n for s, n in rooms],
+        "rpaths": [s.rate_key for s in specs], "rlimits": [s.rate_key_limit for s in specs],
+        "cpaths": [s.concurrency_key for s in specs], "climits": [s.concurrency_key_limit for s in specs],
+        "periods": [s.rate_period for s in specs], "rated": [s.rated for s in specs],
+    }
+
 HELD_SQL = """
 -- Held tasks on this node (task_held_node_idx) and of the capped services (task_held_service_idx):
 -- partial indexes holding only starting/running tasks, so the cost follows the running work.
@@ -397,21 +414,10 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
         if slots <= 0 or not rooms:
             return []
         by_id = {s.id: s for s, _ in rooms}
-        specs = [s for s, _ in rooms]
-        sql = _CLAIM_VARIANTS[(any(s.keyed for s in specs), any(s.rated for s in specs))]
-        cur.execute(sql, {
-            "svc_ids": [s.id for s in specs], "rooms": [n for _, n in rooms],
-            "weights": [max(s.cpu_weight, 1) for s in specs], "adjust": [adjust.get(s.id, 0) for s in specs],
-            # A service with a per-key limit scans past its room: some candidates may belong to
-            # keys with less room than the service has.
-            "scans": [min(n * 4 + 16, 1000) if s.keyed else n for s, n in rooms],
-            "rpaths": [s.rate_key for s in specs], "rlimits": [s.rate_key_limit for s in specs],
-            "cpaths": [s.concurrency_key for s in specs], "climits": [s.concurrency_key_limit for s in specs],
-            "periods": [s.rate_period for s in specs], "rated": [s.rated for s in specs],
-            "now": now, "hosts": eligible, "slots": slots, "cpu": cpu, "agent": agent_id,
-            "node": limits.name, "lease": float(lease_seconds), "pid": pid, "source": f"agent:{limits.name}",
-            "exclude": [str(t) for t in exclude],
-        })
+        sql, params = claim_statement(rooms, adjust=adjust)
+        cur.execute(sql, {**params, "now": now, "hosts": eligible, "slots": slots, "cpu": cpu, "agent": agent_id,
+                          "node": limits.name, "lease": float(lease_seconds), "pid": pid,
+                          "source": f"agent:{limits.name}", "exclude": [str(t) for t in exclude]})
         return [ClaimedTask(*row[:4], from_json(row[4]) or {}, row[5], host=row[6], service_key=by_id[row[7]].key)
                 for row in cur.fetchall()]
 

@@ -154,15 +154,15 @@ def test_job_created_in_rolled_back_transaction_does_not_exist(make_service):
 
 def _claim_plan(svc, *, hosts: list[int]) -> str:
     """EXPLAIN ANALYZE the real claim statement for 10 tasks (rolled back: nothing is claimed)."""
-    from jobs.claim import CLAIM_SQL
-
-    params = {"svc_ids": [svc.id], "rooms": [10], "weights": [1], "adjust": [0], "now": None, "hosts": hosts,
-              "slots": 10, "cpu": 1000, "agent": "plan", "node": "plan", "lease": 60.0, "pid": 1, "source": "plan",
-              "exclude": []}
     from django.db import transaction
 
+    from jobs.claim import claim_statement, service_spec
+
+    sql, params = claim_statement([(service_spec(svc), 10)], adjust={})
+    params.update({"now": None, "hosts": hosts, "slots": 10, "cpu": 1000, "agent": "plan", "node": "plan",
+                   "lease": 60.0, "pid": 1, "source": "plan", "exclude": []})
     with transaction.atomic(), connection.cursor() as cur:
-        cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + CLAIM_SQL, params)
+        cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, params)
         plan = "\n".join(r[0] for r in cur.fetchall())
         transaction.set_rollback(True)
     return plan
@@ -195,6 +195,29 @@ def test_the_claim_reads_its_index_and_about_as_many_rows_as_it_claims(make_serv
     assert "using task_claim_idx on accs_task" in plan, plan
     # 10 claimed; the backoff and host-bound rows at the head are not in this index at all.
     assert _rows_read(plan, "task_claim_idx") <= 10, plan
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_claim_with_per_key_limits_reads_its_index_and_passes_over_full_keys(make_service):
+    """The keyed claim (rate and cap per customer) uses task_claim_idx and never scans the task table."""
+    from bench.fixtures import fill_queue
+    from jobs.models import Tenant
+    from nodes.models import Host, Node
+
+    svc = make_service("keyed", rate_key="customer", rate_key_limit=50, concurrency_key="customer",
+                       concurrency_key_limit=1)
+    tenant = Tenant.objects.get_or_create(slug="default", defaults={"name": "Default"})[0]
+    Node.objects.create(name="other-node")
+    other_host = Host.objects.create(name="other-host", node_id="other-node")
+    with connection.cursor() as cur:
+        fill_queue(cur, n=20_000, tenant_id=tenant.id, service_id=svc.id, other_host_id=other_host.id)
+        cur.execute("UPDATE accs_task SET params = jsonb_build_object('customer', 'c' || (order_seq % 50))")
+        cur.execute("ANALYZE accs_task")
+    svc.refresh_from_db()
+    plan = _claim_plan(svc, hosts=[])
+    assert "Seq Scan on accs_task" not in plan, plan
+    assert "using task_claim_idx on accs_task" in plan, plan
+    assert _rows_read(plan, "task_claim_idx") <= 4 * 10 + 16, "the scan window of a keyed service"
 
 
 def test_retried_dead_letter_task_runs_again_with_fresh_budget_and_new_attempt_numbers(make_service):
