@@ -5,7 +5,8 @@ actions and with the buttons on the job page; both call :mod:`jobs.transitions` 
 the API uses) and report the outcome with ``message_user``.
 
 Tenant isolation, the page buttons and the bulk actions come from :mod:`accs_site.admin_kit`; the
-list's bulk actions are built from the same action tables as the job and task pages' buttons.
+list's bulk actions are built from the same action tables as the job and task pages' buttons. The
+task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, over :mod:`jobs.redrive`).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class RedriveAdmin(PageActionsAdmin):
     def _initial(self, params) -> dict[str, Any]:
         """The redrive filter the list's current filters stand for (service, tenant)."""
         initial: dict[str, Any] = {}
-        if service_id := params.get("service__id__exact"):
+        if (service_id := params.get("service__id__exact", "")).isdigit():
             initial["service"] = Service.objects.filter(pk=service_id).values_list("key", flat=True).first() or ""
         if tenant := uuid_or_none(params.get("tenant", "")):
             initial["tenant"] = str(tenant)
