@@ -5,7 +5,8 @@ actions and with the buttons on the job page; both call :mod:`jobs.transitions` 
 the API uses) and report the outcome with ``message_user``.
 
 Tenant isolation, the page buttons and the bulk actions come from :mod:`accs_site.admin_kit`; the
-list's bulk actions are built from the same action tables as the job and task pages' buttons.
+list's bulk actions are built from the same action tables as the job and task pages' buttons. The
+task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, over :mod:`jobs.redrive`).
 """
 
 from __future__ import annotations
@@ -14,26 +15,28 @@ from typing import Any
 from uuid import UUID
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet
 from django.db.models.functions import Now
-from django.http import HttpRequest
-from django.urls import reverse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
 from django.utils.html import format_html
 
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
-    run_interval, status_pill, uuid_or_none, uuid_prefix_range,
+    actor, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
 )
-from jobs import transitions
+from jobs import redrive, transitions
 from jobs.models import (
     JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, Trigger,
     TriggerType,
 )
-from jobs.scoping import can_act, scope
+from jobs.scoping import can_act, scope, tenant_ids_for
 from ops.overview import human_age
 from workflows.models import Service, Workflow
+from workflows.validation import DefinitionError
 
 
 
@@ -62,6 +65,95 @@ class ApiTokenAdmin(admin.ModelAdmin):
     list_display = ("name", "user", "prefix", "created_at", "last_used_at", "revoked_at")
     search_fields = ("name", "user__username", "prefix")
     readonly_fields = ("prefix", "digest", "last_used_at")
+
+
+# --------------------------------------------------------------------------------------------
+# Bulk redrive: "Redrive all matching…" on the task and job lists
+# --------------------------------------------------------------------------------------------
+
+class RedriveForm(forms.Form):
+    """The filter of a bulk redrive; the tenant choices are the tenants the operator administers."""
+
+    service = forms.CharField(required=False, max_length=100, help_text="Service key.")
+    tenant = forms.ChoiceField(required=False)
+    error_contains = forms.CharField(required=False, max_length=500,
+                                     help_text="Part of the error message (any case).")
+    since = forms.DateTimeField(required=False, help_text="Finished at or after.")
+    until = forms.DateTimeField(required=False, help_text="Finished before.")
+    node = forms.CharField(required=False, max_length=200, help_text="Node that last held the task.")
+    include = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
+                                        choices=[(s, s) for s in sorted(redrive.JOB_EXTRA)],
+                                        help_text="Also jobs in these states, besides failed ones.")
+
+    def __init__(self, *args: Any, tenants: QuerySet, jobs: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["tenant"].choices = [("", "every tenant you administer")] + [(str(t.id), t.slug) for t in tenants]
+        if not jobs:
+            del self.fields["include"]
+
+    def to_filter(self, *, jobs: bool) -> redrive.RedriveFilter:
+        data = self.cleaned_data
+        return redrive.RedriveFilter(
+            jobs=jobs, service=data["service"] or None, tenant=data["tenant"] or None,
+            error_contains=data["error_contains"] or None, since=data["since"], until=data["until"],
+            node=data["node"] or None, include=frozenset(data.get("include") or ()))
+
+
+class RedriveAdmin(PageActionsAdmin):
+    """A list with "Redrive all matching…": a form with the list's current filters, the dry-run
+    count, then the redrive on confirmation (:mod:`jobs.redrive`), reported with ``message_user``."""
+
+    redrive_jobs = False
+    change_list_template = "admin/jobs/redrive_change_list.html"
+
+    def get_urls(self):
+        name = f"{self.opts.app_label}_{self.opts.model_name}_redrive"
+        return [path("redrive/", self.admin_site.admin_view(self.redrive_view), name=name)] + super().get_urls()
+
+    def changelist_view(self, request, extra_context=None):
+        extra = dict(extra_context or {})
+        if self.has_act_permission(request):
+            url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_redrive")
+            extra["redrive_url"] = f"{url}?{request.GET.urlencode()}" if request.GET else url
+        return super().changelist_view(request, extra_context=extra)
+
+    def _initial(self, params) -> dict[str, Any]:
+        """The redrive filter the list's current filters stand for (service, tenant)."""
+        initial: dict[str, Any] = {}
+        if (service_id := params.get("service__id__exact", "")).isdigit():
+            initial["service"] = Service.objects.filter(pk=service_id).values_list("key", flat=True).first() or ""
+        if tenant := uuid_or_none(params.get("tenant", "")):
+            initial["tenant"] = str(tenant)
+        return initial
+
+    def redrive_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_act_permission(request):
+            raise PermissionDenied
+        allowed = tenant_ids_for(request.user, write=True)
+        tenants = scope(Tenant.objects.order_by("slug"), request.user, write=True, field="id")
+        posted = request.method == "POST"
+        form = RedriveForm(request.POST if posted else None, initial=self._initial(request.GET), tenants=tenants,
+                           jobs=self.redrive_jobs)
+        matched = None
+        if posted and form.is_valid():
+            flt = form.to_filter(jobs=self.redrive_jobs)
+            try:
+                if "confirm" in request.POST:
+                    done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed)
+                    self.message_user(request, f"Redrive: {done.matched} matched, {done.redriven} redriven, "
+                                               f"{done.skipped} skipped (no longer applicable)",
+                                      messages.SUCCESS if not done.skipped else messages.WARNING)
+                    return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"))
+                matched = redrive.count(flt, tenant_ids=allowed)
+            except DefinitionError as exc:
+                for problem in exc.problems:
+                    form.add_error(problem.where if problem.where in form.fields else None, problem.message)
+        context = {
+            **self.admin_site.each_context(request), "opts": self.opts, "form": form, "matched": matched,
+            "title": "Redrive failed jobs" if self.redrive_jobs else "Redrive dead-lettered tasks",
+            "noun": "failed job(s)" if self.redrive_jobs else "dead-lettered task(s)",
+        }
+        return TemplateResponse(request, "admin/jobs/redrive.html", context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,7 +192,7 @@ def task_actions_for(task: Task) -> list[str]:
 
 
 @admin.register(Job)
-class JobAdmin(PageActionsAdmin):
+class JobAdmin(RedriveAdmin):
     list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "priority",
                     "source", "approval_state", "age", "duration", "finished_at")
     list_display_links = ("short_id",)
@@ -111,6 +203,7 @@ class JobAdmin(PageActionsAdmin):
     list_select_related = ("tenant", "workflow", "service")
     ordering = ("-created_at",)  # job_created_idx
     actions = bulk_actions(JOB_ACTIONS, "jobs")
+    redrive_jobs = True
     change_form_template = "admin/jobs/job/change_form.html"
     fieldsets = (
         (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress", "current_task_key",
@@ -207,7 +300,7 @@ TASK_ACTIONS: ActionTable = {
 
 
 @admin.register(Task)
-class TaskAdmin(PageActionsAdmin):
+class TaskAdmin(RedriveAdmin):
     list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "priority", "node",
                     "host", "next_attempt_at", "finished_at")
     list_filter = ("status", "service", TenantListFilter)

@@ -12,7 +12,8 @@ validated against the services' JSON Schemas before anything is written.
 
 Starting: :func:`start_workflow`, :func:`start_service`, :func:`start`, :func:`start_many`,
 :func:`validate`. Events: :func:`emit_event` (CTL4). Acting: :func:`cancel`, :func:`retry`,
-:func:`approve`, :func:`reject`, :func:`cancel_task`, :func:`retry_task`. Governor (WF5):
+:func:`approve`, :func:`reject`, :func:`cancel_task`, :func:`retry_task`, :func:`redrive` (in bulk, by
+filter, :class:`RedriveFilter`). Governor (WF5):
 :func:`raise_condition`, :func:`clear_condition`.
 
 Idempotency (CTL2): a repeated ``external_id`` (per tenant) returns the existing job, also under
@@ -37,6 +38,7 @@ from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
 from jobs import admission, transitions
+from jobs import redrive as redrive_module
 from jobs.definitions import definitions
 from jobs.instantiate import InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for
 from jobs.models import DEFAULT_TENANT_SLUG, JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus, Tenant
@@ -45,6 +47,7 @@ from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
 
 ActionResult = transitions.ActionResult
+RedriveFilter = redrive_module.RedriveFilter
 INT32 = 2**31 - 1
 
 
@@ -522,6 +525,18 @@ def cancel_task(task_id: UUID, *, by: str = "") -> ActionResult:
 def retry_task(task_id: UUID, *, by: str = "") -> ActionResult:
     """Put one failed, skipped, canceled or blocked task back to queued, attempts reset (JOB5)."""
     return transitions.retry_task(task_id, by=by)
+
+
+def redrive(flt: redrive_module.RedriveFilter, *, by: str = "", dry_run: bool = False, batch: int = 500,
+            limit: int | None = None) -> redrive_module.RedriveResult:
+    """Retry every dead-lettered task (or, with ``flt.jobs``, failed job) matching ``flt``, in batches.
+
+    With ``dry_run`` only count them (``matched``), writing nothing. Each batch commits on its
+    own, so call it outside a transaction of yours. See :mod:`jobs.redrive`.
+    """
+    if dry_run:
+        return redrive_module.dry_run(flt, limit=limit)
+    return redrive_module.redrive(flt, by=by, batch=batch, limit=limit)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ applies answers 409 with its reason.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from django.core.exceptions import PermissionDenied
@@ -20,7 +20,7 @@ from ninja import Field, Query, Router, Schema, Status
 from pydantic import AwareDatetime, field_validator
 
 from accs_site.http import INT32, In, responses, username, utc
-from jobs import api, triggers
+from jobs import api, redrive, triggers
 from jobs.models import (
     TASK_HELD, ApprovalState, Attempt, Job, JobSource, JobStatus, MissedRunPolicy, Task, Tenant, Trigger,
     TriggerType,
@@ -177,6 +177,40 @@ class JobFilter(In):
     @classmethod
     def _utc(cls, value: datetime | None, info) -> datetime | None:
         return utc(value, field=info.field_name)
+
+
+class RedriveIn(In):
+    """Which dead letters (``target: tasks``, tasks in final error) or failed jobs (``target: jobs``,
+    jobs in error, plus ``include``: partial / canceled) to retry. Each field given narrows the match;
+    ``since <= finished_at < until``. ``dry_run`` (the default) only counts."""
+
+    target: Literal["tasks", "jobs"] = "tasks"
+    service: str | None = Field(None, min_length=1, max_length=100, description="Service key.")
+    tenant: str | None = Field(None, min_length=1, max_length=100, description="Tenant slug or id.")
+    error_contains: str | None = Field(None, min_length=1, max_length=500,
+                                       description="Case-insensitive part of the error message.")
+    since: datetime | None = Field(None, description="Finished at or after (ISO 8601; naive means UTC).")
+    until: datetime | None = Field(None, description="Finished before (ISO 8601; naive means UTC).")
+    node: str | None = Field(None, min_length=1, max_length=200, description="Node that last held the task.")
+    include: list[Literal["partial", "canceled"]] = Field(default_factory=list, description="Jobs only.")
+    dry_run: bool = True
+    batch: int = Field(500, ge=1, le=redrive.MAX_BATCH, description="Tasks or jobs per transaction.")
+    limit: int | None = Field(None, ge=1, le=INT32, description="Redrive at most this many.")
+
+    @field_validator("since", "until")
+    @classmethod
+    def _utc(cls, value: datetime | None, info) -> datetime | None:
+        return utc(value, field=info.field_name)
+
+
+class RedriveOut(Schema):
+    target: str
+    dry_run: bool
+    matched: int = Field(description="Matching now (dry run) or taken in by the redrive.")
+    redriven: int
+    skipped: int = Field(description="No longer applicable when their batch came (retried or changed since).")
+    batches: int
+    filter: dict[str, Any]
 
 
 class TriggerIn(In):
@@ -432,6 +466,29 @@ def summary(request: HttpRequest, filters: Query[SummaryFilter]):
         "oldest_queued_age_seconds": round((now - oldest).total_seconds(), 3) if oldest else None,
         "generated_at": now,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Bulk redrive (declared before /{job_id})
+# --------------------------------------------------------------------------------------------
+
+@router.post("/redrive", response=responses({200: RedriveOut}), summary="Redrive dead letters or failed jobs in bulk")
+def redrive_matching(request: HttpRequest, body: RedriveIn):
+    """Count (``dry_run``, the default) or retry every dead-lettered task or failed job matching the
+    filter, in the tenants you administer. An unknown service, a bad time or ``until`` before
+    ``since`` is 422 naming the field; a tenant you may not act in is 403."""
+    allowed = tenant_ids_for(request.auth, write=True)
+    if allowed is not None and not allowed:
+        raise PermissionDenied("you are not an admin of any tenant")
+    flt = redrive.RedriveFilter(
+        jobs=body.target == "jobs", service=body.service, tenant=body.tenant, error_contains=body.error_contains,
+        since=body.since, until=body.until, node=body.node, include=frozenset(body.include))
+    if body.dry_run:
+        result = redrive.dry_run(flt, limit=body.limit, tenant_ids=allowed)
+    else:
+        result = redrive.redrive(flt, by=username(request), batch=body.batch, limit=body.limit, tenant_ids=allowed)
+    return {"target": body.target, "dry_run": body.dry_run, "matched": result.matched, "redriven": result.redriven,
+            "skipped": result.skipped, "batches": result.batches, "filter": flt.describe()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,6 +102,8 @@ JOB_FINAL = (JobStatus.DONE, JobStatus.PARTIAL, JobStatus.ERROR, JobStatus.CANCE
 # Admitted: its tasks exist and count against the tenant's and the workflow's caps.
 JOB_ADMITTED = (JobStatus.WAITING, JobStatus.RUNNING)
 JOB_ACTIVE = (JobStatus.QUEUED, *JOB_ADMITTED)
+# Final states that are not success: what an operator may retry.
+JOB_FAILED = (JobStatus.ERROR, JobStatus.PARTIAL, JobStatus.CANCELED)
 
 
 class JobSource(models.TextChoices):
@@ -196,6 +198,8 @@ class Job(models.Model):
             models.Index(fields=["tenant", "status", "-created_at"], name="job_tenant_status_created_idx"),
             models.Index(fields=["workflow", "status"], condition=Q(status__in=JOB_ADMITTED), name="job_workflow_admitted_idx"),
             models.Index(fields=["-created_at"], name="job_created_idx"),
+            # Bulk redrive (jobs.redrive): failed jobs in id order, few among many finished ones.
+            models.Index(fields=["id"], condition=Q(status__in=JOB_FAILED), name="job_failed_idx"),
         ]
 
     def __str__(self) -> str:
@@ -308,6 +312,8 @@ class Task(models.Model):
             # Limits: held tasks per service / host.
             models.Index(fields=["service", "node"], condition=Q(status__in=TASK_HELD), name="task_held_service_idx"),
             models.Index(fields=["job", "status"], name="task_job_status_idx"),
+            # Bulk redrive (jobs.redrive): dead letters in id order, few among many finished tasks.
+            models.Index(fields=["id"], condition=Q(status=TaskStatus.ERROR), name="task_dead_letter_idx"),
         ]
 
     def __str__(self) -> str:

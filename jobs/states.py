@@ -27,7 +27,7 @@ JOB_FINAL: frozenset[str] = frozenset(models.JOB_FINAL)
 JOB_ACTIVE: frozenset[str] = frozenset(models.JOB_ACTIVE)
 # Admitted jobs (tasks created): "running" while a task of it is starting or running, else "waiting".
 JOB_ADMITTED: frozenset[str] = frozenset(models.JOB_ADMITTED)
-JOB_RETRYABLE: frozenset[str] = frozenset({J.ERROR, J.CANCELED, J.PARTIAL})
+JOB_RETRYABLE: frozenset[str] = frozenset(models.JOB_FAILED)
 
 # Task status → the statuses it may move to. "created" is the pseudo-state of a new row.
 TASK_TRANSITIONS: dict[str, frozenset[str]] = {

@@ -2,7 +2,7 @@
 
 * :mod:`jobs.admission` — admission and instantiation, the builder's side (queued → running);
 * :mod:`jobs.reports` — the agents' side: start, heartbeat, progress, outcomes, lease rescue;
-* :mod:`jobs.verbs` — operators' verbs: cancel, retry, approve, reject;
+* :mod:`jobs.verbs` — operators' verbs: cancel, retry (one or many), approve, reject;
 * :mod:`jobs.finalize` — promotion and completion, shared by all of them.
 
 The fleet's verbs (drain, undrain, clear a host's quarantine) live in :mod:`nodes.verbs`.
@@ -19,9 +19,12 @@ from jobs.admission import start_due_jobs, start_jobs
 from jobs.reports import (
     Outcome, ReportResult, heartbeat, mark_running, report, report_progress, rescue_expired,
 )
-from jobs.verbs import ActionResult, approve, cancel_job, cancel_task, reject, retry_job, retry_task
+from jobs.verbs import (
+    ActionResult, Note, approve, cancel_job, cancel_task, reject, retry_job, retry_jobs, retry_task, retry_tasks,
+)
 
 __all__ = [
-    "ActionResult", "Outcome", "ReportResult", "approve", "cancel_job", "cancel_task", "heartbeat", "mark_running",
-    "reject", "report", "report_progress", "rescue_expired", "retry_job", "retry_task", "start_due_jobs", "start_jobs",
+    "ActionResult", "Note", "Outcome", "ReportResult", "approve", "cancel_job", "cancel_task", "heartbeat",
+    "mark_running", "reject", "report", "report_progress", "rescue_expired", "retry_job", "retry_jobs", "retry_task",
+    "retry_tasks", "start_due_jobs", "start_jobs",
 ]

@@ -8,8 +8,8 @@ nothing and says why in its :class:`ActionResult`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -34,6 +34,18 @@ class ActionResult:
     message: str
 
 
+@dataclass(frozen=True)
+class Note:
+    """Why tasks and jobs are retried: words for their status events' messages, and data the events carry."""
+
+    task: str = "retry"
+    job: str = "retry"
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+TASK_RETRY = Note(job="task retried")
+
+
 def _source(by: str) -> str:
     return f"user:{by}" if by else "api"
 
@@ -43,16 +55,16 @@ def _job_event(cur, job_id, message: str, *, by: str, level: str = "info", data:
                            data=data or {})], cursor=cur)
 
 
-def _admission_locks_for_job(cur, job_id: UUID) -> None:
-    """Take the advisory locks the job's admission counts under (before any row lock)."""
+def _admission_locks_for_jobs(cur, job_ids: Sequence[str]) -> None:
+    """Take the advisory locks the jobs' admission counts under (before any row lock)."""
     cur.execute("SELECT j.tenant_id, j.workflow_id, tn.max_in_flight, coalesce(w.max_active_jobs, 0) FROM accs_job j"
                 " JOIN accs_tenant tn ON tn.id = j.tenant_id LEFT JOIN accs_workflow w ON w.id = j.workflow_id"
-                " WHERE j.id = %s", [job_id])
-    row = cur.fetchone()
-    if row:
-        tenant_id, workflow_id, tenant_cap, wf_cap = row
-        advisory_locks(cur, ([tenant_lock_key(tenant_id)] if tenant_cap else [])
-                       + ([workflow_lock_key(workflow_id)] if workflow_id and wf_cap else []))
+                " WHERE j.id = ANY(%s::uuid[])", [list(job_ids)])
+    keys = []
+    for tenant_id, workflow_id, tenant_cap, wf_cap in cur.fetchall():
+        keys += ([tenant_lock_key(tenant_id)] if tenant_cap else []) + (
+            [workflow_lock_key(workflow_id)] if workflow_id and wf_cap else [])
+    advisory_locks(cur, keys)
 
 
 def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
@@ -118,30 +130,42 @@ def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> 
     return ActionResult(False, "task is already finished; nothing to cancel")
 
 
-def _reset_tasks(cur, job_id: UUID, *, only: UUID | None = None, statuses: Iterable[str] = TASK_RETRYABLE,
-                 now: datetime, source: str) -> list[tuple]:
-    """Put failed/skipped/canceled/blocked tasks of a (locked) job back: queued, or waiting if it has deps.
+def _reset_tasks(cur, job_ids: Sequence[UUID], *, only: Sequence[UUID] | None = None,
+                 seen: Mapping[UUID, datetime] | None = None, statuses: Iterable[str] = TASK_RETRYABLE,
+                 now: datetime, source: str, why: Note) -> list[tuple]:
+    """Put failed/skipped/canceled/blocked tasks of (locked) jobs back: queued, or waiting if it has deps.
 
+    ``only`` limits the reset to those tasks; ``seen`` to tasks still finished at the time the
+    caller saw (a task retried and finished again meanwhile is another failure, left alone).
     The retry budget is renewed: ``max_attempts`` becomes the attempts used so far plus the
     service's budget. Attempt numbers never go back, so each Attempt row keeps its number and a
-    late report from an earlier attempt stays fenced. Return (task id, new status, service id).
+    late report from an earlier attempt stays fenced. Return (task id, new status, service id, job id).
     """
+    if not job_ids:
+        return []
+    ids = [str(t) for t in only] if only is not None else None
+    seen_ids = [str(t) for t in seen] if seen is not None else None
     cur.execute(
-        "WITH o AS (SELECT id, status FROM accs_task WHERE job_id = %s AND (%s::uuid IS NULL OR id = %s)"
-        f"           AND status IN {sql_in(statuses)})"
+        "WITH o AS (SELECT id, status FROM accs_task WHERE job_id = ANY(%s::uuid[])"
+        "           AND (%s::uuid[] IS NULL OR id = ANY(%s::uuid[]))"
+        f"           AND status IN {sql_in(statuses)}"
+        # The finished_at the caller saw identifies the failure it means to retry.
+        "           AND (%s::uuid[] IS NULL OR (id, finished_at) IN"
+        "                (SELECT * FROM unnest(%s::uuid[], %s::timestamptz[]))))"
         " UPDATE accs_task t SET status = CASE WHEN cardinality(t.depends_on) = 0 THEN 'queued' ELSE 'waiting' END,"
         "  max_attempts = t.attempt + s.max_attempts,"
         "  next_attempt_at = %s, updated_at = %s, finished_at = NULL, error_code = '', error_message = '',"
         "  results = NULL, progress = NULL, claimed_by = '', lease_expires_at = NULL, cancel_requested_at = NULL"
         "  FROM o, accs_service s WHERE t.id = o.id AND s.id = t.service_id"
-        " RETURNING t.id, t.status, t.service_id, o.status",
-        [job_id, only, only, now, now],
+        " RETURNING t.id, t.status, t.service_id, t.job_id, o.status",
+        [[str(j) for j in job_ids], ids, ids, seen_ids, seen_ids, list(seen.values()) if seen is not None else None,
+         now, now],
     )
     rows = cur.fetchall()
-    write_events([EventRow(type="status", message=f"task {frm} → {st} (retry, attempts reset)", job_id=job_id,
-                           task_id=t, source=source, data={"from": frm, "to": st, "retry": True})
-                  for t, st, _, frm in rows], cursor=cur)
-    return rows
+    write_events([EventRow(type="status", message=f"task {frm} → {st} ({why.task}, attempts reset)", job_id=job,
+                           task_id=t, source=source, data={"from": frm, "to": st, "retry": True, **why.data})
+                  for t, st, _, job, frm in rows], cursor=cur)
+    return [r[:4] for r in rows]
 
 
 def _notify_services(cur, service_ids: Iterable[int]) -> None:
@@ -151,9 +175,9 @@ def _notify_services(cur, service_ids: Iterable[int]) -> None:
         notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
 
 
-def _back_to_work(cur, job_id: UUID, job: tuple, *, by: str, now: datetime, what: str) -> str:
+def _back_to_work(cur, job_id: UUID, job: tuple, *, by: str, now: datetime, why: Note) -> str:
     """Move a finished job back to waiting (or queued, through admission); return the new status."""
-    status, _approval, instantiated, tenant_id, workflow_id = job
+    status, _approval, instantiated, tenant_id, workflow_id = job[:5]
     source = _source(by)
     if instantiated:
         new_status = readmit(cur, job_id, tenant_id=tenant_id, workflow_id=workflow_id, now=now, source=source)
@@ -162,75 +186,142 @@ def _back_to_work(cur, job_id: UUID, job: tuple, *, by: str, now: datetime, what
         notify(cur, [builder_channel()])
     cur.execute("UPDATE accs_job SET status = %s, finished_at = NULL, error_code = '', error_message = '',"
                 " updated_at = %s WHERE id = %s", [new_status, now, job_id])
-    _job_event(cur, job_id, f"job {status} → {new_status} ({what})", by=by, data={"from": status, "to": new_status})
+    _job_event(cur, job_id, f"job {status} → {new_status} ({why.job})", by=by,
+               data={"from": status, "to": new_status, **why.data})
     return new_status
 
 
-def _locked_job(cur, job_id: UUID) -> tuple[Any, ...] | None:
-    _admission_locks_for_job(cur, job_id)
-    if not lock_jobs(cur, [job_id]):
-        return None
-    lock_tasks_of_jobs(cur, [job_id])
-    cur.execute("SELECT status, approval_state, started_at IS NOT NULL, tenant_id, workflow_id FROM accs_job"
-                " WHERE id = %s", [job_id])
-    return cur.fetchone()
+def _locked_jobs(cur, job_ids: Iterable[UUID]) -> dict[UUID, tuple[Any, ...]]:
+    """Lock jobs and all their tasks in the engine's order; return each existing job's state.
+
+    The state is (status, approval, instantiated, tenant id, workflow id, finished_at).
+    """
+    ids = sorted({str(j) for j in job_ids})
+    _admission_locks_for_jobs(cur, ids)
+    locked = lock_jobs(cur, ids)
+    if not locked:
+        return {}
+    lock_tasks_of_jobs(cur, locked)
+    cur.execute("SELECT id, status, approval_state, started_at IS NOT NULL, tenant_id, workflow_id, finished_at"
+                " FROM accs_job WHERE id = ANY(%s::uuid[])", [[str(j) for j in locked]])
+    return {r[0]: r[1:] for r in cur.fetchall()}
+
+
+def _settle(cur, rows: list[tuple], back: dict[UUID, str], *, now: datetime, source: str) -> None:
+    """Forget the retried jobs' step flags, wake the services of queued tasks, finalize admitted jobs."""
+    if back:
+        reset_step_flags(cur, list(back))
+    admitted = sorted(j for j, st in back.items() if st in JOB_ADMITTED)
+    if admitted:
+        _notify_services(cur, [r[2] for r in rows if r[1] == "queued" and r[3] in admitted])
+        finalize_jobs(cur, admitted, now=now, source=source)
+
+
+def _ids(ids: Iterable[UUID] | Mapping[UUID, datetime]) -> tuple[list[UUID], dict[UUID, datetime] | None]:
+    """Return the ids as UUIDs in the caller's order, and the ``finished_at`` seen per id if given."""
+    if isinstance(ids, Mapping):
+        seen = {UUID(str(k)): v for k, v in ids.items()}
+        return list(seen), seen
+    return [UUID(str(i)) for i in ids], None
+
+
+def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "", now: datetime | None = None,
+               statuses: Iterable[str] = JOB_RETRYABLE, why: Note = Note()) -> dict[UUID, ActionResult]:
+    """Put failed, partial or canceled jobs back to work in one transaction: their unsuccessful tasks are reset.
+
+    Each goes back through admission: under a workflow or tenant cap it waits, queued, for its
+    turn. A job canceled while it waited for approval goes back to waiting for approval. Given a
+    mapping of job id → the ``finished_at`` the caller saw, a job that has finished again since
+    (someone else retried it) is left alone. ``statuses`` narrows which final states are retried.
+    """
+    ids, seen = _ids(job_ids)
+    allowed = frozenset(statuses) & JOB_RETRYABLE
+    source = _source(by)
+    out: dict[UUID, ActionResult] = {}
+    with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        jobs = _locked_jobs(cur, ids)
+        now = now or db_now(cur)
+        for job_id in ids:
+            job = jobs.get(job_id)
+            if job is None:
+                out[job_id] = ActionResult(False, "no such job")
+            elif job[1] == ApprovalState.REJECTED:
+                out[job_id] = ActionResult(False, "job was rejected; start a new job instead")
+            elif job[0] not in allowed:
+                out[job_id] = ActionResult(False, f"job is {job[0]}; only {_listed(allowed)} jobs can be retried")
+            elif seen is not None and job[5] != seen[job_id]:
+                out[job_id] = ActionResult(False, "job was retried and finished again since; left alone")
+        todo = sorted((j for j in ids if j not in out), key=str)
+        rows = _reset_tasks(cur, todo, now=now, source=source, why=why)
+        back = {j: _back_to_work(cur, j, jobs[j], by=by, now=now, why=why) for j in todo}
+        _settle(cur, rows, back, now=now, source=source)
+    for job_id, new_status in back.items():
+        approval, instantiated = jobs[job_id][1:3]
+        waits = " (waiting for approval)" if approval == ApprovalState.PENDING else (
+            " (waiting for admission)" if new_status == "queued" and instantiated else "")
+        reset = sum(1 for r in rows if r[3] == job_id)
+        out[job_id] = ActionResult(True, f"job back to {new_status}{waits}; {reset} task(s) reset")
+    return out
+
+
+def _listed(statuses: Iterable[str]) -> str:
+    """Name job states for people: ``failed, partial or canceled``."""
+    names = [{"error": "failed"}.get(s, s) for s in ("error", "partial", "canceled") if s in statuses]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def retry_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
-    """Put a failed, partial or canceled job back to work: its unsuccessful tasks are reset.
+    """Put a failed, partial or canceled job back to work: its unsuccessful tasks are reset."""
+    return retry_jobs([job_id], by=by, now=now)[UUID(str(job_id))]
 
-    It goes back through admission: under a workflow or tenant cap it waits, queued, for its turn.
-    A job canceled while it waited for approval goes back to waiting for approval.
+
+def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "", now: datetime | None = None,
+                statuses: Iterable[str] = TASK_RETRYABLE, why: Note = TASK_RETRY) -> dict[UUID, ActionResult]:
+    """Put failed (dead-letter), skipped, canceled or blocked tasks back to queued in one transaction.
+
+    Attempts are reset. A finished job whose task is retried goes back to work, and the tasks
+    skipped because this one failed get another chance too. Given a mapping of task id → the
+    ``finished_at`` the caller saw, a task that has finished again since is left alone.
     """
+    ids, seen = _ids(task_ids)
     source = _source(by)
+    out: dict[UUID, ActionResult] = {}
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        job = _locked_job(cur, job_id)
-        if job is None:
-            return ActionResult(False, "no such job")
+        cur.execute("SELECT id, job_id FROM accs_task WHERE id = ANY(%s::uuid[])", [[str(t) for t in ids]])
+        job_of = dict(cur.fetchall())
+        jobs = _locked_jobs(cur, job_of.values())
         now = now or db_now(cur)
-        status, approval, instantiated = job[:3]
-        if approval == ApprovalState.REJECTED:
-            return ActionResult(False, "job was rejected; start a new job instead")
-        if status not in JOB_RETRYABLE:
-            return ActionResult(False, f"job is {status}; only failed, partial or canceled jobs can be retried")
-        if approval == ApprovalState.PENDING and instantiated:  # pragma: no cover - approval gates instantiation
-            return ActionResult(False, "job approval is pending; approve it before it can run")
-        rows = _reset_tasks(cur, job_id, now=now, source=source)
-        reset_step_flags(cur, [job_id])
-        new_status = _back_to_work(cur, job_id, job, by=by, now=now, what="retry")
-        if new_status in JOB_ADMITTED:
-            _notify_services(cur, [r[2] for r in rows if r[1] == "queued"])
-            finalize_jobs(cur, [job_id], now=now, source=source)
-    waits = " (waiting for approval)" if approval == ApprovalState.PENDING else (
-        " (waiting for admission)" if new_status == "queued" and instantiated else "")
-    return ActionResult(True, f"job back to {new_status}{waits}; {len(rows)} task(s) reset")
+        for task_id in ids:
+            job = jobs.get(job_of.get(task_id))
+            if job is None:
+                out[task_id] = ActionResult(False, "no such task")
+            elif job[1] in (ApprovalState.PENDING, ApprovalState.REJECTED):
+                out[task_id] = ActionResult(False, f"job approval is {job[1]}; approve it before it can run")
+        todo = [t for t in ids if t not in out]
+        rows = _reset_tasks(cur, sorted({job_of[t] for t in todo}, key=str), only=todo, statuses=statuses,
+                            seen={t: seen[t] for t in todo} if seen is not None else None,
+                            now=now, source=source, why=why)
+        touched = sorted({r[3] for r in rows}, key=str)
+        finished = [j for j in touched if jobs[j][0] not in JOB_ACTIVE]
+        # Dependents skipped because these tasks failed get another chance too.
+        rows += _reset_tasks(cur, finished, statuses=["skipped"], now=now, source=source, why=why)
+        back = {j: _back_to_work(cur, j, jobs[j], by=by, now=now, why=why) if j in finished else jobs[j][0]
+                for j in touched}
+        _settle(cur, rows, back, now=now, source=source)
+    retried = {r[0] for r in rows}
+    for task_id in todo:
+        if task_id in retried:
+            waits = " (the job waits for admission)" if back[job_of[task_id]] == "queued" else ""
+            out[task_id] = ActionResult(True, "task queued again" + waits)
+        else:
+            out[task_id] = ActionResult(False, "task is not failed, skipped, canceled or blocked" if seen is None
+                                        else "task was retried and finished again since; left alone")
+    return out
 
 
 def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Put one failed (dead-letter), skipped, canceled or blocked task back to queued, attempts reset."""
-    source = _source(by)
-    with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        job_id = _job_of_task(cur, task_id)
-        if job_id is None:
-            return ActionResult(False, "no such task")
-        job = _locked_job(cur, job_id)
-        now = now or db_now(cur)
-        status, approval = job[:2]
-        if approval in (ApprovalState.PENDING, ApprovalState.REJECTED):
-            return ActionResult(False, f"job approval is {approval}; approve it before it can run")
-        rows = _reset_tasks(cur, job_id, only=task_id, now=now, source=source)
-        if not rows:
-            return ActionResult(False, "task is not failed, skipped, canceled or blocked")
-        new_status = status
-        if status not in JOB_ACTIVE:
-            # Dependents skipped because this task failed get another chance too.
-            rows += _reset_tasks(cur, job_id, statuses=["skipped"], now=now, source=source)
-            new_status = _back_to_work(cur, job_id, job, by=by, now=now, what="task retried")
-        reset_step_flags(cur, [job_id])
-        if new_status in JOB_ADMITTED:
-            _notify_services(cur, [r[2] for r in rows if r[1] == "queued"])
-            finalize_jobs(cur, [job_id], now=now, source=source)
-    return ActionResult(True, "task queued again" + (" (the job waits for admission)" if new_status == "queued" else ""))
+    return retry_tasks([task_id], by=by, now=now)[UUID(str(task_id))]
 
 
 def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
