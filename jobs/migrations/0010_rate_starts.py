@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0006_job_waiting_status'),
+        ('jobs', '0009_redrive'),
         ('workflows', '0002_flow_control'),
     ]
 
