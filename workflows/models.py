@@ -104,11 +104,6 @@ class Service(models.Model):
     def __str__(self) -> str:
         return self.key
 
-    @property
-    def has_flow_control(self) -> bool:
-        """Whether a rate limit or a per-key cap applies to this service."""
-        return bool(self.rate_limit or self.rate_key_limit or self.concurrency_key_limit)
-
     def clean(self) -> None:
         from workflows.validation import validate_service
 
