@@ -95,7 +95,7 @@ class JobStatus(models.TextChoices):
     WAITING = "waiting", "Waiting (tasks created, none starting or running)"
     RUNNING = "running", "Running (a task is starting or running)"
     DONE = "done", "Done"
-    PARTIAL = "partial", "Partly done (some hosts were blocked)"
+    PARTIAL = "partial", "Partly done (steps whose failure may not fail the job failed, or some hosts were blocked)"
     ERROR = "error", "Error (a task failed for good)"
     CANCELED = "canceled", "Canceled"
 
