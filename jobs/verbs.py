@@ -222,9 +222,12 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
         if not rows:
             return ActionResult(False, "task is not failed, skipped, canceled or blocked")
         new_status = status
-        if status not in JOB_ACTIVE:
-            # Dependents skipped because this task failed get another chance too.
+        if status != JobStatus.QUEUED:
+            # Dependents skipped because this task failed get another chance too, also while the
+            # job still runs (a "continue" step failed); finalize skips again those whose other
+            # dependencies still did not succeed.
             rows += _reset_tasks(cur, job_id, statuses=["skipped"], now=now, source=source)
+        if status not in JOB_ACTIVE:
             new_status = _back_to_work(cur, job_id, job, by=by, now=now, what="task retried")
         reset_step_flags(cur, [job_id])
         if new_status in JOB_ADMITTED:

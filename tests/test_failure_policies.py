@@ -234,6 +234,22 @@ def test_retrying_a_partial_job_reruns_the_failed_step_and_its_skipped_dependent
     assert statuses(job) == dict.fromkeys("abcd", "done")
 
 
+def test_retrying_a_failed_continue_step_while_the_job_still_runs_gives_its_skipped_dependents_another_chance(flow):
+    job = flow(*diamond(on_failure="continue"))
+    run("a")
+    c = claim_for(Service.objects.get(key="svc-c"))
+    transitions.mark_running([(t.id, t.attempt, 1) for t in c], agent_id="agent-t", source="agent:test")
+    run("b", ok=False)
+    assert statuses(job) == {"a": "done", "b": "error", "c": "running", "d": "skipped"}
+    assert transitions.retry_task(Task.objects.get(job=job, step_key="b").id, by="op").changed
+    assert statuses(job) == {"a": "done", "b": "queued", "c": "running", "d": "waiting"}
+    run("b")
+    transitions.report([transitions.Outcome(task_id=c[0].id, attempt=c[0].attempt, status="succeeded")],
+                       agent_id="agent-t", source="agent:test")
+    run("d")
+    assert job_state(job) == ("done", "")
+
+
 # --------------------------------------------------------------------------------------------
 # Validation and the DAG picture
 # --------------------------------------------------------------------------------------------
