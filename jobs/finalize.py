@@ -38,6 +38,12 @@ def finished(step: str) -> str:
     return f"({step}.done + {step}.error + {step}.skipped + {step}.canceled + {step}.blocked)"
 
 
+def is_always(task: str) -> str:
+    """Return SQL telling whether a task (aliased ``task``) belongs to an ``always`` step (one probe of job_step_unique)."""
+    return (f"EXISTS (SELECT 1 FROM accs_job_step own WHERE own.job_id = {task}.job_id"
+            f" AND own.step_key = {task}.step_key AND own.always)")
+
+
 POISON_STEPS_SQL = """
 UPDATE accs_job_step s SET poisoned = true
  WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.poisoned
@@ -47,14 +53,13 @@ RETURNING s.job_id, s.step_key
 
 SKIP_DEPENDENTS_SQL = f"""
 -- Waiting tasks that depend on a step that can no longer succeed are skipped, unless their own
--- step is an "always" step (it runs once its dependencies are final; one probe of job_step_unique).
+-- step is an "always" step (it runs once its dependencies are final).
 WITH p AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS p(job_id, step_key)),
 sk AS (
     UPDATE accs_task w SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
            error_message = 'a dependency did not succeed'
-      FROM p, accs_job_step own
-     WHERE w.job_id = p.job_id AND w.status = 'waiting' AND p.step_key = ANY(w.depends_on)
-       AND own.job_id = w.job_id AND own.step_key = w.step_key AND NOT own.always
+      FROM p WHERE w.job_id = p.job_id AND w.status = 'waiting' AND p.step_key = ANY(w.depends_on)
+       AND NOT {is_always("w")}
     RETURNING w.id, w.job_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
@@ -76,17 +81,16 @@ RETURNING s.job_id, s.step_key
 PROMOTE_SQL = f"""
 -- Waiting dependents of the steps just settled (or, with roots, tasks with no dependency at all)
 -- become queued once every step they depend on is done; an "always" step's tasks once every step
--- they depend on is final, whatever its outcome. The task's own step row (job_step_unique) says which.
+-- they depend on is final, whatever its outcome (its own step row says which).
 WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
 p AS (
     UPDATE accs_task w SET status = 'queued', next_attempt_at = %(now)s, updated_at = %(now)s
-      FROM accs_job_step own
-     WHERE w.status = 'waiting' AND own.job_id = w.job_id AND own.step_key = w.step_key
+     WHERE w.status = 'waiting'
        AND (w.id IN (SELECT t.id FROM accs_task t JOIN r ON t.job_id = r.job_id
                       WHERE t.status = 'waiting' AND r.step_key = ANY(t.depends_on))
             OR (w.job_id = ANY(%(roots)s::uuid[]) AND cardinality(w.depends_on) = 0))
        AND NOT EXISTS (SELECT 1 FROM accs_job_step d WHERE d.job_id = w.job_id AND d.step_key = ANY(w.depends_on)
-                          AND CASE WHEN own.always THEN {finished("d")} ELSE d.done END < d.total)
+                          AND CASE WHEN {is_always("w")} THEN {finished("d")} ELSE d.done END < d.total)
     RETURNING w.id, w.job_id, w.service_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
@@ -208,8 +212,7 @@ def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, 
     cur.execute(
         "WITH o AS (SELECT t.id, t.status FROM accs_task t WHERE t.job_id = ANY(%s::uuid[])"
         f"           AND t.status IN {sql_in(TASK_UNSTARTED)}"
-        "           AND NOT (%s AND EXISTS (SELECT 1 FROM accs_job_step a WHERE a.job_id = t.job_id"
-        "                                      AND a.step_key = t.step_key AND a.always))"
+        f"           AND NOT (%s AND {is_always('t')})"
         "           FOR UPDATE)"
         f" UPDATE accs_task t SET status = '{to}', finished_at = %s, updated_at = %s, error_message = %s"
         " FROM o WHERE t.id = o.id RETURNING t.id, t.job_id, o.status",

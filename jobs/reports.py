@@ -242,7 +242,7 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
         "       s.backoff_cap_seconds, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL,"
         "       s.max_attempts, t.step_key, js.on_failure"
         "  FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
-        "  JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key"
+        "  LEFT JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key"
         " WHERE t.id = ANY(%s) AND t.status = ANY(%s) ORDER BY t.id",
         [list(by_id), list(from_statuses)],
     )

@@ -13,6 +13,7 @@ import pytest
 from events.models import Event
 from jobs import api, transitions
 from jobs.models import Job, JobStep, Task
+from nodes.models import Host, HostBlock, Node
 from ops.dag import job_dag_svg, render_svg, steps_from
 from tests.engine_helpers import claim_for, run_fail, run_ok
 from workflows.api import create_workflow
@@ -145,6 +146,31 @@ def test_a_fail_job_failure_beside_a_continue_failure_ends_the_job_in_error(flow
     run("x", ok=False)
     assert job_state(job) == ("error", "task_failed")
     assert statuses(job) == {"a": "error", "x": "error", "y": "skipped"}
+
+
+def test_continue_fan_out_with_a_failed_and_a_blocked_host_ends_partial_naming_both(make_service):
+    """Fan-out jobs are instantiated by the builder's path: the policy reaches its step rows too."""
+    ping = make_service("svc-ping", max_attempts=1)
+    make_service("svc-report")
+    make_service("svc-notify")
+    create_workflow(name="fan", steps=[step("ping", fan_out="hosts", on_failure="continue"),
+                                       step("report", "ping"), step("notify", "ping", always=True)])
+    Node.objects.create(name="node-t")
+    hosts = [Host.objects.create(name=n, node_id="node-t") for n in ("h1", "h2", "h3")]
+    HostBlock.objects.create(host=hosts[2], service=ping)
+    job = api.start_workflow("fan", options={"hosts": ["h1", "h2", "h3"]})
+    assert dict(JobStep.objects.filter(job=job).values_list("step_key", "on_failure")) == {
+        "ping": "continue", "report": "fail_job", "notify": "fail_job"}
+    assert dict(Task.objects.filter(job=job).values_list("task_key", "status")) == {
+        "ping@h1": "queued", "ping@h2": "queued", "ping@h3": "blocked", "report": "skipped", "notify": "waiting"}
+    first, second = sorted(claim_for(ping), key=lambda t: t.task_key)
+    run_fail([first])
+    assert statuses(job)["notify"] == "waiting", "an always step waits for every task of its dependency"
+    run_ok([second])
+    run("notify")
+    assert job_state(job) == ("partial", "steps_failed")
+    assert job.error_message == ('1 task(s) of 1 step(s) with on_failure "continue" failed; their dependents were '
+                                 "skipped; 1 of 5 task(s) blocked on their host")
 
 
 # --------------------------------------------------------------------------------------------
