@@ -39,7 +39,7 @@ def finished(step: str) -> str:
 
 
 def is_always(task: str) -> str:
-    """Return SQL telling whether a task (aliased ``task``) belongs to an ``always`` step (one probe of job_step_unique)."""
+    """Return SQL telling whether a task (aliased ``task``) is of an ``always`` step (a job_step_unique probe)."""
     return (f"EXISTS (SELECT 1 FROM accs_job_step own WHERE own.job_id = {task}.job_id"
             f" AND own.step_key = {task}.step_key AND own.always)")
 
@@ -94,8 +94,8 @@ p AS (
     RETURNING w.id, w.job_id, w.service_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT job_id, id, %(source)s, 'info', 'status', 'task waiting → queued', '{{"from": "waiting", "to": "queued"}}'::jsonb
-      FROM p
+    SELECT job_id, id, %(source)s, 'info', 'status', 'task waiting → queued',
+           '{{"from": "waiting", "to": "queued"}}'::jsonb FROM p
 )
 SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
 """

@@ -334,14 +334,15 @@ class JobStep(models.Model):
     skipped = models.IntegerField(default=0)
     canceled = models.IntegerField(default=0)
     blocked = models.IntegerField(default=0)
-    released = models.BooleanField(default=False, help_text="Its dependents were promoted once its tasks were all final.")
+    released = models.BooleanField(default=False, help_text="Its dependents were looked at once its tasks were all final.")
     poisoned = models.BooleanField(default=False, help_text="Its dependents were skipped once it could not succeed.")
     on_failure = models.CharField(
         max_length=16, choices=StepFailurePolicy.choices, db_default=StepFailurePolicy.FAIL_JOB,
         help_text="Copied from the workflow step: what its failing for good does to the job.",
     )
     always = models.BooleanField(
-        db_default=False, help_text="Copied from the workflow step: runs once its dependencies are final, whatever their outcome.",
+        db_default=False,
+        help_text="Copied from the workflow step: it runs once its dependencies are final, whatever their outcome.",
     )
 
     class Meta:

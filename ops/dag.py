@@ -184,7 +184,8 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
         tip = f"{step.key} ({step.service}): {_status_line(step)}" + "".join(
             f"; {POLICY_TAGS[t][0]}: {POLICY_TAGS[t][1]}" for t in tags)
         policy_classes = "".join(f" policy-{t}" for t in tags)
-        out.append(f'<a href="{escape(link_prefix + step.key)}"><g class="step status-{escape(status)}{policy_classes}" '
+        out.append(f'<a href="{escape(link_prefix + step.key)}">'
+                   f'<g class="step status-{escape(status)}{policy_classes}" '
                    f'data-step="{escape(step.key)}" data-status="{escape(status)}" '
                    f'data-on-failure="{escape(step.on_failure)}" data-always="{str(step.always).lower()}">')
         out.append(f"<title>{escape(tip)}</title>")
@@ -194,7 +195,8 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
                    f"{escape(_truncate(step.key, 24 - 6 * len(tags)))}</text>")
         for i, tag in enumerate(tags):
             out.append(f'<text class="policy-tag" x="{x + BOX_W - 8}" y="{y + 16 + 12 * i}" font-size="10" '
-                       f'text-anchor="end" fill="{POLICY_COLOUR}" font-weight="600">{escape(POLICY_TAGS[tag][0])}</text>')
+                       f'text-anchor="end" fill="{POLICY_COLOUR}" font-weight="600">'
+                       f"{escape(POLICY_TAGS[tag][0])}</text>")
         sub = step.service + (f" × {step.tasks} hosts" if step.fan_out and step.tasks else "")
         out.append(f'<text x="{x + 10}" y="{y + 37}" font-size="11" fill="#475569">{escape(_truncate(sub, 30))}</text>')
         out.append(f'<text x="{x + 10}" y="{y + 54}" font-size="11" fill="{stroke}" font-weight="600">'

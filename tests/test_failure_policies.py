@@ -281,7 +281,8 @@ def test_retrying_a_failed_continue_step_while_the_job_still_runs_gives_its_skip
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("policy", "expected"), [
-    ({"on_failure": "explode"}, "step 'b': on_failure must be one of ['fail_job', 'continue'] or absent, got 'explode'"),
+    ({"on_failure": "explode"},
+     "step 'b': on_failure must be one of ['fail_job', 'continue'] or absent, got 'explode'"),
     ({"on_failure": True}, "step 'b': on_failure must be one of ['fail_job', 'continue']"),
     ({"always": "yes"}, "step 'b': always must be true or false (a JSON boolean) or absent, got 'yes'"),
     ({"always": 1}, "step 'b': always must be true or false"),
