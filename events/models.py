@@ -30,6 +30,7 @@ class EventType(models.TextChoices):
     DISK = "disk", "Disk watch"
     GOVERNOR = "governor", "Governor condition"
     NODE = "node", "Node"
+    POLICY = "policy", "A step's failure policy applied"
 
 
 class Event(models.Model):

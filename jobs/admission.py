@@ -26,7 +26,8 @@ from django.db import connection, transaction
 
 from events.timeline import EventRow, write_events
 from jobs.finalize import finalize_jobs
-from jobs.instantiate import HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for
+from jobs.instantiate import (HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, step_rows,
+                              steps_for)
 from jobs.locks import advisory_locks, lock_jobs
 from jobs.models import TaskStatus
 from jobs.states import JOB_ADMITTED, sql_in
@@ -181,25 +182,18 @@ SELECT r.id, r.job_id, r.tenant_id, r.task_key, r.step_key, r.service_id, r.host
 """
 
 INSERT_STEPS_SQL = """
-INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked, released, poisoned)
-SELECT r.job_id, r.step_key, r.position, r.total, 0, 0, 0, 0, r.blocked, false, false
-  FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(job_id uuid, step_key text, position int, total int, blocked int)
+INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked, released,
+                           poisoned, on_failure, always)
+SELECT r.job_id, r.step_key, r.position, r.total, 0, 0, 0, 0, r.blocked, false, false, r.on_failure, r.always
+  FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(job_id uuid, step_key text, position int, total int, blocked int,
+                                               on_failure text, always boolean)
 """
 
 
 def _insert_tasks(cur, rows: list[dict[str, Any]], *, now: datetime) -> None:
     """Insert the task rows built by :func:`jobs.instantiate.build_task_rows` and their step counts."""
-    steps: dict[tuple[str, str], dict[str, Any]] = {}
-    for row in rows:
-        key = (str(row["job_id"]), row["step_key"])
-        step = steps.get(key)
-        if step is None:
-            step = steps[key] = {"job_id": key[0], "step_key": key[1], "position": row["position"], "total": 0,
-                                 "blocked": 0}
-        step["total"] += 1
-        step["blocked"] += row["status"] == TaskStatus.BLOCKED
     cur.execute(INSERT_TASKS_SQL, {"now": now, "rows": json.dumps(rows, default=str)})
-    cur.execute(INSERT_STEPS_SQL, {"rows": json.dumps(list(steps.values()))})
+    cur.execute(INSERT_STEPS_SQL, {"rows": json.dumps(step_rows(rows))})
 
 
 def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> list[UUID]:
@@ -320,9 +314,10 @@ WITH j AS (
     RETURNING id, task_key, status
 ), s AS (
     INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked,
-                               released, poisoned)
-    SELECT j.id, r.step_key, r.position, r.total, 0, 0, 0, 0, 0, false, false
-      FROM j, jsonb_to_recordset(%(steps)s::jsonb) AS r(step_key text, position int, total int)
+                               released, poisoned, on_failure, always)
+    SELECT j.id, r.step_key, r.position, r.total, 0, 0, 0, 0, 0, false, false, r.on_failure, r.always
+      FROM j, jsonb_to_recordset(%(steps)s::jsonb) AS r(step_key text, position int, total int, on_failure text,
+                                                       always boolean)
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
     SELECT j.id, NULL::uuid, %(event_source)s, 'info', 'status', 'job created queued',
@@ -349,13 +344,9 @@ def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channe
     checked that the job is due, needs no approval and is under no cap, and built its tasks with
     :func:`jobs.instantiate.build_task_rows` (no fan-out: hosts are resolved by the builder path).
     """
-    steps: dict[str, dict[str, Any]] = {}
-    for row in tasks:
-        step = steps.setdefault(row["step_key"], {"step_key": row["step_key"], "position": row["position"], "total": 0})
-        step["total"] += 1
     first_key = min(tasks, key=lambda r: r["position"])["task_key"] if tasks else ""
     params = {**job, "first_key": first_key, "tasks": json.dumps(tasks, default=str),
-              "steps": json.dumps(list(steps.values())), "channels": sorted(set(channels)), "source": source,
+              "steps": json.dumps(step_rows(tasks)), "channels": sorted(set(channels)), "source": source,
               "event_source": event_source}
     # A prepared statement on Django's own connection (so in the caller's transaction): planning
     # this statement costs more than running it.

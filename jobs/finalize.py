@@ -5,13 +5,19 @@ Called by every verb that finishes tasks, with the job rows already locked (see
 on ``accs_task``), so its cost per call follows the steps of the job, not its tasks:
 
 * a step that can no longer succeed (a task of it failed, was skipped, canceled or blocked)
-  skips its waiting dependents, once;
-* a step whose tasks are all done promotes its waiting dependents (``waiting → queued``) whose
-  other dependencies are done too, once;
+  skips its waiting dependents, once, except the dependents that are ``always`` steps;
+* a step whose tasks are all final promotes, once, its waiting dependents (``waiting → queued``)
+  whose dependencies are all done, and its waiting ``always`` dependents whose dependencies are
+  all final, whatever their outcome;
 * progress is the share of finished tasks, ``current_task_key`` the first unfinished step, and
   an admitted job is ``running`` while a task of it is starting or running, ``waiting``
-  otherwise, and one whose tasks are all final ends ``error`` (a task failed), ``canceled`` (a task
-  was canceled), ``partial`` (some hosts were blocked) or ``done``.
+  otherwise, and one whose tasks are all final ends ``error`` (a task of a ``fail_job`` step
+  failed), ``canceled`` (a task was canceled), ``partial`` (tasks of ``continue`` steps failed, or
+  some hosts were blocked) or ``done``.
+
+Each step's failure policy (``on_failure``, ``always``) is copied from the workflow onto its
+``accs_job_step`` row when the job is instantiated, so these statements read it from the rows they
+already read.
 """
 
 from __future__ import annotations
@@ -26,6 +32,18 @@ from jobs.states import JOB_ADMITTED, TASK_HELD, TASK_UNSTARTED, sql_in
 
 MAX_DAG_DEPTH = 100  # skipping cascades one step level per pass
 
+
+def finished(step: str) -> str:
+    """Return SQL counting the tasks of a step row (aliased ``step``) that are in a final state."""
+    return f"({step}.done + {step}.error + {step}.skipped + {step}.canceled + {step}.blocked)"
+
+
+def is_always(task: str) -> str:
+    """Return SQL telling whether a task (aliased ``task``) is of an ``always`` step (a job_step_unique probe)."""
+    return (f"EXISTS (SELECT 1 FROM accs_job_step own WHERE own.job_id = {task}.job_id"
+            f" AND own.step_key = {task}.step_key AND own.always)")
+
+
 POISON_STEPS_SQL = """
 UPDATE accs_job_step s SET poisoned = true
  WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.poisoned
@@ -34,12 +52,14 @@ RETURNING s.job_id, s.step_key
 """
 
 SKIP_DEPENDENTS_SQL = f"""
--- Waiting tasks that depend on a step that can no longer succeed are skipped.
+-- Waiting tasks that depend on a step that can no longer succeed are skipped, unless their own
+-- step is an "always" step (it runs once its dependencies are final).
 WITH p AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS p(job_id, step_key)),
 sk AS (
     UPDATE accs_task w SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
            error_message = 'a dependency did not succeed'
       FROM p WHERE w.job_id = p.job_id AND w.status = 'waiting' AND p.step_key = ANY(w.depends_on)
+       AND NOT {is_always("w")}
     RETURNING w.id, w.job_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
@@ -50,15 +70,18 @@ SELECT count(DISTINCT id) FROM sk
 """
 
 RELEASE_STEPS_SQL = f"""
+-- Steps whose tasks are all final, whatever their outcome: their waiting dependents are looked at
+-- once (an unsuccessful step can only promote "always" dependents; the others were skipped).
 UPDATE accs_job_step s SET released = true
- WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.released AND s.done = s.total
+ WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.released AND {finished("s")} = s.total
    AND s.job_id IN (SELECT id FROM accs_job WHERE id = ANY(%(jobs)s::uuid[]) AND status IN {sql_in(JOB_ADMITTED)})
 RETURNING s.job_id, s.step_key
 """
 
-PROMOTE_SQL = """
--- Waiting dependents of the steps just completed (or, with roots, tasks with no dependency at
--- all) become queued once every step they depend on is done.
+PROMOTE_SQL = f"""
+-- Waiting dependents of the steps just settled (or, with roots, tasks with no dependency at all)
+-- become queued once every step they depend on is done; an "always" step's tasks once every step
+-- they depend on is final, whatever its outcome (its own step row says which).
 WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
 p AS (
     UPDATE accs_task w SET status = 'queued', next_attempt_at = %(now)s, updated_at = %(now)s
@@ -67,12 +90,12 @@ p AS (
                       WHERE t.status = 'waiting' AND r.step_key = ANY(t.depends_on))
             OR (w.job_id = ANY(%(roots)s::uuid[]) AND cardinality(w.depends_on) = 0))
        AND NOT EXISTS (SELECT 1 FROM accs_job_step d WHERE d.job_id = w.job_id AND d.step_key = ANY(w.depends_on)
-                          AND d.done < d.total)
+                          AND CASE WHEN {is_always("w")} THEN {finished("d")} ELSE d.done END < d.total)
     RETURNING w.id, w.job_id, w.service_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT job_id, id, %(source)s, 'info', 'status', 'task waiting → queued', '{"from": "waiting", "to": "queued"}'::jsonb
-      FROM p
+    SELECT job_id, id, %(source)s, 'info', 'status', 'task waiting → queued',
+           '{{"from": "waiting", "to": "queued"}}'::jsonb FROM p
 )
 SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
 """
@@ -80,22 +103,32 @@ SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
 FINISH_SQL = f"""
 -- Progress, current step and status of admitted jobs. A job whose tasks are all final ends; any
 -- other admitted job is "running" while a task of it is starting or running and "waiting"
--- otherwise (task_job_status_idx answers the EXISTS with two index probes).
+-- otherwise (task_job_status_idx answers the EXISTS with two index probes). How it ends follows
+-- the steps' failure policies: a failed task of a "fail_job" step makes it "error", else a canceled
+-- task "canceled", else failed tasks of "continue" steps or blocked hosts "partial", else "done".
 WITH agg AS (
-    SELECT job_id, sum(total) AS total, sum(done + error + skipped + canceled + blocked) AS finished,
+    SELECT job_id, sum(total) AS total, sum({finished("s")}) AS finished,
            sum(error) AS error, sum(canceled) AS canceled, sum(blocked) AS blocked,
+           coalesce(sum(error) FILTER (WHERE on_failure = 'fail_job'), 0) AS fatal,
+           coalesce(sum(error) FILTER (WHERE on_failure = 'continue'), 0) AS tolerated,
+           count(*) FILTER (WHERE on_failure = 'continue' AND error > 0) AS tolerated_steps,
            (array_agg(step_key ORDER BY position)
-                FILTER (WHERE done + error + skipped + canceled + blocked < total))[1] AS current_key
-      FROM accs_job_step WHERE job_id = ANY(%(jobs)s::uuid[]) GROUP BY job_id
+                FILTER (WHERE {finished("s")} < total))[1] AS current_key
+      FROM accs_job_step s WHERE job_id = ANY(%(jobs)s::uuid[]) GROUP BY job_id
 ), verdict AS (
     SELECT agg.*, j.status AS was,
            CASE WHEN j.status IN {sql_in(JOB_ADMITTED)} AND agg.finished = agg.total THEN
-                     CASE WHEN agg.error > 0 THEN 'error' WHEN agg.canceled > 0 THEN 'canceled'
-                          WHEN agg.blocked > 0 THEN 'partial' ELSE 'done' END END AS ends,
+                     CASE WHEN agg.fatal > 0 THEN 'error' WHEN agg.canceled > 0 THEN 'canceled'
+                          WHEN agg.tolerated + agg.blocked > 0 THEN 'partial' ELSE 'done' END END AS ends,
            CASE WHEN j.status IN {sql_in(JOB_ADMITTED)} THEN
                      CASE WHEN EXISTS (SELECT 1 FROM accs_task t WHERE t.job_id = agg.job_id
                                           AND t.status IN {sql_in(TASK_HELD)}) THEN 'running' ELSE 'waiting' END
-                END AS settles
+                END AS settles,
+           concat_ws('; ',
+                     CASE WHEN agg.tolerated > 0 THEN agg.tolerated || ' task(s) of ' || agg.tolerated_steps
+                          || ' step(s) with on_failure "continue" failed; their dependents were skipped' END,
+                     CASE WHEN agg.blocked > 0 THEN agg.blocked || ' of ' || agg.total
+                          || ' task(s) blocked on their host' END) AS partly
       FROM agg JOIN accs_job j ON j.id = agg.job_id
 ), upd AS (
     UPDATE accs_job j
@@ -104,10 +137,12 @@ WITH agg AS (
            status = coalesce(v.ends, v.settles, j.status),
            finished_at = CASE WHEN v.ends IS NOT NULL THEN %(now)s ELSE j.finished_at END,
            error_code = CASE v.ends WHEN 'error' THEN 'task_failed' WHEN 'canceled' THEN 'canceled'
-                                    WHEN 'partial' THEN 'hosts_blocked' ELSE j.error_code END,
+                                    WHEN 'partial' THEN CASE WHEN v.tolerated > 0 THEN 'steps_failed'
+                                                             ELSE 'hosts_blocked' END
+                                    ELSE j.error_code END,
            error_message = CASE v.ends WHEN 'error' THEN v.error || ' task(s) failed'
                                        WHEN 'canceled' THEN v.canceled || ' task(s) canceled'
-                                       WHEN 'partial' THEN v.blocked || ' of ' || v.total || ' task(s) blocked on their host'
+                                       WHEN 'partial' THEN v.partly
                                        ELSE j.error_message END,
            updated_at = %(now)s
       FROM verdict v WHERE j.id = v.job_id
@@ -115,10 +150,15 @@ WITH agg AS (
 )
 INSERT INTO accs_event (job_id, source, level, type, message, data)
 SELECT v.job_id, %(source)s, CASE v.ends WHEN 'done' THEN 'info' WHEN 'error' THEN 'error' ELSE 'warn' END, 'status',
-       'job ' || v.was || ' → ' || v.ends || CASE WHEN v.ends = 'partial' THEN ' (' || v.blocked || ' of ' || v.total
-                                           || ' task(s) blocked)' ELSE '' END,
+       'job ' || v.was || ' → ' || v.ends
+           || CASE WHEN v.ends = 'partial' AND v.tolerated = 0 THEN ' (' || v.blocked || ' of ' || v.total
+                                                                  || ' task(s) blocked)'
+                   WHEN v.ends = 'partial' THEN ' (' || v.partly || ')'
+                   WHEN v.ends = 'error' THEN ' (' || v.fatal || ' task(s) of on_failure "fail_job" steps failed)'
+                   ELSE '' END,
        jsonb_build_object('from', v.was, 'to', v.ends, 'total', v.total, 'blocked', v.blocked,
-                          'canceled', v.canceled, 'error', v.error)
+                          'canceled', v.canceled, 'error', v.error, 'continue_failed', v.tolerated,
+                          'continue_failed_steps', v.tolerated_steps)
   FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NOT NULL
 UNION ALL
 SELECT v.job_id, %(source)s, 'info', 'status',
@@ -162,19 +202,21 @@ def reset_step_flags(cur, job_ids: Sequence[UUID]) -> None:
 
 
 def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, reason: str,
-                   to: str = "skipped") -> list[EventRow]:
+                   to: str = "skipped", keep_always: bool = False) -> list[EventRow]:
     """Move the unstarted (waiting, queued, scheduled) tasks of (locked) jobs to ``to``; return their events.
 
-    Unstarted tasks are locked by nobody but claims, which never wait, so this unsorted UPDATE
-    cannot close a lock cycle.
+    ``keep_always`` leaves the tasks of ``always`` steps alone (a failed job still runs its
+    cleanup); an operator's cancel or reject cancels them too. Unstarted tasks are locked by
+    nobody but claims, which never wait, so this unsorted UPDATE cannot close a lock cycle.
     """
     cur.execute(
-        "WITH o AS (SELECT id, status FROM accs_task WHERE job_id = ANY(%s::uuid[])"
-        f"           AND status IN {sql_in(TASK_UNSTARTED)}"
+        "WITH o AS (SELECT t.id, t.status FROM accs_task t WHERE t.job_id = ANY(%s::uuid[])"
+        f"           AND t.status IN {sql_in(TASK_UNSTARTED)}"
+        f"           AND NOT (%s AND {is_always('t')})"
         "           FOR UPDATE)"
         f" UPDATE accs_task t SET status = '{to}', finished_at = %s, updated_at = %s, error_message = %s"
         " FROM o WHERE t.id = o.id RETURNING t.id, t.job_id, o.status",
-        [[str(j) for j in job_ids], now, now, reason],
+        [[str(j) for j in job_ids], keep_always, now, now, reason],
     )
     return [EventRow(type="status", job_id=jid, task_id=tid, source=source, level="warn",
                      message=f"task {frm} → {to} ({reason})", data={"from": frm, "to": to, "reason": reason})

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.models import TaskStatus
-
+from workflows.models import StepFailurePolicy
 
 
 class InstantiationError(Exception):
@@ -73,6 +73,20 @@ def select_hosts(options: dict[str, Any], hosts: list[HostInfo]) -> list[HostInf
     raise InstantiationError("no_hosts", "a fan-out step needs options.hosts or options.host_selector")
 
 
+def step_rows(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return one ``accs_job_step`` row per (job, step) of the task rows: place, size, blocked hosts, policy."""
+    steps: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in task_rows:
+        key = (str(row["job_id"]), row["step_key"])
+        step = steps.get(key)
+        if step is None:
+            step = steps[key] = {"job_id": key[0], "step_key": key[1], "position": row["position"], "total": 0,
+                                 "blocked": 0, "on_failure": row["on_failure"], "always": row["always"]}
+        step["total"] += 1
+        step["blocked"] += row["status"] == TaskStatus.BLOCKED
+    return list(steps.values())
+
+
 def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceInfo], *, hosts: list[HostInfo],
                     blocked: set[tuple[int, int]]) -> list[dict[str, Any]]:
     """Return one dict per task of the job, keyed by the columns :data:`jobs.admission.INSERT_TASKS_SQL` reads."""
@@ -99,6 +113,8 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
                 "status": str(status), "depends_on": deps, "max_attempts": service.max_attempts,
                 "priority": job.priority + service.base_priority, "order_seq": job.order_seq,
                 "timeout_seconds": service.timeout_seconds, "params": params, "position": position,
+                # The step's failure policy, copied to its accs_job_step row (not a task column).
+                "on_failure": step.get("on_failure") or StepFailurePolicy.FAIL_JOB, "always": bool(step.get("always")),
                 "assigned_node": (host.node_id or "") if host else "",
                 "error_code": "host_blocked" if is_blocked else "",
                 "error_message": f"{service.key} is blocked on {host.name}" if is_blocked else "",

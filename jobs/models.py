@@ -14,6 +14,8 @@ from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.utils.timezone import now
 
+from workflows.models import StepFailurePolicy
+
 JOB_ORDER_SEQUENCE = "accs_job_order_seq"
 
 
@@ -93,7 +95,7 @@ class JobStatus(models.TextChoices):
     WAITING = "waiting", "Waiting (tasks created, none starting or running)"
     RUNNING = "running", "Running (a task is starting or running)"
     DONE = "done", "Done"
-    PARTIAL = "partial", "Partly done (some hosts were blocked)"
+    PARTIAL = "partial", "Partly done (steps whose failure may not fail the job failed, or some hosts were blocked)"
     ERROR = "error", "Error (a task failed for good)"
     CANCELED = "canceled", "Canceled"
 
@@ -338,12 +340,23 @@ class JobStep(models.Model):
     skipped = models.IntegerField(default=0)
     canceled = models.IntegerField(default=0)
     blocked = models.IntegerField(default=0)
-    released = models.BooleanField(default=False, help_text="Its dependents were promoted once it completed.")
+    released = models.BooleanField(default=False, help_text="Its dependents were looked at once its tasks were all final.")
     poisoned = models.BooleanField(default=False, help_text="Its dependents were skipped once it could not succeed.")
+    on_failure = models.CharField(
+        max_length=16, choices=StepFailurePolicy.choices, db_default=StepFailurePolicy.FAIL_JOB,
+        help_text="Copied from the workflow step: what its failing for good does to the job.",
+    )
+    always = models.BooleanField(
+        db_default=False,
+        help_text="Copied from the workflow step: it runs once its dependencies are final, whatever their outcome.",
+    )
 
     class Meta:
         db_table = "accs_job_step"
-        constraints = [models.UniqueConstraint(fields=["job", "step_key"], name="job_step_unique")]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "step_key"], name="job_step_unique"),
+            _choices_check("on_failure", StepFailurePolicy, "job_step_on_failure_valid"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.step_key} of {self.job_id}"

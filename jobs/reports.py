@@ -19,13 +19,15 @@ from uuid import UUID
 from django.db import connection, transaction
 
 from accs_site.conf import accs
+from events.models import EventType
 from events.timeline import EventRow, write_events
 from jobs.backoff import backoff_delay
-from jobs.finalize import finalize_jobs, skip_unstarted
+from jobs.finalize import finalize_jobs, finished, skip_unstarted
 from jobs.locks import lock_jobs_of_tasks, lock_tasks
 from jobs.notify import notify, service_channel
 from jobs.states import JOB_ADMITTED, sql_in
 from accs_site.clock import db_now
+from workflows.models import StepFailurePolicy
 
 log = logging.getLogger("accs.reports")
 
@@ -238,15 +240,16 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
     cur.execute(
         "SELECT t.id, t.job_id, t.attempt, t.max_attempts, t.status, t.host_id, s.backoff_base_seconds,"
         "       s.backoff_cap_seconds, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL,"
-        "       s.max_attempts"
+        "       s.max_attempts, t.step_key, js.on_failure"
         "  FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
+        "  LEFT JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key"
         " WHERE t.id = ANY(%s) AND t.status = ANY(%s) ORDER BY t.id",
         [list(by_id), list(from_statuses)],
     )
     touched: set[UUID] = set()
     events: list[EventRow] = []
     for (tid, jid, attempt, max_attempts, status, host_id, base, cap, quarantine, cancel_requested,
-         budget) in cur.fetchall():
+         budget, step_key, on_failure) in cur.fetchall():
         o = by_id[tid]
         if o.attempt != attempt:
             continue  # fenced: reported below by the caller
@@ -318,20 +321,49 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
         if quarantine and host_id:
             events += quarantine_host(cur, host_id, reason=f"task {tid} failed for good: {error[:200]}",
                                       job_id=jid, task_id=tid, now=now, source=source)
-        cur.execute(
-            "WITH o AS (SELECT id, status FROM accs_job WHERE id = %s)"
-            " UPDATE accs_job j SET status = 'error', error_code = 'task_failed', error_message = %s,"
-            f" finished_at = %s, updated_at = %s FROM o WHERE j.id = o.id AND o.status IN {sql_in(JOB_ADMITTED)}"
-            " RETURNING o.status",
-            [jid, f"task {tid} failed: {error[:500]}", now, now],
-        )
-        row = cur.fetchone()
-        if row:
-            events.append(EventRow(type="status", level="error", job_id=jid, source=source,
-                                   message=f"job {row[0]} → error", data={"from": row[0], "to": "error"}))
-            events += skip_unstarted(cur, [jid], now=now, source=source, reason="job failed")
+        if on_failure == StepFailurePolicy.CONTINUE:
+            # Its dependents are skipped and the job ends partial once the rest is final (jobs.finalize).
+            events.append(EventRow(
+                type=EventType.POLICY, level="warn", job_id=jid, task_id=tid, source=source,
+                message=f"step {step_key} failed for good; on_failure continue: its dependents are skipped,"
+                        " independent steps go on",
+                data={"step": step_key, "on_failure": on_failure},
+            ))
+        else:
+            events += _fail_job(cur, jid, reason=f"task {tid} failed: {error[:500]}", now=now, source=source)
     write_events(events, cursor=cur)
     return touched
+
+
+FAIL_JOB_SQL = f"""
+-- The job fails now, unless a task of an "always" step is not final yet: it then ends "error"
+-- (jobs.finalize) once those have run.
+UPDATE accs_job j SET status = 'error', error_code = 'task_failed', error_message = %(reason)s,
+       finished_at = %(now)s, updated_at = %(now)s
+ WHERE j.id = %(job)s AND j.status = %(was)s
+   AND NOT EXISTS (SELECT 1 FROM accs_job_step a WHERE a.job_id = j.id AND a.always AND {finished("a")} < a.total)
+RETURNING j.id
+"""
+
+
+def _fail_job(cur, job_id: UUID, *, reason: str, now: datetime, source: str) -> list[EventRow]:
+    """Fail a (locked) admitted job after a task of a ``fail_job`` step failed for good; return the events.
+
+    Its unstarted tasks are skipped, except those of ``always`` steps, which still run.
+    """
+    cur.execute(f"SELECT status FROM accs_job WHERE id = %s AND status IN {sql_in(JOB_ADMITTED)}", [job_id])
+    row = cur.fetchone()
+    if not row:
+        return []
+    was = row[0]
+    skipped = skip_unstarted(cur, [job_id], now=now, source=source, reason="job failed", keep_always=True)
+    cur.execute(FAIL_JOB_SQL, {"job": job_id, "was": was, "reason": reason, "now": now})
+    if cur.fetchone():
+        return [EventRow(type="status", level="error", job_id=job_id, source=source, message=f"job {was} → error",
+                         data={"from": was, "to": "error"}), *skipped]
+    return [EventRow(type=EventType.POLICY, level="error", job_id=job_id, source=source,
+                     message="job fails (on_failure fail_job); its always-run steps run before it ends error",
+                     data={"on_failure": StepFailurePolicy.FAIL_JOB, "reason": reason}), *skipped]
 
 
 def quarantine_host(cur, host_id: int, *, reason: str, job_id, task_id, now: datetime, source: str) -> list[EventRow]:

@@ -32,6 +32,7 @@ JOB_RETRYABLE: frozenset[str] = frozenset(models.JOB_FAILED)
 # Task status → the statuses it may move to. "created" is the pseudo-state of a new row.
 TASK_TRANSITIONS: dict[str, frozenset[str]] = {
     "created": frozenset({T.WAITING, T.QUEUED, T.BLOCKED}),
+    # waiting → queued: its dependencies are done (for an "always" step: final, whatever their outcome).
     T.WAITING: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED}),
     # scheduled → queued: the retry's backoff is over.
     T.SCHEDULED: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED, T.WAITING}),

@@ -303,8 +303,11 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
                             now=now, source=source, why=why)
         touched = sorted({r[3] for r in rows}, key=str)
         finished = [j for j in touched if jobs[j][0] not in JOB_ACTIVE]
-        # Dependents skipped because these tasks failed get another chance too.
-        rows += _reset_tasks(cur, finished, statuses=["skipped"], now=now, source=source, why=why)
+        # Dependents skipped because these tasks failed get another chance too, also while the job
+        # still runs (a "continue" step failed); finalize skips again those whose other
+        # dependencies still did not succeed.
+        rows += _reset_tasks(cur, [j for j in touched if jobs[j][0] != JobStatus.QUEUED], statuses=["skipped"],
+                             now=now, source=source, why=why)
         back = {j: _back_to_work(cur, j, jobs[j], by=by, now=now, why=why) if j in finished else jobs[j][0]
                 for j in touched}
         _settle(cur, rows, back, now=now, source=source)

@@ -3,6 +3,9 @@
 Steps are laid out in columns by depth (longest path from a root), edges run left to right. A
 step that fans out over hosts is one box with a count per status and a stacked bar; a single task
 shows its status and attempt. Colours follow :data:`STATUS_COLOURS` (the legend under the picture).
+A step's failure policy shows as a tag in its box's corner (:data:`POLICY_TAGS`, also in the
+legend): ``continue`` (its failure does not fail the job) and ``always`` (it runs whatever its
+dependencies' outcome).
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ STATUS_COLOURS: dict[str, tuple[str, str]] = {
 STATUS_PRIORITY = ("error", "running", "starting", "queued", "blocked", "waiting", "canceled", "skipped", "done",
                    "pending")
 
+# The tag of each failure policy that differs from the default, and what the legend says of it.
+POLICY_TAGS: dict[str, tuple[str, str]] = {
+    "continue": ("↷ continue", "on failure: skip its dependents, the rest goes on"),
+    "always": ("⟳ always", "runs whatever its dependencies' outcome"),
+}
+POLICY_COLOUR = "#0e7490"
+
 BOX_W, BOX_H, COL_GAP, ROW_GAP, PAD = 200, 70, 64, 22, 16
 
 
@@ -45,6 +55,8 @@ class StepState:
     attempt: int = 0
     max_attempts: int = 0
     tasks: int = 0
+    on_failure: str = "fail_job"
+    always: bool = False
 
     @property
     def status(self) -> str:
@@ -52,6 +64,11 @@ class StepState:
             if self.counts.get(status):
                 return status
         return "pending"
+
+    @property
+    def policy_tags(self) -> list[str]:
+        """Return the keys of :data:`POLICY_TAGS` that apply to this step."""
+        return [tag for tag, on in (("continue", self.on_failure == "continue"), ("always", self.always)) if on]
 
 
 def steps_from(definition: Iterable[dict[str, Any]], task_rows: Iterable[dict[str, Any]]) -> list[StepState]:
@@ -65,7 +82,9 @@ def steps_from(definition: Iterable[dict[str, Any]], task_rows: Iterable[dict[st
         if isinstance(step, dict) and isinstance(step.get("key"), str):
             steps[step["key"]] = StepState(key=step["key"], service=str(step.get("service", "")),
                                            depends_on=[d for d in step.get("depends_on") or [] if isinstance(d, str)],
-                                           fan_out=step.get("fan_out") == "hosts")
+                                           fan_out=step.get("fan_out") == "hosts",
+                                           on_failure=str(step.get("on_failure") or "fail_job"),
+                                           always=step.get("always") is True)
     for row in task_rows:
         state = steps.setdefault(row["step_key"], StepState(key=row["step_key"], service=row.get("service", "")))
         if not state.depends_on and row.get("depends_on"):
@@ -130,7 +149,7 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
     legend_h = 30
     width = PAD * 2 + cols * BOX_W + (cols - 1) * COL_GAP
     height = PAD * 2 + rows * BOX_H + (rows - 1) * ROW_GAP + legend_h
-    width = max(width, 640)
+    width = max(width, 760)  # room for the legend
 
     def xy(key: str) -> tuple[int, int]:
         c, r = pos[key]
@@ -161,14 +180,23 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
         status = step.status
         fill, stroke = STATUS_COLOURS.get(status, STATUS_COLOURS["pending"])
         dashed = ' stroke-dasharray="5 3"' if status in ("pending", "skipped") else ""
-        tip = f"{step.key} ({step.service}): {_status_line(step)}"
-        out.append(f'<a href="{escape(link_prefix + step.key)}"><g class="step status-{escape(status)}" '
-                   f'data-step="{escape(step.key)}" data-status="{escape(status)}">')
+        tags = step.policy_tags
+        tip = f"{step.key} ({step.service}): {_status_line(step)}" + "".join(
+            f"; {POLICY_TAGS[t][0]}: {POLICY_TAGS[t][1]}" for t in tags)
+        policy_classes = "".join(f" policy-{t}" for t in tags)
+        out.append(f'<a href="{escape(link_prefix + step.key)}">'
+                   f'<g class="step status-{escape(status)}{policy_classes}" '
+                   f'data-step="{escape(step.key)}" data-status="{escape(status)}" '
+                   f'data-on-failure="{escape(step.on_failure)}" data-always="{str(step.always).lower()}">')
         out.append(f"<title>{escape(tip)}</title>")
         out.append(f'<rect x="{x}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="8" fill="{fill}" stroke="{stroke}" '
                    f'stroke-width="{2.5 if status == "error" else 1.5}"{dashed}/>')
         out.append(f'<text x="{x + 10}" y="{y + 20}" font-size="13" font-weight="600" fill="#0f172a">'
-                   f"{escape(_truncate(step.key, 24))}</text>")
+                   f"{escape(_truncate(step.key, 24 - 6 * len(tags)))}</text>")
+        for i, tag in enumerate(tags):
+            out.append(f'<text class="policy-tag" x="{x + BOX_W - 8}" y="{y + 16 + 12 * i}" font-size="10" '
+                       f'text-anchor="end" fill="{POLICY_COLOUR}" font-weight="600">'
+                       f"{escape(POLICY_TAGS[tag][0])}</text>")
         sub = step.service + (f" × {step.tasks} hosts" if step.fan_out and step.tasks else "")
         out.append(f'<text x="{x + 10}" y="{y + 37}" font-size="11" fill="#475569">{escape(_truncate(sub, 30))}</text>')
         out.append(f'<text x="{x + 10}" y="{y + 54}" font-size="11" fill="{stroke}" font-weight="600">'
@@ -193,6 +221,10 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
         out.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" rx="2" fill="{fill}" stroke="{stroke}"/>'
                    f'<text x="{lx + 16}" y="{ly + 10}" font-size="11" fill="#334155">{status}</text>')
         lx += 26 + 7 * len(status)
+    for tag, (label, meaning) in POLICY_TAGS.items():
+        out.append(f'<text class="policy-legend" x="{lx}" y="{ly + 10}" font-size="11" fill="{POLICY_COLOUR}" '
+                   f'font-weight="600"><title>{escape(meaning)}</title>{escape(label)}</text>')
+        lx += 16 + 7 * len(label)
     out.append("</svg>")
     return "".join(out)
 

@@ -14,6 +14,7 @@ from django.db import transaction
 from django.http import HttpRequest
 from ninja import Field, Path, Query, Router, Schema, Status
 from ninja.errors import HttpError
+from pydantic import StrictBool
 
 from accs_site.http import INT32, In, require_superuser, responses
 from workflows.api import create_workflow, save_service
@@ -123,6 +124,8 @@ class StepIn(In):
     depends_on: list[str] = Field(default_factory=list)
     default_params: dict[str, Any] = Field(default_factory=dict)
     fan_out: Literal["hosts"] | None = None
+    on_failure: Literal["fail_job", "continue"] | None = None
+    always: StrictBool | None = None
 
 
 class WorkflowIn(In):

@@ -20,6 +20,13 @@ class Executor(models.TextChoices):
     SIMULATE = "simulate", "Simulated unstable network"
 
 
+class StepFailurePolicy(models.TextChoices):
+    """What a workflow step failing for good (its task in final error) does to the job."""
+
+    FAIL_JOB = "fail_job", "Fail the job (its dependents and unstarted steps are skipped)"
+    CONTINUE = "continue", "Continue (its dependents are skipped, independent steps go on; the job ends partial)"
+
+
 class Service(models.Model):
     """A unit of allow-listed work: what an agent may run, and the limits around it."""
 
@@ -118,7 +125,12 @@ class Workflow(models.Model):
     version = models.PositiveIntegerField(default=1)
     description = models.TextField(blank=True, default="")
     is_active = models.BooleanField(default=True)
-    steps = models.JSONField(default=list, help_text="[{key, service, depends_on, default_params, fan_out?}]")
+    steps = models.JSONField(
+        default=list,
+        help_text="[{key, service, depends_on, default_params, fan_out?, on_failure?, always?}]; "
+        'on_failure: "fail_job" (default) or "continue"; always: true runs the step once '
+        "its dependencies are final, whatever their outcome (cleanup, notifications)",
+    )
     max_active_jobs = models.PositiveIntegerField(
         default=0, help_text="Jobs of this workflow running at once; 0 = unlimited, 1 = strictly one, oldest first."
     )

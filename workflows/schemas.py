@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class WorkflowStep(BaseModel):
@@ -16,6 +16,8 @@ class WorkflowStep(BaseModel):
     depends_on: list[str] = Field(default_factory=list)
     default_params: dict[str, Any] = Field(default_factory=dict)
     fan_out: Literal["hosts"] | None = None
+    on_failure: Literal["fail_job", "continue"] | None = None
+    always: StrictBool | None = None
 
 
 class WorkflowDef(BaseModel):

@@ -22,6 +22,7 @@ STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 FAN_OUT_VALUES = ("hosts",)
+STEP_FIELDS = frozenset({"key", "service", "depends_on", "default_params", "fan_out", "on_failure", "always"})
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,7 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
             problems.append(Problem(where, f"key {key!r} must be 1-100 letters, digits, '_', '-' or '.'"))
             continue
         keys.append(key)
-        unknown_fields = sorted(set(step) - {"key", "service", "depends_on", "default_params", "fan_out"})
+        unknown_fields = sorted(set(step) - STEP_FIELDS)
         if unknown_fields:
             problems.append(Problem(f"step '{key}'", f"unknown fields {unknown_fields}"))
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
@@ -304,9 +305,25 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
         fan_out = step.get("fan_out")
         if fan_out is not None and fan_out not in FAN_OUT_VALUES:
             problems.append(Problem(where, f"fan_out must be one of {list(FAN_OUT_VALUES)} or absent, got {fan_out!r}"))
+        problems += policy_problems(step, where=where)
     cycle = find_cycle(graph)
     if cycle:
         problems.append(Problem("steps", "dependency cycle: " + " → ".join(cycle)))
+    return problems
+
+
+def policy_problems(step: Mapping[str, Any], *, where: str) -> list[Problem]:
+    """Return what is wrong with a step's failure policy (``on_failure``) and its ``always`` flag."""
+    from workflows.models import StepFailurePolicy
+
+    problems = []
+    allowed = list(StepFailurePolicy.values)
+    on_failure = step.get("on_failure")
+    if on_failure is not None and on_failure not in allowed:
+        problems.append(Problem(where, f"on_failure must be one of {allowed} or absent, got {on_failure!r}"))
+    always = step.get("always")
+    if always is not None and not isinstance(always, bool):
+        problems.append(Problem(where, f"always must be true or false (a JSON boolean) or absent, got {always!r}"))
     return problems
 
 
