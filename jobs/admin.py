@@ -43,7 +43,7 @@ from workflows.models import Service, Workflow
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ("slug", "name", "timezone", "max_in_flight", "created_at")
+    list_display = ("slug", "name", "timezone", "max_in_flight", "retention_days", "retention_dead_days", "created_at")
     search_fields = ("slug", "name")
 
     def get_queryset(self, request):

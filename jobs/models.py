@@ -29,6 +29,14 @@ class Tenant(models.Model):
     name = models.CharField(max_length=200)
     timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
     max_in_flight = models.PositiveIntegerField(default=0, help_text="Running jobs at once; 0 = unlimited.")
+    retention_days = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Days finished jobs are kept before they are pruned; 0 = for ever, empty = ACC_RETENTION_DAYS.",
+    )
+    retention_dead_days = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Days jobs that ended in error (dead letters) are kept; 0 = for ever, empty = ACC_RETENTION_DEAD_DAYS.",
+    )
     created_at = models.DateTimeField(default=now)
 
     class Meta:
@@ -102,6 +110,9 @@ JOB_FINAL = (JobStatus.DONE, JobStatus.PARTIAL, JobStatus.ERROR, JobStatus.CANCE
 # Admitted: its tasks exist and count against the tenant's and the workflow's caps.
 JOB_ADMITTED = (JobStatus.WAITING, JobStatus.RUNNING)
 JOB_ACTIVE = (JobStatus.QUEUED, *JOB_ADMITTED)
+# Finished jobs pruned after the tenant's retention; jobs that ended in error (dead letters) have
+# a retention of their own.
+JOB_PRUNABLE = (JobStatus.DONE, JobStatus.PARTIAL, JobStatus.CANCELED)
 
 
 class JobSource(models.TextChoices):
@@ -196,6 +207,12 @@ class Job(models.Model):
             models.Index(fields=["tenant", "status", "-created_at"], name="job_tenant_status_created_idx"),
             models.Index(fields=["workflow", "status"], condition=Q(status__in=JOB_ADMITTED), name="job_workflow_admitted_idx"),
             models.Index(fields=["-created_at"], name="job_created_idx"),
+            # Retention (jobs.retention): each tenant's finished jobs from the oldest end, dead
+            # letters apart because they are kept longer; rows enter only when a job finishes.
+            models.Index(fields=["tenant", "finished_at"], condition=Q(status__in=JOB_PRUNABLE),
+                         name="job_prune_idx"),
+            models.Index(fields=["tenant", "finished_at"], condition=Q(status=JobStatus.ERROR),
+                         name="job_prune_dead_idx"),
         ]
 
     def __str__(self) -> str:
