@@ -315,3 +315,25 @@ def test_system_check_rejects_export_without_storage_and_warns_of_short_dead_let
 def test_tenant_retention_is_editable_in_the_admin(admin_client, default_tenant):
     page = admin_client.get(f"/admin/jobs/tenant/{default_tenant.id}/change/")
     assert b'name="retention_days"' in page.content and b'name="retention_dead_days"' in page.content
+
+
+def test_the_due_scan_walks_the_partial_retention_indexes(services, default_tenant):
+    from jobs.retention import CANDIDATES_SQL
+
+    with connection.cursor() as cur:
+        # 20,000 young finished jobs (one in ten a dead letter) and 20,000 active ones.
+        cur.execute("""
+            INSERT INTO accs_job (id, tenant_id, service_id, status, progress, current_task_key, priority, options,
+                                  step_params, scheduled_at, error_code, error_message, source, source_ref,
+                                  correlation_id, approval_state, approved_by, created_at, updated_at, finished_at)
+            SELECT gen_random_uuid(), %s, %s, CASE WHEN i %% 2 = 0 THEN 'queued' WHEN i %% 20 = 1 THEN 'error'
+                   ELSE 'done' END, 0, '', 0, '{}', '{}', now(), '', '', 'manual', '', '', 'not_required', '', now(),
+                   now(), CASE WHEN i %% 2 = 1 THEN now() - make_interval(secs => i) END
+              FROM generate_series(1, 40000) AS i""", [default_tenant.id, services["ok"].id])
+        cur.execute("ANALYZE accs_job")
+        cur.execute("ANALYZE accs_tenant")
+        cur.execute("EXPLAIN " + CANDIDATES_SQL.format(kept=""),
+                    {"now": default_tenant.created_at, "days": 30, "dead_days": 90, "limit": 500})
+        plan = "\n".join(r[0] for r in cur.fetchall())
+    assert "job_prune_idx" in plan and "job_prune_dead_idx" in plan, plan
+    assert "Seq Scan on accs_job" not in plan, plan
