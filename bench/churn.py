@@ -21,7 +21,7 @@ Printed and written to bench/results/churn.json:
 * ``pruned``: rows the prune deleted by the end (jobs, tasks, attempts, steps), and its passes.
 
 Environment: CHURN_TASKS (2,000,000: about an hour of a busy fleet), CHURN_SHORT=1 (20,000, a smoke
-test), CHURN_QUEUE (20,000), CHURN_CLAIM_BATCH (64), CHURN_RETENTION_SEC (30). It runs on the
+test), CHURN_QUEUE (20,000), CHURN_CLAIM_BATCH (64), CHURN_RETENTION_SEC (30; 5 in the short run). It runs on the
 database of ACC_DB_URL and empties the engine's tables first, as ``make bench`` does.
 """
 
@@ -56,7 +56,7 @@ SHORT = os.environ.get("CHURN_SHORT") == "1"
 TASKS = int(os.environ.get("CHURN_TASKS", "20000" if SHORT else "2000000"))
 QUEUE = int(os.environ.get("CHURN_QUEUE", "20000"))
 CLAIM_BATCH = int(os.environ.get("CHURN_CLAIM_BATCH", "64"))
-RETENTION_SEC = float(os.environ.get("CHURN_RETENTION_SEC", "30"))
+RETENTION_SEC = float(os.environ.get("CHURN_RETENTION_SEC", "5" if SHORT else "30"))
 TABLES = ("accs_task", "accs_job", "accs_attempt", "accs_job_step")
 SIZES_SQL = ("SELECT pg_total_relation_size(%(t)s::regclass), pg_relation_size(%(t)s::regclass),"
              " pg_indexes_size(%(t)s::regclass), s.n_live_tup, s.n_dead_tup"
@@ -64,8 +64,8 @@ SIZES_SQL = ("SELECT pg_total_relation_size(%(t)s::regclass), pg_relation_size(%
 
 # The timeline is partitioned: its size is the sum of its partitions'.
 EVENT_SIZES_SQL = """
-SELECT sum(pg_total_relation_size(p.relid)), sum(pg_relation_size(p.relid)), sum(pg_indexes_size(p.relid)),
-       sum(s.n_live_tup), sum(s.n_dead_tup)
+SELECT sum(pg_total_relation_size(p.relid))::bigint, sum(pg_relation_size(p.relid))::bigint,
+       sum(pg_indexes_size(p.relid))::bigint, sum(s.n_live_tup)::bigint, sum(s.n_dead_tup)::bigint
   FROM pg_partition_tree('accs_event') p JOIN pg_stat_user_tables s ON s.relid = p.relid WHERE p.isleaf
 """
 

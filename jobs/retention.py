@@ -110,8 +110,9 @@ SELECT j.id FROM accs_job j JOIN accs_tenant t ON t.id = j.tenant_id
 """
 
 LOCK_TASKS_SQL = """
--- retention: lock the jobs' tasks; a job with a task held elsewhere is left for a later batch
-WITH locked AS (
+-- retention: lock the jobs' tasks; a job with a task held elsewhere is left for a later batch.
+-- MATERIALIZED: the locks are taken once, in id order, not per job by the correlated count.
+WITH locked AS MATERIALIZED (
     SELECT id, job_id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]) ORDER BY id FOR UPDATE SKIP LOCKED
 )
 SELECT j.id FROM unnest(%(ids)s::uuid[]) AS j(id)

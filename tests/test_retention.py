@@ -8,8 +8,6 @@ it does under the builder, so objects are deleted after a real commit.
 from __future__ import annotations
 
 import json
-from datetime import timedelta
-
 import psycopg
 import pytest
 from django.core.checks import run_checks
@@ -59,6 +57,13 @@ def finished_job(services, tenant: Tenant, *, days_ago: float, failed: bool = Fa
     job.refresh_from_db()
     assert job.status == ("error" if failed else "done"), job.status
     return job
+
+
+def db_clock_plus(interval: str):
+    """Return PostgreSQL's clock moved ``interval`` ahead."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT now() + %s::interval", [interval])
+        return cur.fetchone()[0]
 
 
 def rows_of(job_ids) -> dict[str, int]:
@@ -138,10 +143,7 @@ def test_prune_deletes_exactly_the_jobs_past_their_tenants_retention_with_their_
 def test_prune_uses_the_global_default_when_the_tenant_sets_none_and_the_database_clock(services, default_tenant):
     job = finished_job(services, default_tenant, days_ago=29)
     assert prune_finished_jobs(limit=10).jobs == 0
-    with connection.cursor() as cur:
-        cur.execute("SELECT now() + interval '2 days'")
-        later = cur.fetchone()[0]
-    assert prune_finished_jobs(limit=10, now=later).job_ids == [job.id]
+    assert prune_finished_jobs(limit=10, now=db_clock_plus("2 days")).job_ids == [job.id]
 
 
 def test_prune_without_storage_keeps_jobs_that_have_artifact_rows(s3, services, default_tenant, monkeypatch):
@@ -244,10 +246,7 @@ def test_orphan_sweep_deletes_old_unrecorded_artifact_objects_only(s3, services,
     young = sweep_orphan_objects(limit=100, grace_seconds=3600)
     assert young.deleted == [] and orphan in s3.keys(), "an orphan younger than the grace period is kept"
 
-    with connection.cursor() as cur:
-        cur.execute("SELECT now() + interval '2 hours'")
-        later = cur.fetchone()[0]
-    result = sweep_orphan_objects(limit=100, grace_seconds=3600, now=later)
+    result = sweep_orphan_objects(limit=100, grace_seconds=3600, now=db_clock_plus("2 hours"))
 
     assert result.deleted == [orphan] and result.next_marker is None
     assert set(s3.keys()) == {recorded.key, *keep}
@@ -260,9 +259,7 @@ def test_orphan_sweep_covers_a_large_bucket_over_several_bounded_passes(s3):
     for key in orphans:
         s3.put(key, b"x")
     s3.put("retention/2020/01/01/batch.jsonl", b"kept")
-    with connection.cursor() as cur:
-        cur.execute("SELECT now() + interval '2 hours'")
-        later = cur.fetchone()[0]
+    later = db_clock_plus("2 hours")
     marker, passes, deleted = None, 0, []
     while True:
         result = sweep_orphan_objects(limit=4, grace_seconds=3600, start_after=marker, now=later)

@@ -21,31 +21,15 @@ from django.db import migrations, models
 #   page instead of two and the table does not spread while old versions wait for vacuum.
 # * accs_job: status is indexed (tenant/status/created), progress and current_task_key are not.
 # fillfactor applies to pages written from now on; existing pages fill up as before.
-TUNE_SQL = """
-ALTER TABLE accs_task SET (fillfactor = 85,
-    autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.02);
-ALTER TABLE accs_job SET (fillfactor = 90,
-    autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.02);
-ALTER TABLE accs_job_step SET (fillfactor = 70,
-    autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
-ALTER TABLE accs_attempt SET (fillfactor = 90,
-    autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
-"""
-
-UNTUNE_SQL = """
-ALTER TABLE accs_task RESET (fillfactor, autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-    autovacuum_vacuum_insert_scale_factor, autovacuum_analyze_scale_factor);
-ALTER TABLE accs_job RESET (fillfactor, autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-    autovacuum_vacuum_insert_scale_factor, autovacuum_analyze_scale_factor);
-ALTER TABLE accs_job_step RESET (fillfactor, autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-    autovacuum_vacuum_insert_scale_factor, autovacuum_analyze_scale_factor);
-ALTER TABLE accs_attempt RESET (fillfactor, autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
-    autovacuum_vacuum_insert_scale_factor, autovacuum_analyze_scale_factor);
-"""
+# table: (fillfactor, autovacuum_analyze_scale_factor); the claim reads task and job statistics.
+TUNING = {"accs_task": (85, 0.02), "accs_job": (90, 0.02), "accs_job_step": (70, 0.05), "accs_attempt": (90, 0.05)}
+VACUUM = ("autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, "
+          "autovacuum_vacuum_insert_scale_factor = 0.05")
+OPTIONS = ("fillfactor, autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold, "
+           "autovacuum_vacuum_insert_scale_factor, autovacuum_analyze_scale_factor")
+TUNE_SQL = "".join(f"ALTER TABLE {table} SET (fillfactor = {fill}, {VACUUM}, autovacuum_analyze_scale_factor = {analyze});\n"
+                   for table, (fill, analyze) in TUNING.items())
+UNTUNE_SQL = "".join(f"ALTER TABLE {table} RESET ({OPTIONS});\n" for table in TUNING)
 
 
 class Migration(migrations.Migration):
