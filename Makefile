@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo serve test test-fast bench bench-compare chaos stop check
+.PHONY: install db demo serve test test-fast bench bench-churn bench-compare chaos stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ test-fast: install
 
 bench: db
 	@$(PY) bench/run.py
+
+# Tasks through the engine while retention prunes them (docs/retention.md): claim rate and table sizes at
+# the start and the end, bench/results/churn.json. CHURN_TASKS (2,000,000) sets the size, CHURN_SHORT=1 a smoke run.
+bench-churn: db
+	@$(PY) bench/churn.py
 
 # The peers (../shared/bench-peers, one repetition, on a copy) and ACCS in one session:
 # bench/results/compare.json and the README's benchmark table.

@@ -1,6 +1,6 @@
 """System checks: every ACC_* setting is parsed at start-up, so a bad value stops the process."""
 
-from django.core.checks import Error, register
+from django.core.checks import Error, Warning, register
 
 from accs_site.conf import SettingError, accs
 
@@ -28,4 +28,30 @@ def check_accs_settings(app_configs=None, **kwargs) -> list[Error]:
                 id="accs.E002",
             )
         )
+    if not errors:
+        errors += _retention_problems()
     return errors
+
+
+def _retention_problems() -> list[Error | Warning]:
+    problems: list[Error | Warning] = []
+    if accs.retention_export and not accs.minio.configured:
+        problems.append(
+            Error(
+                "ACC_RETENTION_EXPORT is on but artifact storage is not configured: no finished job would ever be pruned",
+                hint="Set ACC_MINIO_ENDPOINT, ACC_MINIO_ACCESS_KEY and ACC_MINIO_SECRET_KEY, or turn ACC_RETENTION_EXPORT off.",
+                id="accs.E003",
+            )
+        )
+    days, dead = accs.retention_days, accs.retention_dead_days
+    if dead and (days == 0 or dead < days):
+        kept = "for ever" if days == 0 else f"for {days} days"
+        problems.append(
+            Warning(
+                f"ACC_RETENTION_DEAD_DAYS={dead} prunes dead letters sooner than other finished jobs, which are kept {kept} "
+                "(ACC_RETENTION_DAYS)",
+                hint="Dead letters are kept longer, for investigation: raise ACC_RETENTION_DEAD_DAYS or set it to 0.",
+                id="accs.W001",
+            )
+        )
+    return problems

@@ -87,6 +87,18 @@ def _float(name: str, default: float, *, minimum: float = 0.0) -> float:
     return value
 
 
+def _bool(name: str, default: bool) -> bool:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SettingError(name, f"expected true or false, got {raw!r}")
+
+
 def parse_labels(name: str, raw: str | None) -> dict[str, str]:
     """Parse ``gpu=true,zone=eu`` into a dict; a part without ``=`` is an error naming ``name``."""
     labels: dict[str, str] = {}
@@ -184,6 +196,31 @@ class AccsSettings:
     @cached_property
     def event_partitions_ahead(self) -> int:
         return _int("ACC_EVENT_PARTITIONS_AHEAD", 2, minimum=1, maximum=24)
+
+    @cached_property
+    def retention_days(self) -> int:
+        """Days a finished job is kept (a tenant may say otherwise); 0 keeps jobs for ever."""
+        return _int("ACC_RETENTION_DAYS", 30, minimum=0)
+
+    @cached_property
+    def retention_dead_days(self) -> int:
+        """Days a job that ended in error (a dead letter) is kept; 0 keeps them for ever."""
+        return _int("ACC_RETENTION_DEAD_DAYS", 90, minimum=0)
+
+    @cached_property
+    def retention_export(self) -> bool:
+        """Export pruned jobs to object storage as JSONL before deleting them."""
+        return _bool("ACC_RETENTION_EXPORT", False)
+
+    @cached_property
+    def retention_batch(self) -> int:
+        """Jobs pruned per transaction (and per exported object)."""
+        return _int("ACC_RETENTION_BATCH", 500, minimum=1, maximum=10_000)
+
+    @cached_property
+    def orphan_grace_sec(self) -> int:
+        """Age an artifact object without a row must reach before the sweep deletes it."""
+        return _int("ACC_ORPHAN_GRACE_SEC", 3600, minimum=60)
 
     @cached_property
     def metrics_token(self) -> str | None:

@@ -23,15 +23,19 @@ import logging
 import mimetypes
 import os
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 from uuid import UUID
 
 from django.core.files import File
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q
 
+from accs_site.clock import db_now
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from jobs.models import Job, Task
 from events.storage import (
@@ -39,8 +43,10 @@ from events.storage import (
     KIND_PREFIXES,
     StorageNotConfigured,
     build_key,
+    delete_keys,
     get_storage,
     is_configured,
+    list_objects,
     sha256_of,
     validate_key,
 )
@@ -55,13 +61,19 @@ SPOOL_LIMIT = 16 * 1024 * 1024
 __all__ = [
     "ChecksumMismatch",
     "StorageNotConfigured",
+    "SweepResult",
     "collect_outputs",
+    "delete_artifact_objects",
     "open_artifact",
     "read_artifact",
     "record_artifact",
     "stage_inputs",
+    "sweep_orphan_objects",
     "upload_attempt_log",
 ]
+
+# Only keys under these prefixes are artifacts; archives (archive/, retention/) are never swept.
+ARTIFACT_PREFIXES = tuple(sorted(f"{prefix}/" for prefix in KIND_PREFIXES.values()))
 
 
 class ChecksumMismatch(Exception):
@@ -248,6 +260,92 @@ def upload_attempt_log(
         job_id=job_id, task_id=task_id, task_key=task_key, attempt=attempt, kind=ArtifactKind.LOG,
         name=f"attempt-{attempt}", data=body.encode(), content_type=JSONL_CONTENT_TYPE,
     )
+
+
+def delete_artifact_objects(objects: Iterable[tuple[str, str]]) -> int:
+    """Delete the objects ``(bucket, key)`` of artifact rows already deleted; return how many went.
+
+    Call it after the transaction that deleted the rows committed. The order loses nothing: a
+    row never points at a missing object, and an object whose deletion fails here (storage down)
+    is left without a row, which :func:`sweep_orphan_objects` deletes later. Failures are logged,
+    never raised.
+    """
+    by_bucket: dict[str, set[str]] = defaultdict(set)
+    for bucket, key in objects:
+        by_bucket[bucket].add(key)
+    deleted = 0
+    for bucket, keys in sorted(by_bucket.items()):
+        try:
+            failed = delete_keys(get_storage(bucket=bucket, action=f"delete {len(keys)} artifact object(s)"), keys)
+        except Exception as exc:  # noqa: BLE001 - the rows are gone already; the sweep finishes the job
+            log.warning("could not delete %d artifact object(s) in bucket %s (%s); the orphan sweep will",
+                        len(keys), bucket, exc)
+            continue
+        if failed:
+            log.warning("could not delete %d artifact object(s) in bucket %s, e.g. %s; the orphan sweep will",
+                        len(failed), bucket, failed[0])
+        deleted += len(keys) - len(failed)
+    return deleted
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """One pass of the orphan sweep: how many keys it looked at, which it deleted, where to go on."""
+
+    examined: int
+    deleted: list[str]
+    next_marker: str | None  # None: the pass reached the last artifact key; the next pass starts over
+
+
+def sweep_orphan_objects(*, limit: int, grace_seconds: float, start_after: str | None = None,
+                         now: datetime | None = None) -> SweepResult:
+    """Delete artifact objects of the default bucket that no artifact row records; look at ``limit`` keys.
+
+    An object is deleted when its key has the artifact layout (``inputs/``, ``outputs/``,
+    ``logs/`` + job + task + name), no row names it, and it was last written more than
+    ``grace_seconds`` before PostgreSQL's clock: younger ones may belong to an upload whose row
+    is not written yet. Keys are visited in order from ``start_after``; pass the result's
+    ``next_marker`` to the next call so a large bucket is swept over several passes. ``now``
+    defaults to PostgreSQL's clock. Without storage, do nothing.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if not is_configured():
+        return SweepResult(examined=0, deleted=[], next_marker=None)
+    storage = get_storage(action="sweep orphan artifact objects")
+    listed = _list_artifact_objects(storage, start_after=start_after, limit=limit)
+    if now is None:
+        with connection.cursor() as cur:
+            now = db_now(cur)
+    cutoff = now - timedelta(seconds=grace_seconds)
+    old = [o["Key"] for o in listed if o["LastModified"] < cutoff and _has_artifact_layout(o["Key"])]
+    recorded = set(Artifact.objects.filter(bucket=storage.bucket_name, key__in=old).values_list("key", flat=True))
+    orphans = [key for key in old if key not in recorded]
+    failed = set(delete_keys(storage, orphans)) if orphans else set()
+    deleted = [key for key in orphans if key not in failed]
+    if deleted:
+        log.info("deleted %d orphan artifact object(s) of bucket %s", len(deleted), storage.bucket_name)
+    next_marker = listed[-1]["Key"] if len(listed) >= limit else None
+    return SweepResult(examined=len(listed), deleted=deleted, next_marker=next_marker)
+
+
+def _list_artifact_objects(storage: Any, *, start_after: str | None, limit: int) -> list[dict[str, Any]]:
+    """List up to ``limit`` objects under the artifact prefixes, in key order, after ``start_after``."""
+    listed: list[dict[str, Any]] = []
+    for prefix in ARTIFACT_PREFIXES:
+        if start_after and start_after > prefix and not start_after.startswith(prefix):
+            continue  # the marker is past this prefix
+        after = start_after if start_after and start_after.startswith(prefix) else None
+        objects = list_objects(storage, prefix=prefix, start_after=after, limit=limit - len(listed))
+        listed += objects
+        if len(listed) >= limit:
+            break
+    return listed
+
+
+def _has_artifact_layout(key: str) -> bool:
+    parts = key.split("/", 3)  # kind prefix / job / task_key / name
+    return len(parts) == 4 and f"{parts[0]}/" in ARTIFACT_PREFIXES and all(parts)
 
 
 # --- internals -------------------------------------------------------------------------------

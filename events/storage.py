@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 from uuid import UUID
 
 from botocore.exceptions import ClientError
 from django.core.exceptions import ImproperlyConfigured
+from django.core.files import File
 from storages.backends.s3 import S3Storage
 
 from accs_site.conf import MinioSettings, accs
@@ -192,6 +194,55 @@ def iter_object(storage: S3Storage, key: str) -> Iterator[bytes]:
         yield from body.iter_chunks(CHUNK_SIZE)
     finally:
         body.close()
+
+
+DELETE_BATCH = 1000  # S3's limit of keys per DeleteObjects request
+
+
+def delete_keys(storage: S3Storage, keys: Iterable[str]) -> list[str]:
+    """Delete objects by key, up to 1,000 per request; return the keys that could not be deleted.
+
+    A key that does not exist counts as deleted (S3 deletes are idempotent).
+    """
+    client = storage.connection.meta.client
+    pending, failed = sorted(set(keys)), []
+    for start in range(0, len(pending), DELETE_BATCH):
+        chunk = pending[start:start + DELETE_BATCH]
+        answer = client.delete_objects(
+            Bucket=storage.bucket_name, Delete={"Objects": [{"Key": key} for key in chunk], "Quiet": True}
+        )
+        failed += [error["Key"] for error in answer.get("Errors", [])]
+    return failed
+
+
+def list_objects(storage: S3Storage, *, prefix: str, start_after: str | None, limit: int) -> list[dict[str, Any]]:
+    """Return up to ``limit`` objects under ``prefix`` after ``start_after``, in key order.
+
+    Each object is S3's listing entry (``Key``, ``LastModified``, ``Size``...).
+    """
+    kwargs: dict[str, Any] = {"Bucket": storage.bucket_name, "Prefix": prefix, "MaxKeys": limit}
+    if start_after:
+        kwargs["StartAfter"] = start_after
+    return storage.connection.meta.client.list_objects_v2(**kwargs).get("Contents", [])
+
+
+def save_verified(storage: S3Storage, key: str, body: bytes, *, content_type: str) -> str:
+    """Store ``body`` under ``key``, read the object back and compare; return its ``sha256:<hex>``.
+
+    Raise OSError when the stored bytes differ (and whatever the storage raises when it fails).
+    """
+    upload = File(io.BytesIO(body), name=validate_key(key))
+    upload.content_type = content_type  # read by S3Storage for the object's Content-Type
+    saved = storage.save(key, upload)
+    if saved != key:
+        raise OSError(f"storage renamed {key!r} to {saved!r}")
+    expected = f"sha256:{hashlib.sha256(body).hexdigest()}"
+    digest = hashlib.sha256()
+    for chunk in iter_object(storage, key):
+        digest.update(chunk)
+    if f"sha256:{digest.hexdigest()}" != expected:
+        raise OSError(f"the stored copy of s3://{storage.bucket_name}/{key} differs from the bytes written")
+    return expected
 
 
 def sha256_of(fileobj: IO[bytes]) -> tuple[str, int]:

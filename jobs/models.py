@@ -31,6 +31,14 @@ class Tenant(models.Model):
     name = models.CharField(max_length=200)
     timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
     max_in_flight = models.PositiveIntegerField(default=0, help_text="Running jobs at once; 0 = unlimited.")
+    retention_days = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Days finished jobs are kept before they are pruned; 0 = for ever, empty = ACC_RETENTION_DAYS.",
+    )
+    retention_dead_days = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Days jobs that ended in error (dead letters) are kept; 0 = for ever, empty = ACC_RETENTION_DEAD_DAYS.",
+    )
     created_at = models.DateTimeField(default=now)
 
     class Meta:
@@ -106,6 +114,9 @@ JOB_ADMITTED = (JobStatus.WAITING, JobStatus.RUNNING)
 JOB_ACTIVE = (JobStatus.QUEUED, *JOB_ADMITTED)
 # Final states that are not success: what an operator may retry.
 JOB_FAILED = (JobStatus.ERROR, JobStatus.PARTIAL, JobStatus.CANCELED)
+# Finished jobs pruned after the tenant's retention; jobs that ended in error (dead letters) have
+# a retention of their own.
+JOB_PRUNABLE = (JobStatus.DONE, JobStatus.PARTIAL, JobStatus.CANCELED)
 
 
 class JobSource(models.TextChoices):
@@ -202,6 +213,12 @@ class Job(models.Model):
             models.Index(fields=["-created_at"], name="job_created_idx"),
             # Bulk redrive (jobs.redrive): failed jobs in id order, few among many finished ones.
             models.Index(fields=["id"], condition=Q(status__in=JOB_FAILED), name="job_failed_idx"),
+            # Retention (jobs.retention): each tenant's finished jobs from the oldest end, dead
+            # letters apart because they are kept longer; rows enter only when a job finishes.
+            models.Index(fields=["tenant", "finished_at"], condition=Q(status__in=JOB_PRUNABLE),
+                         name="job_prune_idx"),
+            models.Index(fields=["tenant", "finished_at"], condition=Q(status=JobStatus.ERROR),
+                         name="job_prune_dead_idx"),
         ]
 
     def __str__(self) -> str:

@@ -25,7 +25,7 @@ class Duty:
 
 def all_duties(*, batch: int) -> list[Duty]:
     """Return the leader's duties, in the order they run each tick (rescue first)."""
-    from jobs.duties import archive, cron, governor, partitions, presence, rate_window, rescue, scheduled, wake
+    from jobs.duties import archive, cron, governor, partitions, presence, prune, rate_window, rescue, scheduled, wake
 
     return [rescue.duty(batch=batch), scheduled.duty(batch=batch), cron.duty(), governor.duty(), wake.duty(),
-            presence.duty(), partitions.duty(), archive.duty(), rate_window.duty()]
+            presence.duty(), partitions.duty(), archive.duty(), rate_window.duty(), *prune.duties()]

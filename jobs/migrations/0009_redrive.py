@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("jobs", "0007_step_failure_policy"),
+        ("jobs", "0008_retention"),
     ]
 
     operations = [

@@ -1,0 +1,43 @@
+"""Retention: prune finished jobs past their tenant's retention, and sweep orphan artifact objects.
+
+Two duties of one concern. Pruning runs often in small batches, so a steady stream of finished
+jobs leaves as steadily as it arrives. The sweep lists one page of artifact keys per pass and
+deletes the objects no row records (uploads whose database write failed, deletions that failed
+after a prune); it remembers where it stopped, so a large bucket is covered over several passes.
+The place is kept by this builder only: a new leader starts over, which costs a repeated listing,
+never a wrong deletion.
+"""
+
+from __future__ import annotations
+
+from accs_site.conf import accs
+from jobs.duties import Duty
+
+SWEEP_PAGE = 1000
+
+
+def prune(limit: int) -> int:
+    from jobs.retention import prune_finished_jobs
+
+    return prune_finished_jobs(limit=limit).jobs
+
+
+class OrphanSweep:
+    """One page of the orphan sweep per call, continuing where the previous call stopped."""
+
+    def __init__(self) -> None:
+        self.marker: str | None = None
+
+    def __call__(self, limit: int) -> int:
+        from events.artifacts import sweep_orphan_objects
+
+        result = sweep_orphan_objects(limit=limit, grace_seconds=accs.orphan_grace_sec, start_after=self.marker)
+        self.marker = result.next_marker
+        return len(result.deleted)
+
+
+def duties() -> list[Duty]:
+    # Up to ten batches every few seconds keeps pace with millions of jobs an hour; when nothing
+    # is due a pass is one index probe per tenant.
+    return [Duty("prune_finished_jobs", every=5.0, limit=accs.retention_batch, run=prune, max_batches=10),
+            Duty("sweep_orphan_objects", every=600.0, limit=SWEEP_PAGE, run=OrphanSweep())]
