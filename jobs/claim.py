@@ -193,8 +193,11 @@ SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_se
 """
 
 
-def _key_of(alias: str, path: str) -> str:
-    """SQL for a task's key: the params value at a dotted path ('' when the params lack it)."""
+def params_key_sql(alias: str, path: str) -> str:
+    """SQL for a task's key: the params value at a dotted path ('' when the params lack it).
+
+    The claim and every reader of the limits use this one expression, so they agree on a key.
+    """
     return f"coalesce({alias}.params #>> string_to_array({path}, '.'), '')"
 
 
@@ -202,15 +205,15 @@ def _key_of(alias: str, path: str) -> str:
 # tasks of those services only, so the cost follows the running work).
 _KEYED_CTES = f"""
 , cused AS (
-    SELECT h.service_id, {_key_of('h', 'svc.cpath')} AS key, count(*) AS used
+    SELECT h.service_id, {params_key_sql('h', 'svc.cpath')} AS key, count(*) AS used
       FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
      WHERE svc.climit > 0
      GROUP BY 1, 2
 )"""
 
 _KEY_COLS = f""",
-               CASE WHEN svc.rlimit > 0 THEN {_key_of('t', 'svc.rpath')} END AS rkey,
-               CASE WHEN svc.climit > 0 THEN {_key_of('t', 'svc.cpath')} END AS ckey"""
+               CASE WHEN svc.rlimit > 0 THEN {params_key_sql('t', 'svc.rpath')} END AS rkey,
+               CASE WHEN svc.climit > 0 THEN {params_key_sql('t', 'svc.cpath')} END AS ckey"""
 
 # A key already at its limit is passed over in the scan itself, so one busy key cannot fill the
 # scan window and hide the tasks of other keys behind it. The rate probe reads at most the limit's
@@ -218,10 +221,10 @@ _KEY_COLS = f""",
 _KEY_FILTER = f"""
            AND (svc.climit = 0 OR NOT EXISTS (
                  SELECT 1 FROM cused u WHERE u.service_id = svc.id AND u.used >= svc.climit
-                    AND u.key = {_key_of('t', 'svc.cpath')}))
+                    AND u.key = {params_key_sql('t', 'svc.cpath')}))
            AND (svc.rlimit = 0 OR (
                  SELECT count(*) FROM (SELECT 1 FROM accs_rate_start r
-                                        WHERE r.service_id = svc.id AND r.key = {_key_of('t', 'svc.rpath')}
+                                        WHERE r.service_id = svc.id AND r.key = {params_key_sql('t', 'svc.rpath')}
                                           AND r.at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => svc.period)
                                         LIMIT svc.rlimit) x) < svc.rlimit)"""
 
@@ -255,7 +258,7 @@ _KEYED_PICK = """, rused AS (
 # Every start of a rate-limited service is recorded (with its key), in the claim's own statement.
 _RECORD_STARTS = f""", starts AS (
     INSERT INTO accs_rate_start (service_id, key, at)
-    SELECT upd.service_id, CASE WHEN svc.rlimit > 0 THEN {_key_of('upd', 'svc.rpath')} END,
+    SELECT upd.service_id, CASE WHEN svc.rlimit > 0 THEN {params_key_sql('upd', 'svc.rpath')} END,
            coalesce(%(now)s::timestamptz, now())
       FROM upd JOIN svc ON svc.id = upd.service_id WHERE svc.rated
 )"""
@@ -466,8 +469,8 @@ def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots
 
 
 FORGET_STARTS_SQL = """
--- Starts older than their service's rate period count against nothing any more. Oldest first, a
--- bounded batch by ctid so a long pause never turns into one huge delete.
+-- Starts older than their service's rate period count against nothing any more. A bounded batch
+-- by ctid, so a long pause never turns into one huge delete.
 DELETE FROM accs_rate_start WHERE ctid = ANY(ARRAY(
     SELECT r.ctid FROM accs_rate_start r JOIN accs_service s ON s.id = r.service_id
      WHERE r.at < now() - make_interval(secs => s.rate_period_seconds)

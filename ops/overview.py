@@ -28,6 +28,7 @@ from django.db import connection
 from django.utils import timezone
 
 from accs_site.conf import accs
+from jobs.claim import params_key_sql
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
 ATTEMPT_SAMPLE = 20_000
@@ -483,7 +484,7 @@ SELECT t.service_id, count(*) FROM accs_task t WHERE t.status IN ('starting', 'r
 
 FLOW_SAMPLE = 10_000  # queued tasks read per service to tell which limit holds them back
 
-FLOW_SQL = """
+FLOW_SQL = f"""
 -- The services with flow control: starts in their rate window, keys at their limits, and the
 -- queued tasks each limit holds back per tenant (the first FLOW_SAMPLE per service, so a huge
 -- backlog costs a bounded read). Keys are read from params as the claim reads them.
@@ -498,18 +499,18 @@ WITH s AS (
     SELECT st.service_id, st.key FROM starts st JOIN s ON s.id = st.service_id
      WHERE s.rate_key_limit > 0 AND st.key IS NOT NULL GROUP BY 1, 2 HAVING count(*) >= min(s.rate_key_limit)
 ), cfull AS (
-    SELECT h.service_id, coalesce(h.params #>> string_to_array(s.concurrency_key, '.'), '') AS key
+    SELECT h.service_id, {params_key_sql('h', 's.concurrency_key')} AS key
       FROM accs_task h JOIN s ON s.id = h.service_id
      WHERE s.concurrency_key_limit > 0 AND h.status IN ('starting', 'running')
      GROUP BY 1, 2 HAVING count(*) >= min(s.concurrency_key_limit)
 ), q AS (
     SELECT s.id AS service_id, t.tenant_id,
            EXISTS (SELECT 1 FROM rfull f WHERE f.service_id = s.id
-                      AND f.key = coalesce(t.params #>> string_to_array(s.rate_key, '.'), '')) AS on_key_rate,
+                      AND f.key = {params_key_sql('t', 's.rate_key')}) AS on_key_rate,
            EXISTS (SELECT 1 FROM cfull f WHERE f.service_id = s.id
-                      AND f.key = coalesce(t.params #>> string_to_array(s.concurrency_key, '.'), '')) AS on_key_cap
+                      AND f.key = {params_key_sql('t', 's.concurrency_key')}) AS on_key_cap
       FROM s CROSS JOIN LATERAL (SELECT t.tenant_id, t.params FROM accs_task t
-                                  WHERE t.service_id = s.id AND t.status = 'queued' AND {tenants}
+                                  WHERE t.service_id = s.id AND t.status = 'queued' AND {{tenants}}
                                   LIMIT %(sample)s) t
 )
 SELECT s.key, s.rate_limit, s.period, s.rate_key, s.rate_key_limit, s.concurrency_key, s.concurrency_key_limit,
