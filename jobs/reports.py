@@ -56,13 +56,18 @@ class Outcome:
 
 @dataclass
 class ReportResult:
-    """What a report changed; ``fenced`` lists reports rejected because the attempt is no longer current."""
+    """What a report changed.
+
+    ``fenced`` lists reports rejected because the attempt is no longer current; ``repeated`` lists
+    reports that were already recorded, word for word (a retry after a commit whose answer was lost).
+    """
 
     done: list[UUID] = field(default_factory=list)
     retried: list[UUID] = field(default_factory=list)
     failed: list[UUID] = field(default_factory=list)
     canceled: list[UUID] = field(default_factory=list)
     fenced: list[UUID] = field(default_factory=list)
+    repeated: list[UUID] = field(default_factory=list)
 
 
 MARK_RUNNING_SQL = """
@@ -133,15 +138,18 @@ COMPLETE_SQL = """
 -- Fenced by attempt: a report from an attempt that is no longer current changes nothing.
 -- %(from_status)s is 'running', or 'starting' when the agent reports an attempt's start and end
 -- together: the task then goes starting → done in one UPDATE and BOTH transitions get their event
--- (the intermediate row version would be visible to no other transaction anyway).
+-- (the intermediate row version would be visible to no other transaction anyway). A task the
+-- report finds already running (an earlier report of its start committed but its answer was lost)
+-- goes running → done, with that one event. "was" is the row as the statement found it.
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[], %(results)s::text[], %(codes)s::int[],
                                 %(outs)s::text[], %(errs)s::text[], %(pids)s::int[])
                   AS v(id, attempt, results, code, out, err, pid)),
 done AS (
     UPDATE accs_task t SET status = 'done', results = v.results::jsonb, progress = 1, finished_at = %(now)s,
            started_at = coalesce(t.started_at, %(now)s), updated_at = %(now)s
-      FROM v WHERE t.id = v.id AND t.attempt = v.attempt AND t.status = %(from_status)s
-    RETURNING t.id, t.job_id, t.attempt, v.code, v.out, v.err, v.pid
+      FROM v JOIN accs_task was ON was.id = v.id
+     WHERE t.id = v.id AND t.attempt = v.attempt AND t.status IN (%(from_status)s, 'running')
+    RETURNING t.id, t.job_id, t.attempt, v.code, v.out, v.err, v.pid, was.status AS was
 ),
 att AS (
     UPDATE accs_attempt a SET status = 'succeeded', finished_at = %(now)s, exit_code = done.code,
@@ -152,7 +160,7 @@ ev AS (
     INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
     SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task starting → running',
            jsonb_build_object('from', 'starting', 'to', 'running', 'pid', pid)
-      FROM done WHERE %(from_status)s = 'starting'
+      FROM done WHERE was = 'starting'
     UNION ALL
     SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task running → done',
            '{"from": "running", "to": "done"}'::jsonb FROM done
@@ -206,12 +214,47 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
         if bad:
             touched_jobs |= _record_failures(cur, bad, result, now=now, source=source)
         accepted = set(result.done) | set(result.retried) | set(result.failed) | set(result.canceled)
-        fenced = [o for o in outcomes if o.task_id not in accepted]
-        if fenced:
-            result.fenced = [o.task_id for o in fenced]
-            _record_fenced(cur, fenced, source=source)
+        rejected = [o for o in outcomes if o.task_id not in accepted]
+        if rejected:
+            recorded = _already_recorded(cur, rejected)
+            result.repeated = [o.task_id for o in rejected if o.task_id in recorded]
+            fenced = [o for o in rejected if o.task_id not in recorded]
+            if fenced:
+                result.fenced = [o.task_id for o in fenced]
+                _record_fenced(cur, fenced, source=source)
         finalize_jobs(cur, sorted(touched_jobs, key=str), now=now, source=source)
     return result
+
+
+def _attempt_ending(o: Outcome) -> tuple[str, str]:
+    """The status and error text a report writes on its attempt row."""
+    if o.status == "succeeded":
+        return "succeeded", ""
+    known = ("failed", "timeout", "canceled", "interrupted")
+    status = o.status if o.status in known else "failed"
+    return status, o.error or {"timeout": "timeout", "interrupted": "interrupted: the agent shut down"}.get(status, "failed")
+
+
+def _already_recorded(cur, outcomes: Sequence[Outcome]) -> set[UUID]:
+    """Return the tasks whose attempt row already ends exactly as this report would end it.
+
+    That is a repeat of a report that committed while its answer was lost on the way back: the
+    agent could not know, so it sent it again. Nothing else writes the same ending: the lease
+    rescue and an operator write their own error text, and only the running agent reports success.
+    """
+    cur.execute(
+        "SELECT a.task_id, a.status, a.exit_code, a.error_text FROM accs_attempt a"
+        "  JOIN unnest(%s::uuid[], %s::int[]) AS v(id, attempt) ON a.task_id = v.id AND a.attempt_no = v.attempt"
+        " WHERE a.status <> 'running'",
+        [[o.task_id for o in outcomes], [o.attempt for o in outcomes]],
+    )
+    ended = {tid: (status, code, text) for tid, status, code, text in cur.fetchall()}
+    recorded = set()
+    for o in outcomes:
+        status, text = _attempt_ending(o)
+        if o.task_id in ended and ended[o.task_id] == (status, o.exit_code, "" if status == "succeeded" else text):
+            recorded.add(o.task_id)
+    return recorded
 
 
 def _record_fenced(cur, outcomes: Sequence[Outcome], *, source: str) -> None:
@@ -254,10 +297,7 @@ def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, 
         if o.attempt != attempt:
             continue  # fenced: reported below by the caller
         touched.add(jid)
-        known = ("failed", "timeout", "canceled", "interrupted")
-        attempt_status = o.status if o.status in known else "failed"
-        error = o.error or {"timeout": "timeout", "interrupted": "interrupted: the agent shut down"}.get(
-            attempt_status, "failed")
+        attempt_status, error = _attempt_ending(o)
         cur.execute(
             "UPDATE accs_attempt SET status = %s, finished_at = %s, exit_code = %s, stdout_tail = %s,"
             " stderr_tail = %s, error_text = %s WHERE task_id = %s AND attempt_no = %s AND status = 'running'",

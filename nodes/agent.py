@@ -161,7 +161,7 @@ class Agent:
         self.stall = daemon.StallBreaker(limit=STALL_LIMIT_SECONDS, connections=lambda: [self._db], logger=log,
                                          extra=self.extra)
         self._closed = threading.Event()
-        self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "expired": 0}
+        self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "repeated": 0, "expired": 0}
         self.known_services: list[str] = []
         self.unknown_services: list[str] = []
         self.registered = False  # the node row is ours to sign off only once we registered it
@@ -617,9 +617,13 @@ class Agent:
         self.stats["done"] += len(result.done)
         self.stats["failed"] += len(result.failed) + len(result.retried)
         self.stats["fenced"] += len(result.fenced)
-        fenced = set(result.fenced)
+        self.stats["repeated"] += len(result.repeated)
+        fenced, repeated = set(result.fenced), set(result.repeated)
         for o in outcomes:
-            if o.task_id in fenced:
+            if o.task_id in repeated:
+                log.info("task %s attempt %s: this report was already recorded (the answer to an earlier send"
+                         " was lost)", o.task_id, o.attempt, extra={**self.extra, "task_id": o.task_id})
+            elif o.task_id in fenced:
                 log.warning("report fenced: task %s attempt %s is no longer ours", o.task_id, o.attempt,
                             extra={**self.extra, "task_id": o.task_id})
             elif o.status != "succeeded":

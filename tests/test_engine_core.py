@@ -130,6 +130,49 @@ def test_late_report_from_fenced_attempt_is_rejected_and_recorded(make_service):
     assert Attempt.objects.get(task_id=first[0].id, attempt_no=1).error_text.startswith("lease_expired")
 
 
+def test_a_report_sent_again_after_its_answer_was_lost_is_acknowledged_not_fenced(make_service):
+    """An agent whose connection broke after COMMIT cannot know the report landed, so it sends it again."""
+    svc = make_service("svc", backoff_base_seconds=0, backoff_cap_seconds=0)
+    ok_job, bad_job = api.start_service("svc"), api.start_service("svc")
+    claimed = {t.job_id: t for t in claim_for(svc)}
+    ok, bad = [claimed[ok_job.id]], [claimed[bad_job.id]]
+    assert run_ok(ok).done == [ok[0].id]
+    assert run_fail(bad).retried == [bad[0].id]
+    again_ok, again_bad = run_ok(ok), run_fail(bad)
+    assert (again_ok.repeated, again_ok.done, again_ok.fenced) == ([ok[0].id], [], [])
+    assert (again_bad.repeated, again_bad.retried, again_bad.fenced) == ([bad[0].id], [], [])
+    assert not Event.objects.filter(type="fenced").exists()
+    assert Event.objects.filter(task_id=ok[0].id, message="task running → done").count() == 1
+    assert Event.objects.filter(task_id=bad[0].id, type="retry").count() == 1, "one retry, not two"
+    assert Task.objects.get(pk=bad[0].id).status == "queued"
+    # A report that differs from what is recorded is still a late one: fenced.
+    other = run_fail(bad, error="something else")
+    assert other.fenced == [bad[0].id] and other.repeated == []
+
+
+def test_a_late_failure_after_the_lease_was_rescued_stays_fenced(make_service):
+    svc = make_service("svc")
+    api.start_service("svc")
+    first = claim_for(svc, agent="agent-1")
+    transitions.rescue_expired(now=timezone.now() + timedelta(minutes=5))
+    late = run_fail(first, agent="agent-1")
+    assert late.fenced == [first[0].id] and late.repeated == []
+
+
+def test_a_start_already_recorded_does_not_fence_the_end_reported_with_it(make_service):
+    """The start committed on its own but its answer was lost; the agent sends start and end together."""
+    svc = make_service("svc")
+    job = api.start_service("svc")
+    tasks = claim_for(svc)
+    transitions.mark_running([(tasks[0].id, tasks[0].attempt, 123)], agent_id="agent-t", source="agent:test")
+    result = run_ok(tasks)
+    assert result.done == [tasks[0].id] and result.fenced == []
+    job.refresh_from_db()
+    assert job.status == "done"
+    assert list(Event.objects.filter(task_id=tasks[0].id, type="status").order_by("id").values_list("message", flat=True)) == [
+        "task created queued", "task queued → starting", "task starting → running", "task running → done"]
+
+
 def test_final_failure_skips_unstarted_tasks_of_the_job(two_step):
     a, _b, _ = two_step
     a.max_attempts = 1
