@@ -24,6 +24,7 @@ held by a queued or running job of the tenant raises :class:`JobConflict` naming
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -40,8 +41,7 @@ from jobs import admission, transitions
 from jobs import redrive as redrive_module
 from jobs.definitions import definitions
 from jobs.instantiate import InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for
-from jobs.models import (DEFAULT_TENANT_SLUG, JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus, Tenant,
-                         new_id)
+from jobs.models import DEFAULT_TENANT_SLUG, JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus, Tenant
 from jobs.notify import builder_channel, notify, service_channel
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
@@ -310,7 +310,7 @@ def _insert(plans: Sequence[_Plan]) -> set[UUID]:
     rows = []
     for plan in plans:
         spec = plan.spec
-        spec._id = jid = new_id()  # type: ignore[attr-defined]
+        spec._id = jid = uuid.uuid4()  # type: ignore[attr-defined]
         rows.append({
             "id": jid.hex, "tenant": plan.tenant.id.hex, "wf": plan.workflow.id.hex if plan.workflow else None,
             "svc": plan.service.id if plan.service else None, "prio": spec.priority, "opts": spec.options or None,
@@ -368,7 +368,7 @@ def _start_now(plan: _Plan) -> Job | None:
         return None
     services = {s.key: ServiceInfo(s.id, s.key, s.base_priority, s.max_attempts, s.timeout_seconds,
                                    s.exclusive_per_host) for s in plan.services if s.is_active}
-    jid = new_id()
+    jid = uuid.uuid4()
     row = JobRow(jid, plan.tenant.id, plan.workflow.id if plan.workflow else None,
                  plan.service.id if plan.service else None, spec.priority, 0, spec.options or {}, plan.step_params)
     try:

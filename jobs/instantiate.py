@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.models import TaskStatus, new_id
+from jobs.models import TaskStatus
 from workflows.models import StepFailurePolicy
 
 
@@ -107,7 +107,7 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
             is_blocked = host is not None and (host.id, service.id) in blocked
             status = TaskStatus.BLOCKED if is_blocked else (TaskStatus.WAITING if deps else TaskStatus.QUEUED)
             rows.append({
-                "id": new_id(), "job_id": job.id, "tenant_id": job.tenant_id,
+                "id": uuid.uuid4(), "job_id": job.id, "tenant_id": job.tenant_id,
                 "task_key": step["key"] if host is None else f"{step['key']}@{host.name}", "step_key": step["key"],
                 "service_id": service.id, "host_id": host.id if host else None, "exclusive": service.exclusive,
                 "status": str(status), "depends_on": deps, "max_attempts": service.max_attempts,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import uuid
 
-import uuid6
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
@@ -18,16 +17,6 @@ from django.utils.timezone import now
 from workflows.models import StepFailurePolicy
 
 JOB_ORDER_SEQUENCE = "accs_job_order_seq"
-
-
-def new_id() -> uuid.UUID:
-    """A time-ordered UUID (version 7) for jobs and tasks.
-
-    The rows that churn are keyed by it, and so are the timeline's and the attempts' indexes: new
-    keys land at the right-hand edge of each B-tree, in pages already in memory, where random
-    (version 4) keys would touch a random page of an index that outgrows memory as history grows.
-    """
-    return uuid.UUID(int=uuid6.uuid7().int)
 
 
 def _choices_check(field: str, choices: type[models.TextChoices], name: str) -> models.CheckConstraint:
@@ -152,7 +141,7 @@ class ApprovalState(models.TextChoices):
 class Job(models.Model):
     """An instance of a workflow (or of one service) to run."""
 
-    id = models.UUIDField(primary_key=True, default=new_id, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # Covered by job_tenant_status_created_idx; a separate FK index would only slow inserts.
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="jobs", db_index=False)
     workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True, related_name="jobs")
@@ -263,7 +252,7 @@ TASK_UNSTARTED = (TaskStatus.WAITING, TaskStatus.QUEUED, TaskStatus.SCHEDULED)
 class Task(models.Model):
     """A claimable unit: one step of a job (one per host for a fan-out step)."""
 
-    id = models.UUIDField(primary_key=True, default=new_id, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="tasks", db_index=False)
     # Task FKs carry no index of their own: the engine reads tasks through the partial indexes in
     # Meta, and every extra index is paid on each claim and report.

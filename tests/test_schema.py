@@ -146,24 +146,3 @@ def test_status_check_constraints_hold_in_the_database(service, default_tenant, 
     target = job if model == "jobs.Job" else task
     with pytest.raises(IntegrityError), transaction.atomic():
         type(target).objects.filter(pk=target.pk).update(**bad)
-
-
-def test_job_and_task_ids_are_time_ordered_by_every_start_path(make_service, default_tenant):
-    """Version 7 ids: each new job or task sorts after the ones before it, in PostgreSQL's uuid order too."""
-    from jobs import api, transitions
-    from workflows.api import create_workflow
-
-    make_service("one")
-    make_service("two")
-    create_workflow(name="pair", steps=[{"key": "a", "service": "one"}, {"key": "b", "service": "two", "depends_on": ["a"]}])
-    ids = [api.start_service("one").id, *api.start_many([api.JobSpec(service="one") for _ in range(50)]),
-           api.start_workflow("pair").id]
-    ids += api.start_many([api.JobSpec(workflow="pair") for _ in range(5)])
-    assert all(i.version == 7 for i in ids)
-    assert ids == sorted(ids), "later jobs sort after earlier ones"
-    with connection.cursor() as cur:
-        cur.execute("SELECT id FROM accs_job ORDER BY id")
-        assert [r[0] for r in cur.fetchall()] == ids, "and in PostgreSQL's order"
-    transitions.start_due_jobs(limit=1000)  # the builder's path instantiates the rest
-    tasks = list(Task.objects.values_list("id", flat=True))
-    assert len(tasks) == 1 + 50 + 2 + 5 * 2 and all(t.version == 7 for t in tasks)
