@@ -252,7 +252,7 @@ def _already_recorded(cur, outcomes: Sequence[Outcome]) -> set[UUID]:
     recorded = set()
     for o in outcomes:
         status, text = _attempt_ending(o)
-        if o.task_id in ended and ended[o.task_id] == (status, o.exit_code, "" if status == "succeeded" else text):
+        if o.task_id in ended and ended[o.task_id] == (status, o.exit_code, text):
             recorded.add(o.task_id)
     return recorded
 
