@@ -34,27 +34,34 @@ How the Tasks concepts map onto ACCS:
 
 from __future__ import annotations
 
+import builtins
+import math
 import re
+import sys
+import traceback
 from hashlib import sha1
 from typing import Any
 from uuid import UUID
 
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 from django.utils.module_loading import import_string
 
-try:  # Django 6 ships the Tasks framework; on Django 5.2 the django-tasks package provides it.
-    from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
+# One code path for Django 6.1's built-in framework and the django-tasks backport on Django 5.2: the
+# names are the same, only the package differs (Django 6.1 moved normalize_json to django.utils.json).
+try:
+    from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task, task_backends
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import TaskError
-    from django.tasks.exceptions import TaskResultDoesNotExist
-    from django.tasks.signals import task_enqueued
-    from django.tasks.utils import normalize_json
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+    from django.utils.json import normalize_json
 except ImportError:
-    from django_tasks import TaskContext, TaskResult, TaskResultStatus
+    from django_tasks import TaskContext, TaskResult, TaskResultStatus, task, task_backends
     from django_tasks.backends.base import BaseTaskBackend
     from django_tasks.base import Task, TaskError
-    from django_tasks.exceptions import TaskResultDoesNotExist
-    from django_tasks.signals import task_enqueued
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask, TaskResultDoesNotExist
+    from django_tasks.signals import task_enqueued, task_finished, task_started
     from django_tasks.utils import normalize_json
 
 from jobs import api
@@ -72,15 +79,55 @@ ARGS_SCHEMA = {
     "additionalProperties": False,
 }
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+# A queue name of these characters and a module path of identifiers joined by dots map to a readable
+# key that can be read back: "-" separates the queue from the path, whose dots become "-".
+_PLAIN_QUEUE = re.compile(r"^[A-Za-z0-9_]+$")
+_PLAIN_PATH = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+_EXCEPTION_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*): ")
+
+
+# --------------------------------------------------------------------------------------------
+# The errors a result names when the engine, not the task's code, ended an attempt
+# --------------------------------------------------------------------------------------------
+
+class AccsTaskError(Exception):
+    """The base of the errors ACCS records for attempts that the engine ended (``TaskError.exception_class``)."""
+
+
+class TaskTimedOut(AccsTaskError, TimeoutError):
+    """The attempt ran past its timeout and was stopped."""
+
+
+class TaskCanceled(AccsTaskError):
+    """An operator (or ``cancel_job``) canceled the task; a running attempt was stopped."""
+
+
+class LeaseExpired(AccsTaskError):
+    """The agent running the attempt stopped renewing its lease (it died or lost the database)."""
+
+
+class BadTaskOutput(AccsTaskError):
+    """The attempt's output could not be stored (too large, NaN or Infinity in the return value)."""
+
+
+class TaskFailed(AccsTaskError):
+    """The attempt failed without a Python exception to name (its process crashed or could not start)."""
 
 
 def service_key(task: Task) -> str:
-    """Return the ACCS service key for a task function on its queue (stable, at most 55 characters)."""
-    key = _SLUG_UNSAFE.sub("-", f"task-{task.queue_name}-{task.module_path}").strip("-")
-    if len(key) > MAX_KEY:
-        digest = sha1(key.encode()).hexdigest()[:8]
-        key = f"{key[:MAX_KEY - 9].rstrip('-')}-{digest}"
-    return key
+    """Return the ACCS service key of a task function on its queue: distinct tasks get distinct keys.
+
+    Plain names give a readable key (``task-<queue>-<module-path-with-dashes>``) that maps back to one
+    queue and path; any other name, or a key longer than 55 characters, ends in a digest of the exact
+    queue and path instead.
+    """
+    readable = f"task-{task.queue_name}-{task.module_path.replace('.', '-')}"
+    plain = _PLAIN_QUEUE.match(task.queue_name) and _PLAIN_PATH.match(task.module_path)
+    if plain and len(readable) <= MAX_KEY:
+        return readable
+    digest = sha1(f"{task.queue_name}\0{task.module_path}".encode()).hexdigest()[:12]
+    prefix = _SLUG_UNSAFE.sub("-", f"task-{task.queue_name}-{task.module_path}").strip("-")
+    return f"{prefix[:MAX_KEY - 13].rstrip('-')}-{digest}"
 
 
 class AccsTaskBackend(BaseTaskBackend):
@@ -96,31 +143,47 @@ class AccsTaskBackend(BaseTaskBackend):
         self.tenant: str | None = self.options.get("TENANT")
         self.max_attempts = int(self.options.get("MAX_ATTEMPTS", 1))
         self.timeout_seconds = int(self.options.get("TIMEOUT_SECONDS", 600))
-        self._known_services: set[str] = set()
+        self.isolation = str(self.options.get("ISOLATION", "process"))
+        self._importable: set[str] = set()
 
     # ----------------------------------------------------------------------------------------
     # Services
     # ----------------------------------------------------------------------------------------
 
-    def ensure_service(self, task: Task) -> Service:
-        """Return the task's service, creating it when missing (an operator's later edits are kept)."""
-        key = service_key(task)
-        found = Service.objects.filter(key=key).first()
-        if found is not None:
-            return found
-        from workflows.api import save_service
-
-        fields = {
-            "key": key, "executor": "python", "params_schema": ARGS_SCHEMA,
+    def service_fields(self, task: Task) -> dict[str, Any]:
+        """Return the fields of the service a task runs as (its key, executor and options)."""
+        return {
+            "key": service_key(task), "executor": "python", "params_schema": ARGS_SCHEMA,
             "description": f"Django task {task.module_path} (queue {task.queue_name!r})",
-            "executor_config": {"callable": ADAPTER, "task": task.module_path, "queue": task.queue_name},
+            "executor_config": {"callable": ADAPTER, "task": task.module_path, "queue": task.queue_name,
+                                "isolation": self.isolation},
             "max_attempts": self.max_attempts, "timeout_seconds": self.timeout_seconds,
         }
-        try:
-            with transaction.atomic():
-                return save_service(**fields)
-        except IntegrityError:  # another process created it first; the unique key decided
-            return Service.objects.get(key=key)
+
+    def ensure_service(self, task: Task) -> Service:
+        """Return the task's service, creating it when missing (an operator's later edits are kept).
+
+        Raises InvalidTask when the key already belongs to another task or queue, so two tasks can
+        never share a service (and read each other's queue name back).
+        """
+        fields = self.service_fields(task)
+        found = Service.objects.filter(key=fields["key"]).first()
+        if found is None:
+            from workflows.api import save_service  # workflows imports nothing of jobs' Tasks side
+
+            try:
+                with transaction.atomic():
+                    found = save_service(**fields)
+            except IntegrityError:  # another process created it first; the unique key decided
+                found = Service.objects.get(key=fields["key"])
+        config = found.executor_config or {}
+        if (config.get("callable"), config.get("task"), config.get("queue")) != (
+                ADAPTER, task.module_path, task.queue_name):
+            raise InvalidTask(
+                f"ACCS service {found.key!r} already runs {config.get('task') or config.get('callable')!r} on queue "
+                f"{config.get('queue')!r}; it cannot also run {task.module_path!r} on queue {task.queue_name!r} "
+                "(rename the queue or the function, or remove the other service)")
+        return found
 
     # ----------------------------------------------------------------------------------------
     # The Tasks API
@@ -129,7 +192,10 @@ class AccsTaskBackend(BaseTaskBackend):
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
         """Start a one-task job for ``task(*args, **kwargs)`` in the caller's transaction."""
         self.validate_task(task)
-        params = {"args": normalize_json(list(args)), "kwargs": normalize_json(dict(kwargs))}
+        self._check_importable(task)
+        params = {"args": [_json_argument(value, f"argument {i}") for i, value in enumerate(args)],
+                  "kwargs": {_json_key(name): _json_argument(value, f"keyword argument {name!r}")
+                             for name, value in dict(kwargs).items()}}
         with transaction.atomic():
             service = self.ensure_service(task)
             job = api.start_service(
@@ -144,6 +210,20 @@ class AccsTaskBackend(BaseTaskBackend):
         task_enqueued.send(type(self), task_result=result)
         return result
 
+    def _check_importable(self, task: Task) -> None:
+        """Refuse a task that agents could not import by its module path (a lambda, a nested function)."""
+        if task.module_path in self._importable:
+            return
+        try:
+            found = import_string(task.module_path)
+        except ImportError:
+            found = None
+        if not isinstance(found, Task) or found.func is not task.func:
+            raise InvalidTask(
+                f"task {task.module_path!r} cannot be imported by its module path, so no agent could run it: "
+                "define it with def at module level and decorate it with @task")
+        self._importable.add(task.module_path)
+
     def get_result(self, result_id: str) -> TaskResult:
         """Return the task result read from the job, its task and its attempts."""
         job = _task_job(result_id)
@@ -154,17 +234,21 @@ class AccsTaskBackend(BaseTaskBackend):
     def _result(self, job: Job, row: TaskRow | None, attempts: list[Attempt]) -> TaskResult:
         config = job.service.executor_config
         task = _load_task(config["task"]).using(
-            priority=max(-100, min(100, job.priority)), queue_name=config.get("queue") or None, backend=self.alias)
+            priority=max(-100, min(100, job.priority)), queue_name=config.get("queue") or None, backend=self.alias,
+            run_after=job.scheduled_at)
         params = (row.params if row else (job.step_params or {}).get(job.service.key)) or {}
         status = _status(job, row)
+        errors = [_error(a) for a in attempts if a.status in FAILED_ATTEMPTS]
+        if status == TaskResultStatus.FAILED and not errors:  # canceled (or failed) before any attempt ran
+            errors = [_engine_error(TaskCanceled if job.status == JobStatus.CANCELED else TaskFailed,
+                                    job.error_message or job.error_code)]
         result = TaskResult(
             task=task, id=str(job.id), status=status, enqueued_at=job.created_at,
             started_at=attempts[0].started_at if attempts else None,
-            finished_at=job.finished_at if status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED) else None,
+            finished_at=_finished_at(job, row) if status in FINISHED else None,
             last_attempted_at=attempts[-1].started_at if attempts else None,
             args=params.get("args", []), kwargs=params.get("kwargs", {}), backend=self.alias,
-            errors=[_error(a) for a in attempts if a.status in FAILED_ATTEMPTS],
-            worker_ids=[a.agent_id or a.node for a in attempts],
+            errors=errors, worker_ids=[a.agent_id or a.node for a in attempts],
         )
         if status == TaskResultStatus.SUCCESSFUL and isinstance(row.results, dict):
             object.__setattr__(result, "_return_value", row.results.get("return_value"))
@@ -172,6 +256,39 @@ class AccsTaskBackend(BaseTaskBackend):
 
 
 FAILED_ATTEMPTS = frozenset({AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.CANCELED})
+FINISHED = frozenset({TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED})
+TASK_FINAL = frozenset({TaskStatus.DONE, TaskStatus.ERROR, TaskStatus.CANCELED, TaskStatus.SKIPPED})
+
+
+def _json_key(name: Any) -> str:
+    if not isinstance(name, str) or "\0" in name:
+        raise TypeError(f"keyword argument name {name!r} cannot be stored: names must be strings without NUL")
+    return name
+
+
+def _json_argument(value: Any, where: str) -> Any:
+    """Return ``value`` as JSON the database stores, or raise naming ``where`` and what cannot be stored."""
+    try:
+        value = normalize_json(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{where} cannot be stored as JSON: {exc}") from None
+    problem = _json_problem(value)
+    if problem:
+        raise ValueError(f"{where} cannot be stored as JSON: {problem}")
+    return value
+
+
+def _json_problem(value: Any) -> str:
+    """Return what PostgreSQL's jsonb refuses in ``value`` (NaN, Infinity, NUL characters), or ""."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value!r} is not a JSON number"
+    if isinstance(value, str) and "\0" in value:
+        return "a string contains a NUL character"
+    if isinstance(value, dict):
+        return next((p for k, v in value.items() for p in (_json_problem(k), _json_problem(v)) if p), "")
+    if isinstance(value, list):
+        return next((p for v in value for p in (_json_problem(v),) if p), "")
+    return ""
 
 
 def _task_job(result_id: str) -> Job:
@@ -188,31 +305,65 @@ def _task_job(result_id: str) -> Job:
 
 
 def _status(job: Job, row: TaskRow | None) -> str:
-    """Map the job and task states onto the four Tasks states."""
+    """Map the job and task states onto the four Tasks states.
+
+    A job canceled while its task runs is final at once, but its attempt goes on until the agent
+    stops it: the result stays RUNNING until the task row is final too, so a result that says
+    finished never changes afterwards.
+    """
+    if row is not None and row.status in (TaskStatus.STARTING, TaskStatus.RUNNING):
+        return TaskResultStatus.RUNNING
     if job.status == JobStatus.DONE:
         return TaskResultStatus.SUCCESSFUL
     if job.status in (JobStatus.ERROR, JobStatus.CANCELED):
         return TaskResultStatus.FAILED
-    if row is not None and row.status in (TaskStatus.STARTING, TaskStatus.RUNNING):
-        return TaskResultStatus.RUNNING
     return TaskResultStatus.READY  # queued, scheduled, or waiting for its next attempt
 
 
+def _finished_at(job: Job, row: TaskRow | None) -> Any:
+    """Return when the result finished: the task's end once it has one, else the job's."""
+    if row is not None and row.status in TASK_FINAL and row.finished_at:
+        return max(row.finished_at, job.finished_at) if job.finished_at else row.finished_at
+    return job.finished_at
+
+
+def _engine_error(kind: type[BaseException], text: str) -> TaskError:
+    return TaskError(exception_class_path=f"{kind.__module__}.{kind.__qualname__}", traceback=text)
+
+
 def _error(attempt: Attempt) -> TaskError:
-    """Describe a failed attempt as Django's TaskError: exception class path and traceback."""
+    """Describe a failed attempt as Django's TaskError: the exception's class path and its traceback.
+
+    An attempt whose code raised names the exception (the python executor writes its class path at
+    the start of the error); an attempt the engine ended names one of the classes above.
+    """
+    text = attempt.error_text or ""
     if attempt.status == AttemptStatus.TIMEOUT:
-        return TaskError(exception_class_path="builtins.TimeoutError", traceback=attempt.error_text)
-    text = attempt.stderr_tail or attempt.error_text
-    return TaskError(exception_class_path=_exception_path(text), traceback=text)
+        return _engine_error(TaskTimedOut, text)
+    if attempt.status == AttemptStatus.CANCELED:
+        return _engine_error(TaskCanceled, text)
+    if text.startswith("lease_expired"):
+        return _engine_error(LeaseExpired, text)
+    if text.startswith("bad output"):
+        return _engine_error(BadTaskOutput, text)
+    path = _raised_class_path(text)
+    if path is None:
+        return _engine_error(TaskFailed, attempt.stderr_tail or text)
+    return TaskError(exception_class_path=path, traceback=attempt.stderr_tail or text)
 
 
-def _exception_path(traceback_text: str) -> str:
-    """Read the exception class from a traceback's last line (Python prints builtins without a module)."""
-    lines = [line for line in traceback_text.strip().splitlines() if line and not line.startswith(" ")]
-    name = lines[-1].split(":", 1)[0].strip() if lines else ""
-    if not name or " " in name:
-        return "builtins.Exception"
-    return name if "." in name else f"builtins.{name}"
+def _raised_class_path(error_text: str) -> str | None:
+    """Return the class path at the start of an error ``Name: message``, or None when it names none."""
+    match = _EXCEPTION_NAME.match(error_text)
+    if match is None:
+        return None
+    name = match.group(1)
+    if "." in name:
+        return name
+    found = getattr(builtins, name, None)
+    if isinstance(found, type) and issubclass(found, BaseException):
+        return f"builtins.{name}"
+    return None
 
 
 def _load_task(path: str) -> Task:
@@ -230,16 +381,42 @@ def _load_task(path: str) -> Task:
 def run_task(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Call the service's task function with the job's args and kwargs; return its JSON result.
 
-    The ``python`` executor calls this as ``fn(params, ctx)``; an exception fails the attempt with
-    its traceback, and a return value that is not JSON fails it with a TypeError naming the type.
+    The ``python`` executor calls this as ``fn(params, ctx)``, in the agent's worker thread or in a
+    child process (``isolation``). ``task_started`` is sent before the function runs and
+    ``task_finished`` after it, as Django's own backends send them; an exception (any
+    BaseException) fails the attempt with its class path and traceback, and a return value that
+    is not JSON fails it with a TypeError naming the type.
     """
     task = _load_task(ctx.service_config["task"])
+    result = _running_result(task, ctx)
+    sender = type(task.get_backend())
+    task_started.send(sender=sender, task_result=result)
     args = list(params.get("args") or [])
     kwargs = dict(params.get("kwargs") or {})
     if task.takes_context:
-        args.insert(0, TaskContext(task_result=_running_result(task, ctx)))
-    value = task.call(*args, **kwargs)
-    return {"return_value": normalize_json(value)}
+        args.insert(0, TaskContext(task_result=result))
+    try:
+        value = normalize_json(task.call(*args, **kwargs))
+    except BaseException as exc:
+        object.__setattr__(result, "status", TaskResultStatus.FAILED)
+        object.__setattr__(result, "finished_at", timezone.now())
+        result.errors.append(TaskError(exception_class_path=_class_path_of(exc, ctx),
+                                       traceback="".join(traceback.format_exception(*sys.exc_info()))))
+        task_finished.send(sender=sender, task_result=result)  # inside the handler: receivers see exc_info
+        raise
+    object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+    object.__setattr__(result, "finished_at", timezone.now())
+    object.__setattr__(result, "_return_value", value)
+    task_finished.send(sender=sender, task_result=result)
+    return {"return_value": value}
+
+
+def _class_path_of(exc: BaseException, ctx: Any) -> str:
+    """Return the class path a result will name for ``exc`` (the executor's stop is the engine's error)."""
+    kind = type(exc)
+    if kind.__name__ == "TaskStopped" and kind.__module__ == "nodes.executors":
+        kind = TaskCanceled if ctx.cancel.is_set() else TaskTimedOut
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _running_result(task: Task, ctx: Any) -> TaskResult:
@@ -248,11 +425,11 @@ def _running_result(task: Task, ctx: Any) -> TaskResult:
     job = _task_job(str(ctx.task.job_id))
     row = TaskRow.objects.filter(pk=ctx.task.id).first()
     attempts = list(Attempt.objects.filter(task_id=ctx.task.id, attempt_no__lte=ctx.task.attempt).order_by("attempt_no"))
-    if isinstance(backend, AccsTaskBackend):
-        result = backend._result(job, row, attempts)
-    else:  # pragma: no cover - the service was created by an ACCS backend under another alias
-        result = AccsTaskBackend(task.backend, {})._result(job, row, attempts)
+    if not isinstance(backend, AccsTaskBackend):  # pragma: no cover - the service was made under another alias
+        backend = AccsTaskBackend(task.backend, {})
+    result = backend._result(job, row, attempts)
     object.__setattr__(result, "status", TaskResultStatus.RUNNING)
+    object.__setattr__(result, "finished_at", None)
     return result
 
 

@@ -585,7 +585,8 @@ _stopper = _Stopper()
 # Run in a child interpreter for "isolation": "process": the callable gets a ctx whose log and
 # progress go to stderr (the command contract) and whose cancel is set by SIGTERM.
 PROCESS_RUNNER = r"""
-import importlib, json, os, signal, sys, threading
+import importlib, json, os, signal, sys, threading, traceback
+from types import SimpleNamespace
 cancel = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: cancel.set())
 if os.environ.get("DJANGO_SETTINGS_MODULE"):
@@ -595,6 +596,12 @@ if os.environ.get("DJANGO_SETTINGS_MODULE"):
 class Ctx:
     def __init__(self):
         self.cancel = cancel
+        self.service_config = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+        self.task = SimpleNamespace(id=os.environ.get("ACCS_TASK_ID"), job_id=os.environ.get("ACCS_JOB_ID"),
+                                    attempt=int(os.environ.get("ACCS_ATTEMPT") or 1),
+                                    task_key=os.environ.get("ACCS_TASK_KEY", ""))
+        self.node = os.environ.get("ACCS_NODE", "")
+        self.agent_id = os.environ.get("ACCS_AGENT_ID", "")
     def progress(self, value):
         print("::progress:: %f" % float(value), file=sys.stderr, flush=True)
     def log(self, message, *, level="info"):
@@ -604,9 +611,36 @@ class Ctx:
 path = sys.argv[1]
 module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
 fn = getattr(importlib.import_module(module), attr)
-result = fn(json.loads(os.environ["ACCS_PARAMS"]), Ctx())
+try:
+    result = fn(json.loads(os.environ["ACCS_PARAMS"]), Ctx())
+except BaseException as exc:  # SystemExit too: whatever the callable raises fails the attempt
+    traceback.print_exc()
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    first = (str(exc).splitlines() or [""])[0]
+    print(f"::error:: {name}: {first}", file=sys.stderr, flush=True)
+    os._exit(1)
 sys.stdout.write(json.dumps({} if result is None else result, default=str))
 """
+ERROR_MARK = "::error:: "
+
+
+def exception_name(exc: BaseException) -> str:
+    """Return the class path Python's tracebacks print: bare for builtins, else module-qualified."""
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _process_error(outcome: Outcome) -> Outcome:
+    """Name the child's exception in a failed attempt's error (the runner's ``::error::`` line)."""
+    if outcome.status != "failed" or outcome.error_code != "exit_code":
+        return outcome
+    marks = [line for line in outcome.stderr_tail.splitlines() if line.startswith(ERROR_MARK)]
+    if not marks:
+        return outcome
+    outcome.error = marks[-1][len(ERROR_MARK):][:500]
+    outcome.error_code = "exception"
+    return outcome
 
 
 class PythonExecutor:
@@ -622,7 +656,8 @@ class PythonExecutor:
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config
         if config.get("isolation") == "process":
-            return run_process(task, ctx, [sys.executable, "-c", PROCESS_RUNNER, config["callable"]])
+            argv = [sys.executable, "-c", PROCESS_RUNNER, config["callable"], json.dumps(config)]
+            return _process_error(run_process(task, ctx, argv))
         ctx.on_started(os.getpid())
         call = _StoppableCall(deadline=time.monotonic() + task.timeout_seconds, cancel=ctx.cancel,
                               grace=lambda: ctx.kill_grace)
@@ -639,9 +674,12 @@ class PythonExecutor:
                 return _outcome(task, "timeout", error=f"timeout after {task.timeout_seconds}s: the callable was interrupted",
                                 error_code="timeout")
             return _outcome(task, "canceled", error="canceled: the callable was interrupted")
-        except Exception as exc:  # noqa: BLE001 - user code may raise anything; it becomes the attempt's error
+        except BaseException as exc:  # noqa: BLE001 - user code may raise anything, SystemExit included
+            # It becomes the attempt's error, named as a traceback names it; letting a BaseException
+            # through would end the worker without a report and leave the task running for good. A real
+            # Ctrl-C reaches the agent's main thread, never this one.
             tail = redact(traceback.format_exc()[-TAIL_CHARS:], ctx.secrets)
-            return _outcome(task, "failed", error=redact(f"{type(exc).__name__}: {exc}"[:500], ctx.secrets),
+            return _outcome(task, "failed", error=redact(f"{exception_name(exc)}: {exc}"[:500], ctx.secrets),
                             error_code="exception", stderr_tail=tail)
         finally:
             _stopper.discard(call)

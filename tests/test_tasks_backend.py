@@ -12,11 +12,14 @@ from asgiref.sync import sync_to_async
 from django.core.management import call_command
 from django.db import connections, transaction
 from django.utils import timezone
-from django_tasks import TaskResultStatus, task_backends
-from django_tasks.exceptions import TaskResultDoesNotExist
 
-from jobs.models import Job
-from jobs.tasks_backend import AccsTaskBackend, service_key
+from jobs import verbs
+from jobs.models import Attempt, AttemptStatus, Job
+from jobs.tasks_backend import (
+    AccsTaskBackend, BadTaskOutput, InvalidTask, LeaseExpired, TaskCanceled, TaskResultDoesNotExist,
+    TaskResultStatus, TaskTimedOut, _error, service_key, task_backends,
+)
+from workflows.models import Service
 from tests import task_funcs
 from tests.conftest import wait_for
 
@@ -119,16 +122,159 @@ def test_higher_priority_runs_first_and_deferred_task_waits_for_run_after(defaul
     keys = _services(task_funcs.record)
     soon = timezone.now() + timedelta(seconds=2)
     deferred = task_funcs.record.using(run_after=soon).enqueue(str(order), "deferred")
-    task_funcs.record.using(priority=-5).enqueue(str(order), "low")
-    task_funcs.record.enqueue(str(order), "middle")
-    last = task_funcs.record.using(priority=50).enqueue(str(order), "high")
+    low = task_funcs.record.using(priority=-5).enqueue(str(order), "low")
+    middle = task_funcs.record.enqueue(str(order), "middle")
+    high = task_funcs.record.using(priority=50).enqueue(str(order), "high")
     assert task_backends["default"].get_result(deferred.id).status == TaskResultStatus.READY
     assert Job.objects.get(pk=deferred.id).scheduled_at == soon
 
     daemons.agent("tasks-prio", keys, "--max-concurrent", "1")
     daemons.builder()
-    _finished(last)
-    _finished(deferred)
+    for result in (high, middle, low, deferred):
+        _finished(result)
     labels = [json.loads(line) for line in order.read_text().splitlines()]
-    assert labels == ["high", "middle", "low", "deferred"]
-    assert deferred.started_at >= soon
+    assert [label for label in labels if label != "deferred"] == ["high", "middle", "low"]
+    assert "deferred" in labels and deferred.started_at >= soon
+
+
+def _isolate(task, isolation: str) -> str:
+    """Create the task's service with the given isolation (before its agent starts) and return its key."""
+    service = task_backends["default"].ensure_service(task)
+    Service.objects.filter(pk=service.pk).update(executor_config={**service.executor_config, "isolation": isolation})
+    return service.key
+
+
+def test_tasks_services_default_to_process_isolation(default_tenant):
+    service = task_backends["default"].ensure_service(task_funcs.add)
+    assert service.executor_config["isolation"] == "process"
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_system_exit_and_other_base_exceptions_fail_the_attempt_and_the_agent_goes_on(
+        default_tenant, daemons, isolation):
+    keys = ",".join([_isolate(task_funcs.exits, isolation), _isolate(task_funcs.raises, isolation),
+                     _isolate(task_funcs.add, isolation)])
+    daemons.agent(f"tasks-exit-{isolation}", keys, "--max-concurrent", "1")
+    exited = task_funcs.exits.enqueue(0)
+    generator_exit = task_funcs.raises.enqueue("base", "closed")
+    after = task_funcs.add.enqueue(1, 1)
+
+    assert _finished(exited).status == TaskResultStatus.FAILED
+    assert exited.errors[0].exception_class is SystemExit
+    assert _finished(generator_exit).status == TaskResultStatus.FAILED
+    assert generator_exit.errors[0].exception_class is GeneratorExit
+    assert _finished(after).return_value == 2, "the agent's worker survived and ran the next task"
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_error_names_the_raised_class_even_for_site_nested_and_multi_line_exceptions(
+        default_tenant, daemons, isolation):
+    daemons.agent(f"tasks-err-{isolation}", _isolate(task_funcs.raises, isolation))
+    shop = task_funcs.raises.enqueue("shop", "out of stock")
+    nested = task_funcs.raises.enqueue("nested", "deep")
+    multi = task_funcs.raises.enqueue("value", "a\nb: c")
+    assert _finished(shop).errors[0].exception_class is task_funcs.ShopError
+    assert "out of stock" in shop.errors[0].traceback
+    # The path of a nested class, as Django's own backends record it (import_string reads one attribute).
+    assert _finished(nested).errors[0].exception_class_path == "tests.task_funcs.ShopError.Nested"
+    assert _finished(multi).errors[0].exception_class is ValueError
+    assert "b: c" in multi.errors[0].traceback
+
+
+def test_engine_outcomes_name_importable_accs_exception_classes(default_tenant, daemons, tmp_path):
+    keys = _services(task_funcs.hold, task_funcs.returns_nan)
+    Service.objects.filter(key=service_key(task_funcs.hold)).update(timeout_seconds=1)
+    daemons.agent("tasks-engine", keys)
+    timed_out = task_funcs.hold.enqueue(str(tmp_path / "never-released"), 30)
+    nan = task_funcs.returns_nan.enqueue()
+    assert _finished(timed_out).errors[0].exception_class is TaskTimedOut
+    assert _finished(nan).errors[0].exception_class is BadTaskOutput
+    for status, text, kind in [(AttemptStatus.FAILED, "lease_expired: no heartbeat", LeaseExpired),
+                               (AttemptStatus.CANCELED, "canceled: process group killed", TaskCanceled),
+                               (AttemptStatus.FAILED, "bad output: results are not a JSON object", BadTaskOutput)]:
+        assert _error(Attempt(status=status, error_text=text)).exception_class is kind
+
+
+def test_canceled_running_task_says_finished_only_once_its_attempt_ended_and_never_changes(
+        default_tenant, daemons, tmp_path):
+    marker = tmp_path / "hold"
+    daemons.agent("tasks-cancel", _services(task_funcs.hold), "--lease-seconds", "6")
+    result = task_funcs.hold.enqueue(str(marker), 60)
+    wait_for(lambda: marker.exists(), timeout=30, message="the held task to start")
+    assert verbs.cancel_job(Job.objects.get(pk=result.id).pk, by="test").changed
+    result.refresh()
+    assert result.status == TaskResultStatus.RUNNING and result.finished_at is None, \
+        "the job is canceled but its attempt still runs"
+    _finished(result)
+    attempt = Attempt.objects.get(task__job_id=result.id)
+    assert attempt.finished_at is not None and result.finished_at >= attempt.finished_at
+    assert result.status == TaskResultStatus.FAILED and result.errors[0].exception_class is TaskCanceled
+    again = task_backends["default"].get_result(result.id)
+    assert (again.status, again.finished_at, again.errors) == (result.status, result.finished_at, result.errors)
+
+
+def test_signals_started_and_finished_are_sent_by_the_agent_with_the_result(default_tenant, daemons, tmp_path):
+    log = tmp_path / "signals.jsonl"
+    daemons.agent("tasks-signals", _services(task_funcs.add, task_funcs.boom), env={"ACCS_TEST_SIGNAL_LOG": str(log)})
+    ok = task_funcs.add.enqueue(2, 3)
+    failed = task_funcs.boom.enqueue("no")
+    _finished(ok), _finished(failed)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    by = {(r["id"], r["signal"]): r for r in records}
+    started, finished = by[(ok.id, "task_started")], by[(ok.id, "task_finished")]
+    assert started["sender"] == finished["sender"] == "AccsTaskBackend"
+    assert (started["status"], started["started_at"], started["finished_at"], started["workers"]) == (
+        "RUNNING", True, False, 1)
+    assert (finished["status"], finished["finished_at"], finished["args"]) == ("SUCCESSFUL", True, [2, 3])
+    assert started["task"] == "tests.task_funcs.add"
+    bad = by[(failed.id, "task_finished")]
+    assert bad["status"] == "FAILED" and bad["errors"] == ["builtins.ValueError"]
+    assert records.index(started) < records.index(finished)
+
+
+def test_queue_names_differing_in_punctuation_get_their_own_services(default_tenant, daemons):
+    one, dot = task_funcs.queue_of.using(queue_name="q-one"), task_funcs.queue_of.using(queue_name="q.one")
+    assert service_key(one) != service_key(dot)
+    assert len({service_key(task_funcs.add.using(queue_name=q)) for q in ("a_b", "a-b", "a.b", "a b")}) == 4
+    daemons.agent("tasks-queues", _services(one, dot))
+    first, second = one.enqueue(), dot.enqueue()
+    assert _finished(first).return_value == "q-one"
+    assert _finished(second).return_value == "q.one"
+
+
+def test_a_service_key_held_by_another_task_is_refused(default_tenant):
+    task_backends["default"].ensure_service(task_funcs.boom)
+    Service.objects.filter(key=service_key(task_funcs.boom)).update(key=service_key(task_funcs.add))
+    with pytest.raises(InvalidTask, match="already runs 'tests.task_funcs.boom'"):
+        task_funcs.add.enqueue(1, 2)
+
+
+def test_get_result_equals_the_enqueued_result_including_run_after(default_tenant):
+    later = timezone.now() + timedelta(hours=1)
+    result = task_funcs.add.using(run_after=later, priority=7).enqueue(1, b=2)
+    read = task_backends["default"].get_result(result.id)
+    assert read.task.run_after == later
+    assert read == result
+
+
+def test_module_level_lambda_is_refused_at_enqueue(default_tenant):
+    with pytest.raises(InvalidTask, match="cannot be imported by its module path"):
+        task_funcs.not_importable.enqueue()
+    assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize("args, kwargs, named", [
+    ((float("nan"),), {}, "argument 0"),
+    ((1,), {"b": float("inf")}, "keyword argument 'b'"),
+    (("ok", "nul\x00here"), {}, "argument 1"),
+    ((1,), {"b": {"deep": ["x\x00"]}}, "keyword argument 'b'"),
+])
+def test_nan_infinity_and_nul_arguments_are_refused_naming_the_argument(default_tenant, args, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        task_funcs.add.enqueue(*args, **kwargs)
+    assert not Job.objects.exists()
+
+
+def test_non_json_argument_is_refused_naming_the_argument(default_tenant):
+    with pytest.raises(TypeError, match="keyword argument 'b'"):
+        task_funcs.add.enqueue(1, b=object())
