@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo serve test test-fast bench bench-churn bench-compare chaos stop check
+.PHONY: install db demo serve test test-fast test-dj61 bench bench-churn bench-compare chaos stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,30 @@ test: install
 test-fast: install
 	@scripts/browser_deps.sh
 	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Django 6.1 (its built-in django.tasks, no django-tasks backport) in a second virtualenv, .venv-dj61: the
+# Tasks and embedding tests on it, beside the whole suite on the pinned Django. Django 6 needs Python 3.12+.
+DJ61_VENV ?= .venv-dj61
+DJ61_DJANGO ?= 6.1.3
+DJ61_PY := $(DJ61_VENV)/bin/python
+DJ61_STAMP := $(DJ61_VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)-$(DJ61_DJANGO)
+DJ61_TESTS ?= tests/test_tasks_backend.py tests/test_tasks_contract.py tests/test_embedded_site.py
+
+$(DJ61_STAMP): requirements.txt
+	@test -x $(DJ61_PY) || { \
+	  py=$$(for c in python3.13 python3.12 $$(ls -d $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3 2>/dev/null); do \
+	    $$c -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$c; break; }; done); \
+	  test -n "$$py" || { echo "Django 6.1 needs Python 3.12 or newer: none found (python3.12, python3.13, pyenv)"; exit 1; }; \
+	  $$py -m venv $(DJ61_VENV); }
+	@echo "installing Python packages into $(DJ61_VENV) (requirements.txt with Django $(DJ61_DJANGO), no django-tasks)"
+	@grep -v -i -E '^(django|django-tasks)==' requirements.txt > $(DJ61_VENV)/requirements.txt
+	@echo "Django==$(DJ61_DJANGO)" >> $(DJ61_VENV)/requirements.txt
+	@$(DJ61_VENV)/bin/pip install -q --disable-pip-version-check -r $(DJ61_VENV)/requirements.txt
+	@rm -f $(DJ61_VENV)/.installed-* && touch $(DJ61_STAMP)
+
+test-dj61: $(DJ61_STAMP)
+	@scripts/browser_deps.sh
+	@$(DJ61_PY) -m pytest $(DJ61_TESTS) $(PYTEST_ARGS)
 
 bench: db
 	@$(PY) bench/run.py

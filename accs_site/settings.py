@@ -5,6 +5,7 @@ django-environ. ACCS's operational settings (backoff, heartbeat TTL, node identi
 lazily by :mod:`accs_site.conf` and validated by system checks (:mod:`accs_site.checks`).
 """
 
+import importlib.util
 import warnings
 from pathlib import Path
 
@@ -64,7 +65,8 @@ INSTALLED_APPS = [
     "jobs",
     "nodes",
     "events",
-    "django_tasks",
+    # Django 6 ships the Tasks framework (django.tasks); on Django 5.2 the django-tasks backport provides it.
+    *([] if importlib.util.find_spec("django.tasks") else ["django_tasks"]),
 ]
 
 # Django's Tasks API: @task functions run on ACCS agents (jobs/tasks_backend.py, docs/embedding.md).

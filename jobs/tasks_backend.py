@@ -6,7 +6,7 @@
                          "OPTIONS": {"TENANT": "acme", "MAX_ATTEMPTS": 3}}}
 
     # myapp/tasks.py
-    from django_tasks import task          # Django 6: from django.tasks import task
+    from django.tasks import task          # Django 5.2 (django-tasks): from django_tasks import task
 
     @task(priority=10, queue_name="emails")
     def send_welcome(user_id: int) -> dict:
@@ -49,18 +49,24 @@ from django.utils.module_loading import import_string
 
 # One code path for Django 6.1's built-in framework and the django-tasks backport on Django 5.2: the
 # names are the same, only the package differs (Django 6.1 moved normalize_json to django.utils.json).
+# ``task``, ``task_backends`` and the rest are importable from here too, so code that runs on both
+# (ACCS's tests, the examples in docs/tasks.md) names one module.
 try:
-    from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task, task_backends
+    from django.tasks import (
+        Task, TaskContext, TaskResult, TaskResultStatus, default_task_backend, task, task_backends,
+    )
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import TaskError
-    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
     from django.tasks.signals import task_enqueued, task_finished, task_started
     from django.utils.json import normalize_json
 except ImportError:
-    from django_tasks import TaskContext, TaskResult, TaskResultStatus, task, task_backends
+    from django_tasks import (
+        TaskContext, TaskResult, TaskResultStatus, default_task_backend, task, task_backends,
+    )
     from django_tasks.backends.base import BaseTaskBackend
     from django_tasks.base import Task, TaskError
-    from django_tasks.exceptions import InvalidTaskError as InvalidTask, TaskResultDoesNotExist
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
     from django_tasks.signals import task_enqueued, task_finished, task_started
     from django_tasks.utils import normalize_json
 
@@ -235,7 +241,7 @@ class AccsTaskBackend(BaseTaskBackend):
         config = job.service.executor_config
         task = _load_task(config["task"]).using(
             priority=max(-100, min(100, job.priority)), queue_name=config.get("queue") or None, backend=self.alias,
-            run_after=job.scheduled_at)
+            run_after=_run_after(job))
         params = (row.params if row else (job.step_params or {}).get(job.service.key)) or {}
         status = _status(job, row)
         errors = [_error(a) for a in attempts if a.status in FAILED_ATTEMPTS]
@@ -304,6 +310,15 @@ def _task_job(result_id: str) -> Job:
     return job
 
 
+def _run_after(job: Job) -> Any:
+    """Return the task's run_after: the job's scheduled_at when enqueue gave one.
+
+    A job started without one is scheduled at its creation, in the same statement and so at the same
+    instant (PostgreSQL's now()); a run_after given by a caller cannot fall on that instant.
+    """
+    return None if job.scheduled_at == job.created_at else job.scheduled_at
+
+
 def _status(job: Job, row: TaskRow | None) -> str:
     """Map the job and task states onto the four Tasks states.
 
@@ -349,7 +364,8 @@ def _error(attempt: Attempt) -> TaskError:
     path = _raised_class_path(text)
     if path is None:
         return _engine_error(TaskFailed, attempt.stderr_tail or text)
-    return TaskError(exception_class_path=path, traceback=attempt.stderr_tail or text)
+    trace = attempt.stderr_tail or text
+    return TaskError(exception_class_path=path, traceback=trace if trace.endswith("\n") else trace + "\n")
 
 
 def _raised_class_path(error_text: str) -> str | None:
@@ -424,7 +440,8 @@ def _running_result(task: Task, ctx: Any) -> TaskResult:
     backend = task.get_backend()
     job = _task_job(str(ctx.task.job_id))
     row = TaskRow.objects.filter(pk=ctx.task.id).first()
-    attempts = list(Attempt.objects.filter(task_id=ctx.task.id, attempt_no__lte=ctx.task.attempt).order_by("attempt_no"))
+    attempts = list(Attempt.objects.filter(task_id=ctx.task.id, attempt_no__lte=ctx.task.attempt)
+                    .order_by("attempt_no"))
     if not isinstance(backend, AccsTaskBackend):  # pragma: no cover - the service was made under another alias
         backend = AccsTaskBackend(task.backend, {})
     result = backend._result(job, row, attempts)

@@ -587,6 +587,8 @@ _stopper = _Stopper()
 PROCESS_RUNNER = r"""
 import importlib, json, os, signal, sys, threading, traceback
 from types import SimpleNamespace
+# The agent's import path (a site's manage.py may extend sys.path), so the child imports what it does.
+sys.path[:0] = json.loads(sys.argv[3]) if len(sys.argv) > 3 else []
 cancel = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: cancel.set())
 if os.environ.get("DJANGO_SETTINGS_MODULE"):
@@ -635,11 +637,13 @@ def _process_error(outcome: Outcome) -> Outcome:
     """Name the child's exception in a failed attempt's error (the runner's ``::error::`` line)."""
     if outcome.status != "failed" or outcome.error_code != "exit_code":
         return outcome
-    marks = [line for line in outcome.stderr_tail.splitlines() if line.startswith(ERROR_MARK)]
+    lines = outcome.stderr_tail.splitlines()
+    marks = [line for line in lines if line.startswith(ERROR_MARK)]
     if not marks:
         return outcome
     outcome.error = marks[-1][len(ERROR_MARK):][:500]
     outcome.error_code = "exception"
+    outcome.stderr_tail = "\n".join(line for line in lines if not line.startswith(ERROR_MARK)) + "\n"
     return outcome
 
 
@@ -656,7 +660,7 @@ class PythonExecutor:
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config
         if config.get("isolation") == "process":
-            argv = [sys.executable, "-c", PROCESS_RUNNER, config["callable"], json.dumps(config)]
+            argv = [sys.executable, "-c", PROCESS_RUNNER, config["callable"], json.dumps(config), json.dumps(sys.path)]
             return _process_error(run_process(task, ctx, argv))
         ctx.on_started(os.getpid())
         call = _StoppableCall(deadline=time.monotonic() + task.timeout_seconds, cancel=ctx.cancel,

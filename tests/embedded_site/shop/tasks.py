@@ -1,4 +1,7 @@
-from django_tasks import task
+try:  # Django 6 ships the Tasks framework; Django 5.2 has it from the django-tasks backport
+    from django.tasks import task
+except ImportError:
+    from django_tasks import task
 
 
 @task()
