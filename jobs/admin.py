@@ -11,6 +11,7 @@ task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from uuid import UUID
 
@@ -34,6 +35,7 @@ from jobs.models import (
     TriggerType,
 )
 from jobs.scoping import can_act, scope, tenant_ids_for
+from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
 from ops.overview import human_age
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError
@@ -213,6 +215,30 @@ class JobAdmin(RedriveAdmin):
         ("Outcome", {"fields": ("error_code", "error_message", "created_at", "started_at", "finished_at", "updated_at")}),
         ("Parameters", {"fields": ("options", "step_params"), "classes": ("collapse",)}),
     )
+
+    readonly_fields = ("django_task",)
+
+    def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is not None and obj.source_ref.startswith(DJANGO_TASK_REF):
+            # A job enqueued through Django's Tasks API: what the team's code called, and what it returned.
+            fieldsets = (*fieldsets[:1], ("Django task", {"fields": ("django_task",)}), *fieldsets[1:])
+        return fieldsets
+
+    @admin.display(description="task")
+    def django_task(self, obj: Job) -> str:
+        """Show the @task function's import path, its arguments and its return value."""
+        row = Task.objects.filter(job=obj).only("params", "results", "status").first()
+        params = (row.params if row else (obj.step_params or {}).get(obj.service.key if obj.service else "")) or {}
+        path = (obj.service.executor_config or {}).get("task", "") if obj.service else ""
+        returned = "—"
+        if row is not None and row.status == TaskStatus.DONE and isinstance(row.results, dict):
+            returned = json.dumps(row.results.get("return_value"))
+        return format_html(
+            '<dl class="accs-django-task"><dt>import path</dt><dd><code>{}</code></dd>'
+            "<dt>args</dt><dd><code>{}</code></dd><dt>kwargs</dt><dd><code>{}</code></dd>"
+            "<dt>return value</dt><dd><code>{}</code></dd></dl>",
+            path, json.dumps(params.get("args", [])), json.dumps(params.get("kwargs", {})), returned)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         # Ages and durations by the database's clock, the one that stamped the times.

@@ -39,11 +39,13 @@ import math
 import re
 import sys
 import traceback
+from dataclasses import dataclass
 from hashlib import sha1
 from typing import Any
 from uuid import UUID
 
 from django.db import IntegrityError, transaction
+from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
@@ -120,6 +122,83 @@ class TaskFailed(AccsTaskError):
     """The attempt failed without a Python exception to name (its process crashed or could not start)."""
 
 
+# --------------------------------------------------------------------------------------------
+# Per-task options, set where the task is defined or in TASKS[alias]["OPTIONS"]["TASKS"]
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AccsTask(Task):
+    """A Task with ACCS's options; ``@task(max_attempts=3, timeout=30, ...)`` makes one on an ACCS backend.
+
+    None leaves an option to the backend's OPTIONS. Each option is a field of the service the task
+    runs as (:data:`SERVICE_FIELDS`), so operators see it on the service's admin page.
+    """
+
+    max_attempts: int | None = None  # attempts in all, the first included (retries = max_attempts - 1)
+    timeout: int | None = None  # seconds one attempt may run
+    backoff: float | None = None  # seconds before the first retry, doubling (with jitter) after each
+    backoff_cap: float | None = None  # the longest wait between two attempts, in seconds
+    rate_limit: int | None = None  # task starts per rate_period across every agent (0: none)
+    rate_period: int | None = None  # seconds
+    max_concurrent: int | None = None  # attempts running at once across every agent (0: unlimited)
+    concurrency_key: str | None = None  # params path, e.g. "kwargs.customer_id": a cap per value
+    concurrency_limit: int | None = None  # attempts running at once per concurrency_key value
+    isolation: str | None = None  # "process" (the default) or "thread"
+
+
+# Each option, the backend-wide OPTIONS name of its default and the service field it sets.
+OPTION_SETTINGS = {
+    "max_attempts": ("MAX_ATTEMPTS", "max_attempts"), "timeout": ("TIMEOUT_SECONDS", "timeout_seconds"),
+    "backoff": ("BACKOFF_SECONDS", "backoff_base_seconds"),
+    "backoff_cap": ("BACKOFF_CAP_SECONDS", "backoff_cap_seconds"),
+    "rate_limit": ("RATE_LIMIT", "rate_limit"), "rate_period": ("RATE_PERIOD_SECONDS", "rate_period_seconds"),
+    "max_concurrent": ("MAX_CONCURRENT", "max_concurrent"),
+    "concurrency_key": ("CONCURRENCY_KEY", "concurrency_key"),
+    "concurrency_limit": ("CONCURRENCY_LIMIT", "concurrency_key_limit"),
+    "isolation": ("ISOLATION", None),
+}
+# Django's own backends run a task once; a process can always be stopped at its timeout (a thread
+# blocked in C code cannot, and a timed-out attempt could then overlap its retry).
+OPTION_DEFAULTS = {"max_attempts": 1, "timeout": 600, "isolation": "process"}
+ISOLATIONS = ("process", "thread")
+
+
+def option_problems(options: dict[str, Any], *, where: str) -> list[str]:
+    """Return what is wrong with task options (unknown names, values of the wrong kind or range)."""
+    problems = [f"{where}: unknown option {name!r} (known: {', '.join(OPTION_SETTINGS)})"
+                for name in options if name not in OPTION_SETTINGS]
+    for name, value in options.items():
+        if value is None or name not in OPTION_SETTINGS:
+            continue
+        if name == "isolation":
+            if value not in ISOLATIONS:
+                problems.append(f"{where}: isolation must be one of {ISOLATIONS}, not {value!r}")
+        elif name == "concurrency_key":
+            if not isinstance(value, str):
+                problems.append(f"{where}: concurrency_key must be a params path such as 'kwargs.customer_id'")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                name in ("max_attempts", "timeout", "rate_period") and value < 1):
+            problems.append(f"{where}: {name} must be a number of at least "
+                            f"{1 if name in ('max_attempts', 'timeout', 'rate_period') else 0}, not {value!r}")
+        elif name not in ("backoff", "backoff_cap") and int(value) != value:
+            problems.append(f"{where}: {name} must be a whole number, not {value!r}")
+    return problems
+
+
+class AccsTaskResult(TaskResult):
+    """A TaskResult that links to its job in the ACCS cockpit."""
+
+    __slots__ = ()
+
+    @property
+    def accs_url(self) -> str | None:
+        """Return the path of the job's admin page (None when the site does not serve ACCS's admin)."""
+        try:
+            return reverse("admin:jobs_job_change", args=[self.id])
+        except NoReverseMatch:
+            return None
+
+
 def service_key(task: Task) -> str:
     """Return the ACCS service key of a task function on its queue: distinct tasks get distinct keys.
 
@@ -143,14 +222,34 @@ class AccsTaskBackend(BaseTaskBackend):
     supports_async_task = True
     supports_get_result = True
     supports_priority = True
+    task_class = AccsTask
 
     def __init__(self, alias: str, params: dict) -> None:
         super().__init__(alias, params)
         self.tenant: str | None = self.options.get("TENANT")
-        self.max_attempts = int(self.options.get("MAX_ATTEMPTS", 1))
-        self.timeout_seconds = int(self.options.get("TIMEOUT_SECONDS", 600))
-        self.isolation = str(self.options.get("ISOLATION", "process"))
+        self.defaults = {**OPTION_DEFAULTS, **{name: self.options[setting] for name, (setting, _) in
+                                               OPTION_SETTINGS.items() if setting in self.options}}
+        self.per_task: dict[str, dict[str, Any]] = dict(self.options.get("TASKS") or {})
+        problems = option_problems(self.defaults, where=f"TASKS[{alias!r}]['OPTIONS']")
+        for path, options in self.per_task.items():
+            problems += option_problems(options, where=f"TASKS[{alias!r}]['OPTIONS']['TASKS'][{path!r}]")
+        if problems:
+            raise InvalidTask("; ".join(problems))
         self._importable: set[str] = set()
+
+    def validate_task(self, task: Task) -> None:
+        """Check the task as Django's backends do, and its ACCS options."""
+        super().validate_task(task)
+        problems = option_problems(_declared_options(task), where=f"@task {task.module_path}")
+        if problems:
+            raise InvalidTask("; ".join(problems))
+
+    def task_options(self, task: Task) -> dict[str, Any]:
+        """Return the task's options: the backend's defaults, then the decorator's, then OPTIONS["TASKS"]'s.
+
+        Settings win over the decorator, so a deployment can tune a task without changing its code.
+        """
+        return {**self.defaults, **_declared_options(task), **self.per_task.get(task.module_path, {})}
 
     # ----------------------------------------------------------------------------------------
     # Services
@@ -158,38 +257,40 @@ class AccsTaskBackend(BaseTaskBackend):
 
     def service_fields(self, task: Task) -> dict[str, Any]:
         """Return the fields of the service a task runs as (its key, executor and options)."""
-        return {
+        options = self.task_options(task)
+        fields = {
             "key": service_key(task), "executor": "python", "params_schema": ARGS_SCHEMA,
             "description": f"Django task {task.module_path} (queue {task.queue_name!r})",
             "executor_config": {"callable": ADAPTER, "task": task.module_path, "queue": task.queue_name,
-                                "isolation": self.isolation},
-            "max_attempts": self.max_attempts, "timeout_seconds": self.timeout_seconds,
+                                "isolation": options["isolation"], "options": options},
         }
+        for name, (_, field) in OPTION_SETTINGS.items():
+            if field is not None and options.get(name) is not None:
+                fields[field] = options[name]
+        return fields
 
     def ensure_service(self, task: Task) -> Service:
-        """Return the task's service, creating it when missing (an operator's later edits are kept).
+        """Return the task's service, creating it when missing.
 
-        Raises InvalidTask when the key already belongs to another task or queue, so two tasks can
-        never share a service (and read each other's queue name back).
+        An operator's later edits are kept until the task's options change in code or settings; then
+        the service takes the new options. Raises InvalidTask when the key already belongs to another
+        task or queue, so two tasks can never share a service (and read each other's queue name back).
         """
         fields = self.service_fields(task)
         found = Service.objects.filter(key=fields["key"]).first()
-        if found is None:
-            from workflows.api import save_service  # workflows imports nothing of jobs' Tasks side
+        if found is not None:
+            _check_owner(found, task)
+            if (found.executor_config or {}).get("options") == fields["executor_config"]["options"]:
+                return found
+        from workflows.api import save_service  # workflows imports nothing of jobs' Tasks side
 
-            try:
-                with transaction.atomic():
-                    found = save_service(**fields)
-            except IntegrityError:  # another process created it first; the unique key decided
-                found = Service.objects.get(key=fields["key"])
-        config = found.executor_config or {}
-        if (config.get("callable"), config.get("task"), config.get("queue")) != (
-                ADAPTER, task.module_path, task.queue_name):
-            raise InvalidTask(
-                f"ACCS service {found.key!r} already runs {config.get('task') or config.get('callable')!r} on queue "
-                f"{config.get('queue')!r}; it cannot also run {task.module_path!r} on queue {task.queue_name!r} "
-                "(rename the queue or the function, or remove the other service)")
-        return found
+        try:
+            with transaction.atomic():
+                return save_service(**fields)  # an existing service keeps the fields not named here
+        except IntegrityError:  # another process created it first; the unique key decided
+            found = Service.objects.get(key=fields["key"])
+            _check_owner(found, task)
+            return found
 
     # ----------------------------------------------------------------------------------------
     # The Tasks API
@@ -208,7 +309,7 @@ class AccsTaskBackend(BaseTaskBackend):
                 service, params=params, priority=task.priority, scheduled_at=task.run_after, tenant=self.tenant,
                 source=JobSource.SYSTEM, source_ref=(SOURCE_REF_PREFIX + task.module_path)[:200],
             )
-        result = TaskResult(
+        result = AccsTaskResult(
             task=task, id=str(job.id), status=TaskResultStatus.READY, enqueued_at=job.created_at,
             started_at=None, finished_at=None, last_attempted_at=None, args=params["args"],
             kwargs=params["kwargs"], backend=self.alias, errors=[], worker_ids=[],
@@ -248,7 +349,7 @@ class AccsTaskBackend(BaseTaskBackend):
         if status == TaskResultStatus.FAILED and not errors:  # canceled (or failed) before any attempt ran
             errors = [_engine_error(TaskCanceled if job.status == JobStatus.CANCELED else TaskFailed,
                                     job.error_message or job.error_code)]
-        result = TaskResult(
+        result = AccsTaskResult(
             task=task, id=str(job.id), status=status, enqueued_at=job.created_at,
             started_at=attempts[0].started_at if attempts else None,
             finished_at=_finished_at(job, row) if status in FINISHED else None,
@@ -264,6 +365,23 @@ class AccsTaskBackend(BaseTaskBackend):
 FAILED_ATTEMPTS = frozenset({AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.CANCELED})
 FINISHED = frozenset({TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED})
 TASK_FINAL = frozenset({TaskStatus.DONE, TaskStatus.ERROR, TaskStatus.CANCELED, TaskStatus.SKIPPED})
+
+
+def _declared_options(task: Task) -> dict[str, Any]:
+    """Return the options set on the ``@task`` decorator (those not left to the backend)."""
+    if not isinstance(task, AccsTask):
+        return {}
+    return {name: getattr(task, name) for name in OPTION_SETTINGS if getattr(task, name) is not None}
+
+
+def _check_owner(service: Service, task: Task) -> None:
+    config = service.executor_config or {}
+    owner = (config.get("callable"), config.get("task"), config.get("queue"))
+    if owner != (ADAPTER, task.module_path, task.queue_name):
+        raise InvalidTask(
+            f"ACCS service {service.key!r} already runs {config.get('task') or config.get('callable')!r} on queue "
+            f"{config.get('queue')!r}; it cannot also run {task.module_path!r} on queue {task.queue_name!r} "
+            "(rename the queue or the function, or remove the other service)")
 
 
 def _json_key(name: Any) -> str:

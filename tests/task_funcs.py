@@ -123,3 +123,22 @@ _on_started = _record_signal("task_started")
 _on_finished = _record_signal("task_finished")
 task_started.connect(_on_started)
 task_finished.connect(_on_finished)
+
+
+@task(max_attempts=3, backoff=0, timeout=20, rate_limit=500, rate_period=10, concurrency_key="kwargs.customer",
+      concurrency_limit=2, isolation="thread")
+def flaky(path: str, customer: str = "c1", fail_times: int = 1) -> int:
+    """Fail the first ``fail_times`` attempts (counted in the file at ``path``), then return the attempt."""
+    counter = Path(path)
+    seen = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(seen))
+    if seen <= fail_times:
+        raise ConnectionError(f"attempt {seen} failed")
+    return seen
+
+
+@task(timeout=1)
+def slow(seconds: float) -> str:
+    """Sleep longer than the decorator's timeout allows."""
+    time.sleep(seconds)
+    return "woke"

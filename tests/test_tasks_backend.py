@@ -278,3 +278,59 @@ def test_nan_infinity_and_nul_arguments_are_refused_naming_the_argument(default_
 def test_non_json_argument_is_refused_naming_the_argument(default_tenant):
     with pytest.raises(TypeError, match="keyword argument 'b'"):
         task_funcs.add.enqueue(1, b=object())
+
+
+def test_options_set_on_the_decorator_become_the_services_fields(default_tenant):
+    service = task_backends["default"].ensure_service(task_funcs.flaky)
+    assert (service.max_attempts, service.timeout_seconds, service.backoff_base_seconds, service.rate_limit,
+            service.rate_period_seconds, service.concurrency_key, service.concurrency_key_limit) == (
+        3, 20, 0, 500, 10, "kwargs.customer", 2)
+    assert service.executor_config["isolation"] == "thread"
+    plain = task_backends["default"].ensure_service(task_funcs.add)
+    assert (plain.max_attempts, plain.timeout_seconds, plain.executor_config["isolation"]) == (1, 600, "process")
+
+
+def test_settings_options_override_the_decorator_and_update_the_service(default_tenant, settings):
+    before = task_backends["default"].ensure_service(task_funcs.flaky)
+    settings.TASKS = {"default": {"BACKEND": "jobs.tasks_backend.AccsTaskBackend", "QUEUES": [], "OPTIONS": {
+        "TIMEOUT_SECONDS": 30, "TASKS": {"tests.task_funcs.flaky": {"max_attempts": 5, "isolation": "process"}}}}}
+    after = task_backends["default"].ensure_service(task_funcs.flaky)
+    assert after.pk == before.pk
+    assert (after.max_attempts, after.timeout_seconds, after.executor_config["isolation"]) == (5, 20, "process")
+    assert task_backends["default"].ensure_service(task_funcs.add).timeout_seconds == 30
+
+
+def test_bad_options_are_refused_naming_the_option(settings):
+    with pytest.raises(InvalidTask, match="isolation must be one of"):
+        task_funcs.task(isolation="fork")(task_funcs.add.func)
+    with pytest.raises(InvalidTask, match="max_attempts must be a number of at least 1"):
+        task_funcs.task(max_attempts=0)(task_funcs.add.func)
+    settings.TASKS = {"default": {"BACKEND": "jobs.tasks_backend.AccsTaskBackend",
+                                  "OPTIONS": {"TASKS": {"tests.task_funcs.add": {"retries": 3}}}}}
+    with pytest.raises(InvalidTask, match="unknown option 'retries'"):
+        task_backends["default"]  # noqa: B018 - the backend is built (and its options checked) on first use
+
+
+def test_retries_with_backoff_and_a_per_task_timeout_on_real_agents(default_tenant, daemons, tmp_path):
+    daemons.agent("tasks-options", _services(task_funcs.flaky, task_funcs.slow))
+    retried = task_funcs.flaky.enqueue(str(tmp_path / "count"), customer="acme", fail_times=1)
+    timed_out = task_funcs.slow.enqueue(30)
+    assert _finished(retried).status == TaskResultStatus.SUCCESSFUL
+    assert retried.return_value == 2 and retried.attempts == 2
+    (first,) = retried.errors
+    assert first.exception_class is ConnectionError
+    assert _finished(timed_out).status == TaskResultStatus.FAILED
+    assert timed_out.errors[0].exception_class is TaskTimedOut and timed_out.attempts == 1
+
+
+def test_result_links_to_its_job_page_which_shows_path_args_and_return_value(default_tenant, daemons, admin_client):
+    daemons.agent("tasks-page", _services(task_funcs.add))
+    result = task_funcs.add.enqueue(20, b=22)
+    assert result.accs_url == f"/admin/jobs/job/{result.id}/change/"
+    assert _finished(result).return_value == 42
+    assert task_backends["default"].get_result(result.id).accs_url == result.accs_url
+    page = admin_client.get(result.accs_url)
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "Django task" in html and "tests.task_funcs.add" in html
+    assert "[20]" in html and "{&quot;b&quot;: 22}" in html and "<code>42</code>" in html

@@ -88,8 +88,7 @@ def test_invalid_priority_naive_run_after_and_context_argument_are_refused(defau
     with pytest.raises(InvalidTask, match="run_after must be an aware datetime"):
         tasks.noop_task.using(run_after=datetime.now())
     with pytest.raises(InvalidTask, match="Task takes context but does not have a first argument of 'context'"):
-        task(takes_context=True)(tasks.noop_task.func.__wrapped__ if hasattr(tasks.noop_task.func, "__wrapped__")
-                                 else _no_context)
+        task(takes_context=True)(_no_context)
 
 
 def _no_context(value: int) -> None:
