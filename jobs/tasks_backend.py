@@ -27,9 +27,12 @@ How the Tasks concepts map onto ACCS:
 * ``priority`` is the job's priority (both: higher runs first), ``run_after`` its ``scheduled_at``,
   ``takes_context`` passes a ``TaskContext`` whose ``attempt`` is the ACCS attempt number.
 * ``get_result()`` reads the job, its task and its attempts: status, return value (the task's JSON
-  results), one ``TaskError`` per failed attempt (exception class and traceback) and one worker id
-  per attempt. Retries are ACCS's: ``OPTIONS["MAX_ATTEMPTS"]`` (default 1, as Django's own
-  backends run a task once) with the service's backoff.
+  results), one ``TaskError`` per failed attempt (the raised exception's class, or one of the
+  :class:`AccsTaskError` classes when the engine ended the attempt) and one worker id per attempt.
+* Per-task options (retries and backoff, timeout, rate limit, concurrency key, isolation) are
+  :class:`AccsTask` fields set on ``@task(...)`` or in ``OPTIONS``; they become the service's fields.
+
+docs/tasks.md is the guide: options, statuses and errors, migrating from django-tasks and Celery.
 """
 
 from __future__ import annotations
