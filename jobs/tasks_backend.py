@@ -324,11 +324,7 @@ class AccsTaskBackend(BaseTaskBackend):
         """Refuse a task that agents could not import by its module path (a lambda, a nested function)."""
         if task.module_path in self._importable:
             return
-        try:
-            found = import_string(task.module_path)
-        except ImportError:
-            found = None
-        if not isinstance(found, Task) or found.func is not task.func:
+        if not imports_back(task):
             raise InvalidTask(
                 f"task {task.module_path!r} cannot be imported by its module path, so no agent could run it: "
                 "define it with def at module level and decorate it with @task")
@@ -368,6 +364,15 @@ class AccsTaskBackend(BaseTaskBackend):
 FAILED_ATTEMPTS = frozenset({AttemptStatus.FAILED, AttemptStatus.TIMEOUT, AttemptStatus.CANCELED})
 FINISHED = frozenset({TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED})
 TASK_FINAL = frozenset({TaskStatus.DONE, TaskStatus.ERROR, TaskStatus.CANCELED, TaskStatus.SKIPPED})
+
+
+def imports_back(task: Task) -> bool:
+    """Return whether the task's module path imports back to it (what an agent does to run it)."""
+    try:
+        found = import_string(task.module_path)
+    except ImportError:
+        return False
+    return isinstance(found, Task) and found.func is task.func
 
 
 def _declared_options(task: Task) -> dict[str, Any]:
@@ -572,10 +577,13 @@ def _running_result(task: Task, ctx: Any) -> TaskResult:
 
 
 def tasks_in(module: Any, *, backend: str | None = None) -> list[Task]:
-    """Return the ``@task`` objects defined in ``module`` that use an ACCS backend (or ``backend``)."""
+    """Return the ``@task`` objects defined in ``module`` that use an ACCS backend (or ``backend``).
+
+    A task no agent could import by its module path (a lambda) is left out: enqueue refuses it.
+    """
     found = []
     for value in vars(module).values():
         if isinstance(value, Task) and (backend is None or value.backend == backend):
-            if isinstance(value.get_backend(), AccsTaskBackend):
+            if isinstance(value.get_backend(), AccsTaskBackend) and imports_back(value):
                 found.append(value)
     return found

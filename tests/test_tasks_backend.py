@@ -80,6 +80,7 @@ def test_accs_tasks_command_creates_services_and_prints_keys_for_runagent(defaul
     call_command("accs_tasks", "tests.task_funcs", "--keys")
     keys = capsys.readouterr().out.strip().split(",")
     assert service_key(task_funcs.add) in keys and service_key(task_funcs.boom) in keys
+    assert service_key(task_funcs.not_importable) not in keys, "a lambda gets no service"
 
 
 def test_tasks_run_on_real_agents_with_results_errors_context_and_async(default_tenant, daemons):

@@ -35,7 +35,9 @@ class Command(BaseCommand):
             service = task.get_backend().ensure_service(task)
             keys.append(service.key)
             if not options["keys"]:
-                self.stdout.write(f"{service.key:<56} {task.module_path} (queue {task.queue_name})")
+                self.stdout.write(f"{service.key:<56} {task.module_path} (queue {task.queue_name}; "
+                                  f"{service.max_attempts} attempt(s), timeout {service.timeout_seconds}s, "
+                                  f"{service.executor_config.get('isolation', 'thread')})")
         if options["keys"]:
             self.stdout.write(",".join(sorted(set(keys))))
 
