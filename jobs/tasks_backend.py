@@ -268,8 +268,9 @@ class AccsTaskBackend(BaseTaskBackend):
                                 "isolation": options["isolation"], "options": options},
         }
         for name, (_, field) in OPTION_SETTINGS.items():
-            if field is not None and options.get(name) is not None:
-                fields[field] = options[name]
+            if field is not None:  # an option no longer set goes back to the field's default
+                value = options.get(name)
+                fields[field] = Service._meta.get_field(field).get_default() if value is None else value
         return fields
 
     def ensure_service(self, task: Task) -> Service:
