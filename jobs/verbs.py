@@ -177,7 +177,8 @@ def _reset_tasks(cur, job_ids: Sequence[UUID], *, only: Sequence[UUID] | None = 
          now, now, now],
     )
     rows = cur.fetchall()
-    write_events([EventRow(type="status", job_id=job, task_id=t, source=source, level="warn" if st == "blocked" else "info",
+    write_events([EventRow(type="status", job_id=job, task_id=t, source=source,
+                           level="warn" if st == "blocked" else "info",
                            message=(f"task {frm} → blocked ({why.task}: {msg})" if st == "blocked"
                                     else f"task {frm} → {st} ({why.task}, attempts reset)"),
                            data={"from": frm, "to": st, "retry": True, **why.data})
@@ -248,8 +249,9 @@ def _ids(ids: Iterable[UUID] | Mapping[UUID, datetime]) -> tuple[list[UUID], dic
 
 def _stopping(cur, job_ids: Iterable[UUID]) -> dict[UUID, int]:
     """Return, per job, how many of its tasks were told to stop (a cancel) and still run."""
-    cur.execute(f"SELECT job_id, count(*) FROM accs_task WHERE job_id = ANY(%s::uuid[]) AND status IN {sql_in(TASK_HELD)}"
-                " AND cancel_requested_at IS NOT NULL GROUP BY job_id", [[str(j) for j in job_ids]])
+    cur.execute("SELECT job_id, count(*) FROM accs_task WHERE job_id = ANY(%s::uuid[])"
+                f" AND status IN {sql_in(TASK_HELD)} AND cancel_requested_at IS NOT NULL GROUP BY job_id",
+                [[str(j) for j in job_ids]])
     return dict(cur.fetchall())
 
 
