@@ -4,12 +4,13 @@ A service with a ``concurrency_key`` (or a ``rate_key``) and a backlog whose hea
 their limit: the claim must pass over those keys' tasks and find the others. It must cost about
 what the same claim costs without keys (the target is at most twice as much).
 
-Each scenario empties the engine's tables, queues ``KEYED_TASKS`` (100,000) one-task jobs of one
+Each layout empties the engine's tables, queues ``KEYED_TASKS`` (100,000) one-task jobs of one
 service straight in SQL, their ``params.customer`` spread over ``KEYED_KEYS`` (1,000) keys, and
-puts the first ``KEYED_FULL`` (50) keys of the claim order at their limit (2): held tasks for the
-concurrency key, recorded starts in the window for the rate key. Then ``KEYED_CLAIMS`` (30)
-claims of 10 tasks each, every one rolled back so each claim sees the same queue, timed from the
-call to its return (the median is reported, with p95). Two layouts of the backlog:
+puts the first ``KEYED_FULL`` (50) keys of the claim order at their limit (2): held tasks (for the
+concurrency key) and recorded starts in the window (for the rate key). Then ``KEYED_CLAIMS`` (30)
+claims of 10 tasks per scenario, the scenarios taking turns claim by claim (the service's limits
+are set in the database before each), every claim rolled back so each sees the same queue, timed
+from the call to its return (the median is reported, with p95). Two layouts of the backlog:
 
 * ``interleaved``: key = position in the order modulo the key count (the head 50 tasks belong to
   the 50 full keys, then every key comes round again);
@@ -43,6 +44,7 @@ from django.db import connection, transaction  # noqa: E402
 
 from jobs.claim import NodeLimits, claim_many, service_spec  # noqa: E402
 from workflows.api import save_service  # noqa: E402
+from workflows.models import Service  # noqa: E402
 
 TASKS = int(os.environ.get("KEYED_TASKS", "100000"))
 KEYS = int(os.environ.get("KEYED_KEYS", "1000"))
@@ -90,20 +92,22 @@ SELECT %(svc)s, k, now() FROM unnest(%(keys)s::text[]) AS k CROSS JOIN generate_
 """
 
 
-def define(scenario: str):
-    """Save the service with the scenario's limit (none for ``plain``); return it."""
-    fields = {"concurrency_key": "", "concurrency_key_limit": 0, "rate_key": "", "rate_key_limit": 0,
-              "rate_period_seconds": 3600}
+SCENARIOS = ("plain", "concurrency", "rate")
+
+
+def limits_of(scenario: str) -> dict[str, object]:
+    """Return the service's flow-control fields for a scenario (none for ``plain``)."""
+    fields: dict[str, object] = {"concurrency_key": "", "concurrency_key_limit": 0, "rate_key": "",
+                                 "rate_key_limit": 0, "rate_period_seconds": 3600}
     if scenario == "concurrency":
         fields.update(concurrency_key="customer", concurrency_key_limit=LIMIT)
     elif scenario == "rate":
         fields.update(rate_key="customer", rate_key_limit=LIMIT)
-    return save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
-                        params_schema={"type": "object", "properties": {"customer": {"type": "string"}}}, **fields)
+    return fields
 
 
-def fill(service, layout: str, scenario: str) -> list[str]:
-    """Queue the backlog and put the head keys at their limit; return the full keys."""
+def fill(service, layout: str) -> list[str]:
+    """Queue the backlog and put the head keys at their limit (held tasks and starts); return them."""
     bench.reset()
     with connection.cursor() as cur:
         cur.execute("DELETE FROM accs_rate_start")
@@ -111,19 +115,16 @@ def fill(service, layout: str, scenario: str) -> list[str]:
         tenant = cur.fetchone()[0]
         key = KEY_OF[layout].format(keys=KEYS, n=TASKS)
         cur.execute(FILL_SQL.format(key=key), {"tenant": tenant, "svc": service.id, "n": TASKS})
-        cur.execute("SELECT DISTINCT params->>'customer', order_seq FROM accs_task ORDER BY order_seq LIMIT %s",
-                    [TASKS])
+        cur.execute("SELECT params->>'customer' FROM accs_task ORDER BY order_seq LIMIT %s", [FULL * TASKS // KEYS])
         head: list[str] = []
-        for (k, _seq) in cur.fetchall():
+        for (k,) in cur.fetchall():
             if k not in head:
                 head.append(k)
             if len(head) == FULL:
                 break
-        # The full keys' extra tasks (held ones) come from the end of the order, so the head stays queued.
-        if scenario == "concurrency":
-            cur.execute(HOLD_SQL, {"keys": head, "limit": LIMIT})
-        elif scenario == "rate":
-            cur.execute(STARTS_SQL, {"svc": service.id, "keys": head, "limit": LIMIT})
+        # The full keys' held tasks come from the end of the order, so the head stays queued.
+        cur.execute(HOLD_SQL, {"keys": head, "limit": LIMIT})
+        cur.execute(STARTS_SQL, {"svc": service.id, "keys": head, "limit": LIMIT})
     bench.settle()
     with connection.cursor() as cur:
         cur.execute("VACUUM ANALYZE accs_rate_start")
@@ -134,46 +135,50 @@ class Rollback(Exception):
     pass
 
 
-def time_claims(service, full: list[str], counts: list[int]) -> list[float]:
-    """Return the ms of ``CLAIMS`` claims of 10, each rolled back, checking none takes a full key."""
+def one_claim(service, scenario: str, full: list[str]) -> tuple[float, int]:
+    """Set the scenario's limits, then time one claim of 10 (rolled back); return (ms, tasks claimed)."""
+    Service.objects.filter(id=service.id).update(**limits_of(scenario))
+    service.refresh_from_db()
     spec = service_spec(service)
-    times = []
-    for _ in range(CLAIMS):
-        try:
-            with transaction.atomic():
-                start = time.perf_counter()
-                got = claim_many([spec], NODE, agent_id="bench-keyed", free_slots=10, lease_seconds=600)
-                times.append((time.perf_counter() - start) * 1000)
-                taken = {t.params.get("customer") for t in got}
-                if spec.keyed:
-                    # Grouped, the first key with room owns the whole scan window: the claim takes
-                    # that key's room (2) and the next claim moves on.
-                    assert got, "a keyed claim found nothing"
-                    assert not taken & set(full), f"claimed a key at its limit: {sorted(taken & set(full))}"
-                else:
-                    assert len(got) == 10, len(got)
-                counts.append(len(got))
-                raise Rollback
-        except Rollback:
-            pass
-    return times
+    try:
+        with transaction.atomic():
+            start = time.perf_counter()
+            got = claim_many([spec], NODE, agent_id="bench-keyed", free_slots=10, lease_seconds=600)
+            ms = (time.perf_counter() - start) * 1000
+            taken = {t.params.get("customer") for t in got}
+            if spec.keyed:
+                # Grouped, the first key with room owns the whole scan window: the claim takes that
+                # key's room (2) and the next claim moves on.
+                assert got, "a keyed claim found nothing"
+                assert not taken & set(full), f"claimed a key at its limit: {sorted(taken & set(full))}"
+            else:
+                assert len(got) == 10, len(got)
+            raise Rollback
+    except Rollback:
+        pass
+    return ms, len(got)
 
 
 def main() -> int:
     call_command("migrate", verbosity=0)
     bench.say(f"keyed claim: {TASKS:,} queued tasks, {KEYS:,} keys, the {FULL} head keys at their limit ({LIMIT}),"
-              f" {CLAIMS} claims of 10 each")
+              f" {CLAIMS} claims of 10 per scenario, the scenarios taking turns claim by claim")
+    service = save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
+                           params_schema={"type": "object", "properties": {"customer": {"type": "string"}}},
+                           **limits_of("plain"))
     results: dict[str, dict[str, dict[str, float]]] = {}
     for layout in ("interleaved", "grouped"):
+        full = fill(service, layout)
+        runs: dict[str, list[tuple[float, int]]] = {s: [] for s in SCENARIOS}
+        for _ in range(CLAIMS):
+            for scenario in SCENARIOS:  # in turn, so a load that comes and goes hits each alike
+                runs[scenario].append(one_claim(service, scenario, full))
         results[layout] = {}
-        for scenario in ("plain", "concurrency", "rate"):
-            service = define(scenario)
-            full = fill(service, layout, scenario)
-            counts: list[int] = []
-            times = time_claims(service, full, counts)
+        for scenario, got in runs.items():
+            times = sorted(ms for ms, _ in got)
             results[layout][scenario] = {"p50_ms": round(statistics.median(times), 2),
-                                         "p95_ms": round(sorted(times)[int(len(times) * 0.95) - 1], 2),
-                                         "claimed": round(statistics.median(counts), 1)}
+                                         "p95_ms": round(times[max(int(len(times) * 0.95) - 1, 0)], 2),
+                                         "claimed": round(statistics.median(n for _, n in got), 1)}
         plain = results[layout]["plain"]["p50_ms"]
         for scenario in ("concurrency", "rate"):
             results[layout][scenario]["vs_plain"] = round(results[layout][scenario]["p50_ms"] / plain, 2)
