@@ -414,6 +414,11 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str]) -> Outcome:
         elif time.monotonic() > deadline:
             ended_by = "timeout"
         if ended_by:
+            # A stop (cancel, timeout, shutdown, lost lease) that comes after the process exited
+            # by itself changes nothing: the exit code and results it produced are the outcome.
+            if proc.poll() is not None:
+                ended_by = ""
+                break
             _kill_group(proc, grace=ctx.kill_grace)
             break
     proc.wait()

@@ -17,7 +17,7 @@ import pytest
 from events.models import Event
 from jobs import api, transitions
 from jobs.models import Attempt, Job, Task
-from tests.daemons import wait_all_final, wait_until
+from tests.daemons import ROOT, wait_all_final, wait_until
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -341,3 +341,51 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     [held] = other
     assert Task.objects.get(pk=held.id).status == "starting", "another agent's claim is not taken"
     assert len(jobs) == 3
+
+
+EXITS_WHEN_RELEASED = """
+import pathlib, sys, time
+release, runs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+with runs.open("a") as fh:
+    fh.write("run\\n")
+deadline = time.monotonic() + 60
+while not release.exists() and time.monotonic() < deadline:  # wait for the test's go, bounded
+    time.sleep(0.01)
+print('{{"answer": 42}}')
+"""
+
+
+def test_a_second_sigterm_after_the_command_exited_0_records_it_done_and_it_never_runs_again(
+        make_service, subprocess_env, tmp_path, db_url):
+    from tests.daemons import Daemons
+
+    release, runs = tmp_path / "release", tmp_path / "runs"
+    make_service("finisher", executor="command", max_attempts=1,
+                 executor_config={"argv": ["python", "-c", EXITS_WHEN_RELEASED, "{release}", "{runs}"]},
+                 params_schema={"type": "object", "properties": {"release": {"type": "string"},
+                                                                 "runs": {"type": "string"}}})
+    job = api.start_service("finisher", params={"release": str(release), "runs": str(runs)})
+    hooked = Daemons(subprocess_env, tmp_path, manage_py=ROOT / "tests" / "hooked_manage.py")
+    try:
+        agent = hooked.agent("n1", "finisher", env={"ACCS_TEST_HOOK": "second_sigterm_after_exit"})
+        wait_until(lambda: Task.objects.filter(job=job, status="running").exists(), timeout=30, message="running")
+        agent.send_signal(signal.SIGTERM)  # the first: drain
+        wait_until(lambda: "draining 1 running task" in _log(agent), timeout=10, message="the agent drains")
+        release.touch()  # the command prints its result and exits 0; the hook sends the second SIGTERM
+        assert agent.wait(timeout=30) == 0, _log(agent)[-3000:]
+    finally:
+        hooked.stop_all()
+    log = _log(agent)
+    assert "second signal" in log and "hook:" not in log, log[-3000:]
+    attempts = list(Attempt.objects.filter(task__job=job))
+    assert [(a.status, a.exit_code) for a in attempts] == [("succeeded", 0)], [a.error_text for a in attempts]
+    task = Task.objects.get(job=job)
+    assert (task.status, task.results) == ("done", {"answer": 42})
+    daemons_again = Daemons(subprocess_env, tmp_path)
+    try:
+        daemons_again.agent("n2", "finisher", "--once", name="agent-after")
+        wait_until(lambda: daemons_again.procs[0].poll() is not None, timeout=60, message="--once agent exits")
+    finally:
+        daemons_again.stop_all()
+    assert runs.read_text() == "run\n", "the command ran once"
+    assert Attempt.objects.filter(task__job=job).count() == 1
