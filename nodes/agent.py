@@ -165,6 +165,7 @@ class Agent:
         self.known_services: list[str] = []
         self.unknown_services: list[str] = []
         self.registered = False  # the node row is ours to sign off only once we registered it
+        self._handles_signals = False
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
@@ -183,6 +184,18 @@ class Agent:
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+        self._handles_signals = True
+
+    def _ignore_late_signals(self) -> None:
+        """Ignore SIGTERM and SIGINT once everything is reported and the agent signed off.
+
+        The interpreter's exit (threads joined, modules torn down) takes a few tenths of a second
+        and puts the default handlers back, so a signal landing then would end the process with
+        status -15 although the agent stopped cleanly. There is nothing left to stop: exit 0.
+        """
+        if self._handles_signals:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def run(self) -> int:
         """Run until stopped (or, with ``once``, until no work is left). Return an exit code."""
@@ -207,6 +220,7 @@ class Agent:
             self._loop()
         finally:
             self._shutdown()
+            self._ignore_late_signals()
         return 0
 
     def _loop(self) -> None:

@@ -389,3 +389,16 @@ def test_a_second_sigterm_after_the_command_exited_0_records_it_done_and_it_neve
         daemons_again.stop_all()
     assert runs.read_text() == "run\n", "the command ran once"
     assert Attempt.objects.filter(task__job=job).count() == 1
+
+
+def test_sigterms_during_the_agents_last_moments_still_exit_0(make_service, daemons, db_url):
+    make_service("idle")
+    agent = daemons.agent("n1", "idle")
+    wait_until(lambda: "started on node n1" in _log(agent), timeout=30, message="agent started")
+    agent.send_signal(signal.SIGTERM)
+    wait_until(lambda: "agent stopped" in _log(agent) or agent.poll() is not None, timeout=30,
+               message="the agent's last log line")
+    while agent.poll() is None:  # a systemd stop and an impatient operator: SIGTERMs until it is gone
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    assert agent.returncode == 0, _log(agent)[-2000:]
