@@ -113,7 +113,8 @@ class Agent:
 
     def __init__(self, *, node: str, services: list[str], max_concurrent: int = 4, once: bool = False,
                  labels: dict[str, str] | None = None, poll_interval: float | None = None,
-                 lease_seconds: float | None = None, claim_batch: int | None = None) -> None:
+                 lease_seconds: float | None = None, claim_batch: int | None = None,
+                 drain_seconds: float | None = None) -> None:
         self.node = node
         self.service_keys = services
         self.max_concurrent = max_concurrent
@@ -123,6 +124,12 @@ class Agent:
         self.lease_seconds = float(lease_seconds or accs.heartbeat_ttl_sec)
         self.margin = lease_margin(self.lease_seconds)
         self.claim_batch = claim_batch or max_concurrent
+        # How long the first SIGTERM lets running tasks finish before the agent stops them and hands
+        # them back as interrupted (None: as long as they take). A supervisor that SIGKILLs after a
+        # stop timeout should get a shorter drain, so no task is killed with the agent and then
+        # rescued as a failure that uses up its retry budget.
+        self.drain_seconds = drain_seconds
+        self._drain_deadline: float | None = None
         self.agent_id = agent_identity()
         self.source = f"agent:{node}"
         self.extra = {"node": node}
@@ -178,7 +185,10 @@ class Agent:
                 log.warning("second signal: stopping running tasks now (they are retried)", extra=self.extra)
             else:
                 self.stopping = True
-                log.info("signal received: no new claims, draining %d running task(s)", len(self.running),
+                if self.drain_seconds is not None:
+                    self._drain_deadline = time.monotonic() + self.drain_seconds
+                log.info("signal received: no new claims, draining %d running task(s)%s", len(self.running),
+                         f" for at most {self.drain_seconds:g}s" if self.drain_seconds is not None else "",
                          extra=self.extra)
             self._wake()
 
@@ -259,6 +269,7 @@ class Agent:
         if now - self._disk_at >= DISK_SAMPLE_SECONDS:
             self._disk_at = now
             self._step("disk sample", self._sample_disk)
+        self._check_drain_deadline()
         if self.stop_now:
             for item in self._running_items():
                 item.ctx.stop("shutdown")
@@ -267,6 +278,15 @@ class Agent:
         if self.stopping:
             return 0
         return self._step("claim", self._claim, default=0)
+
+    def _check_drain_deadline(self) -> None:
+        """Past the drain deadline, stop running tasks as a second signal would (handed back, interrupted)."""
+        if self.stop_now or self._drain_deadline is None or time.monotonic() < self._drain_deadline:
+            return
+        self.stop_now = True
+        if self.running:
+            log.warning("drain time (%gs) is over: stopping %d running task(s) now; they are handed back as "
+                        "interrupted and queued again", self.drain_seconds, len(self.running), extra=self.extra)
 
     def _step(self, name: str, fn, *, default: Any = None) -> Any:
         """Run one guarded step; after a database failure in this pass, skip the remaining ones."""
@@ -716,6 +736,8 @@ class Agent:
         timeout = self.poll_interval * random.uniform(0.8, 1.2)
         if self.running:
             timeout = min(timeout, self.lease_seconds / 3)
+        if self._drain_deadline is not None and not self.stop_now:  # wake up when the drain time is over
+            timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
         fds = [self._wake_r]
         listen_fd = self._listen_fd()
         if listen_fd is not None:

@@ -402,3 +402,19 @@ def test_sigterms_during_the_agents_last_moments_still_exit_0(make_service, daem
         agent.send_signal(signal.SIGTERM)
         time.sleep(0.002)
     assert agent.returncode == 0, _log(agent)[-2000:]
+
+
+def test_a_task_longer_than_the_drain_time_is_handed_back_interrupted_without_using_its_budget(
+        make_service, daemons, db_url):
+    make_service("long", **SLEEP, max_attempts=1)
+    job = api.start_service("long", params={"seconds": 120})
+    agent = daemons.agent("n1", "long", "--drain-seconds", "1")
+    wait_until(lambda: Task.objects.filter(job=job, status="running").exists(), timeout=20, message="running")
+    agent.send_signal(signal.SIGTERM)  # one SIGTERM only, as systemd sends it
+    assert agent.wait(timeout=30) == 0, _log(agent)[-3000:]
+    assert "draining 1 running task(s) for at most 1s" in _log(agent)
+    assert "drain time (1s) is over" in _log(agent)
+    attempt = Attempt.objects.get(task__job=job, attempt_no=1)
+    task = Task.objects.get(job=job)
+    assert attempt.status == "interrupted", attempt.error_text
+    assert (task.status, task.max_attempts) == ("queued", 2), "queued again; the budget grew by the attempt it used"
