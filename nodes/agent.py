@@ -114,7 +114,7 @@ class Agent:
     def __init__(self, *, node: str, services: list[str], max_concurrent: int = 4, once: bool = False,
                  labels: dict[str, str] | None = None, poll_interval: float | None = None,
                  lease_seconds: float | None = None, claim_batch: int | None = None,
-                 drain_seconds: float | None = None) -> None:
+                 drain_seconds: float | None = None, database_wait: float | None = None) -> None:
         self.node = node
         self.service_keys = services
         self.max_concurrent = max_concurrent
@@ -129,6 +129,9 @@ class Agent:
         # stop timeout should get a shorter drain, so no task is killed with the agent and then
         # rescued as a failure that uses up its retry budget.
         self.drain_seconds = drain_seconds
+        # How long start-up waits for PostgreSQL (None: until it answers); --once gives up after a while.
+        self.database_wait = database_wait if database_wait is not None else (
+            daemon.ONCE_DATABASE_WAIT_SECONDS if once else None)
         self._drain_deadline: float | None = None
         self.agent_id = agent_identity()
         self.source = f"agent:{node}"
@@ -210,11 +213,16 @@ class Agent:
     def run(self) -> int:
         """Run until stopped (or, with ``once``, until no work is left). Return an exit code."""
         daemon.configure_daemon_session(application_name=f"accs agent {self.node}")
+        # Before anything else: a database that never answers or is not migrated is one line and an
+        # exit code, with nothing to report or sign off.
+        refused = daemon.ready_to_start(log, stopping=lambda: self.stopping, extra=self.extra,
+                                        wait_seconds=self.database_wait)
+        if refused is not None:
+            self._ignore_late_signals()
+            return refused
         threading.Thread(target=self._watchdog, name="accs-lease-watchdog", daemon=True).start()
         self.stall.start()
         try:
-            if not daemon.wait_for_database(log, stopping=lambda: self.stopping, extra=self.extra):
-                return 0
             if not self._until_ok("check services", self._check_services):
                 return 0
             if self.unknown_services:
