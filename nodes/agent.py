@@ -53,8 +53,9 @@ from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
 from nodes.executors import (
     RunContext, agent_alive, bad_output, end_orphan_groups, make_executors, ours, orphans_on_node, remove_scratch,
-    sanitize_outcome, scratch_dir, secrets_in,
+    sanitize_outcome, secrets_in,
 )
+from nodes.scratch import remove_leftovers, scratch_dir
 from workflows.governor import claim_adjustments
 
 log = logging.getLogger("accs.agent")
@@ -62,6 +63,7 @@ log = logging.getLogger("accs.agent")
 SERVICE_CACHE_SECONDS = 10.0  # definition changes are picked up within ~10 s
 NODE_REFRESH_SECONDS = 2.0
 DISK_SAMPLE_SECONDS = 60.0
+SCRATCH_SWEEP_SECONDS = 3600.0  # leftover scratch folders: at start, then hourly
 WATCHDOG_SECONDS = 0.1
 # A database call blocked this long is broken by force (statement_timeout ends slow ones sooner
 # on the server's side; this catches a connection that no longer answers at all).
@@ -158,6 +160,7 @@ class Agent:
         self._node_at = -NODE_REFRESH_SECONDS
         self._heartbeat_at = 0.0
         self._disk_at = 0.0
+        self._scratch_at = 0.0
         self._paused = False
         self._active_conditions: set[str] = set()
         self._claim_in_doubt = False  # a claim raised: it may have committed all the same
@@ -232,6 +235,7 @@ class Agent:
             if not self._until_ok("register node", self._register):
                 return 0
             self._step("end orphans", self._end_orphans)
+            self._sweep_scratch()
             log.info("agent %s started on node %s for %s (max %d, lease %.0fs, local deadline %.1fs)",
                      self.agent_id, self.node, ",".join(self.service_keys), self.max_concurrent, self.lease_seconds,
                      self.lease_seconds - self.margin, extra=self.extra)
@@ -277,6 +281,8 @@ class Agent:
         if now - self._disk_at >= DISK_SAMPLE_SECONDS:
             self._disk_at = now
             self._step("disk sample", self._sample_disk)
+        if now - self._scratch_at >= SCRATCH_SWEEP_SECONDS:
+            self._sweep_scratch()
         self._check_drain_deadline()
         if self.stop_now:
             for item in self._running_items():
@@ -359,6 +365,17 @@ class Agent:
         if killed:
             log.warning("ended %d orphaned task process(es) of a dead agent on node %s: %s", len(killed), self.node,
                         killed, extra=self.extra)
+
+    def _sweep_scratch(self) -> None:
+        """Remove scratch folders left by agents that are gone (``kill -9``, a crash); see nodes.scratch.
+
+        After the orphans are ended, so no process of a dead agent still writes into them.
+        """
+        self._scratch_at = time.monotonic()
+        removed = self.guard.run("scratch sweep", remove_leftovers, default=[])
+        if removed:
+            log.warning("removed %d leftover scratch folder(s) of agents that are gone: %s", len(removed),
+                        " ".join(p.name for p in removed), extra=self.extra)
 
     def _touch_node(self) -> None:
         self._node_state, self._node_limits = touch_node(self.node, agent_id=self.agent_id)

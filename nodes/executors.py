@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -753,11 +752,6 @@ def make_executors() -> dict[str, Executor]:
     """Return one executor instance per kind (they are shared by the agent's worker threads)."""
     return {"command": CommandExecutor(), "python": PythonExecutor(), "http": HttpExecutor(),
             "simulate": SimulateExecutor()}
-
-
-def scratch_dir(task: ClaimedTask) -> str:
-    """Return a fresh directory for a command's output files."""
-    return tempfile.mkdtemp(prefix=f"accs-{str(task.id)[:8]}-{task.attempt}-")
 
 
 def remove_scratch(ctx: RunContext) -> None:

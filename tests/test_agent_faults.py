@@ -418,3 +418,44 @@ def test_a_task_longer_than_the_drain_time_is_handed_back_interrupted_without_us
     task = Task.objects.get(job=job)
     assert attempt.status == "interrupted", attempt.error_text
     assert (task.status, task.max_attempts) == ("queued", 2), "queued again; the budget grew by the attempt it used"
+
+
+WRITES_THEN_WAITS = """
+import os, pathlib, sys, time
+(pathlib.Path(os.environ["ACCS_OUTPUT_DIR"]) / "partial.txt").write_text("half")
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:  # runs until its agent is killed (bounded)
+    time.sleep(0.05)
+"""
+
+
+def test_a_new_agent_removes_the_scratch_folders_a_killed_agent_left_and_keeps_live_ones(
+        make_service, daemons, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    make_service("writer", executor="command", executor_config={"argv": ["python", "-c", WRITES_THEN_WAITS]})
+    make_service("idle")
+    neighbour = daemons.agent("n2", "idle", env=env, name="agent-neighbour")  # a live agent on the same machine
+    wait_until(lambda: "started on node n2" in _log(neighbour), timeout=30, message="the neighbour started")
+    live = tmp / f"accs-{'ab' * 4}-1-{neighbour.pid}-live"  # as if the neighbour ran an attempt now
+    live.mkdir()
+    job = api.start_service("writer")
+    victim = daemons.agent("n1", "writer", env=env)
+    left = wait_until(lambda: [p for p in tmp.glob("accs-*") if (p / "partial.txt").exists()], timeout=30,
+                      message="the attempt wrote into its scratch folder")
+    assert Task.objects.filter(job=job, status__in=("starting", "running")).exists()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    old_style_stale, old_style_fresh = tmp / "accs-cdcdcdcd-1-stale", tmp / "accs-efefefef-1-fresh"
+    old_style_stale.mkdir()
+    old_style_fresh.mkdir()
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(old_style_stale, (two_days_ago, two_days_ago))
+    assert all(p.exists() for p in left), "kill -9 leaves the attempt's folder behind"
+
+    successor = daemons.agent("n1", "writer", env=env, name="agent-successor")
+    wait_until(lambda: "started on node n1" in _log(successor), timeout=30, message="the successor started")
+    assert not any(p.exists() for p in left + [old_style_stale]), _log(successor)[-2000:]
+    assert live.exists() and old_style_fresh.exists(), "a live agent's folder and a young one are kept"
+    assert "removed 2 leftover scratch folder(s)" in _log(successor)
