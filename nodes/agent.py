@@ -442,14 +442,16 @@ class Agent:
         # attempt's finish would race the new one.
         exclude = {task_id for task_id, _ in self.running}
         renewed_at = time.monotonic()  # before the request: the lease starts no earlier
-        # Until the answer arrives, the claim may have committed without this agent knowing.
+        # Until every claimed task is started, some may be this agent's without it running them: the
+        # answer may not arrive, or starting one may raise (a full disk) and leave the rest of the
+        # answer unstarted. The flag stays up until then, so the next pass adopts what is left.
         self._claim_in_doubt = True
         tasks = claim_many([s.spec for s in services], self._limits(), agent_id=self.agent_id, free_slots=free,
                            lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude,
                            priority_adjust=adjust)
-        self._claim_in_doubt = False
         for task in tasks:
             self._start(task, by_key[task.service_key], renewed_at=renewed_at)
+        self._claim_in_doubt = False
         if tasks:
             self.stats["claimed"] += len(tasks)
             log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
@@ -460,7 +462,6 @@ class Agent:
         known = {task_id for task_id, _ in (*self.running, *self.pending_outcomes, *self.pending_started)}
         renewed_at = time.monotonic()
         tasks = adopt_claimed(self.node, agent_id=self.agent_id, known=known, lease_seconds=self.lease_seconds)
-        self._claim_in_doubt = False
         for task in tasks:
             service = self._services.get(task.service_key)
             if service is None:  # not served any more: its lease ends and the builder rescues it
@@ -469,6 +470,7 @@ class Agent:
                         task.attempt, extra={**self.extra, "task_id": task.id, "job_id": task.job_id})
             self._start(task, service, renewed_at=renewed_at)
             self.stats["claimed"] += 1
+        self._claim_in_doubt = False  # only now: a start that raised leaves it up for the next pass
 
     def _start(self, task: ClaimedTask, service: Service, *, renewed_at: float) -> None:
         inbox, wake = self.inbox, self._wake

@@ -343,6 +343,42 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     assert len(jobs) == 3
 
 
+def test_tasks_a_claim_returned_are_adopted_when_starting_one_of_them_fails(make_service, monkeypatch):
+    """Starting a claimed task can raise (its scratch folder cannot be made: a full disk); the tasks
+    after it in the claim's answer are this agent's all the same and must still run, not wait for
+    their leases to end and be rescued as failures."""
+    from django.db import connections
+
+    from nodes import agent as agent_module
+    from nodes.agent import Agent
+
+    make_service("scratchy", executor="command", executor_config={"argv": ["python", "-c", "print('{{}}')"]},
+                 max_attempts=1)
+    jobs = [api.start_service("scratchy") for _ in range(2)]
+    real_scratch_dir, calls = agent_module.scratch_dir, []
+
+    def full_disk_once(task):
+        calls.append(task.id)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real_scratch_dir(task)
+
+    monkeypatch.setattr(agent_module, "scratch_dir", full_disk_once)
+    agent = Agent(node="scratchy-node", services=["scratchy"], max_concurrent=2, once=True, lease_seconds=30)
+    options = connections.settings["default"].setdefault("OPTIONS", {})
+    saved = dict(options)
+    try:
+        assert agent.run() == 0
+    finally:  # the agent gave this process's connections the daemons' timeouts: take them back
+        options.clear()
+        options.update(saved)
+        connections.close_all()
+    for job in jobs:
+        task = Task.objects.get(job=job)
+        assert (task.status, task.attempt) == ("done", 1), (task.status, task.error_message)
+    assert len(calls) == 3, "the failed start was retried once, by adoption"
+
+
 EXITS_WHEN_RELEASED = """
 import pathlib, sys, time
 release, runs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
