@@ -21,8 +21,10 @@ database call, so the task's process is gone before the builder may hand the tas
 agent; the same thread breaks a database call that is blocked for too long.
 
 No transaction or row lock is held while work runs. First SIGTERM/SIGINT: stop claiming and let
-running tasks finish; second: stop them now (reported ``interrupted`` and retried at once);
-third: exit without reporting (leases expire and the builder rescues the tasks).
+running tasks finish (for at most ``drain_seconds``, when given; then as on a second signal);
+second: stop them now (reported ``interrupted`` and retried at once); third: exit without
+reporting (leases expire and the builder rescues the tasks). An attempt whose process had already
+exited when a stop reached it keeps the outcome it produced.
 """
 
 from __future__ import annotations
@@ -163,7 +165,9 @@ class Agent:
         self._scratch_at = 0.0
         self._paused = False
         self._active_conditions: set[str] = set()
-        self._claim_in_doubt = False  # a claim raised: it may have committed all the same
+        # Tasks may be claimed for this agent that it does not run: a claim raised (it may have
+        # committed all the same), or starting a claimed task raised. The next pass adopts them.
+        self._claim_in_doubt = False
         self._listen: psycopg.Connection | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = daemon.Backoff(base=0.5, cap=10.0)

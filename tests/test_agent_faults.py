@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from typing import Any
@@ -425,6 +426,38 @@ def test_a_second_sigterm_after_the_command_exited_0_records_it_done_and_it_neve
         daemons_again.stop_all()
     assert runs.read_text() == "run\n", "the command ran once"
     assert Attempt.objects.filter(task__job=job).count() == 1
+
+
+@pytest.mark.parametrize("stop", ["cancel", "timeout"])
+def test_a_cancel_or_timeout_that_comes_after_the_command_exited_keeps_its_outcome(stop, monkeypatch):
+    """The worker finds the stop before it looks at the process, which had already exited 0."""
+    import subprocess
+    import uuid
+
+    from jobs.claim import ClaimedTask
+    from nodes import executors
+
+    class ExitedUnseen(subprocess.Popen):
+        """A process that has exited before the worker's first look, which does not see it yet."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.wait()
+            self.looks = 0
+
+        def poll(self):
+            self.looks += 1
+            return None if self.looks == 1 else super().poll()
+
+    monkeypatch.setattr(executors.subprocess, "Popen", ExitedUnseen)
+    task = ClaimedTask(id=uuid.uuid4(), job_id=uuid.uuid4(), task_key="t", attempt=1, params={},
+                       timeout_seconds=0 if stop == "timeout" else 60, host=None, service_key="s")
+    ctx = executors.RunContext(task=task, service_config={}, on_started=lambda pid: None,
+                               on_progress=lambda value: None, on_log=lambda level, text: None)
+    if stop == "cancel":
+        ctx.stop("cancel")
+    outcome = executors.run_process(task, ctx, [sys.executable, "-c", "import json; print(json.dumps({'n': 1}))"])
+    assert (outcome.status, outcome.exit_code, outcome.results) == ("succeeded", 0, {"n": 1}), outcome.error
 
 
 def test_sigterms_during_the_agents_last_moments_still_exit_0(make_service, daemons, db_url):
