@@ -76,3 +76,24 @@ def test_runagent_once_with_the_database_down_gives_up_after_its_wait_in_one_lin
     message = one_error_line(run(("runagent", "--node", "n1", "--services", "x", "--once", "--database-wait", "1"),
                                  env))
     assert f"PostgreSQL at {address} did not answer within 1s" in message and "giving up" in message, message
+
+
+def test_a_database_lost_between_the_wait_and_the_schema_check_is_waited_for_again(monkeypatch, caplog):
+    """A PostgreSQL restart right after it first answered is an outage to wait out, not exit code 3."""
+    import logging
+
+    from django.db import OperationalError
+
+    from accs_site import daemon
+
+    real_check, calls = daemon.check_schema, []
+
+    def restarted_once() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        real_check()
+
+    monkeypatch.setattr(daemon, "check_schema", restarted_once)
+    assert daemon.ready_to_start(logging.getLogger("accs.test"), wait_seconds=10) is None
+    assert len(calls) == 2 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
