@@ -337,11 +337,9 @@ def ready_to_start(logger: logging.Logger, *, stopping: Callable[[], bool] = lam
     stopped, which returns 0). A database that never answered or misses migrations is one
     error line and :data:`EXIT_DATABASE_NOT_READY`.
     """
-    deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
     while True:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            if not wait_for_database(logger, stopping=stopping, extra=extra, give_up_after=left):
+            if not wait_for_database(logger, stopping=stopping, extra=extra, give_up_after=wait_seconds):
                 return 0
             check_schema()
             return None
@@ -349,7 +347,9 @@ def ready_to_start(logger: logging.Logger, *, stopping: Callable[[], bool] = lam
             logger.error("%s", exc, extra=extra)
             return EXIT_DATABASE_NOT_READY
         except Exception as exc:  # noqa: BLE001 - sorted below: one line, never a traceback
-            if is_transient(exc):  # the database went away between the two steps (a restart): wait again
+            # The database went away between its answer and the check (a restart): wait for it again,
+            # as long again (it answered, so this is progress, not a wait without end).
+            if is_transient(exc):
                 close_django_connection()
                 continue
             logger.error("cannot read the database's migrations (%s)", first_line(exc), extra=extra)
