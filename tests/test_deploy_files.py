@@ -146,6 +146,9 @@ def test_the_agent_hands_tasks_back_before_its_supervisor_kills_it():
     compose_agent = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["agent"]
     compose_drain = _drain_seconds(shlex.split(compose_agent["command"][-1]), "compose agent")
     assert _seconds(compose_agent["stop_grace_period"]) >= compose_drain + 30
+    recipe = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"--drain-seconds {drain:g}" in recipe and f"TimeoutStopSec={agent['TimeoutStopSec']}" in recipe, \
+        "docs/deploy.md's recipe gives the unit's own figures"
     comment = (DEPLOY / "systemd" / "accs-agent.service").read_text()
     assert "A second SIGTERM hands them back at once" in comment
     assert "one SIGTERM hands" not in comment.lower()
