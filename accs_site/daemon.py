@@ -231,6 +231,73 @@ def configure_daemon_session(*, application_name: str) -> None:
     options["application_name"] = application_name
 
 
+def use_shared_pool(*, max_size: int) -> None:
+    """Make every thread's Django connection in this process borrow from one bounded pool.
+
+    Django's own psycopg pool (``OPTIONS["pool"]``): a thread's connection is taken from the pool
+    when it first queries and goes back when it is closed, so ``max_size`` bounds the server
+    connections of the whole process whatever its number of threads. Pooling needs
+    ``CONN_MAX_AGE = 0``; server-side cursors are off because a borrowed connection goes back
+    between statements (:func:`release_after_each_statement`).
+    """
+    from django.db import connections
+
+    settings = connections.settings["default"]
+    close_django_connection()  # an unpooled connection opened earlier goes; the next query borrows
+    settings["CONN_MAX_AGE"] = 0
+    settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+    settings.setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": max_size, "timeout": POOL_WAIT_SECONDS}
+
+
+def close_shared_pool() -> None:
+    """Close the pool of :func:`use_shared_pool` (its connections end); a no-op without one."""
+    from django.db import connection
+
+    try:
+        connection.close()
+        connection.close_pool()
+    except Exception:  # noqa: BLE001 - closing at exit must not fail the exit
+        pass
+
+
+# How long a thread waits for a pooled connection before its step fails (and is retried).
+POOL_WAIT_SECONDS = 30.0
+
+
+@contextmanager
+def release_after_each_statement():
+    """Return this thread's pooled connection after every statement run outside a transaction.
+
+    For task code in an agent's worker thread: an ORM query borrows a connection and gives it
+    back at once, so a task that queries and then works for minutes holds no server connection
+    meanwhile. Inside ``transaction.atomic()`` the connection stays until the block ends (and is
+    given back after a commit); whatever is left is returned when the block exits. The ORM has
+    already read the rows of a statement when it returns (client-side cursors only).
+    """
+    from django.db import connection
+
+    def give_back() -> None:
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - a broken connection is dropped by the pool anyway
+            connection.connection = None
+
+    def release(execute, sql, params, many, context):
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            if not connection.in_atomic_block:
+                give_back()
+            elif give_back not in [hook[1] for hook in connection.run_on_commit]:
+                connection.on_commit(give_back)
+
+    with connection.execute_wrapper(release):
+        try:
+            yield
+        finally:
+            give_back()
+
+
 # ---------------------------------------------------------------------------- poolers and LISTEN
 def db_pooler() -> str | None:
     """Return the pooler in front of PostgreSQL (``ACC_DB_POOLER``: ``pgbouncer``), or None when direct."""
