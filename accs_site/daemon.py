@@ -261,7 +261,7 @@ def close_shared_pool() -> None:
 
 
 # How long a thread waits for a pooled connection before its step fails (and is retried).
-POOL_WAIT_SECONDS = 30.0
+POOL_WAIT_SECONDS = 10.0
 
 
 @contextmanager

@@ -193,12 +193,14 @@ class Agent:
     def run(self) -> int:
         """Run until stopped (or, with ``once``, until no work is left). Return an exit code."""
         daemon.configure_daemon_session(application_name=f"accs agent {self.node}")
-        daemon.use_shared_pool(max_size=POOL_SIZE)  # connection pool: all threads share POOL_SIZE connections
         threading.Thread(target=self._watchdog, name="accs-lease-watchdog", daemon=True).start()
         self.stall.start()
         try:
             if not daemon.wait_for_database(log, stopping=lambda: self.stopping, extra=self.extra):
                 return 0
+            # Connection pool: all threads share POOL_SIZE connections from here on (after the
+            # first connection, so a refused one is reported as it is, not as a pool timeout).
+            daemon.use_shared_pool(max_size=POOL_SIZE)
             if not self._until_ok("check services", self._check_services):
                 return 0
             if self.unknown_services:
@@ -682,8 +684,15 @@ class Agent:
         """Open the LISTEN connection; on failure, poll only and try again later with backoff."""
         if time.monotonic() < self._listen_retry_at:
             return
+        if not daemon.listen_available():  # behind a pooler, NOTIFY cannot reach us: poll
+            if not self._listen_broken:
+                self._listen_broken = True
+                log.info("behind a pooler without ACC_LISTEN_DB_URL: no NOTIFY wake-ups; polling every %.2fs",
+                         self.poll_interval, extra=self.extra)
+            self._listen_retry_at = float("inf")
+            return
         try:
-            conn = daemon.connect(application_name=f"accs agent {self.node} listen")
+            conn = daemon.connect(application_name=f"accs agent {self.node} listen", listen=True)
             for key in self.service_keys:
                 conn.execute(f'LISTEN "{service_channel(key)}"')
         except psycopg.Error as exc:
