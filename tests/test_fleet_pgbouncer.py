@@ -26,7 +26,7 @@ from jobs import api
 from tests.daemons import free_port, stop_process, wait_for
 from tests.test_builder_faults import overlapping_terms
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = int(os.environ.get("ACC_FLEET_JOBS", "2000"))
@@ -87,6 +87,7 @@ def _error_lines(paths: list[Path]) -> list[str]:
     return bad
 
 
+@pytest.mark.slow
 def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_service, daemons, db_url, pgbouncer):
     if urlparse(db_url).port != urlparse(_local_cluster_url()).port:
         pytest.skip("restarting PostgreSQL needs the project-local server (scripts/pg_local.sh)")
@@ -143,3 +144,32 @@ def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_ser
     assert writing_terms >= 1, "the leaders wrote (the rate-window duty), so the overlap check means something"
     assert overlaps == []
     assert errors == [], "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("command", [["runbuilder"], ["runagent", "--node", "refused", "--services", "svc"]])
+def test_a_daemon_refused_by_pgbouncer_says_what_to_set_and_exits(command, make_service, daemons, pgbouncer):
+    make_service("svc")
+    proc = daemons.start(*command, name=command[0], env={"ACC_DB_URL": pgbouncer, "ACC_LOG_FORMAT": "json"})
+    assert proc.wait(timeout=60) == 2
+    lines = [json.loads(line) for line in proc.log_path.read_text().splitlines() if line.startswith("{")]
+    errors = [line["msg"] for line in lines if line["level"] == "error"]
+    assert len(errors) == 1, lines
+    assert "configuration error" in errors[0] and "unsupported startup parameter: options" in errors[0]
+    assert "ACC_DB_POOLER=pgbouncer" in errors[0]
+    assert not any("waiting for PostgreSQL" in line["msg"] for line in lines)
+
+
+def test_behind_pgbouncer_without_a_listen_url_agents_say_so_once_and_poll(make_service, daemons, db_url, pgbouncer):
+    svc = make_service("polled")
+    env = {"ACC_DB_URL": pgbouncer, "ACC_DB_POOLER": "pgbouncer", "ACC_LOG_FORMAT": "json",
+           "ACC_POLL_INTERVAL_SEC": "0.3"}
+    agent = daemons.agent("polling", "polled", env=env)
+    wait_for(lambda: "no NOTIFY wake-ups" in agent.log_path.read_text(), timeout=30, message="the agent says it polls")
+    for _ in range(10):
+        api.start_service(svc)
+    wait_for(lambda: _done(db_url) == 10, timeout=30, message="the agent ran every task by polling")
+    assert agent.log_path.read_text().count("no NOTIFY wake-ups") == 1
+    listening = _query(db_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'accs agent polling%%'"
+                               " AND query LIKE 'LISTEN%%'")[0][0]
+    assert listening == 0
+    assert _error_lines([agent.log_path]) == []
