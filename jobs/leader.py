@@ -17,7 +17,9 @@ few milliseconds until the commit, so a term's writes always commit before the n
 A leader frozen in the middle of a duty does not hold the lease row, so it never delays a
 takeover; its work is rolled back when it wakes. One frozen in the short window between the
 final check and the commit would hold a takeover off; the server ends such a transaction once it
-has been idle for :data:`IDLE_LEASES` lease lengths (``SET LOCAL idle_in_transaction_session_timeout``). The term row records the span of its writes,
+has been idle for :data:`IDLE_LEASES` lease lengths, at least :data:`IDLE_FLOOR_MS` (a duty that
+uploads inside its transaction, such as an exported prune, needs that long);
+``SET LOCAL idle_in_transaction_session_timeout``. The term row records the span of its writes,
 which lets anyone check from the database that terms never overlap (the fleet test does).
 
 Lock order: the lease row comes before everything else a duty locks (advisory locks, job rows,
@@ -43,6 +45,7 @@ LEASE_NAME = "builder"
 LEASE_SECONDS = 10.0
 # A duty's transaction idle this many lease lengths is ended by the server (see above).
 IDLE_LEASES = 3
+IDLE_FLOOR_MS = 30_000
 # A competitor waits this long at most for the leader's duty transaction to end before trying
 # again next tick (it only waits at all when it sees the lease expired).
 TAKEOVER_LOCK_TIMEOUT_MS = 1000
@@ -196,7 +199,7 @@ class Lease:
             raise NotLeader("this builder holds no leader term")
         with transaction.atomic():
             with connection.cursor() as cur:
-                idle_ms = int(self.seconds * IDLE_LEASES * 1000)
+                idle_ms = max(IDLE_FLOOR_MS, int(self.seconds * IDLE_LEASES * 1000))
                 cur.execute(f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}")
                 if statement_timeout_ms is not None:
                     cur.execute(f"SET LOCAL statement_timeout = {int(statement_timeout_ms)}")

@@ -61,9 +61,12 @@ def test_a_frozen_leader_is_replaced_and_its_late_writes_are_fenced(make_service
     builders = {p.pid: p for p in (daemons.builder("--lease-seconds", "4", name=f"builder-{i}") for i in range(2))}
     holder, fence = wait_until(lambda: _leader(db_url), timeout=30, message="a builder leads")
     frozen = builders[_pid_of(holder)]
-    frozen.send_signal(signal.SIGSTOP)  # alive, holding its connections, renewing nothing
+    # Alive, holding its connections, renewing nothing. Frozen in the instant between a duty's
+    # final fence check and its commit, it holds the takeover off until the server ends that
+    # idle transaction (30 s): hence the long wait below.
+    frozen.send_signal(signal.SIGSTOP)
     try:
-        new_holder, new_fence = wait_until(lambda: (row := _leader(db_url)) and row[1] != fence and row, timeout=30,
+        new_holder, new_fence = wait_until(lambda: (row := _leader(db_url)) and row[1] != fence and row, timeout=60,
                                            message=f"another builder takes the lease once it expires; {_locks(db_url)}")
         assert new_fence > fence and _pid_of(new_holder) != frozen.pid
         _job, task = _expired_task(make_service, "orphaned")

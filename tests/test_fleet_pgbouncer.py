@@ -1,4 +1,4 @@
-"""A fleet through PgBouncer in transaction mode: two builders, four agents, a leader kill, a PostgreSQL restart.
+"""A fleet through PgBouncer in transaction mode: two builders, four agents, the web app, a leader kill, a restart.
 
 Everything but the LISTEN connections goes through a real PgBouncer (scripts/pgbouncer_local.sh,
 ``pool_mode = transaction``) with ``ACC_DB_POOLER=pgbouncer``; LISTEN goes straight to PostgreSQL
@@ -14,16 +14,19 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import psycopg
 import pytest
+import requests
 from django.db import connections
 
 from jobs import api
-from tests.daemons import free_port, stop_process, wait_for
+from tests.api_helpers import user_with_token
+from tests.daemons import free_port, http_server, stop_process, wait_for
 from tests.test_builder_faults import overlapping_terms
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -57,6 +60,23 @@ def pgbouncer(db_url, tmp_path):
         subprocess.run([script, "stop"], env=env, capture_output=True)
 
 
+@pytest.fixture
+def pooled_env(db_url, pgbouncer) -> dict[str, str]:
+    """Environment of a process behind PgBouncer, LISTEN straight to PostgreSQL."""
+    return {"ACC_DB_URL": pgbouncer, "ACC_DB_POOLER": "pgbouncer", "ACC_LISTEN_DB_URL": db_url,
+            "ACC_POLL_INTERVAL_SEC": "0.5", "ACC_LOG_FORMAT": "json"}
+
+
+@pytest.fixture
+def web_app(daemons, pooled_env):
+    """Serve the app (tests/wsgi_server.py) through PgBouncer; yield its URL."""
+    port = free_port()
+    with http_server([sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)],
+                     env={**daemons.env, **pooled_env, "ACC_DB_CONN_MAX_AGE": "0"}, port=port,
+                     log_path=daemons.log_dir / "web.log", name="web app") as url:
+        yield url
+
+
 def _query(url: str, sql: str, params=()):
     """Run one query, waiting out an outage (the restart) for up to a minute."""
     deadline = time.monotonic() + 60
@@ -88,18 +108,19 @@ def _error_lines(paths: list[Path]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_service, daemons, db_url, pgbouncer):
+def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_service, daemons, db_url, pooled_env,
+                                                                        web_app):
     if urlparse(db_url).port != urlparse(_local_cluster_url()).port:
         pytest.skip("restarting PostgreSQL needs the project-local server (scripts/pg_local.sh)")
     # A rate limit no claim reaches: each start is recorded and the leader's rate-window duty
     # deletes the old ones every 10 s, a leader-only write in every term that lasts.
     make_service("fleet", backoff_base_seconds=0, backoff_cap_seconds=0, rate_limit=1_000_000, rate_period_seconds=1)
-    env = {"ACC_DB_URL": pgbouncer, "ACC_DB_POOLER": "pgbouncer", "ACC_LISTEN_DB_URL": db_url,
-           "ACC_POLL_INTERVAL_SEC": "0.5", "ACC_LOG_FORMAT": "json"}
+    env = pooled_env
 
     def builder(name: str):
         return daemons.start("runbuilder", "--tick", "0.2", "--lease-seconds", "3", name=name, env=env)
 
+    _, token = user_with_token("fleet-web", superuser=True)
     builders = [builder(f"builder-{i}") for i in range(2)]
     for i in range(AGENTS):
         daemons.agent(f"fleet-{i}", "fleet", "--max-concurrent", "8", env=env)
@@ -123,6 +144,11 @@ def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_ser
 
     wait_for(lambda: _done(db_url) == JOBS, timeout=120, interval=0.5, message=f"all {JOBS} jobs done")
     took = time.monotonic() - started
+    for _ in range(10):  # the web app answers through the same PgBouncer, the same queries many times over
+        summary = requests.get(f"{web_app}/api/v1/jobs/summary", headers={"Authorization": f"Bearer {token}"},
+                               timeout=30)
+        assert summary.status_code == 200, summary.text[:500]
+        assert summary.json()["counts"]["done"] == JOBS
     counts = _query(db_url, """
         SELECT (SELECT count(*) FROM accs_job WHERE status <> 'done'),
                (SELECT count(*) FROM (SELECT task_id FROM accs_attempt GROUP BY task_id HAVING count(*) > 1) t),
@@ -134,7 +160,7 @@ def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_ser
     for proc in daemons.procs:
         if proc.poll() is None:
             stop_process(proc)
-    errors = _error_lines([p.log_path for p in daemons.procs])
+    errors = _error_lines([p.log_path for p in daemons.procs] + [daemons.log_dir / "web.log"])
     print(f"fleet through PgBouncer: {JOBS} jobs in {took:.1f}s, {terms} leader terms ({writing_terms} wrote, "
           f"{writes} units), "
           f"first fence {first_fence}, not done {not_done}, run twice {run_twice}, overlaps {len(overlaps)}")
