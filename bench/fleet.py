@@ -130,7 +130,8 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
         cur.execute("SELECT count(*) FROM (SELECT task_id FROM accs_attempt GROUP BY task_id HAVING count(*) > 1) d")
         twice = cur.fetchone()[0]
         cur.execute("SELECT count(*) FILTER (WHERE status = 'done'),"
-                    " array_agg(extract(epoch FROM claimed_at - created_at) * 1000) FILTER (WHERE claimed_at IS NOT NULL)"
+                    " array_agg(extract(epoch FROM claimed_at - created_at) * 1000)"
+                    " FILTER (WHERE claimed_at IS NOT NULL)"
                     " FROM accs_task t WHERE service_id = (SELECT id FROM accs_service WHERE key = %s)", [SERVICE])
         done, pickups = cur.fetchone()
     claim_p50, claim_p95 = _quantiles(claims)

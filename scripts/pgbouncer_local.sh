@@ -16,7 +16,8 @@ DBNAME="${2:-${ACC_PG_DBNAME:-accs}}"
 # PgBouncer refuses to run as root: under root it runs as 'postgres', and when that user cannot
 # enter $DIR (a folder under root's mode-700 home or pytest's tmp) its files go to /var/tmp.
 RUN="$DIR"
-if [ "$(id -u)" = 0 ] && id postgres >/dev/null 2>&1 && ! (cd / && runuser -u postgres -- test -x "$DIR") 2>/dev/null; then
+if [ "$(id -u)" = 0 ] && id postgres >/dev/null 2>&1 \
+  && ! (cd / && runuser -u postgres -- test -x "$DIR") 2>/dev/null; then
   RUN="/var/tmp/accs-pgbouncer-$(printf '%s' "$DIR" | sha256sum | cut -c1-16)"
 fi
 

@@ -33,7 +33,8 @@ def _leader(db_url: str) -> tuple[str, int] | None:
 def _locks(db_url: str) -> list:
     with psycopg.connect(db_url, autocommit=True) as conn:
         return conn.execute("SELECT a.application_name, a.state, a.query, l.mode, l.granted FROM pg_locks l"
-                            " JOIN pg_stat_activity a USING (pid) WHERE l.relation = 'accs_leader'::regclass").fetchall()
+                            " JOIN pg_stat_activity a USING (pid)"
+                            " WHERE l.relation = 'accs_leader'::regclass").fetchall()
 
 
 def _pid_of(holder: str) -> int:
@@ -85,7 +86,8 @@ def test_killing_the_leaders_connections_does_not_end_its_term(make_service, dae
     builder = daemons.builder(name="builder")
     holder, fence = wait_until(lambda: _leader(db_url), timeout=30, message="the builder leads")
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE 'accs builder%%'")
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                     " WHERE application_name LIKE 'accs builder%%'")
     _job, task = _expired_task(make_service, "orphaned")
     wait_until(lambda: _rescued(task), timeout=15, message="the leader rescues after reconnecting")
     assert _leader(db_url) is not None and builder.poll() is None, builder.log_path.read_text()[-3000:]

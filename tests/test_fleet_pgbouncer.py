@@ -195,7 +195,7 @@ def test_behind_pgbouncer_without_a_listen_url_agents_say_so_once_and_poll(make_
         api.start_service(svc)
     wait_for(lambda: _done(db_url) == 10, timeout=30, message="the agent ran every task by polling")
     assert agent.log_path.read_text().count("no NOTIFY wake-ups") == 1
-    listening = _query(db_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'accs agent polling%%'"
-                               " AND query LIKE 'LISTEN%%'")[0][0]
+    listening = _query(db_url, "SELECT count(*) FROM pg_stat_activity"
+                               " WHERE application_name LIKE 'accs agent polling%%' AND query LIKE 'LISTEN%%'")[0][0]
     assert listening == 0
     assert _error_lines([agent.log_path]) == []
