@@ -199,3 +199,31 @@ def test_behind_pgbouncer_without_a_listen_url_agents_say_so_once_and_poll(make_
                                " WHERE application_name LIKE 'accs agent polling%%' AND query LIKE 'LISTEN%%'")[0][0]
     assert listening == 0
     assert _error_lines([agent.log_path]) == []
+
+
+def _pickup_p50_ms(make_service, daemons, *, key: str, env: dict[str, str], jobs: int = 25) -> float:
+    """Start one job at a time to an idle agent; return the median of created → claimed (PostgreSQL's clock)."""
+    svc = make_service(key)
+    agent = daemons.agent(f"pickup-{key}", key, env=env)
+    wait_for(lambda: "started on node" in agent.log_path.read_text(), timeout=60, message="the agent is up")
+    time.sleep(1)  # let its LISTEN connection open after start-up
+    ids = []
+    for _ in range(jobs):
+        ids.append(str(api.start_service(svc).id))
+        wait_for(lambda: _query(daemons.env["ACC_DB_URL"], "SELECT count(*) FROM accs_task WHERE job_id = %s::uuid"
+                                " AND claimed_at IS NOT NULL", (ids[-1],))[0][0], timeout=10,
+                 message="the job is picked up")
+    stop_process(agent)
+    [(p50,)] = _query(daemons.env["ACC_DB_URL"], "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY"
+                      " extract(epoch FROM claimed_at - created_at) * 1000) FROM accs_task"
+                      " WHERE job_id = ANY(%s::uuid[])", (ids,))
+    return float(p50)
+
+
+@pytest.mark.slow
+def test_pickup_through_pgbouncer_with_a_direct_listen_is_within_twice_direct(make_service, daemons, pooled_env):
+    direct = _pickup_p50_ms(make_service, daemons, key="direct", env={"ACC_POLL_INTERVAL_SEC": "5"})
+    pooled = _pickup_p50_ms(make_service, daemons, key="pooled", env={**pooled_env, "ACC_POLL_INTERVAL_SEC": "5"})
+    print(f"pick-up p50: direct {direct:.1f} ms, through PgBouncer with a direct LISTEN {pooled:.1f} ms")
+    # NOTIFY wakes both (a poll would take seconds); a few ms of slack for a loaded machine's noise.
+    assert pooled <= 2 * direct + 5, (direct, pooled)
