@@ -32,9 +32,11 @@ serve: db
 	@echo "serving http://$${ACCS_WEB_HOST:-127.0.0.1}:$${ACCS_WEB_PORT:-8000}/admin/ (Ctrl-C stops; a login: $(PY) manage.py createsuperuser)"
 	@exec scripts/serve.sh
 
-# The browser tests need Debian's chromium and chromedriver: installed here when missing (root or sudo).
+# The browser tests need Debian's chromium and chromedriver, the fleet test PgBouncer: installed here when
+# missing (root or sudo).
 test: install
 	@scripts/browser_deps.sh
+	@scripts/pgbouncer_local.sh install || echo "the fleet test through PgBouncer will be skipped"
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 # Skip the slow chaos/race tests locally.

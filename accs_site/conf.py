@@ -22,6 +22,7 @@ from functools import cached_property
 from django.core.exceptions import ImproperlyConfigured
 
 LOG_FORMATS = ("auto", "text", "json")
+DB_POOLERS = ("none", "pgbouncer")
 
 
 class SettingError(ImproperlyConfigured):
@@ -188,6 +189,22 @@ class AccsSettings:
     @cached_property
     def poll_interval_sec(self) -> float:
         return _float("ACC_POLL_INTERVAL_SEC", 2.0, minimum=0.01)
+
+    @cached_property
+    def db_pooler(self) -> str | None:
+        """The pooler in front of PostgreSQL (``pgbouncer``), or None for direct connections (``none``)."""
+        value = (_raw("ACC_DB_POOLER") or "none").lower()
+        if value not in DB_POOLERS:
+            raise SettingError("ACC_DB_POOLER", f"expected one of {', '.join(DB_POOLERS)}, got {value!r}")
+        return None if value == "none" else value
+
+    @cached_property
+    def listen_db_url(self) -> str | None:
+        """A direct PostgreSQL URL for the daemons' LISTEN connection when ACC_DB_URL goes through a pooler."""
+        value = _raw("ACC_LISTEN_DB_URL")
+        if value and not value.startswith(("postgres://", "postgresql://")):
+            raise SettingError("ACC_LISTEN_DB_URL", f"expected a postgres:// URL, got {value.split(':', 1)[0]}://")
+        return value
 
     @cached_property
     def event_retention_months(self) -> int:

@@ -216,13 +216,112 @@ def configure_daemon_session(*, application_name: str) -> None:
 
     Django reads ``OPTIONS`` each time it connects, and all threads share the settings dict, so
     the worker threads' connections get them too. Web processes keep their own defaults.
+    Behind a pooler the timeouts cannot travel as a startup parameter (PgBouncer refuses
+    ``options``): they are left to the server (``ALTER ROLE ... SET``, docs/deploy.md) and the
+    builder's leader sets them per transaction (``SET LOCAL``).
     """
     from django.db import connections
 
     options = connections.settings["default"].setdefault("OPTIONS", {})
-    options.update(connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS,
-                                   idle_in_transaction_timeout_ms=DAEMON_IDLE_IN_TRANSACTION_TIMEOUT_MS))
+    if db_pooler():
+        options.update(connect_options())
+        options.pop("options", None)
+        options["prepare_threshold"] = None
+    else:
+        options.update(connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS,
+                                       idle_in_transaction_timeout_ms=DAEMON_IDLE_IN_TRANSACTION_TIMEOUT_MS))
     options["application_name"] = application_name
+
+
+def use_shared_pool(*, max_size: int) -> None:
+    """Make every thread's Django connection in this process borrow from one bounded pool.
+
+    Django's own psycopg pool (``OPTIONS["pool"]``): a thread's connection is taken from the pool
+    when it first queries and goes back when it is closed, so ``max_size`` bounds the server
+    connections of the whole process whatever its number of threads. Pooling needs
+    ``CONN_MAX_AGE = 0``; server-side cursors are off because a borrowed connection goes back
+    between statements (:func:`release_after_each_statement`).
+    """
+    from django.db import connections
+
+    settings = connections.settings["default"]
+    close_django_connection()  # an unpooled connection opened earlier goes; the next query borrows
+    settings["CONN_MAX_AGE"] = 0
+    settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+    settings.setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": max_size, "timeout": POOL_WAIT_SECONDS}
+
+
+def close_shared_pool() -> None:
+    """Close the pool of :func:`use_shared_pool` (its connections end); a no-op without one."""
+    from django.db import connection
+
+    try:
+        connection.close()
+        connection.close_pool()
+    except Exception:  # noqa: BLE001 - closing at exit must not fail the exit
+        pass
+
+
+# How long a thread waits for a pooled connection before its step fails (and is retried).
+POOL_WAIT_SECONDS = 10.0
+
+
+@contextmanager
+def release_after_each_statement():
+    """Return this thread's pooled connection after every statement run outside a transaction.
+
+    For task code in an agent's worker thread: an ORM query borrows a connection and gives it
+    back at once, so a task that queries and then works for minutes holds no server connection
+    meanwhile. Inside ``transaction.atomic()`` the connection stays until the block ends (and is
+    given back after a commit); whatever is left is returned when the block exits. The ORM has
+    already read the rows of a statement when it returns (client-side cursors only).
+    """
+    from django.db import connection
+
+    def give_back() -> None:
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - a broken connection is dropped by the pool anyway
+            connection.connection = None
+
+    def release(execute, sql, params, many, context):
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            if not connection.in_atomic_block:
+                give_back()
+            elif give_back not in [hook[1] for hook in connection.run_on_commit]:
+                connection.on_commit(give_back)
+
+    with connection.execute_wrapper(release):
+        try:
+            yield
+        finally:
+            give_back()
+
+
+# ---------------------------------------------------------------------------- poolers and LISTEN
+def db_pooler() -> str | None:
+    """Return the pooler in front of PostgreSQL (``ACC_DB_POOLER``: ``pgbouncer``), or None when direct."""
+    from accs_site.conf import accs
+
+    return accs.db_pooler
+
+
+def listen_db_url() -> str | None:
+    """Return the direct URL for LISTEN connections (``ACC_LISTEN_DB_URL``), or None."""
+    from accs_site.conf import accs
+
+    return accs.listen_db_url
+
+
+def listen_available() -> bool:
+    """Return whether this process can LISTEN: directly connected, or given a direct URL for it.
+
+    NOTIFY cannot reach a client through a transaction-mode pooler (the server session that
+    LISTENed is handed to other clients), so behind one the daemons poll instead.
+    """
+    return db_pooler() is None or listen_db_url() is not None
 
 
 def close_quietly(conn: psycopg.Connection | None) -> None:
@@ -243,14 +342,55 @@ def database_address() -> str:
     return f"{s.get('HOST') or 'localhost'}:{s.get('PORT') or 5432}"
 
 
-def connect(*, application_name: str, autocommit: bool = True) -> psycopg.Connection:
-    """Open a dedicated connection (LISTEN, leader lock) with keepalives and timeouts."""
+def connect(*, application_name: str, autocommit: bool = True, listen: bool = False) -> psycopg.Connection:
+    """Open a dedicated connection with keepalives and timeouts.
+
+    With ``listen``, to ``ACC_LISTEN_DB_URL`` when it is set (straight to PostgreSQL, past the
+    pooler). Through a pooler: no ``options`` startup parameter and no prepared statements.
+    """
     from django.db import connections
 
+    direct_url = listen_db_url() if listen else None
+    pooled = db_pooler() is not None and direct_url is None
+    opts = connect_options(statement_timeout_ms=None if pooled else DAEMON_STATEMENT_TIMEOUT_MS)
+    if pooled:
+        opts["prepare_threshold"] = None
+    if direct_url:
+        return psycopg.connect(direct_url, autocommit=autocommit, application_name=application_name, **opts)
     s = connections.settings["default"]
     return psycopg.connect(host=s["HOST"] or None, port=s["PORT"] or None, dbname=s["NAME"], user=s["USER"],
                            password=s["PASSWORD"] or None, autocommit=autocommit, application_name=application_name,
-                           **connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS))
+                           **opts)
+
+
+# Refusals no retry can cure: the daemon says which setting is wrong and exits.
+CONFIGURATION_ERRORS = {
+    "unsupported startup parameter": "a pooler (PgBouncer) refuses the daemons' session options; set "
+                                     "ACC_DB_POOLER=pgbouncer (docs/deploy.md, Connections and PgBouncer)",
+    "password authentication failed": "check the user and password in ACC_DB_URL",
+    "no such database": "the pooler knows no such database; check ACC_DB_URL and the pooler's [databases]",
+    "no such user": "the pooler knows no such user; check ACC_DB_URL and the pooler's auth_file",
+}
+
+
+def configuration_problem(exc: BaseException) -> str | None:
+    """Return what to fix when ``exc`` is a connection refused for its configuration, else None."""
+    text = str(exc).lower()
+    for needle, advice in CONFIGURATION_ERRORS.items():
+        if needle in text:
+            return advice
+    return None
+
+
+def exit_on_configuration_error(logger: logging.Logger, exc: BaseException, *,
+                                extra: dict[str, Any] | None = None) -> None:
+    """Log a connection refused for its configuration in one line and exit with status 2."""
+    advice = configuration_problem(exc)
+    if advice is None:
+        return
+    logger.error("configuration error: PostgreSQL at %s refused the connection (%s): %s", database_address(),
+                 first_line(exc), advice, extra=extra)
+    raise SystemExit(2)
 
 
 # Exit code of a daemon that cannot start because of the database: unreachable for longer than
@@ -287,6 +427,7 @@ def wait_for_database(logger: logging.Logger, *, stopping: Callable[[], bool] = 
             return True
         except Exception as exc:  # noqa: BLE001 - any failure to connect means "not yet"
             close_django_connection()
+            exit_on_configuration_error(logger, exc, extra=extra)  # …except a refusal no retry cures
             if not announced:
                 announced = True
                 logger.warning("waiting for PostgreSQL at %s … (%s)", database_address(), first_line(exc),

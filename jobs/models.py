@@ -513,3 +513,47 @@ class RateStart(models.Model):
 
     def __str__(self) -> str:
         return f"start of service {self.service_id} at {self.at}"
+
+
+class LeaderLease(models.Model):
+    """The builder leader's lease: one row, taken and renewed in short transactions (jobs/leader.py).
+
+    Whoever holds an unexpired lease is the leader; expiry is PostgreSQL's clock. Every gain
+    draws a new fencing number from a sequence, and every leader-only write checks it in its own
+    transaction, so a deposed leader's late write does nothing. Nothing lives on a session: the
+    lease works through a transaction-mode pooler and survives the leader's reconnects.
+    """
+
+    name = models.TextField(primary_key=True, help_text="What is led (one row: 'builder').")
+    holder = models.TextField(help_text="The holding builder: host, process id and a random suffix.")
+    fence = models.BigIntegerField(help_text="The fencing number of the current term (strictly increasing).")
+    acquired_at = models.DateTimeField(help_text="When this term began (PostgreSQL's clock).")
+    expires_at = models.DateTimeField(help_text="When the lease ends unless renewed (PostgreSQL's clock).")
+
+    class Meta:
+        db_table = "accs_leader"
+
+    def __str__(self) -> str:
+        return f"{self.name} led by {self.holder} (fence {self.fence})"
+
+
+class LeaderTerm(models.Model):
+    """One leadership term: its window and the span of the leader-only writes made under its fence.
+
+    Kept for operators (who led when) and as the proof that terms never overlap: the writes of
+    one fence all end before the next fence's term begins.
+    """
+
+    fence = models.BigIntegerField(primary_key=True)
+    holder = models.TextField()
+    acquired_at = models.DateTimeField(help_text="When the term began (PostgreSQL's clock, after the takeover).")
+    expires_at = models.DateTimeField(help_text="The lease's end as last renewed.")
+    first_write_at = models.DateTimeField(null=True, blank=True, help_text="First duty transaction that wrote.")
+    last_write_at = models.DateTimeField(null=True, blank=True, help_text="Last duty transaction that wrote.")
+    writes = models.BigIntegerField(default=0, help_text="Units of work the duties of this term did.")
+
+    class Meta:
+        db_table = "accs_leader_term"
+
+    def __str__(self) -> str:
+        return f"term {self.fence} of {self.holder}"

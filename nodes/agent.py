@@ -20,6 +20,9 @@ not renewed for ``TTL − margin`` (margin = TTL/4), even while the main thread 
 database call, so the task's process is gone before the builder may hand the task to another
 agent; the same thread breaks a database call that is blocked for too long.
 
+Connections: every thread's Django connection borrows from one pool of :data:`POOL_SIZE` (claims,
+reports, and task code that uses the ORM, which gives its connection back after each statement
+and when the task ends), plus the LISTEN connection: a fixed number whatever ``--max-concurrent``.
 No transaction or row lock is held while work runs. First SIGTERM/SIGINT: stop claiming and let
 running tasks finish (for at most ``drain_seconds``, when given; then as on a second signal);
 second: stop them now (reported ``interrupted`` and retried at once); third: exit without
@@ -62,6 +65,9 @@ from workflows.governor import claim_adjustments
 
 log = logging.getLogger("accs.agent")
 
+# Server connections for the whole agent (main loop and worker threads), LISTEN aside: one for
+# the loop's claims and reports, one more so task code's queries do not queue behind them.
+POOL_SIZE = 2
 SERVICE_CACHE_SECONDS = 10.0  # definition changes are picked up within ~10 s
 NODE_REFRESH_SECONDS = 2.0
 DISK_SAMPLE_SECONDS = 60.0
@@ -230,6 +236,9 @@ class Agent:
         threading.Thread(target=self._watchdog, name="accs-lease-watchdog", daemon=True).start()
         self.stall.start()
         try:
+            # Connection pool: all threads share POOL_SIZE connections from here on (after the
+            # first connection, so a refused one is reported as it is, not as a pool timeout).
+            daemon.use_shared_pool(max_size=POOL_SIZE)
             if not self._until_ok("check services", self._check_services):
                 return 0
             if self.unknown_services:
@@ -258,6 +267,8 @@ class Agent:
                 break
             if self.once and not claimed and idle and not self.guard.failed:
                 break
+            # Connection pool: the loop's connection goes back while it waits, for the tasks' use.
+            daemon.close_django_connection()
             if self.guard.failed:
                 self._sleep(self.backoff.next_delay())
             else:
@@ -340,6 +351,7 @@ class Agent:
             if self._step("sign off", lambda: sign_off(self.node, agent_id=self.agent_id)):
                 log.info("node %s is offline", self.node, extra=self.extra)
         self._close_listen()
+        daemon.close_shared_pool()
         log.info("agent stopped: %s", self.stats, extra=self.extra)
 
     # ------------------------------------------------------------------ node, services, orphans
@@ -501,6 +513,11 @@ class Agent:
         lease_seconds = self.lease_seconds
 
         def work() -> None:
+            # Connection pool: the task's queries each borrow a connection and give it back.
+            with daemon.release_after_each_statement():
+                run_and_report()
+
+        def run_and_report() -> None:
             try:
                 if ctx.output_dir and accs.minio.configured:
                     _stage_inputs(task, ctx)
@@ -732,8 +749,15 @@ class Agent:
         """Open the LISTEN connection; on failure, poll only and try again later with backoff."""
         if time.monotonic() < self._listen_retry_at:
             return
+        if not daemon.listen_available():  # behind a pooler, NOTIFY cannot reach us: poll
+            if not self._listen_broken:
+                self._listen_broken = True
+                log.info("behind a pooler without ACC_LISTEN_DB_URL: no NOTIFY wake-ups; polling every %.2fs",
+                         self.poll_interval, extra=self.extra)
+            self._listen_retry_at = float("inf")
+            return
         try:
-            conn = daemon.connect(application_name=f"accs agent {self.node} listen")
+            conn = daemon.connect(application_name=f"accs agent {self.node} listen", listen=True)
             for key in self.service_keys:
                 conn.execute(f'LISTEN "{service_channel(key)}"')
         except psycopg.Error as exc:

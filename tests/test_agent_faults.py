@@ -327,13 +327,16 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     other = claim_many([spec(svc)], limits, agent_id="another-agent", free_slots=1,
                        lease_seconds=30)
     agent._claim_in_doubt = True  # what a claim that raised leaves behind
-    options = connections.settings["default"].setdefault("OPTIONS", {})
-    saved = dict(options)
+    settings = connections.settings["default"]
+    saved, saved_options = dict(settings), dict(settings.setdefault("OPTIONS", {}))
     try:
         assert agent.run() == 0
-    finally:  # the agent gave this process's connections the daemons' timeouts: take them back
-        options.clear()
-        options.update(saved)
+    finally:  # the agent gave this process's connections the daemons' timeouts and its pool: take them back
+        settings["OPTIONS"].clear()
+        settings["OPTIONS"].update(saved_options)
+        settings.update({k: v for k, v in saved.items() if k != "OPTIONS"})
+        if "DISABLE_SERVER_SIDE_CURSORS" not in saved:
+            settings.pop("DISABLE_SERVER_SIDE_CURSORS", None)
         connections.close_all()
     for task in lost:
         task_row = Task.objects.get(pk=task.id)
