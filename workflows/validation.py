@@ -154,7 +154,8 @@ def service_problems(service) -> list[Problem]:
         problems.append(Problem("executor", f"unknown executor {executor!r}"))
     if executor in ("command", "python", "http"):
         problems += env_problems(config.get("env"))
-    problems += not_allowed_problems(executor, config)
+    already = {p.where for p in problems}  # one message per field: a malformed URL need not be "not allowed" too
+    problems += [p for p in not_allowed_problems(executor, config) if p.where not in already]
     if not (1 <= (service.cpu_weight or 0) <= 5):
         problems.append(Problem("cpu_weight", f"must be between 1 and 5, got {service.cpu_weight}"))
     if (service.timeout_seconds or 0) < 1:
