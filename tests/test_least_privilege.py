@@ -73,9 +73,6 @@ def test_a_task_printing_its_environment_shows_no_agent_setting_or_secret(s3, de
     finally:
         daemons.stop_all()
     attempt = Attempt.objects.get(task__job=job)
-    assert "GREETING=hello" in attempt.stderr_tail, "the service's own env reaches the task"
-    assert "ACCS_TASK_ID=" in attempt.stderr_tail and "PATH=" in attempt.stderr_tail, "the contract and PATH do"
-    assert "param see ***" in attempt.stderr_tail, "a secret value the task printed is redacted"
     secrets = [SECRET_KEY, METRICS_TOKEN, os.environ["ACC_MINIO_SECRET_KEY"], db_url]
     task = Task.objects.get(job=job)
     events = " ".join(Event.objects.filter(job=job).values_list("message", flat=True))
@@ -93,7 +90,10 @@ def test_a_task_printing_its_environment_shows_no_agent_setting_or_secret(s3, de
         for secret in secrets:
             assert secret not in text, f"{secret[:12]}… reached the {where}"
         assert "tok-aaa-111" not in text, f"a secret param inside a list reached the {where}"
+    assert "param see ***" in attempt.stderr_tail, "a secret value the task printed is redacted"
     assert "param see ***" in attempt.error_text, "the error text is redacted too"
+    assert "GREETING=hello" in attempt.stderr_tail, "the service's own env reaches the task"
+    assert "ACCS_TASK_ID=" in attempt.stderr_tail and "PATH=" in attempt.stderr_tail, "the contract and PATH do"
 
 
 def test_secret_params_are_found_in_lists_and_nested_values():
