@@ -12,7 +12,7 @@ start (pid), progress and log lines through ``ctx``; the agent batches those int
   (a callable blocked in C code is stopped when it returns to Python). With
   ``"isolation": "process"`` it runs in a child process instead, which can always be killed.
 * ``http``: POST ``{job_id, task_id, attempt, params}`` to a local service, optionally started by a
-  start command and stopped after it was idle for a while.
+  start command and stopped after it was idle for a while; redirects are not followed.
 * ``simulate``: an unstable network with seeded delays, errors and timeouts.
 
 Every process a task starts dies with the agent: the direct child gets a parent-death signal,
@@ -20,6 +20,11 @@ and an agent that starts on a node ends the process groups its dead predecessor 
 :mod:`nodes.agent`). What a task prints is cleaned before it reaches the database
 (:func:`sanitize_outcome`): NUL characters are stripped, NaN and Infinity are refused, sizes
 are capped, so one task's output can never make a report fail.
+
+Least privilege: a task's process gets an allow-listed environment (:func:`service_env`), never
+the agent's ``ACC_*`` settings; the agent's secrets and secret params are redacted from tails,
+errors and log lines; and :func:`not_allowed` refuses, before each run, what the site's
+``ACC_ALLOWED_*`` lists do not name.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from django.conf import settings
+
+from accs_site.conf import accs
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from workflows.validation import argv_fields, not_allowed_problems
@@ -85,10 +93,6 @@ def secrets_in(params: Any, *, secret: bool = False) -> list[str]:
 def agent_secrets() -> list[str]:
     """Return the agent's own secrets (database URL and password, secret key, storage key, metrics
     token), which no task output, error or log line may carry into the database."""
-    from django.conf import settings
-
-    from accs_site.conf import accs
-
     database = settings.DATABASES.get("default", {})
     values = [os.environ.get("ACC_DB_URL"), database.get("PASSWORD"), getattr(settings, "SECRET_KEY", None),
               accs.minio.secret_key, accs.metrics_token]

@@ -260,13 +260,15 @@ def not_allowed_problems(executor: str, config: Mapping[str, Any]) -> list[Probl
                                                f" (ACC_ALLOWED_EXECUTABLES={','.join(accs.allowed_executables)})"))
     target = config.get("callable")
     if executor == "python" and isinstance(target, str) and not callable_allowed(target, accs.allowed_callables):
-        problems.append(Problem("executor_config.callable", f"{target!r} is not from a module this site allows"
-                                                            f" (ACC_ALLOWED_CALLABLES={','.join(accs.allowed_callables)})"))
+        listed = ",".join(accs.allowed_callables)
+        problems.append(Problem("executor_config.callable",
+                                f"{target!r} is not from a module this site allows (ACC_ALLOWED_CALLABLES={listed})"))
     for key in ("url", "health_url") if executor == "http" else ():
         url = config.get(key)
         if isinstance(url, str) and not url_allowed(url, accs.allowed_http_urls):
-            problems.append(Problem(f"executor_config.{key}", f"{url!r} does not start with a URL this site allows"
-                                                             f" (ACC_ALLOWED_HTTP_URLS={','.join(accs.allowed_http_urls)})"))
+            listed = ",".join(accs.allowed_http_urls)
+            problems.append(Problem(f"executor_config.{key}",
+                                    f"{url!r} does not start with a URL this site allows (ACC_ALLOWED_HTTP_URLS={listed})"))
     return problems
 
 

@@ -1,5 +1,5 @@
-"""``manage.py accs_token create USER NAME [--scope read,run,approve,definitions] [--expires-in 90d | --expires-at ISO]``
-· ``revoke`` · ``list``."""
+"""``manage.py accs_token create USER NAME [--scope read,run,approve,definitions]
+[--expires-in 90d | --expires-at ISO]`` · ``revoke --prefix accs_AbC1234`` · ``list``."""
 
 from __future__ import annotations
 
