@@ -143,6 +143,8 @@ def test_validation_refuses_what_the_allow_lists_do_not_name(db, allow):
     refused = {
         "executor_config.argv": {"executor": "command", "executor_config": {"argv": ["/bin/sh", "-c", "id"]}},
         "executor_config.callable": {"executor": "python", "executor_config": {"callable": "os:system"}},
+        "executor_config.task": {"executor": "python", "executor_config": {"callable": "tests.callables:noop",
+                                                                          "task": "os.system"}},
         "executor_config.url": {"executor": "http", "executor_config": {"url": "http://127.0.0.1:9999/run"}},
         "executor_config.start_command": {"executor": "http", "executor_config": {
             "url": "http://127.0.0.1:8080/run", "start_command": ["bash", "-c", "serve"]}},

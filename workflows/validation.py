@@ -258,11 +258,13 @@ def not_allowed_problems(executor: str, config: Mapping[str, Any]) -> list[Probl
             if not executable_allowed(argv[0], accs.allowed_executables):
                 problems.append(Problem(where, f"{argv[0]!r} is not an executable this site allows"
                                                f" (ACC_ALLOWED_EXECUTABLES={','.join(accs.allowed_executables)})"))
-    target = config.get("callable")
-    if executor == "python" and isinstance(target, str) and not callable_allowed(target, accs.allowed_callables):
-        listed = ",".join(accs.allowed_callables)
-        problems.append(Problem("executor_config.callable",
-                                f"{target!r} is not from a module this site allows (ACC_ALLOWED_CALLABLES={listed})"))
+    # "task" is the function a Django Tasks service's adapter callable runs: both must be allowed.
+    for key in ("callable", "task") if executor == "python" else ():
+        target = config.get(key)
+        if isinstance(target, str) and not callable_allowed(target, accs.allowed_callables):
+            listed = ",".join(accs.allowed_callables)
+            problems.append(Problem(f"executor_config.{key}", f"{target!r} is not from a module this site allows"
+                                                              f" (ACC_ALLOWED_CALLABLES={listed})"))
     for key in ("url", "health_url") if executor == "http" else ():
         url = config.get(key)
         if isinstance(url, str) and not url_allowed(url, accs.allowed_http_urls):
