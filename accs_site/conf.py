@@ -325,6 +325,20 @@ class AccsSettings:
 
 accs = AccsSettings()
 
+MIN_SECRET_CHARS = 3  # shorter values would blank out ordinary text
+
+
+def known_secrets() -> list[str]:
+    """Return this process's secret values (database URL and password, secret key, storage secret,
+    metrics token), longest first: what task output, errors and stored log lines must never carry."""
+    from django.conf import settings  # settings are read when asked, never at import (module docstring)
+
+    database = settings.DATABASES.get("default", {}) if settings.configured else {}
+    values = [os.environ.get("ACC_DB_URL"), database.get("PASSWORD"), getattr(settings, "SECRET_KEY", None),
+              accs.minio.secret_key, accs.metrics_token]
+    found = {str(v) for v in values if v and len(str(v)) >= MIN_SECRET_CHARS}
+    return sorted(found, key=len, reverse=True)
+
 
 def reload() -> AccsSettings:
     """Forget parsed values so the next access reads the environment again."""

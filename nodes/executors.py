@@ -52,9 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from django.conf import settings
-
-from accs_site.conf import accs
+from accs_site.conf import MIN_SECRET_CHARS, known_secrets
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from workflows.validation import argv_fields, not_allowed_problems
@@ -67,7 +65,6 @@ KILL_GRACE_SECONDS = 3.0
 MAX_RESULTS_BYTES = 1_000_000
 MAX_LOG_LINE_CHARS = 8000
 MAX_ERROR_CHARS = 2000
-MIN_SECRET_CHARS = 3  # shorter values would blank out ordinary text
 # What a task's process inherits from the agent's environment; nothing else (least privilege:
 # the agent's database URL, secret key, storage keys and tokens never reach a task).
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "HOME", "TMPDIR", "TZ", "PYTHONPATH",
@@ -91,12 +88,9 @@ def secrets_in(params: Any, *, secret: bool = False) -> list[str]:
 
 
 def agent_secrets() -> list[str]:
-    """Return the agent's own secrets (database URL and password, secret key, storage key, metrics
-    token), which no task output, error or log line may carry into the database."""
-    database = settings.DATABASES.get("default", {})
-    values = [os.environ.get("ACC_DB_URL"), database.get("PASSWORD"), getattr(settings, "SECRET_KEY", None),
-              accs.minio.secret_key, accs.metrics_token]
-    return [str(v) for v in values if v and len(str(v)) >= MIN_SECRET_CHARS]
+    """Return the agent's own secrets (:func:`accs_site.conf.known_secrets`), which no task output,
+    error or log line may carry into the database."""
+    return known_secrets()
 
 
 def redact(text: str, secrets: list[str]) -> str:

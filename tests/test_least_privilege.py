@@ -109,6 +109,27 @@ def test_an_agent_needs_neither_the_secret_key_nor_the_metrics_token(default_ten
     assert Task.objects.get(job=job).status == "done"
 
 
+@pytest.mark.django_db
+def test_a_log_line_bound_for_the_timeline_is_scrubbed_of_the_processs_secrets(make_service, monkeypatch):
+    import logging
+
+    from django.conf import settings
+
+    monkeypatch.setenv("ACC_METRICS_TOKEN", METRICS_TOKEN)
+    reload()
+    make_service("svc")
+    job = api.start_service("svc")
+    try:
+        raise RuntimeError(f"connect failed with key {settings.SECRET_KEY}")
+    except RuntimeError:
+        logging.getLogger("accs.test").exception("scrape with %s failed", METRICS_TOKEN, extra={"job_id": job.id})
+    event = Event.objects.get(type="log", job_id=job.id)
+    assert event.message == "scrape with *** failed"
+    assert settings.SECRET_KEY not in event.data["exc"] and "connect failed with key ***" in event.data["exc"]
+    monkeypatch.undo()
+    reload()
+
+
 def test_secret_params_are_found_in_lists_and_nested_values():
     found = secrets_in({"api_keys": ["key-one", {"x": "key-two"}], "plain": ["visible"],
                         "nested": [{"password": "hunter2"}], "token": 12345})
