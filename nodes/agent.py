@@ -35,6 +35,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -776,15 +777,22 @@ def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> No
         return
     from events import artifacts
 
+    records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
+                                  "message": f"attempt {task.attempt} ended: {outcome.status}"}]
+    # One upload each: output files the store refuses must not cost the attempt's log.
+    if ctx.output_dir:
+        _guarded_upload(task, lambda: artifacts.collect_outputs(
+            job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt,
+            directory=ctx.output_dir))
+    _guarded_upload(task, lambda: artifacts.upload_attempt_log(
+        job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt, records=records))
+
+
+def _guarded_upload(task: ClaimedTask, upload: Callable[[], object]) -> None:
+    """Run one artifact upload; storage trouble is logged and must not lose the outcome."""
     try:
         close_old_connections()  # this worker thread's connection may have died in an outage
-        if ctx.output_dir:
-            artifacts.collect_outputs(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                      attempt=task.attempt, directory=ctx.output_dir)
-        records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
-                                      "message": f"attempt {task.attempt} ended: {outcome.status}"}]
-        artifacts.upload_attempt_log(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                     attempt=task.attempt, records=records)
+        upload()
     except Exception:  # noqa: BLE001 - storage trouble must not lose the outcome
         log.exception("artifact upload failed", extra={"task_id": task.id, "job_id": task.job_id})
         daemon.close_django_connection()
