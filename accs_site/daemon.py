@@ -6,6 +6,8 @@
 * :class:`Guard` — run one step of a loop, never let it kill the daemon, and log an outage once
   (when it starts and when it ends), not once per retry;
 * :func:`wait_for_database` — block start-up until PostgreSQL answers, saying so in one line;
+* :func:`ready_to_start` — the daemons' start-up: wait for PostgreSQL (for a bounded time if
+  asked), then refuse a schema whose migrations are not all applied, in one line each;
 * :func:`connect_options` / :func:`configure_daemon_session` / :func:`connect` — TCP keepalives,
   connect and statement timeouts on every long-lived connection, so a dead or hung peer is
   noticed in seconds instead of the kernel's ~15 minutes;
@@ -251,16 +253,31 @@ def connect(*, application_name: str, autocommit: bool = True) -> psycopg.Connec
                            **connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS))
 
 
+# Exit code of a daemon that cannot start because of the database: unreachable for longer than
+# it was told to wait, or missing migrations (2 is a bad option or setting, accs_site.cli).
+EXIT_DATABASE_NOT_READY = 3
+# How long ``--once`` runs wait for PostgreSQL before giving up (a service waits for ever).
+ONCE_DATABASE_WAIT_SECONDS = 30.0
+
+
+class DatabaseNotReady(Exception):
+    """The database cannot serve a daemon: unreachable past its wait, or not migrated. The message is one line."""
+
+
 def wait_for_database(logger: logging.Logger, *, stopping: Callable[[], bool] = lambda: False,
-                      extra: dict[str, Any] | None = None, sleep: Callable[[float], Any] = time.sleep) -> bool:
+                      extra: dict[str, Any] | None = None, sleep: Callable[[float], Any] = time.sleep,
+                      give_up_after: float | None = None) -> bool:
     """Block until PostgreSQL answers a query; return False if ``stopping()`` became true first.
 
     Prints one clear line the first time it cannot connect, then retries quietly with backoff.
+    With ``give_up_after`` (seconds), raise :class:`DatabaseNotReady` once that time has passed
+    without an answer instead, and print nothing before: the caller says it in one line.
     """
     from django.db import connection
 
     backoff = Backoff(base=0.2, cap=5.0)
-    announced = False
+    announced = give_up_after is not None  # a bounded wait is said once, at its end
+    deadline = None if give_up_after is None else time.monotonic() + give_up_after
     while not stopping():
         try:
             with connection.cursor() as cur:
@@ -274,8 +291,69 @@ def wait_for_database(logger: logging.Logger, *, stopping: Callable[[], bool] = 
                 announced = True
                 logger.warning("waiting for PostgreSQL at %s … (%s)", database_address(), first_line(exc),
                                extra=extra)
-            sleep(backoff.next_delay())
+            delay = backoff.next_delay()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DatabaseNotReady(f"PostgreSQL at {database_address()} did not answer within "
+                                           f"{give_up_after:g}s ({first_line(exc)}); giving up") from None
+                delay = min(delay, left)
+            sleep(delay)
     return False
+
+
+def missing_migrations() -> list[str]:
+    """Return the migrations (``app.name``) this code has that the database has not applied, in order."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connection)
+    plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    return [f"{migration.app_label}.{migration.name}" for migration, backwards in plan if not backwards]
+
+
+def check_schema() -> None:
+    """Raise :class:`DatabaseNotReady`, naming the first missing migration, unless all are applied.
+
+    Started on a database that was never migrated (or is behind the code), a daemon would fail
+    on a missing table or column on every pass for ever; it stops at once instead.
+    """
+    missing = missing_migrations()
+    if not missing:
+        return
+    from django.db import connections
+
+    name = connections.settings["default"].get("NAME")
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    raise DatabaseNotReady(f"database {name} at {database_address()} is missing migration {missing[0]}{more}: "
+                           "apply them with `manage.py migrate`, then start again")
+
+
+def ready_to_start(logger: logging.Logger, *, stopping: Callable[[], bool] = lambda: False,
+                   extra: dict[str, Any] | None = None, wait_seconds: float | None = None) -> int | None:
+    """Wait for PostgreSQL and check its schema; return None to start, else the exit code to stop with.
+
+    ``wait_seconds``: how long to wait for the database (None: until it answers or the daemon is
+    stopped, which returns 0). A database that never answered or misses migrations is one
+    error line and :data:`EXIT_DATABASE_NOT_READY`.
+    """
+    while True:
+        try:
+            if not wait_for_database(logger, stopping=stopping, extra=extra, give_up_after=wait_seconds):
+                return 0
+            check_schema()
+            return None
+        except DatabaseNotReady as exc:
+            logger.error("%s", exc, extra=extra)
+            return EXIT_DATABASE_NOT_READY
+        except Exception as exc:  # noqa: BLE001 - sorted below: one line, never a traceback
+            # The database went away between its answer and the check (a restart): wait for it again,
+            # as long again (it answered, so this is progress, not a wait without end).
+            if is_transient(exc):
+                close_django_connection()
+                continue
+            logger.error("cannot read the database's migrations (%s)", first_line(exc), extra=extra)
+            return EXIT_DATABASE_NOT_READY
 
 
 def shutdown_socket(fd: int) -> None:

@@ -189,10 +189,13 @@ class Builder:
 
     def run(self) -> int:
         daemon.configure_daemon_session(application_name="accs builder")
+        # A database that never answers (--once) or is not migrated: one line and an exit code.
+        refused = daemon.ready_to_start(log, stopping=lambda: self.stopping,
+                                        wait_seconds=daemon.ONCE_DATABASE_WAIT_SECONDS if self.once else None)
+        if refused is not None:
+            return refused
         self.stall.start()
         try:
-            if not daemon.wait_for_database(log, stopping=lambda: self.stopping):
-                return 0
             log.info("builder started (tick %.2fs, batch %d)", self.tick_seconds, self.batch)
             while not self.stopping:
                 self.tick()

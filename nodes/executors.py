@@ -41,7 +41,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -467,6 +466,11 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str]) -> Outcome:
         elif time.monotonic() > deadline:
             ended_by = "timeout"
         if ended_by:
+            # A stop (cancel, timeout, shutdown, lost lease) that comes after the process exited
+            # by itself changes nothing: the exit code and results it produced are the outcome.
+            if proc.poll() is not None:
+                ended_by = ""
+                break
             _kill_group(proc, grace=ctx.kill_grace)
             break
     proc.wait()
@@ -831,11 +835,6 @@ def make_executors() -> dict[str, Executor]:
     """Return one executor instance per kind (they are shared by the agent's worker threads)."""
     return {"command": CommandExecutor(), "python": PythonExecutor(), "http": HttpExecutor(),
             "simulate": SimulateExecutor()}
-
-
-def scratch_dir(task: ClaimedTask) -> str:
-    """Return a fresh directory for a command's output files."""
-    return tempfile.mkdtemp(prefix=f"accs-{str(task.id)[:8]}-{task.attempt}-")
 
 
 def remove_scratch(ctx: RunContext) -> None:
