@@ -2,7 +2,7 @@
 
 from django.core.checks import Error, Tags, Warning, register
 
-from accs_site.conf import SettingError, accs
+from accs_site.conf import ANY, SettingError, accs
 
 
 @register()
@@ -107,3 +107,26 @@ def check_ops_urls(app_configs=None, **kwargs) -> list[Warning]:
                  "(docs/embedding.md).",
             id="accs.W003")]
     return []
+
+
+@register(deploy=True)
+def check_allow_lists(app_configs=None, **kwargs) -> list[Warning]:
+    """Warn (under ``check --deploy``) when agents may run any program or any Python callable."""
+    warnings: list[Warning] = []
+    for variable, name in (("ACC_ALLOWED_EXECUTABLES", "allowed_executables"),
+                           ("ACC_ALLOWED_CALLABLES", "allowed_callables")):
+        try:
+            entries = getattr(accs, name)
+        except SettingError:
+            continue  # check_accs_settings reports it
+        if ANY in entries:
+            warnings.append(
+                Warning(
+                    f"{variable} allows anything (*): whoever may define services chooses what agents run",
+                    hint=f"List what your services need, e.g. {variable}="
+                         + ("python,/opt/tools/" if name == "allowed_executables" else "myapp.tasks,myapp.jobs")
+                         + " (docs/executors.md, Site allow-lists).",
+                    id="accs.W020",
+                )
+            )
+    return warnings

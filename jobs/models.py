@@ -77,6 +77,20 @@ class TenantMembership(models.Model):
         return f"{self.user} @ {self.tenant} ({self.role})"
 
 
+class TokenScope(models.TextChoices):
+    """What an API token may do (on top of what its user may do)."""
+
+    READ = "read", "Read jobs, tasks, triggers and (superusers) definitions"
+    RUN = "run", "Start, cancel, retry and redrive jobs; manage triggers; emit events"
+    APPROVE = "approve", "Approve or reject jobs waiting for approval"
+    DEFINITIONS = "definitions", "Create and change services and workflows (superusers only)"
+
+
+def default_token_scopes() -> list[str]:
+    """Every scope but definitions: a token that may define code must be asked for."""
+    return [TokenScope.READ, TokenScope.RUN, TokenScope.APPROVE]
+
+
 class ApiToken(models.Model):
     """A bearer token for the HTTP API; only its SHA-256 digest is stored."""
 
@@ -88,6 +102,8 @@ class ApiToken(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, help_text="The API refuses the token from then on.")
+    scopes = ArrayField(models.CharField(max_length=20, choices=TokenScope.choices), default=default_token_scopes,
+                        help_text="What the token may do: read, run, approve, definitions.")
 
     class Meta:
         db_table = "accs_api_token"

@@ -40,6 +40,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -57,8 +58,8 @@ from jobs.notify import service_channel
 from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
 from nodes.executors import (
-    RunContext, agent_alive, bad_output, end_orphan_groups, make_executors, ours, orphans_on_node, remove_scratch,
-    sanitize_outcome, secrets_in,
+    RunContext, agent_alive, agent_secrets, bad_output, end_orphan_groups, make_executors, not_allowed, ours,
+    orphans_on_node, remove_scratch, sanitize_outcome, secrets_in,
 )
 from nodes.scratch import remove_leftovers, scratch_dir
 from workflows.governor import claim_adjustments
@@ -147,6 +148,7 @@ class Agent:
         self.source = f"agent:{node}"
         self.extra = {"node": node}
         self.executors = make_executors()
+        self.secrets = agent_secrets()  # redacted from every task's output, errors and log lines
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="accs-task")
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.running: dict[Key, Running] = {}
@@ -504,7 +506,8 @@ class Agent:
             inbox.put(("log", key, level, message))
 
         ctx = RunContext(task=task, service_config=service.config, on_started=on_started, on_progress=on_progress,
-                         on_log=on_log, secrets=secrets_in(task.params), node=self.node, agent_id=self.agent_id)
+                         on_log=on_log, secrets=secrets_in(task.params) + self.secrets, node=self.node,
+                         agent_id=self.agent_id)
         if service.executor == "command":
             ctx.output_dir = scratch_dir(task)
         with self._running_lock:
@@ -519,13 +522,16 @@ class Agent:
 
         def run_and_report() -> None:
             try:
-                if ctx.output_dir and accs.minio.configured:
-                    _stage_inputs(task, ctx)
-                outcome = executor.run(task, ctx)
+                # This site's allow-lists are asked again before every run, whatever the row says.
+                outcome = not_allowed(task, service.executor, service.config)
+                if outcome is None:
+                    if ctx.output_dir and accs.minio.configured:
+                        _stage_inputs(task, ctx)
+                    outcome = executor.run(task, ctx)
             except Exception as exc:  # noqa: BLE001 - an executor bug fails the attempt, not the agent
                 log.exception("executor crashed", extra={"task_id": task.id, "job_id": task.job_id})
                 outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed", error=f"executor error: {exc}")
-            outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds))
+            outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds), secrets=ctx.secrets)
             try:
                 _store_artifacts(task, ctx, outcome)
             finally:
@@ -862,15 +868,22 @@ def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> No
         return
     from events import artifacts
 
+    records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
+                                  "message": f"attempt {task.attempt} ended: {outcome.status}"}]
+    # One upload each: output files the store refuses must not cost the attempt's log.
+    if ctx.output_dir:
+        _guarded_upload(task, lambda: artifacts.collect_outputs(
+            job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt,
+            directory=ctx.output_dir))
+    _guarded_upload(task, lambda: artifacts.upload_attempt_log(
+        job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt, records=records))
+
+
+def _guarded_upload(task: ClaimedTask, upload: Callable[[], object]) -> None:
+    """Run one artifact upload; storage trouble is logged and must not lose the outcome."""
     try:
         close_old_connections()  # this worker thread's connection may have died in an outage
-        if ctx.output_dir:
-            artifacts.collect_outputs(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                      attempt=task.attempt, directory=ctx.output_dir)
-        records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
-                                      "message": f"attempt {task.attempt} ended: {outcome.status}"}]
-        artifacts.upload_attempt_log(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                     attempt=task.attempt, records=records)
+        upload()
     except Exception:  # noqa: BLE001 - storage trouble must not lose the outcome
         log.exception("artifact upload failed", extra={"task_id": task.id, "job_id": task.job_id})
         daemon.close_django_connection()
