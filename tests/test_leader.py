@@ -26,6 +26,15 @@ def _expired_task(make_service, key: str):
     svc = make_service(key, backoff_base_seconds=0, backoff_cap_seconds=0)
     api.start_service(svc)
     [task] = claim(spec(svc), NODE, agent_id="gone", free_slots=1, lease_seconds=0.01)
+
+    def lease_over() -> bool:
+        with connection.cursor() as cur:  # autocommit: each check reads a fresh now()
+            cur.execute("SELECT lease_expires_at < now() FROM accs_task WHERE id = %s", [task.id])
+            return cur.fetchone()[0]
+
+    # The claim stamps its lease from its own statement's time, so a rescue that starts within
+    # those 10 ms would still find the lease live: wait until PostgreSQL's clock has passed it.
+    wait_for(lease_over, timeout=10, message="the 10 ms lease ends by PostgreSQL's clock")
     return task
 
 
