@@ -82,6 +82,15 @@ def utc(value: datetime | None, *, field: str) -> datetime | None:
         raise ValueError(f"{field}: date out of range") from None
 
 
+def require_scope(request: HttpRequest, scope: str) -> None:
+    """Raise PermissionDenied unless the request's API token has ``scope`` (read, run, approve,
+    definitions); a request authenticated otherwise (no token scopes recorded) passes."""
+    scopes = getattr(request, "token_scopes", None)
+    if scopes is not None and scope not in scopes:
+        raise PermissionDenied(f"this API token lacks the {scope!r} scope (it has: {', '.join(sorted(scopes))}); "
+                               f"create one with manage.py accs_token create USER NAME --scope {scope}")
+
+
 def require_superuser(request: HttpRequest) -> None:
     """Raise PermissionDenied unless the caller is a superuser."""
     if not getattr(request.auth, "is_superuser", False):

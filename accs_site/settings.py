@@ -116,6 +116,13 @@ _db["OPTIONS"].setdefault("application_name", "accs")
 # The daemons add statement timeouts of their own (accs_site.daemon.configure_daemon_session).
 for _key, _value in connect_options().items():
     _db["OPTIONS"].setdefault(_key, _value)
+# Behind a transaction-mode pooler (ACC_DB_POOLER=pgbouncer, docs/deploy.md) a server session
+# serves other clients between transactions: no prepared statement survives to the next
+# transaction, and a server-side cursor cannot outlive its transaction.
+_pooler = env.str("ACC_DB_POOLER", default="").strip().lower()
+if _pooler and _pooler != "none":
+    _db["OPTIONS"]["prepare_threshold"] = None
+    _db["DISABLE_SERVER_SIDE_CURSORS"] = True
 DATABASES = {"default": _db}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from jobs.auth import create_token
+from jobs.auth import PREFIX_CHARS, TOKEN_PREFIX, create_token, parse_scopes
 from jobs.models import ApiToken, Tenant, TenantMembership, TenantRole
 
 DURATION_RE = re.compile(r"^(\d+)([smhdw])$")
@@ -83,8 +83,13 @@ def remove_member(username: str, tenant_slug: str) -> bool:
     return bool(deleted)
 
 
-def issue_token(username: str, name: str, *, expires_at: datetime | None = None) -> tuple[ApiToken, str]:
-    """Create an API token for an active user; return the row and the raw token (shown once)."""
+def issue_token(username: str, name: str, *, expires_at: datetime | None = None,
+                scopes: list[str] | str | None = None) -> tuple[ApiToken, str]:
+    """Create an API token for an active user; return the row and the raw token (shown once).
+
+    ``scopes`` (names or text separated by commas) default to all but ``definitions``, which only a
+    superuser's token may have.
+    """
     user = _user(username)
     if not user.is_active:
         raise AccountError(f"user {username!r} is not active")
@@ -92,7 +97,25 @@ def issue_token(username: str, name: str, *, expires_at: datetime | None = None)
         raise AccountError("a token name is 1-100 characters")
     if expires_at is not None and expires_at <= timezone.now():
         raise AccountError("the expiry must be in the future")
-    return create_token(user, name.strip(), expires_at=expires_at)
+    try:
+        chosen = parse_scopes(scopes) if scopes is not None else None
+    except ValueError as exc:
+        raise AccountError(str(exc)) from None
+    if chosen and "definitions" in chosen and not user.is_superuser:
+        raise AccountError(f"the definitions scope is for superusers' tokens; {username!r} is not a superuser")
+    return create_token(user, name.strip(), expires_at=expires_at, scopes=chosen)
+
+
+def full_prefix(given: str) -> str:
+    """Return the stored prefix a ``--prefix`` names: its first 12 characters, which must all be given.
+
+    A shorter text (``accs_``) would match every token of every user.
+    """
+    given = given.strip()
+    if len(given) < PREFIX_CHARS or not given.startswith(TOKEN_PREFIX):
+        raise AccountError(f"a token prefix is the first {PREFIX_CHARS} characters of the token, as "
+                           f"'accs_token list' shows them (e.g. accs_AbC123x), got {given!r}")
+    return given[:PREFIX_CHARS]
 
 
 def revoke_tokens(*, prefix: str | None = None, username: str | None = None, name: str | None = None) -> int:
@@ -101,7 +124,7 @@ def revoke_tokens(*, prefix: str | None = None, username: str | None = None, nam
         raise AccountError("say which tokens: a prefix (accs_...) or a user")
     tokens = ApiToken.objects.filter(revoked_at__isnull=True)
     if prefix:
-        tokens = tokens.filter(prefix__startswith=prefix[:12])
+        tokens = tokens.filter(prefix=full_prefix(prefix))
     if username:
         tokens = tokens.filter(user=_user(username))
     if name:

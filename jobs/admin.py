@@ -64,7 +64,7 @@ class TenantMembershipAdmin(admin.ModelAdmin):
 
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ("name", "user", "prefix", "created_at", "last_used_at", "revoked_at")
+    list_display = ("name", "user", "prefix", "scopes", "created_at", "last_used_at", "revoked_at")
     search_fields = ("name", "user__username", "prefix")
     readonly_fields = ("prefix", "digest", "last_used_at")
 

@@ -77,6 +77,20 @@ class TenantMembership(models.Model):
         return f"{self.user} @ {self.tenant} ({self.role})"
 
 
+class TokenScope(models.TextChoices):
+    """What an API token may do (on top of what its user may do)."""
+
+    READ = "read", "Read jobs, tasks, triggers and (superusers) definitions"
+    RUN = "run", "Start, cancel, retry and redrive jobs; manage triggers; emit events"
+    APPROVE = "approve", "Approve or reject jobs waiting for approval"
+    DEFINITIONS = "definitions", "Create and change services and workflows (superusers only)"
+
+
+def default_token_scopes() -> list[str]:
+    """Every scope but definitions: a token that may define code must be asked for."""
+    return [TokenScope.READ, TokenScope.RUN, TokenScope.APPROVE]
+
+
 class ApiToken(models.Model):
     """A bearer token for the HTTP API; only its SHA-256 digest is stored."""
 
@@ -88,6 +102,8 @@ class ApiToken(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, help_text="The API refuses the token from then on.")
+    scopes = ArrayField(models.CharField(max_length=20, choices=TokenScope.choices), default=default_token_scopes,
+                        help_text="What the token may do: read, run, approve, definitions.")
 
     class Meta:
         db_table = "accs_api_token"
@@ -513,3 +529,47 @@ class RateStart(models.Model):
 
     def __str__(self) -> str:
         return f"start of service {self.service_id} at {self.at}"
+
+
+class LeaderLease(models.Model):
+    """The builder leader's lease: one row, taken and renewed in short transactions (jobs/leader.py).
+
+    Whoever holds an unexpired lease is the leader; expiry is PostgreSQL's clock. Every gain
+    draws a new fencing number from a sequence, and every leader-only write checks it in its own
+    transaction, so a deposed leader's late write does nothing. Nothing lives on a session: the
+    lease works through a transaction-mode pooler and survives the leader's reconnects.
+    """
+
+    name = models.TextField(primary_key=True, help_text="What is led (one row: 'builder').")
+    holder = models.TextField(help_text="The holding builder: host, process id and a random suffix.")
+    fence = models.BigIntegerField(help_text="The fencing number of the current term (strictly increasing).")
+    acquired_at = models.DateTimeField(help_text="When this term began (PostgreSQL's clock).")
+    expires_at = models.DateTimeField(help_text="When the lease ends unless renewed (PostgreSQL's clock).")
+
+    class Meta:
+        db_table = "accs_leader"
+
+    def __str__(self) -> str:
+        return f"{self.name} led by {self.holder} (fence {self.fence})"
+
+
+class LeaderTerm(models.Model):
+    """One leadership term: its window and the span of the leader-only writes made under its fence.
+
+    Kept for operators (who led when) and as the proof that terms never overlap: the writes of
+    one fence all end before the next fence's term begins.
+    """
+
+    fence = models.BigIntegerField(primary_key=True)
+    holder = models.TextField()
+    acquired_at = models.DateTimeField(help_text="When the term began (PostgreSQL's clock, after the takeover).")
+    expires_at = models.DateTimeField(help_text="The lease's end as last renewed.")
+    first_write_at = models.DateTimeField(null=True, blank=True, help_text="First duty transaction that wrote.")
+    last_write_at = models.DateTimeField(null=True, blank=True, help_text="Last duty transaction that wrote.")
+    writes = models.BigIntegerField(default=0, help_text="Units of work the duties of this term did.")
+
+    class Meta:
+        db_table = "accs_leader_term"
+
+    def __str__(self) -> str:
+        return f"term {self.fence} of {self.holder}"

@@ -124,3 +124,31 @@ def test_acc_variables_the_deploy_files_name_are_read_by_accs():
         named |= set(ACC_VAR.findall(path.read_text()))
     unread = sorted(v for v in named if f'"{v}"' not in source)
     assert not unread, f"deploy files set {unread}, which no ACCS module reads"
+
+
+def _seconds(text: str) -> float:
+    """Parse a systemd or compose duration: 660, 660s, 11m, 1h."""
+    number, unit_ = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|m|min|h)?", text.strip()).groups()
+    return float(number) * {None: 1, "s": 1, "m": 60, "min": 60, "h": 3600}[unit_]
+
+
+def _drain_seconds(argv: list[str], where: str) -> float:
+    assert "--drain-seconds" in argv, f"{where}: the agent needs --drain-seconds below its stop timeout"
+    return float(argv[argv.index("--drain-seconds") + 1])
+
+
+def test_the_agent_hands_tasks_back_before_its_supervisor_kills_it():
+    """A task longer than the stop timeout is handed back interrupted by the agent, not SIGKILLed with it."""
+    agent = unit(DEPLOY / "systemd" / "accs-agent.service")["Service"]
+    drain = _drain_seconds(shlex.split(agent["ExecStart"]), "accs-agent.service")
+    assert agent["KillMode"] == "mixed", "systemd's SIGTERM goes to the agent alone, not to its tasks"
+    assert _seconds(agent["TimeoutStopSec"]) >= drain + 30, "time past the drain to stop tasks and report them"
+    compose_agent = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["agent"]
+    compose_drain = _drain_seconds(shlex.split(compose_agent["command"][-1]), "compose agent")
+    assert _seconds(compose_agent["stop_grace_period"]) >= compose_drain + 30
+    recipe = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"--drain-seconds {drain:g}" in recipe and f"TimeoutStopSec={agent['TimeoutStopSec']}" in recipe, \
+        "docs/deploy.md's recipe gives the unit's own figures"
+    comment = (DEPLOY / "systemd" / "accs-agent.service").read_text()
+    assert "A second SIGTERM hands them back at once" in comment
+    assert "one SIGTERM hands" not in comment.lower()
