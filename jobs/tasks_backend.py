@@ -264,8 +264,9 @@ class AccsTaskBackend(BaseTaskBackend):
         fields = {
             "key": service_key(task), "executor": "python", "params_schema": ARGS_SCHEMA,
             "description": f"Django task {task.module_path} (queue {task.queue_name!r})",
+            # A task is the site's own code: in a child process it needs the agent's settings and database.
             "executor_config": {"callable": ADAPTER, "task": task.module_path, "queue": task.queue_name,
-                                "isolation": options["isolation"], "options": options},
+                                "isolation": options["isolation"], "inherit_env": True, "options": options},
         }
         for name, (_, field) in OPTION_SETTINGS.items():
             if field is not None:  # an option no longer set goes back to the field's default

@@ -429,11 +429,15 @@ def task_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
     return env
 
 
-def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str]) -> Outcome:
-    """Run ``argv`` as the attempt: stdout → results, stderr → log lines, exit code → status."""
+def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dict[str, str] | None = None) -> Outcome:
+    """Run ``argv`` as the attempt: stdout → results, stderr → log lines, exit code → status.
+
+    ``env`` replaces :func:`task_env` (a python callable that runs the site's own Django code).
+    """
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env=task_env(task, ctx), start_new_session=True, preexec_fn=die_with_parent(),
+                                env=env if env is not None else task_env(task, ctx), start_new_session=True,
+                                preexec_fn=die_with_parent(),
                                 text=True, errors="replace")
     except OSError as exc:
         return _outcome(task, "failed", error=f"cannot start {argv[0]!r}: {exc}", error_code="spawn_failed")
@@ -718,7 +722,10 @@ class PythonExecutor:
         config = ctx.service_config
         if config.get("isolation") == "process":
             argv = [sys.executable, "-c", PROCESS_RUNNER, config["callable"], json.dumps(config), json.dumps(sys.path)]
-            return _process_error(run_process(task, ctx, argv))
+            # "inherit_env": the child runs the agent's own Django code (a site's @task functions), which
+            # needs the agent's settings and database; any other child gets only task_env's few names.
+            env = {**os.environ, **task_env(task, ctx)} if config.get("inherit_env") is True else None
+            return _process_error(run_process(task, ctx, argv, env=env))
         ctx.on_started(os.getpid())
         call = _StoppableCall(deadline=time.monotonic() + task.timeout_seconds, cancel=ctx.cancel,
                               grace=lambda: ctx.kill_grace)
