@@ -209,7 +209,7 @@ class AccsCollector:
         tenants, services = queue_depth(now=now)
         tasks = GaugeMetricFamily("accs_tasks", "Tasks by status (waiting, queued, starting, running) right now.",
                                   labels=["tenant", "service", "status"])
-        dead = GaugeMetricFamily("accs_tasks_dead_letter", "Tasks failed for good, in jobs still in error.",
+        dead = GaugeMetricFamily("accs_tasks_dead_letter", "Tasks failed for good (dead letters).",
                                  labels=["tenant", "service"])
         retrying = GaugeMetricFamily("accs_tasks_retrying", "Queued tasks waiting for another attempt.",
                                      labels=["tenant", "service"])

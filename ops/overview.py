@@ -90,22 +90,22 @@ SELECT j.tenant_id, count(*), count(*) FILTER (WHERE j.approval_state = 'pending
  GROUP BY 1
 """
 
-ERROR_JOBS_SQL = """
--- Jobs in error, per tenant (job_tenant_status_created_idx: tenant, status, created_at DESC), and
--- the dead letters inside them: tasks that failed for good (task_job_status_idx). Bounded by the
--- jobs in error, not by the jobs table.
-SELECT j.tenant_id,
-       count(DISTINCT j.id) FILTER (WHERE j.finished_at >= %(since)s),
-       count(t.id)
-  FROM accs_job j LEFT JOIN accs_task t ON t.job_id = j.id AND t.status = 'error'
- WHERE j.tenant_id = ANY(%(ids)s::uuid[]) AND j.status = 'error'
+FAILED_JOBS_SQL = """
+-- Jobs that ended in error inside the window, per tenant: the partial index on (tenant,
+-- finished_at) of jobs in error, so older failures are not read.
+SELECT j.tenant_id, count(*)
+  FROM accs_job j
+ WHERE j.tenant_id = ANY(%(ids)s::uuid[]) AND j.status = 'error' AND j.finished_at >= %(since)s
  GROUP BY 1
 """
 
-DEAD_LETTER_BY_SERVICE_SQL = """
+DEAD_LETTER_SQL = """
+-- Dead letters: tasks in final error (their attempts used up), whatever their job became since (a
+-- job that continues past a failed step ends partial and keeps them), as the tasks list and the
+-- redrive count them. task_dead_letter_idx holds exactly those rows.
 SELECT t.tenant_id, t.service_id, count(*)
-  FROM accs_job j JOIN accs_task t ON t.job_id = j.id AND t.status = 'error'
- WHERE j.tenant_id = ANY(%(ids)s::uuid[]) AND j.status = 'error'
+  FROM accs_task t
+ WHERE t.tenant_id = ANY(%(ids)s::uuid[]) AND t.status = 'error'
  GROUP BY 1, 2
 """
 
@@ -205,12 +205,13 @@ def queue_depth(*, tenant_ids: set[UUID] | None = None, now: datetime | None = N
                 card.oldest_queued_age = _max_age(card.oldest_queued_age,
                                                   (now - oldest_due).total_seconds() if oldest_due else None)
         ids = [str(t) for t in tenants]
-        cur.execute(ERROR_JOBS_SQL, {"since": now - FAILED_WINDOW, "ids": ids})
-        for tenant_id, failed, dead in cur.fetchall():
-            per_tenant[tenant_id].failed_24h, per_tenant[tenant_id].dead_letter = failed, dead
-        cur.execute(DEAD_LETTER_BY_SERVICE_SQL, {"ids": ids})
+        cur.execute(FAILED_JOBS_SQL, {"since": now - FAILED_WINDOW, "ids": ids})
+        for tenant_id, failed in cur.fetchall():
+            per_tenant[tenant_id].failed_24h = failed
+        cur.execute(DEAD_LETTER_SQL, {"ids": ids})
         for tenant_id, service_id, n in cur.fetchall():
             svc(tenant_id, service_id).dead_letter = n
+            per_tenant[tenant_id].dead_letter += n
     rows = sorted(per_service.values(), key=lambda r: (r.tenant, r.service))
     return list(per_tenant.values()), rows
 

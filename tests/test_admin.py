@@ -421,7 +421,8 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
         for name, sql, params in (
             ("active", overview.ACTIVE_TASKS_SQL.format(tenants="TRUE"), {"now": job.created_at}),
             ("waiting", overview.WAITING_TASKS_SQL.format(tenants="TRUE"), {}),
-            ("errors", overview.ERROR_JOBS_SQL, {"since": job.created_at, "ids": [str(tenants.acme.pk)]}),
+            ("failed", overview.FAILED_JOBS_SQL, {"since": job.created_at, "ids": [str(tenants.acme.pk)]}),
+            ("dead", overview.DEAD_LETTER_SQL, {"ids": [str(tenants.acme.pk)]}),
             ("recent", overview.RECENT_STATS_SQL.format(tenants="TRUE"), {"sample": 1000, "since": job.created_at}),
             ("failures", overview.RECENT_FAILURES_SQL.format(tenants="TRUE"), {"sample": 1000, "limit": 10}),
         ):

@@ -93,3 +93,61 @@ def test_steps_diff_matches_steps_by_key_and_names_changed_fields():
     assert changes["c"].change == "added"
     assert [c.change for c in steps_diff(after, before)] == ["changed", "removed"]
     assert re.fullmatch(r"\[\]", json.dumps([c.key for c in steps_diff(before, before)]))
+
+
+# --------------------------------------------------------------------------------------------
+# Every dashboard figure equals the rows of the list it links to
+# --------------------------------------------------------------------------------------------
+
+def dashboard_scene(tenants) -> None:
+    """Jobs and tasks in every state a dashboard figure counts, including dead letters in a job that
+    carried on past its failed step (so the job ended partial, not in error)."""
+    from tests.engine_helpers import claim_for, run_fail
+    from tests.ops_helpers import _service, pipeline_scene
+    from workflows.api import create_workflow
+
+    pipeline_scene(tenants)
+    lint = _service("lint", max_attempts=1)
+    create_workflow(name="tolerant", steps=[{"key": "lint", "service": "lint", "on_failure": "continue"}])
+    tolerant = api.start_workflow("tolerant", tenant=tenants.acme)
+    run_fail(claim_for(lint), error="lint: 3 warnings treated as errors")
+    tolerant.refresh_from_db()
+    assert tolerant.status == "partial", tolerant.status
+    flaky = _service("flaky-io", max_attempts=3, backoff_base_seconds=3600)
+    api.start_service("flaky-io", tenant=tenants.globex)
+    run_fail(claim_for(flaky), error="connection reset")  # scheduled for a retry in an hour
+    _service("gated", requires_approval=True)
+    api.start_service("gated", tenant=tenants.acme)
+
+
+def figures_and_links(html_text: str, section: str) -> list[tuple[str, int, str]]:
+    """Return (name, figure, link) for each linked figure inside the element with id ``section``."""
+    import html
+
+    part = html_text[html_text.index(f'id="{section}"'):]
+    if section == "accs-cards":
+        found = re.findall(r'data-card="(\w+)" href="([^"]+)">.*?<div class="value">(\d+)</div>', part[:part.index(
+            'data-card="oldest"')], re.S)
+        return [(name, int(n), html.unescape(href)) for name, href, n in found]
+    part = part[:part.index("</table>")]
+    return [(f"{section} #{i}", int(n), html.unescape(href))
+            for i, (href, n) in enumerate(re.findall(r'<a href="([^"]+)">(\d+)</a>', part))]
+
+
+def test_every_dashboard_figure_equals_the_rows_its_link_lists(client, root, tenants):
+    dashboard_scene(tenants)
+    body = client.get(reverse("ops:dashboard")).content.decode()
+    cards = figures_and_links(body, "accs-cards")
+    assert {name for name, _n, _l in cards} == {
+        "jobs_in_flight", "jobs_queued", "awaiting_approval", "queued", "running", "retrying", "failed", "dead_letter"}
+    per_tenant = figures_and_links(body, "accs-tenants")
+    assert len(per_tenant) >= 10, per_tenant
+    mismatches = []
+    for name, figure, link in cards + per_tenant:
+        listed = client.get(link)
+        assert listed.status_code == 200, (name, link, listed.status_code)
+        if listed.context["cl"].result_count != figure:
+            mismatches.append((name, figure, listed.context["cl"].result_count, link))
+    assert not mismatches, mismatches
+    dead = dict((name, n) for name, n, _l in cards)["dead_letter"]
+    assert dead == 3, "two failed jobs' tasks and the partial job's failed step"
