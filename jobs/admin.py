@@ -22,13 +22,16 @@ from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils import timezone
 from django.utils.html import format_html
 
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
-    actor, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
+    actor, log_bulk, perform, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import redrive, transitions
+from jobs.accounts import revoke_tokens
+from jobs.auth import create_token
 from jobs.models import (
     JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, Trigger,
     TriggerType,
@@ -36,6 +39,7 @@ from jobs.models import (
 from jobs.scoping import can_act, scope, tenant_ids_for
 from ops.overview import human_age
 from workflows.models import Service, Workflow
+from jobs.transitions import ActionResult
 from workflows.validation import DefinitionError
 
 
@@ -60,11 +64,69 @@ class TenantMembershipAdmin(admin.ModelAdmin):
     search_fields = ("user__username", "tenant__slug")
 
 
+class TokenAddForm(forms.ModelForm):
+    """What creating a token asks: whose, its name, and when it expires (the secret is generated)."""
+
+    class Meta:
+        model = ApiToken
+        fields = ("user", "name", "expires_at")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        user, expires = data.get("user"), data.get("expires_at")
+        if user is not None and not user.is_active:
+            self.add_error("user", "this user is not active; a token of theirs would be refused")
+        if expires is not None and expires <= timezone.now():
+            self.add_error("expires_at", "must be in the future (leave empty for no expiry)")
+        return data
+
+
+def _revoke(token: ApiToken) -> ActionResult:
+    if token.revoked_at is not None:
+        return ActionResult(False, "already revoked")
+    revoke_tokens(prefix=token.prefix, username=token.user.get_username(), name=token.name)
+    return ActionResult(True, "revoked; the API refuses it from now on")
+
+
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ("name", "user", "prefix", "created_at", "last_used_at", "revoked_at")
+    """API tokens: created here (the secret is shown once) or with ``manage.py accs_token``, revoked
+    with the action; both are recorded in the admin's history."""
+
+    list_display = ("name", "user", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at")
     search_fields = ("name", "user__username", "prefix")
-    readonly_fields = ("prefix", "digest", "last_used_at")
+    actions = ("revoke_selected",)
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        if obj is None:
+            kwargs["form"] = TokenAddForm
+        return super().get_form(request, obj, change=change, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ("user", "name", "expires_at")
+        return ("user", "name", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at")
+
+    def get_readonly_fields(self, request, obj=None):
+        return () if obj is None else self.get_fields(request, obj)
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False  # a token's secret and state change by creating and revoking, never by editing
+
+    def action_subject(self, obj: ApiToken) -> str:
+        return f"token {obj}"
+
+    def save_model(self, request, obj, form, change) -> None:
+        """Create the token the way ``accs_token`` does; show the secret this once."""
+        token, raw = create_token(obj.user, obj.name.strip(), expires_at=obj.expires_at)
+        obj.pk, obj.prefix, obj.digest, obj.created_at = token.pk, token.prefix, token.digest, token.created_at
+        obj._state.adding = False
+        self.message_user(request, f"The token {obj.name!r} is {raw} — copy it now: it is not shown again.",
+                          messages.WARNING)
+
+    @admin.action(description="Revoke selected tokens", permissions=["delete"])
+    def revoke_selected(self, request, queryset):
+        perform(request, self, "Revoke", list(queryset.select_related("user")), _revoke)
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,9 +202,12 @@ class RedriveAdmin(PageActionsAdmin):
             try:
                 if "confirm" in request.POST:
                     done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed)
-                    self.message_user(request, f"Redrive: {done.matched} matched, {done.redriven} redriven, "
-                                               f"{done.skipped} skipped (no longer applicable)",
-                                      messages.SUCCESS if not done.skipped else messages.WARNING)
+                    summary = (f"Redrive: {done.matched} matched, {done.redriven} redriven, "
+                               f"{done.skipped} skipped (no longer applicable)")
+                    self.message_user(request, summary, messages.SUCCESS if not done.skipped else messages.WARNING)
+                    if done.redriven:
+                        log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
+                            f"{k}={v}" for k, v in flt.describe().items()))
                     return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"))
                 matched = redrive.count(flt, tenant_ids=allowed)
             except DefinitionError as exc:
@@ -168,13 +233,17 @@ JOB_ACTIONS: ActionTable = {
 }
 
 
-def job_actions_for(job: Job) -> list[str]:
-    """Return the actions that apply to a job in its current state (buttons on its page)."""
+def job_actions_for(job: Job, *, tasks_stopping: int = 0) -> list[str]:
+    """Return the actions that apply to a job in its current state (buttons on its page).
+
+    Retry waits until every task has stopped (``tasks_stopping``: tasks of the finished job an
+    agent still holds, told to stop), so a retried job never runs beside its own last attempt.
+    """
     out = []
     if job.approval_state == ApprovalState.PENDING and job.status == JobStatus.QUEUED:
         out += ["approve", "reject"]
     if job.status in (JobStatus.ERROR, JobStatus.CANCELED) and job.approval_state not in (
-            ApprovalState.PENDING, ApprovalState.REJECTED):
+            ApprovalState.PENDING, ApprovalState.REJECTED) and not tasks_stopping:
         out.append("retry")
     if job.status in JOB_ACTIVE:
         out.append("cancel")
@@ -275,6 +344,15 @@ class JobAdmin(RedriveAdmin):
     # The job page ---------------------------------------------------------------------------
 
     page_actions = JOB_ACTIONS
+    page_action_options = {"reject": ("reason",)}
+    confirm_notes = {
+        "cancel": "Cancel: tasks not started yet are canceled; running tasks are told to stop at their next heartbeat "
+                  "(the job page keeps refreshing until they have). The job can be retried afterwards.",
+        "reject": "Reject: the job will never run; it is canceled and cannot be retried (start a new job instead).",
+    }
+
+    def action_subject(self, obj: Job) -> str:
+        return f"job {str(obj.pk)[:8]} ({obj.target_name})"
 
     def after_action_url(self, request: HttpRequest, obj: Job) -> str:
         return reverse("admin:jobs_job_change", args=[obj.pk])
@@ -345,6 +423,11 @@ class TaskAdmin(RedriveAdmin):
         return f"{obj.attempt}/{obj.max_attempts}"
 
     page_actions = TASK_ACTIONS
+    confirm_notes = {"cancel": "Cancel: a task not started yet is canceled; a running task is told to stop at its "
+                               "next heartbeat."}
+
+    def action_subject(self, obj: Task) -> str:
+        return f"task {obj.task_key} (job {str(obj.job_id)[:8]})"
 
     def after_action_url(self, request: HttpRequest, obj: Task) -> str:
         return safe_next(request, reverse("admin:jobs_job_change", args=[obj.job_id]))

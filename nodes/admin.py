@@ -17,7 +17,7 @@ from django.utils.html import format_html
 from ops.overview import human_age, stale_after_seconds
 from nodes import verbs
 from nodes.api import retire_nodes
-from accs_site.admin_kit import EstimatedCountPaginator, actor, report, status_pill
+from accs_site.admin_kit import EstimatedCountPaginator, actor, perform, status_pill
 from nodes.models import DiskSample, Host, HostBlock, Node
 
 
@@ -73,11 +73,11 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain selected nodes (claim nothing new)", permissions=["change"])
     def drain(self, request, queryset):
-        report(request, self, "Drain", [verbs.drain_node(n.name, by=actor(request)) for n in queryset])
+        perform(request, self, "Drain", list(queryset), lambda n: verbs.drain_node(n.name, by=actor(request)))
 
     @admin.action(description="Undrain selected nodes (claim again)", permissions=["change"])
     def undrain(self, request, queryset):
-        report(request, self, "Undrain", [verbs.undrain_node(n.name, by=actor(request)) for n in queryset])
+        perform(request, self, "Undrain", list(queryset), lambda n: verbs.undrain_node(n.name, by=actor(request)))
 
     @admin.action(description="Retire selected nodes (not online, never ran anything)", permissions=["change"])
     def retire(self, request, queryset):
@@ -105,8 +105,8 @@ class HostAdmin(admin.ModelAdmin):
 
     @admin.action(description="Clear quarantine of selected hosts", permissions=["change"])
     def clear_quarantine(self, request, queryset):
-        report(request, self, "Clear quarantine",
-               [verbs.clear_quarantine(h.pk, by=actor(request)) for h in queryset])
+        perform(request, self, "Clear quarantine", list(queryset),
+                lambda h: verbs.clear_quarantine(h.pk, by=actor(request)))
 
 
 @admin.register(HostBlock)

@@ -88,6 +88,7 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     tasks = _tasks(job)
     for task in tasks:
         task.ops = task_actions_for(task) if can else []
+    stopping = tasks_stopping(job)
     task_keys = {t.pk: t.task_key for t in tasks}
     attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
                     .order_by("-id")[:JOB_PAGE_ATTEMPTS])
@@ -106,12 +107,15 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         artifact.log_attempt_id = attempt_ids.get((artifact.task_id, artifact.attempt)) if is_log else None
     page_url = reverse("admin:jobs_job_change", args=[job.pk])
     return {
-        "job_active": job.status in JOB_ACTIVE,
+        # A canceled job is final at once, but its running tasks stop at their next heartbeat: the
+        # page keeps refreshing until they have.
+        "job_active": job.status in JOB_ACTIVE or bool(stopping),
+        "tasks_stopping": stopping,
         "page_url": page_url + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "data_url": reverse("ops:job_data", args=[job.pk]) + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "refresh_seconds": refresh_seconds(request, REFRESH_SECONDS),
         "dag_svg": job_dag_svg(job),
-        "job_ops": job_actions_for(job) if can else [],
+        "job_ops": job_actions_for(job, tasks_stopping=stopping) if can else [],
         "job_tasks": tasks,
         "job_tasks_capped": len(tasks) >= JOB_PAGE_TASKS,
         "job_attempts": attempts,
@@ -125,6 +129,13 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "events_capped": len(events) >= JOB_PAGE_EVENTS,
         "can_act": can,
     }
+
+
+def tasks_stopping(job: Job) -> int:
+    """Return how many tasks of a finished job an agent still holds (told to stop, not stopped yet)."""
+    if job.status in JOB_ACTIVE:
+        return 0
+    return Task.objects.filter(job_id=job.pk, status__in=TASK_HELD).count()  # task_job_status_idx
 
 
 def _tasks(job: Job) -> list[Task]:

@@ -151,3 +151,131 @@ def test_every_dashboard_figure_equals_the_rows_its_link_lists(client, root, ten
     assert not mismatches, mismatches
     dead = dict((name, n) for name, n, _l in cards)["dead_letter"]
     assert dead == 3, "two failed jobs' tasks and the partial job's failed step"
+
+
+# --------------------------------------------------------------------------------------------
+# Cancel and reject ask first; a canceled job's page refreshes until its tasks have stopped
+# --------------------------------------------------------------------------------------------
+
+def job_url(job) -> str:
+    return reverse("admin:jobs_job_change", args=[job.pk])
+
+
+def test_cancel_asks_for_confirmation_then_page_refreshes_until_the_task_stops(client, root, tenants, make_service):
+    from django.contrib.messages import get_messages
+
+    from jobs.models import Task
+    from tests.engine_helpers import claim_for, run_fail
+
+    svc = make_service("render-long")
+    job = api.start_service("render-long", tenant=tenants.acme)
+    held = claim_for(svc)
+    act = reverse("admin:jobs_job_act", args=[job.pk, "cancel"])
+
+    asked = client.post(act)
+    assert asked.status_code == 200 and 'id="accs-confirm"' in asked.content.decode()
+    assert "running tasks are told to stop" in asked.content.decode()
+    job.refresh_from_db()
+    assert job.status == "running" or job.status == "waiting", "nothing happens before the confirmation"
+
+    done = client.post(act, {"confirm": "yes"}, follow=True)
+    assert [str(m) for m in get_messages(done.wsgi_request)] == [
+        f"Cancel: job {str(job.pk)[:8]} (service render-long): job canceled (1 running task(s) told to stop)"]
+    job.refresh_from_db()
+    assert job.status == "canceled"
+    page = done.content.decode()
+    assert 'id="accs-job-stopping"' in page and 'data-active="1"' in page, "still refreshing: a task runs"
+    assert 'id="accs-job-retry"' not in page, "no retry while the task still runs"
+    data = client.get(reverse("ops:job_data", args=[job.pk])).json()
+    assert data["active"] is True and 'id="accs-job-retry"' not in data["html"]
+
+    run_fail(held, status="canceled", error="stopped on request")  # the agent stops it at its heartbeat
+    assert Task.objects.get(job=job).status == "canceled"
+    data = client.get(reverse("ops:job_data", args=[job.pk])).json()
+    assert data["active"] is False, "every task stopped: the page stops refreshing"
+    assert 'id="accs-job-retry"' in data["html"] and 'id="accs-job-stopping"' not in data["html"]
+
+
+def test_reject_asks_for_confirmation_and_takes_a_reason(client, root, tenants, make_service):
+    make_service("gated", requires_approval=True)
+    job = api.start_service("gated", tenant=tenants.acme)
+    act = reverse("admin:jobs_job_act", args=[job.pk, "reject"])
+    asked = client.post(act)
+    assert asked.status_code == 200 and 'name="reason"' in asked.content.decode()
+    job.refresh_from_db()
+    assert job.approval_state == "pending"
+    client.post(act, {"confirm": "yes", "reason": "not during the live show"})
+    job.refresh_from_db()
+    assert (job.approval_state, job.status) == ("rejected", "canceled")
+    assert job.error_message == "not during the live show"
+
+
+def test_bulk_cancel_asks_for_confirmation_with_the_selection(client, root, tenants, make_service):
+    make_service("work")
+    jobs = [api.start_service("work", tenant=tenants.acme) for _ in range(2)]
+    data = {"action": "cancel_jobs", "_selected_action": [str(j.pk) for j in jobs]}
+    asked = client.post(reverse("admin:jobs_job_changelist"), data)
+    body = asked.content.decode()
+    assert asked.status_code == 200 and 'id="accs-confirm"' in body
+    assert all(f'value="{j.pk}"' in body for j in jobs)
+    assert {j.status for j in type(jobs[0]).objects.filter(pk__in=[j.pk for j in jobs])} != {"canceled"}
+    client.post(reverse("admin:jobs_job_changelist"), {**data, "confirm": "yes", "select_across": "0", "index": "0"})
+    assert set(type(jobs[0]).objects.filter(pk__in=[j.pk for j in jobs]).values_list("status", flat=True)) == {
+        "canceled"}
+
+
+# --------------------------------------------------------------------------------------------
+# Every operator action is in Django's admin log: History and "Recent actions" say who did what
+# --------------------------------------------------------------------------------------------
+
+def log_messages(obj) -> list[tuple[str, str]]:
+    from django.contrib.admin.models import LogEntry
+    from django.contrib.contenttypes.models import ContentType
+
+    entries = LogEntry.objects.filter(content_type=ContentType.objects.get_for_model(type(obj)), object_id=str(obj.pk))
+    return [(e.user.username, e.get_change_message()) for e in entries.order_by("action_time")]
+
+
+def test_operator_actions_write_the_admin_log_shown_in_history_and_recent_actions(client, root, tenants,
+                                                                                   make_service):
+    from jobs.models import ApiToken
+    from nodes.models import Host, Node
+    from tests.ops_helpers import failed_service_job
+
+    make_service("work")
+    job = api.start_service("work", tenant=tenants.acme)
+    client.post(reverse("admin:jobs_job_act", args=[job.pk, "cancel"]), {"confirm": "yes"})
+    client.post(reverse("admin:jobs_job_act", args=[job.pk, "retry"]))
+    assert log_messages(job) == [("root", "Cancel: job canceled (0 running task(s) told to stop)"),
+                                 ("root", "Retry: job back to waiting; 1 task(s) reset")]
+    history = client.get(reverse("admin:jobs_job_history", args=[job.pk])).content.decode()
+    assert "Cancel: job canceled" in history and "Retry: job back to waiting" in history
+
+    refused = client.post(reverse("admin:jobs_job_act", args=[job.pk, "approve"]))
+    assert refused.status_code == 403 or log_messages(job)[-1][1].startswith("Retry"), "nothing changed: no entry"
+
+    node = Node.objects.create(name="n1")
+    host = Host.objects.create(name="h1", node=node, status="error", quarantine_reason="disk",
+                               quarantined_at=job.created_at)
+    client.post(reverse("admin:nodes_node_changelist"), {"action": "drain", "_selected_action": ["n1"]})
+    client.post(reverse("admin:nodes_host_changelist"), {"action": "clear_quarantine", "_selected_action": [host.pk]})
+    assert [m for _u, m in log_messages(node)] == ["Drain: node n1 is draining: it claims nothing new"]
+    assert [m for _u, m in log_messages(host)][0].startswith("Clear quarantine: ")
+
+    failed_service_job(tenants.acme)
+    client.post(reverse("admin:jobs_task_redrive"), {"service": "flaky", "confirm": "1"})
+
+    added = client.post(reverse("admin:jobs_apitoken_add"), {"user": root.pk, "name": "ci"}, follow=True)
+    assert any("copy it now" in str(m) for m in added.context["messages"])
+    token = ApiToken.objects.get(name="ci")
+    assert token.digest and token.prefix.startswith("accs_")
+    client.post(reverse("admin:jobs_apitoken_changelist"), {"action": "revoke_selected",
+                                                            "_selected_action": [token.pk]})
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+    assert [m for _u, m in log_messages(token)] == ["Added.", "Revoke: revoked; the API refuses it from now on"]
+
+    recent = client.get(reverse("admin:index")).content.decode()
+    recent = recent[recent.index('id="recent-actions-module"'):]
+    for text in ("job " + str(job.pk), "n1", "h1", "Redrive: 1 matched, 1 redriven", "ci ("):
+        assert text in recent, text

@@ -23,7 +23,7 @@ from django.utils.safestring import mark_safe
 
 from ops.dag import render_svg, steps_from
 from jobs import api
-from accs_site.admin_kit import actor, report
+from accs_site.admin_kit import actor, perform
 from jobs.transitions import ActionResult
 from workflows.api import next_version, steps_frozen_reason
 from workflows.diff import steps_diff
@@ -274,9 +274,8 @@ class GovernorConditionAdmin(admin.ModelAdmin):
         if "apply" in request.POST and form.is_valid():
             minutes = form.cleaned_data["minutes"]
             expires = timezone.now() + timedelta(minutes=minutes) if minutes else None
-            report(request, self, "Raise", [
-                _raise(c.name, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request))
-                for c in queryset])
+            perform(request, self, "Raise", list(queryset), lambda c: _raise(
+                c.name, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request)))
             return None
         context: dict[str, Any] = {
             **self.admin_site.each_context(request), "title": "Raise governor conditions", "form": form,
@@ -286,7 +285,10 @@ class GovernorConditionAdmin(admin.ModelAdmin):
 
     @admin.action(description="Clear selected conditions", permissions=["operate"])
     def clear_conditions(self, request, queryset):
-        report(request, self, "Clear", [_clear(c.name, by=actor(request)) for c in queryset])
+        perform(request, self, "Clear", list(queryset), lambda c: _clear(c.name, by=actor(request)))
+
+    def action_subject(self, obj: GovernorCondition) -> str:
+        return obj.name
 
 
 __all__ = ["GovernorConditionAdmin", "ProblemsByFieldForm", "ServiceAdmin", "WorkflowAdmin"]
