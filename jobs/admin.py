@@ -37,6 +37,7 @@ from jobs.models import (
     TriggerType,
 )
 from jobs.scoping import can_act, scope, tenant_ids_for
+from ops.jobpage import attempt_text, job_progress, job_progress_subquery
 from ops.overview import human_age
 from workflows.models import Service, Workflow
 from jobs.transitions import ActionResult
@@ -288,6 +289,7 @@ class JobAdmin(RedriveAdmin):
         return super().get_queryset(request).annotate(
             age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
             run_interval=run_interval(),
+            tasks_share=job_progress_subquery(),
         )
 
     def get_search_results(self, request, queryset, search_term):
@@ -322,9 +324,9 @@ class JobAdmin(RedriveAdmin):
     def status_badge(self, obj: Job) -> str:
         return status_pill(obj.status)
 
-    @admin.display(description="progress", ordering="progress")
+    @admin.display(description="progress")
     def progress_pct(self, obj: Job) -> str:
-        return f"{obj.progress * 100:.0f} %"
+        return f"{job_progress(obj, getattr(obj, 'tasks_share', None)) * 100:.0f} %"
 
     @admin.display(description="age", ordering="-created_at")
     def age(self, obj: Job) -> str:
@@ -420,7 +422,7 @@ class TaskAdmin(RedriveAdmin):
 
     @admin.display(description="attempt")
     def attempts(self, obj: Task) -> str:
-        return f"{obj.attempt}/{obj.max_attempts}"
+        return attempt_text(attempt=obj.attempt, max_attempts=obj.max_attempts, budget=obj.service.max_attempts)
 
     page_actions = TASK_ACTIONS
     confirm_notes = {"cancel": "Cancel: a task not started yet is canceled; a running task is told to stop at its "

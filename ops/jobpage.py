@@ -21,6 +21,8 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib import admin
+from django.db.models import Avg, Case, F, FloatField, OuterRef, Subquery, Value, When
+from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
@@ -30,7 +32,7 @@ from django.utils.http import content_disposition_header, urlencode
 
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from accs_site.admin_kit import run_interval
-from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, Task, TaskStatus
+from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, JobStatus, Task, TaskStatus
 from jobs.scoping import can_act, scope
 from ops.dashboard import query_int, refresh_seconds
 from ops.overview import human_age
@@ -89,6 +91,7 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     for task in tasks:
         task.ops = task_actions_for(task) if can else []
     stopping = tasks_stopping(job)
+    progress = job_progress_of(job)
     task_keys = {t.pk: t.task_key for t in tasks}
     attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
                     .order_by("-id")[:JOB_PAGE_ATTEMPTS])
@@ -111,6 +114,7 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         # page keeps refreshing until they have.
         "job_active": job.status in JOB_ACTIVE or bool(stopping),
         "tasks_stopping": stopping,
+        "job_progress": progress,
         "page_url": page_url + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "data_url": reverse("ops:job_data", args=[job.pk]) + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "refresh_seconds": refresh_seconds(request, REFRESH_SECONDS),
@@ -151,7 +155,58 @@ def _tasks(job: Job) -> list[Task]:
             task.progress_attr = f"{task.shown_progress:.3f}"
             task.progress_width = f"{task.shown_progress * 100:.1f}"
         task.elapsed_text = elapsed_text(task)
+        task.attempt_text = attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
+                                         budget=task.service.max_attempts)
     return tasks
+
+
+def _task_share() -> Case:
+    """A task's part of its job's progress: 1 when done, its reported progress while held, else 0."""
+    return Case(When(status=TaskStatus.DONE, then=Value(1.0)),
+                When(status__in=TASK_HELD, then=Coalesce(F("progress"), Value(0.0))),
+                default=Value(0.0), output_field=FloatField())
+
+
+def job_progress_subquery() -> Subquery:
+    """The mean of a job's tasks' shares, per job row (the jobs list annotates its page with it).
+
+    The stored ``Job.progress`` is the share of *finished* tasks (failed ones too), so it reads
+    100 % for a failed job and 0 % for a job whose only task is half done; operators see this.
+    """
+    tasks = (Task.objects.filter(job_id=OuterRef("pk")).order_by().values("job_id")
+             .annotate(share=Avg(_task_share())).values("share"))  # task_job_status_idx
+    return Subquery(tasks, output_field=FloatField())
+
+
+def job_progress(job: Job, tasks_share: float | None) -> float:
+    """Return the progress to show for a job: full once done, else the mean of its tasks' shares."""
+    if job.status == JobStatus.DONE:
+        return 1.0
+    return max(0.0, min(1.0, tasks_share or 0.0))
+
+
+def job_progress_of(job: Job) -> float:
+    """Return :func:`job_progress` for one job, reading its tasks' shares in one query."""
+    share = Task.objects.filter(job_id=job.pk).aggregate(share=Avg(_task_share()))["share"]
+    return job_progress(job, share)
+
+
+def attempt_text(*, attempt: int, max_attempts: int, budget: int) -> str:
+    """Describe a task's attempt against its retry budget: ``attempt 2 (retry 1 of 2)``.
+
+    ``budget`` is the service's attempts per run. An operator's retry renews the budget on top of
+    the attempts already used (``max_attempts`` = used + budget), so numbering goes on (attempt 4)
+    while the retries count from the renewal.
+    """
+    if attempt <= 0:
+        return f"not started (up to {max_attempts} attempt{'s' if max_attempts != 1 else ''})"
+    base = max_attempts - budget
+    if budget < 1 or base < 0 or attempt <= base:
+        return f"attempt {attempt} of {max_attempts}"  # the service's budget changed since: plain numbers
+    retry = attempt - base - 1
+    if budget == 1:
+        return f"attempt {attempt} (no retries)"
+    return f"attempt {attempt} (first of {budget})" if retry == 0 else f"attempt {attempt} (retry {retry} of {budget - 1})"
 
 
 def shown_progress(task: Task) -> float | None:
@@ -209,7 +264,7 @@ def job_data_view(request: HttpRequest, job_id: UUID) -> JsonResponse:
     return JsonResponse({
         "status": job.status,
         "active": context["job_active"],
-        "progress": job.progress,
+        "progress": context["job_progress"],
         "generated_at": timezone.now().isoformat(),
         "html": html,
     })

@@ -279,3 +279,57 @@ def test_operator_actions_write_the_admin_log_shown_in_history_and_recent_action
     recent = recent[recent.index('id="recent-actions-module"'):]
     for text in ("job " + str(job.pk), "n1", "h1", "Redrive: 1 matched, 1 redriven", "ci ("):
         assert text in recent, text
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers that agree: job progress from its tasks, attempts against the retry budget, named tasks
+# --------------------------------------------------------------------------------------------
+
+def test_job_progress_follows_its_tasks_and_a_failed_job_is_not_full(client, root, tenants, make_service):
+    from jobs import transitions
+    from tests.engine_helpers import claim_for
+    from tests.ops_helpers import failed_service_job
+
+    svc = make_service("encode")
+    job = api.start_service("encode", tenant=tenants.acme)
+    [claimed] = claim_for(svc)
+    transitions.mark_running([(claimed.id, claimed.attempt, 42)], agent_id="agent-t", source="agent:test")
+    transitions.report_progress([(claimed.id, claimed.attempt, 0.35)], source="agent:test")
+    page = client.get(job_url(job)).content.decode()
+    assert re.search(r'id="accs-job-progress"[^>]*>35 %<', page), "the job shows its running task's progress"
+    assert client.get(reverse("ops:job_data", args=[job.pk])).json()["progress"] == pytest.approx(0.35)
+
+    failed = failed_service_job(tenants.acme)
+    assert failed.progress == 1.0, "the stored figure counts the failed task as finished"
+    page = client.get(job_url(failed)).content.decode()
+    assert re.search(r'id="accs-job-progress"[^>]*>0 %<', page), "a failed job is not shown as complete"
+    listing = client.get(reverse("admin:jobs_job_changelist")).content.decode()
+    rows = {m.group(1): m.group(2) for m in re.finditer(
+        r'<a href="/admin/jobs/job/([0-9a-f-]+)/change/">.*?<td class="field-progress_pct">([^<]+)</td>', listing, re.S)}
+    assert rows == {str(job.pk): "35 %", str(failed.pk): "0 %"}, rows
+
+
+def test_attempts_read_against_the_retry_budget():
+    from ops.jobpage import attempt_text
+
+    assert attempt_text(attempt=0, max_attempts=3, budget=3) == "not started (up to 3 attempts)"
+    assert attempt_text(attempt=1, max_attempts=3, budget=3) == "attempt 1 (first of 3)"
+    assert attempt_text(attempt=3, max_attempts=3, budget=3) == "attempt 3 (retry 2 of 2)"
+    # An operator's retry after three attempts renews the budget: max 6, numbering goes on.
+    assert attempt_text(attempt=4, max_attempts=6, budget=3) == "attempt 4 (first of 3)"
+    assert attempt_text(attempt=5, max_attempts=6, budget=3) == "attempt 5 (retry 1 of 2)"
+    assert attempt_text(attempt=1, max_attempts=1, budget=1) == "attempt 1 (no retries)"
+    assert attempt_text(attempt=2, max_attempts=2, budget=5) == "attempt 2 of 2", "budget changed since"
+
+
+def test_task_action_message_names_the_task_and_its_job(client, root, tenants):
+    from django.contrib.messages import get_messages
+
+    from jobs.models import Task
+    from tests.ops_helpers import failed_service_job
+
+    job = failed_service_job(tenants.acme)
+    task = Task.objects.get(job=job)
+    done = client.post(reverse("admin:jobs_task_act", args=[task.pk, "retry"]), follow=True)
+    [message] = [str(m) for m in get_messages(done.wsgi_request)]
+    assert message.startswith(f"Retry: task {task.task_key} (job {str(job.pk)[:8]}): "), message
