@@ -21,7 +21,7 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib import admin
-from django.db.models import Avg, Case, F, FloatField, OuterRef, Subquery, Value, When
+from django.db.models import Avg, Case, F, FloatField, OuterRef, Q, Subquery, Value, When
 from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
@@ -39,6 +39,11 @@ from ops.overview import human_age
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).
 JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 100, 200, 200
+#: A job's own moves between running and waiting: it is "waiting" whenever none of its tasks is
+#: starting or running, so a one-task step writes a pair around every task. Operators read them as
+#: flapping and act on none of them; the timeline hides them unless asked for every change.
+FLAPPING = Q(task_id__isnull=True, type=EventType.STATUS, data__from__in=["running", "waiting"],
+             data__to__in=["running", "waiting"])
 #: Event levels, lowest first (the timeline's own); a level filter keeps that level and those after it.
 LEVELS = tuple(Level.values)
 #: Seconds between refreshes of an active job's page (``?refresh=N`` overrides, 1-300).
@@ -96,6 +101,12 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
                     .order_by("-id")[:JOB_PAGE_ATTEMPTS])
     events = Event.objects.filter(job_id=job.pk)
+    show_all = request.GET.get("moves") == "all"
+    hidden = 0
+    if not show_all:
+        flapping = Event.objects.filter(job_id=job.pk).filter(FLAPPING)
+        hidden = flapping.count()
+        events = events.exclude(FLAPPING)
     if level:
         events = events.filter(level__in=levels_from(level))
     if event_type:
@@ -131,6 +142,9 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "level_links": _filter_links(request, page_url, "level", [(lv, f"≥ {lv}") for lv in LEVELS]),
         "type_links": _filter_links(request, page_url, "type", EventType.choices),
         "events_capped": len(events) >= JOB_PAGE_EVENTS,
+        "moves_hidden": hidden,
+        "moves_links": _filter_links(request, page_url, "moves", [("all", "every job status change")],
+                                     unset="hide job running ↔ waiting"),
         "can_act": can,
     }
 
@@ -241,7 +255,7 @@ def artifact_name(artifact: Artifact) -> str:
 
 
 def _filter_links(request: HttpRequest, page_url: str, name: str,
-                  choices: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:
+                  choices: Iterable[tuple[str, str]], *, unset: str = "all") -> list[dict[str, Any]]:
     """Build one filter's links, each keeping the page's other filters."""
     others = {k: v for k, v in request.GET.items() if k != name}
     current = request.GET.get(name, "")
@@ -250,7 +264,7 @@ def _filter_links(request: HttpRequest, page_url: str, name: str,
         params = {**others, name: value} if value else others
         return f"{page_url}?{urlencode(params)}#accs-timeline" if params else f"{page_url}#accs-timeline"
 
-    out = [{"value": "", "label": "all", "url": link(""), "active": not current}]
+    out = [{"value": "", "label": unset, "url": link(""), "active": not current}]
     out += [{"value": value, "label": label, "url": link(value), "active": current == value}
             for value, label in choices]
     return out

@@ -333,3 +333,35 @@ def test_task_action_message_names_the_task_and_its_job(client, root, tenants):
     done = client.post(reverse("admin:jobs_task_act", args=[task.pk, "retry"]), follow=True)
     [message] = [str(m) for m in get_messages(done.wsgi_request)]
     assert message.startswith(f"Retry: task {task.task_key} (job {str(job.pk)[:8]}): "), message
+
+
+# --------------------------------------------------------------------------------------------
+# The timeline hides a job's running ↔ waiting moves unless asked for every change
+# --------------------------------------------------------------------------------------------
+
+def test_timeline_hides_job_running_waiting_moves_by_default(client, root, tenants, make_service):
+    from events.models import Event
+    from tests.engine_helpers import claim_for, run_ok
+    from workflows.api import create_workflow
+
+    svc = make_service("step")
+    create_workflow(name="chain3", steps=[{"key": "a", "service": "step"},
+                                          {"key": "b", "service": "step", "depends_on": ["a"]},
+                                          {"key": "c", "service": "step", "depends_on": ["b"]}])
+    job = api.start_workflow("chain3", tenant=tenants.acme)
+    for _ in range(3):
+        run_ok(claim_for(svc))
+    moves = Event.objects.filter(job_id=job.pk, task_id__isnull=True, type="status",
+                                 data__from__in=["running", "waiting"], data__to__in=["running", "waiting"]).count()
+    assert moves >= 2, "a one-task step writes the job's waiting ↔ running moves around each task"
+
+    def job_moves(body: str) -> list[str]:
+        timeline = body[body.index('id="accs-timeline"'):]
+        return re.findall(r"<td>(job (?:running|waiting) → (?:running|waiting)[^<]*)</td>", timeline)
+
+    body = client.get(job_url(job)).content.decode()
+    assert job_moves(body) == [], "hidden by default"
+    assert f"{moves} job running ↔ waiting change" in body
+    assert re.search(r"<td>job running → done[^<]*</td>", body), "the moves an operator acts on stay"
+    everything = client.get(job_url(job) + "?moves=all").content.decode()
+    assert len(job_moves(everything)) == moves
