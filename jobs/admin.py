@@ -434,6 +434,17 @@ class TaskAdmin(RedriveAdmin):
     def after_action_url(self, request: HttpRequest, obj: Task) -> str:
         return safe_next(request, reverse("admin:jobs_job_change", args=[obj.job_id]))
 
+    change_form_template = "admin/jobs/task/change_form.html"
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        from ops.jobpage import task_page_context
+
+        task = self.get_object(request, object_id)
+        extra = dict(extra_context or {})
+        if task is not None:
+            extra.update(task_page_context(request, task))
+        return super().change_view(request, object_id, form_url, extra_context=extra)
+
 
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyScopedAdmin):

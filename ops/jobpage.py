@@ -34,8 +34,8 @@ from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from accs_site.admin_kit import run_interval
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, JobStatus, Task, TaskStatus
 from jobs.scoping import can_act, scope
-from ops.dashboard import query_int, refresh_seconds
-from ops.overview import human_age
+from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
+from ops.overview import human_age, job_stuck_reasons
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).
 JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 100, 200, 200
@@ -142,10 +142,40 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "level_links": _filter_links(request, page_url, "level", [(lv, f"≥ {lv}") for lv in LEVELS]),
         "type_links": _filter_links(request, page_url, "type", EventType.choices),
         "events_capped": len(events) >= JOB_PAGE_EVENTS,
+        "job_stuck": job_stuck_reasons(job, show_nodes=sees_infrastructure(request.user)),
         "moves_hidden": hidden,
         "moves_links": _filter_links(request, page_url, "moves", [("all", "every job status change")],
                                      unset="hide job running ↔ waiting"),
         "can_act": can,
+    }
+
+
+def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
+    """Collect the task page's summary, buttons, attempts and why it is not moving (its job's reasons
+    that concern this task: its service's, or its own backoff)."""
+    from jobs.admin import task_actions_for
+
+    job = task.job
+    reasons = [r for r in job_stuck_reasons(job, show_nodes=sees_infrastructure(request.user))
+               if (r.reason == "backoff" and r.message.startswith(f"task {task.task_key} "))
+               or (r.reason != "backoff" and (r.service == task.service.key or job.status == JobStatus.QUEUED))]
+    if task.status not in ("waiting", "queued", "scheduled"):
+        reasons = []
+    task.shown_progress = shown_progress(task)
+    elapsed = Task.objects.filter(pk=task.pk).annotate(elapsed=run_interval()).values_list("elapsed", flat=True).first()
+    task.elapsed = elapsed
+    attempts = list(Attempt.objects.filter(task_id=task.pk).order_by("-attempt_no")[:JOB_PAGE_ATTEMPTS])
+    return {
+        "task_stuck": reasons,
+        "task_ops": task_actions_for(task) if may_act(request, job) else [],
+        "task_attempt_text": attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
+                                          budget=task.service.max_attempts),
+        "task_elapsed": elapsed_text(task),
+        "task_attempts": attempts,
+        "task_job": job,
+        "task_page_url": reverse("admin:jobs_task_change", args=[task.pk]),
+        "task_due_in": (task.next_attempt_at - timezone.now()).total_seconds()
+        if task.status in ("queued", "scheduled") else None,
     }
 
 

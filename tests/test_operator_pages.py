@@ -365,3 +365,48 @@ def test_timeline_hides_job_running_waiting_moves_by_default(client, root, tenan
     assert re.search(r"<td>job running → done[^<]*</td>", body), "the moves an operator acts on stay"
     everything = client.get(job_url(job) + "?moves=all").content.decode()
     assert len(job_moves(everything)) == moves
+
+
+# --------------------------------------------------------------------------------------------
+# The job and task pages say why queued work is not moving, as the dashboard does
+# --------------------------------------------------------------------------------------------
+
+def stuck_items(body: str) -> dict[str, str]:
+    if 'id="accs-stuck"' not in body:
+        return {}
+    panel = body[body.index('id="accs-stuck"'):]
+    panel = panel[:panel.index("</ul>")]
+    return {m.group(1): re.sub(r"<[^>]+>", "", m.group(2)).strip()
+            for m in re.finditer(r'<li data-reason="(\w+)"[^>]*>(.*?)</li>', panel, re.S)}
+
+
+def test_job_and_task_pages_say_why_a_queued_task_is_not_moving(client, root, tenants, make_service):
+    from jobs.models import Task
+    from tests.engine_helpers import claim_for, run_fail
+
+    make_service("transcode", block_during=["live_session"])
+    job = api.start_service("transcode", tenant=tenants.acme)
+    api.raise_condition("live_session", reason="studio A is live", by="alice")
+    task = Task.objects.get(job=job)
+    dashboard = stuck_items(client.get(reverse("ops:dashboard")).content.decode())
+    for page in (job_url(job), reverse("admin:jobs_task_change", args=[task.pk])):
+        items = stuck_items(client.get(page).content.decode())
+        assert set(items) == {"no_agent", "governor"}, (page, items)
+        assert items == dashboard, "the same reasons, in the same words, as the dashboard"
+        assert "start one with manage.py runagent --services transcode" in items["no_agent"]
+        assert "studio A is live" in items["governor"]
+
+    flaky = make_service("flaky-net", max_attempts=3, backoff_base_seconds=600)
+    retrying = api.start_service("flaky-net", tenant=tenants.acme)
+    run_fail(claim_for(flaky), error="connection reset")
+    items = stuck_items(client.get(job_url(retrying)).content.decode())
+    assert "task flaky-net waits out its backoff after attempt 1 failed" in items["backoff"], items
+    retry_task = Task.objects.get(job=retrying)
+    page = client.get(reverse("admin:jobs_task_change", args=[retry_task.pk])).content.decode()
+    assert "backoff" in stuck_items(page) and 'id="accs-task-retry"' not in page
+    assert "attempt 1 (first of 3)" in page
+
+    make_service("gated", requires_approval=True)
+    gated = api.start_service("gated", tenant=tenants.acme)
+    items = stuck_items(client.get(job_url(gated)).content.decode())
+    assert list(items) == ["approval"] and "approve or reject it" in items["approval"]
