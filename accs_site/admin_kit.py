@@ -331,7 +331,7 @@ def bulk_actions(table: ActionTable, noun: str, *, confirm: frozenset[str] = DES
     return tuple(built)
 
 
-class PageActionsAdmin(ReadOnlyScopedAdmin):
+class PageActionsMixin:
     """Run one action from a button on an object's page (POST ``<id>/act/<action>/``), then go back.
 
     Subclasses name their actions (``page_actions``, an :data:`ActionTable`; :func:`bulk_actions`
@@ -372,3 +372,7 @@ class PageActionsAdmin(ReadOnlyScopedAdmin):
         extra = _options(request, options)
         perform(request, self, verb, [obj], lambda o: fn(o.pk, by=actor(request), **extra))
         return HttpResponseRedirect(self.after_action_url(request, obj))
+
+
+class PageActionsAdmin(PageActionsMixin, ReadOnlyScopedAdmin):
+    """A tenant-scoped, read-only admin whose objects change through page buttons and bulk actions."""

@@ -37,6 +37,7 @@ from jobs.models import (
     TriggerType,
 )
 from jobs.scoping import can_act, scope, tenant_ids_for
+from nodes.models import Node
 from ops.jobpage import attempt_text, job_progress, job_progress_subquery
 from ops.overview import human_age
 from workflows.models import Service, Workflow
@@ -373,6 +374,19 @@ class JobAdmin(RedriveAdmin):
 # Tasks and attempts
 # --------------------------------------------------------------------------------------------
 
+class NodeListFilter(admin.SimpleListFilter):
+    """Filter tasks by the node that holds or last held them (the nodes are few; tasks are many)."""
+
+    title = "node"
+    parameter_name = "node"
+
+    def lookups(self, request, model_admin):
+        return [(name, name) for name in Node.objects.order_by("name").values_list("name", flat=True)]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(node=self.value()) if self.value() else queryset
+
+
 TASK_ACTIONS: ActionTable = {
     "retry": ("Retry", transitions.retry_task),
     "cancel": ("Cancel", transitions.cancel_task),
@@ -383,7 +397,7 @@ TASK_ACTIONS: ActionTable = {
 class TaskAdmin(RedriveAdmin):
     list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "priority", "node",
                     "host", "next_attempt_at", "finished_at")
-    list_filter = ("status", "service", TenantListFilter)
+    list_filter = ("status", "service", NodeListFilter, TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
                         "exact task key or service key.")

@@ -142,8 +142,10 @@ def test_every_dashboard_figure_equals_the_rows_its_link_lists(client, root, ten
         "jobs_in_flight", "jobs_queued", "awaiting_approval", "queued", "running", "retrying", "failed", "dead_letter"}
     per_tenant = figures_and_links(body, "accs-tenants")
     assert len(per_tenant) >= 10, per_tenant
+    per_node = figures_and_links(body, "accs-nodes")
+    assert per_node and all("node=" in link for _n, _f, link in per_node), per_node
     mismatches = []
-    for name, figure, link in cards + per_tenant:
+    for name, figure, link in cards + per_tenant + per_node:
         listed = client.get(link)
         assert listed.status_code == 200, (name, link, listed.status_code)
         if listed.context["cl"].result_count != figure:
@@ -410,3 +412,42 @@ def test_job_and_task_pages_say_why_a_queued_task_is_not_moving(client, root, te
     gated = api.start_service("gated", tenant=tenants.acme)
     items = stuck_items(client.get(job_url(gated)).content.decode())
     assert list(items) == ["approval"] and "approve or reject it" in items["approval"]
+
+
+# --------------------------------------------------------------------------------------------
+# The node page: what its agents run now, drain / undrain, recent failures, its tasks
+# --------------------------------------------------------------------------------------------
+
+def test_node_page_shows_running_tasks_failures_and_drains(client, root, tenants, make_service):
+    from jobs import transitions
+    from nodes.models import Node
+    from tests.engine_helpers import claim_for, run_fail
+
+    Node.objects.create(name="node-t", services=["encode"])
+    svc = make_service("encode", max_attempts=1)
+    failed = api.start_service("encode", tenant=tenants.acme)
+    run_fail(claim_for(svc), error="exit 3: disk full on /srv")
+    job = api.start_service("encode", tenant=tenants.acme)
+    [held] = claim_for(svc)
+    transitions.mark_running([(held.id, held.attempt, 42)], agent_id="agent-t", source="agent:test")
+    transitions.report_progress([(held.id, held.attempt, 0.5)], source="agent:test")
+
+    url = reverse("admin:nodes_node_change", args=["node-t"])
+    body = client.get(url).content.decode()
+    running = body[body.index('id="accs-node-running"'):body.index('id="accs-node-failures"')]
+    assert 'data-task-key="encode"' in running and "50 %" in running and str(job.pk)[:8] in running
+    failures = body[body.index('id="accs-node-failures"'):]
+    assert "exit 3: disk full on /srv" in failures[:failures.index("</table>")]
+    assert str(failed.pk) != str(job.pk)
+    held_link = re.search(r'href="([^"]+)" id="accs-node-held-link"', body).group(1).replace("&amp;", "&")
+    assert client.get(held_link).context["cl"].result_count == 1
+
+    assert 'id="accs-node-drain"' in body
+    client.post(reverse("admin:nodes_node_act", args=["node-t", "drain"]))
+    assert Node.objects.get(name="node-t").state == "draining"
+    body = client.get(url).content.decode()
+    assert 'id="accs-node-undrain"' in body and 'id="accs-node-drain"' not in body
+    assert [m for _u, m in log_messages(Node.objects.get(name="node-t"))] == [
+        "Drain: node node-t is draining: it claims nothing new"]
+    client.post(reverse("admin:nodes_node_act", args=["node-t", "undrain"]))
+    assert Node.objects.get(name="node-t").state == "active"
