@@ -11,6 +11,7 @@ task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, 
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -23,13 +24,15 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
 
 from accs_site.admin_kit import (
-    ActionTable, PageActionsAdmin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
+    ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
     actor, log_bulk, perform, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
 )
-from jobs import redrive, transitions
+from jobs import redrive, transitions, triggers
 from jobs.accounts import revoke_tokens
 from jobs.auth import create_token
 from jobs.models import (
@@ -540,14 +543,95 @@ class TriggerForm(forms.ModelForm):
         return data
 
 
+TRIGGER_ACTIONS: ActionTable = {"run_now": ("Run now", triggers.run_now)}
+#: Due times a schedule trigger's page previews.
+PREVIEW_RUNS = 5
+
+
+def trigger_jobs_url(trigger: Trigger) -> str:
+    """Return the jobs list of the jobs a trigger started (their ``source_ref`` names it)."""
+    return f"{reverse('admin:jobs_job_changelist')}?{urlencode({'source_ref__startswith': f'trigger:{trigger.pk}'})}"
+
+
+def next_runs(trigger: Trigger, *, count: int = PREVIEW_RUNS) -> tuple[list[datetime], str]:
+    """Return a schedule trigger's next due times (its own zone's rules), or why there are none."""
+    if trigger.trigger_type != TriggerType.SCHEDULE:
+        return [], ""
+    try:
+        schedule = triggers.Schedule.parse(trigger.cron_expr, trigger.timezone)
+        start = timezone.now()
+        return schedule.due_times(start, start + timedelta(days=3660), limit=count), ""
+    except triggers.ScheduleError as exc:
+        return [], str(exc)
+
+
 @admin.register(Trigger)
-class TriggerAdmin(TenantScopedAdmin):
+class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
+    """Triggers: tenant admins edit them; each page previews the next runs, links the jobs the trigger
+    started and offers *Run now* (a schedule trigger's job, started at once)."""
+
     form = TriggerForm
-    list_display = ("label", "tenant", "trigger_type", "event_name", "cron_expr", "timezone", "is_enabled",
-                    "next_run_at", "last_fired_at")
+    list_display = ("label", "tenant", "when", "is_enabled", "next_run", "last_fired", "fired_jobs")
     list_filter = ("trigger_type", "is_enabled", TenantListFilter)
     search_fields = ("label", "event_name")
-    readonly_fields = ("next_run_at", "last_fired_at", "last_error", "created_by", "created_at", "updated_at")
+    readonly_fields = ("next_run_at", "upcoming", "last_fired_at", "last_error", "jobs_started", "created_by",
+                       "created_at", "updated_at")
+    actions = bulk_actions(TRIGGER_ACTIONS, "triggers")
+    page_actions = TRIGGER_ACTIONS
+    change_form_template = "admin/jobs/trigger/change_form.html"
+
+    def after_action_url(self, request: HttpRequest, obj: Trigger) -> str:
+        return reverse("admin:jobs_trigger_change", args=[obj.pk])
+
+    def get_readonly_fields(self, request, obj=None):
+        fields = super().get_readonly_fields(request, obj)
+        return fields if obj is not None else tuple(f for f in fields if f not in ("upcoming", "jobs_started"))
+
+    def action_subject(self, obj: Trigger) -> str:
+        return f"trigger {obj.label!r}"
+
+    @admin.display(description="when")
+    def when(self, obj: Trigger) -> str:
+        if obj.trigger_type == TriggerType.EVENT:
+            return format_html("on event <code>{}</code>", obj.event_name)
+        return format_html("<code>{}</code> {}", obj.cron_expr, obj.timezone)
+
+    @admin.display(description="next run", ordering="next_run_at")
+    def next_run(self, obj: Trigger) -> str:
+        if obj.next_run_at is None:
+            return "—"
+        ahead = (obj.next_run_at - timezone.now()).total_seconds()
+        text = f"in {human_age(ahead)}" if ahead >= 0 else f"due {human_age(-ahead)} ago"
+        return format_html('<span title="{}" style="white-space:nowrap">{}</span>',
+                           obj.next_run_at.isoformat(timespec="seconds"), text)
+
+    @admin.display(description="last fired", ordering="last_fired_at")
+    def last_fired(self, obj: Trigger) -> str:
+        if obj.last_fired_at is None:
+            return "never"
+        return format_html('<span title="{}" style="white-space:nowrap">{} ago</span>',
+                           obj.last_fired_at.isoformat(timespec="seconds"),
+                           human_age((timezone.now() - obj.last_fired_at).total_seconds()))
+
+    @admin.display(description="jobs")
+    def fired_jobs(self, obj: Trigger) -> str:
+        return format_html('<a href="{}">jobs →</a>', trigger_jobs_url(obj))
+
+    @admin.display(description="next runs")
+    def upcoming(self, obj: Trigger) -> str:
+        due, problem = next_runs(obj)
+        if problem:
+            return problem
+        if not due:
+            return "—" if obj.trigger_type == TriggerType.SCHEDULE else "when its event is emitted"
+        zone = triggers.zone(obj.timezone)
+        return format_html_join(mark_safe("<br>"), "{} <span class=\"accs-muted\">({})</span>",
+                                ((d.astimezone(zone).strftime("%a %Y-%m-%d %H:%M %Z"),
+                                  f"in {human_age((d - timezone.now()).total_seconds())}") for d in due))
+
+    @admin.display(description="jobs started")
+    def jobs_started(self, obj: Trigger) -> str:
+        return self.fired_jobs(obj) if obj.pk else "—"
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         if db_field.name == "tenant":

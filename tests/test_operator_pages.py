@@ -451,3 +451,30 @@ def test_node_page_shows_running_tasks_failures_and_drains(client, root, tenants
         "Drain: node node-t is draining: it claims nothing new"]
     client.post(reverse("admin:nodes_node_act", args=["node-t", "undrain"]))
     assert Node.objects.get(name="node-t").state == "active"
+
+
+# --------------------------------------------------------------------------------------------
+# Triggers: next runs, run now, the jobs a trigger started
+# --------------------------------------------------------------------------------------------
+
+def test_trigger_page_previews_next_runs_runs_now_and_links_its_jobs(client, root, tenants, make_service):
+    from jobs.models import Job, Trigger
+
+    backup = make_service("backup")
+    trigger = Trigger.objects.create(tenant=tenants.acme, label="nightly backup", trigger_type="schedule",
+                                     cron_expr="0 2 * * *", timezone="Europe/Oslo", service=backup)
+    page = client.get(reverse("admin:jobs_trigger_change", args=[trigger.pk])).content.decode()
+    assert page.count("02:00 CE") == 5, "five next runs at 02:00 Oslo time"
+    assert 'id="accs-trigger-run_now"' in page
+
+    ran = client.post(reverse("admin:jobs_trigger_act", args=[trigger.pk, "run_now"]), follow=True)
+    [message] = [str(m) for m in ran.context["messages"]]
+    assert message.startswith("Run now: trigger 'nightly backup': job ") and message.endswith(" started"), message
+    job = Job.objects.get(source_ref=f"trigger:{trigger.pk}")
+    assert job.service.key == "backup" and job.tenant_id == tenants.acme.pk
+    assert [m for _u, m in log_messages(trigger)][0].startswith("Run now: job ")
+
+    listing = client.get(reverse("admin:jobs_trigger_changelist")).content.decode()
+    link = re.search(r'<a href="([^"]+)">jobs →</a>', listing).group(1).replace("&amp;", "&")
+    jobs = client.get(link).context["cl"]
+    assert [j.pk for j in jobs.result_list] == [job.pk]
