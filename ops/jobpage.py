@@ -161,7 +161,6 @@ def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
                or (r.reason != "backoff" and (r.service == task.service.key or job.status == JobStatus.QUEUED))]
     if task.status not in ("waiting", "queued", "scheduled"):
         reasons = []
-    task.shown_progress = shown_progress(task)
     elapsed = Task.objects.filter(pk=task.pk).annotate(elapsed=run_interval()).values_list("elapsed", flat=True).first()
     task.elapsed = elapsed
     attempts = list(Attempt.objects.filter(task_id=task.pk).order_by("-attempt_no")[:JOB_PAGE_ATTEMPTS])
@@ -171,6 +170,7 @@ def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
         "task_attempt_text": attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
                                           budget=task.service.max_attempts),
         "task_elapsed": elapsed_text(task),
+        "task_progress": shown_progress(task),
         "task_attempts": attempts,
         "task_job": job,
         "task_page_url": reverse("admin:jobs_task_change", args=[task.pk]),
