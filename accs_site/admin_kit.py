@@ -294,7 +294,8 @@ def confirm_page(request: HttpRequest, modeladmin: admin.ModelAdmin, *, verb: st
     subjects = [subject_of(modeladmin, obj) for obj in objects]
     context = {
         **modeladmin.admin_site.each_context(request), "opts": modeladmin.opts, "verb": verb,
-        "title": f"{verb} {subjects[0]}?" if len(subjects) == 1 else f"{verb} {len(subjects)} {modeladmin.opts.verbose_name_plural}?",
+        "title": f"{verb} {subjects[0]}?" if len(subjects) == 1 else (
+            f"{verb} {len(subjects)} {modeladmin.opts.verbose_name_plural}?"),
         "subjects": subjects, "hidden": hidden, "options": options, "note": note,
         "back_url": safe_next(request, request.META.get("HTTP_REFERER") or ""),
     }

@@ -29,7 +29,8 @@ from django.utils.http import urlencode
 from django.utils.safestring import mark_safe
 
 from accs_site.admin_kit import (
-    ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
+    ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
+    bulk_actions, safe_next,
     actor, log_bulk, perform, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import redrive, transitions, triggers

@@ -250,7 +250,9 @@ def attempt_text(*, attempt: int, max_attempts: int, budget: int) -> str:
     retry = attempt - base - 1
     if budget == 1:
         return f"attempt {attempt} (no retries)"
-    return f"attempt {attempt} (first of {budget})" if retry == 0 else f"attempt {attempt} (retry {retry} of {budget - 1})"
+    if retry == 0:
+        return f"attempt {attempt} (first of {budget})"
+    return f"attempt {attempt} (retry {retry} of {budget - 1})"
 
 
 def shown_progress(task: Task) -> float | None:

@@ -751,7 +751,8 @@ def _job_queued_reasons(job: Any, *, target: str, now: datetime) -> list[StuckRe
         return [reason(Stuck.APPROVAL, "the job waits for approval",
                        "approve or reject it with the buttons above (a tenant admin or superuser)")]
     if job.scheduled_at and job.scheduled_at > now:
-        return [reason(Stuck.SCHEDULED, f"the job is scheduled for {timezone.localtime(job.scheduled_at):%Y-%m-%d %H:%M}",
+        when = f"{timezone.localtime(job.scheduled_at):%Y-%m-%d %H:%M}"
+        return [reason(Stuck.SCHEDULED, f"the job is scheduled for {when}",
                        f"it starts in {human_age((job.scheduled_at - now).total_seconds())}")]
     out = []
     workflow = job.workflow if job.workflow_id else None

@@ -123,7 +123,8 @@ def test_bulk_retry_reports_changed_and_unchanged_with_reasons(client, root, ten
 def test_bulk_approve_and_reject(client, root, tenants, make_service):
     make_service("gated", requires_approval=True)
     a, b = (api.start_service("gated", tenant=tenants.acme) for _ in range(2))
-    assert _bulk(client, "job", "approve_jobs", [a.pk]) == [f"Approve: job {str(a.pk)[:8]} (service gated): job approved"]
+    assert _bulk(client, "job", "approve_jobs", [a.pk]) == [
+        f"Approve: job {str(a.pk)[:8]} (service gated): job approved"]
     assert _bulk(client, "job", "reject_jobs", [a.pk, b.pk], confirm=True) == [
         f"Reject: job {str(b.pk)[:8]} (service gated): job rejected and canceled; "
         f"unchanged: job {str(a.pk)[:8]} (service gated): job is not waiting for approval"]

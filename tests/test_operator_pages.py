@@ -306,8 +306,8 @@ def test_job_progress_follows_its_tasks_and_a_failed_job_is_not_full(client, roo
     page = client.get(job_url(failed)).content.decode()
     assert re.search(r'id="accs-job-progress"[^>]*>0 %<', page), "a failed job is not shown as complete"
     listing = client.get(reverse("admin:jobs_job_changelist")).content.decode()
-    rows = {m.group(1): m.group(2) for m in re.finditer(
-        r'<a href="/admin/jobs/job/([0-9a-f-]+)/change/">.*?<td class="field-progress_pct">([^<]+)</td>', listing, re.S)}
+    row = r'<a href="/admin/jobs/job/([0-9a-f-]+)/change/">.*?<td class="field-progress_pct">([^<]+)</td>'
+    rows = {m.group(1): m.group(2) for m in re.finditer(row, listing, re.S)}
     assert rows == {str(job.pk): "35 %", str(failed.pk): "0 %"}, rows
 
 

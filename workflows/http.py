@@ -277,7 +277,8 @@ def update_workflow(request: HttpRequest, body: WorkflowPatch,
             raise HttpError(404, f"no workflow {name!r} version {version}")
         if "steps" in changes:
             if reason := steps_frozen_reason(workflow):
-                return Status(409, {"detail": f"{reason}; POST /workflows with the new steps to create the next version"})
+                return Status(409, {"detail": f"{reason}; POST /workflows with the new steps to create the next "
+                                              "version"})
             workflow.steps = _steps(body.steps)
         for field in ("description", "is_active", "max_active_jobs"):
             if field in changes:
