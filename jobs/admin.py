@@ -11,6 +11,7 @@ task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, 
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -27,6 +28,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.safestring import mark_safe
+from django.utils.text import Truncator
 
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
@@ -138,6 +140,16 @@ class ApiTokenAdmin(admin.ModelAdmin):
 # --------------------------------------------------------------------------------------------
 # Bulk redrive: "Redrive all matching…" on the task and job lists
 # --------------------------------------------------------------------------------------------
+
+FULL_UUID = re.compile(r"\b([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+
+
+def error_cell(message: str, *, code: str = "") -> str:
+    """Render an error for a list row: ids shortened to 8 characters, cut at 80; the whole text as its title."""
+    whole = f"{code}: {message}" if code else message
+    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole,
+                       Truncator(FULL_UUID.sub(r"\1", message)).chars(80))
+
 
 class RedriveForm(forms.Form):
     """The filter of a bulk redrive; the tenant choices are the tenants the operator administers."""
@@ -268,12 +280,14 @@ def task_actions_for(task: Task) -> list[str]:
 
 @admin.register(Job)
 class JobAdmin(RedriveAdmin):
-    list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "priority",
-                    "source", "approval_state", "age", "duration", "finished_at")
+    # Fits 1440 px: priority, source and approval are filters (approval also shows by the status).
+    list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "age",
+                    "duration", "last_error")
     list_display_links = ("short_id",)
     list_filter = ("status", "approval_state", "source", TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
-    search_help_text = ("A job id or its first characters (4 or more hex digits), else an exact external id / "
+    search_help_text = ("A job id or one of its tasks' ids, or a job id's first characters (4 or more hex digits), "
+                        "else an exact external id / "
                         "dedupe key / correlation id, workflow name or service key.")
     list_select_related = ("tenant", "workflow", "service")
     ordering = ("-created_at",)  # job_created_idx
@@ -303,7 +317,9 @@ class JobAdmin(RedriveAdmin):
             return queryset, False
         as_uuid = uuid_or_none(term)
         if as_uuid:
-            return queryset.filter(pk=as_uuid), False
+            # A task id finds its job (one primary-key lookup on tasks).
+            of_task = Task.objects.filter(pk=as_uuid).values("job_id")
+            return queryset.filter(Q(pk=as_uuid) | Q(pk__in=of_task)), False
         if span := uuid_prefix_range(term):
             # An id prefix is searched as an id range only: OR-ing it with the unindexed text
             # fields below would read every job.
@@ -327,7 +343,16 @@ class JobAdmin(RedriveAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Job) -> str:
+        if obj.approval_state == ApprovalState.PENDING:
+            return status_pill(obj.status, extra=format_html(" {}", status_pill("pending", label="approval")))
         return status_pill(obj.status)
+
+    @admin.display(description="error")
+    def last_error(self, obj: Job) -> str:
+        """The job's error, shortened (the full text is its title and on the job page)."""
+        if not obj.error_message:
+            return ""
+        return error_cell(obj.error_message, code=obj.error_code)
 
     @admin.display(description="progress")
     def progress_pct(self, obj: Job) -> str:
@@ -399,8 +424,8 @@ TASK_ACTIONS: ActionTable = {
 
 @admin.register(Task)
 class TaskAdmin(RedriveAdmin):
-    list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "priority", "node",
-                    "host", "next_attempt_at", "finished_at")
+    list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "node", "host",
+                    "finished_at", "last_error")
     list_filter = ("status", "service", NodeListFilter, TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
@@ -437,6 +462,13 @@ class TaskAdmin(RedriveAdmin):
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Task) -> str:
         return status_pill(obj.status)
+
+    @admin.display(description="error")
+    def last_error(self, obj: Task) -> str:
+        """The task's last error, shortened (the full text is its title and on the task page)."""
+        if not obj.error_message:
+            return ""
+        return error_cell(obj.error_message, code=obj.error_code)
 
     @admin.display(description="attempt")
     def attempts(self, obj: Task) -> str:

@@ -93,3 +93,28 @@ def test_canceled_job_page_refreshes_until_its_task_stops_then_offers_retry(brow
     assert css(browser, "#accs-job")[0].get_attribute("data-active") == "0", "the refresh stopped"
     assert browser.execute_script("return window.accsNoReload") is True, "updated without a reload"
     assert not css(browser, "#accs-job-stopping")
+
+
+def test_job_and_task_lists_fit_1440_px_and_show_the_last_error(browser, live_server, shots):
+    from tests.ops_helpers import pipeline_scene
+
+    scene = pipeline_scene(two_tenants())
+    make_user("root", superuser=True)
+    base = live_server.url
+    log_in(browser, base, "root")
+    browser.execute_script("localStorage.removeItem('django.admin.navSidebarIsOpen')")  # a first visit
+    for path, shot in (("/admin/jobs/job/", "jobs_list.png"), ("/admin/jobs/task/", "tasks_list.png")):
+        browser.get(base + path)
+        wait(browser, lambda d: css(d, "#result_list"), f"the list at {path}")
+        fits = browser.execute_script(
+            "const r = document.querySelector('.results'), t = document.querySelector('#result_list');"
+            "return {scroll: r.scrollWidth, client: r.clientWidth, right: t.getBoundingClientRect().right,"
+            " page: document.documentElement.clientWidth};")
+        assert fits["scroll"] <= fits["client"] and fits["right"] <= fits["page"], (path, fits)
+        assert not css(browser, "#nav-sidebar") or not css(browser, "#nav-sidebar")[0].is_displayed(), \
+            "the sidebar starts closed"
+        errors = [e.text for e in css(browser, "td.field-last_error .accs-error-text")]
+        assert any("out of memory" in e for e in errors), (path, errors)
+        full_page_screenshot(browser, shots / shot, max_height=900)
+    assert browser.get_window_size()["width"] == 1440
+    assert scene.failed.status == "error"

@@ -478,3 +478,16 @@ def test_trigger_page_previews_next_runs_runs_now_and_links_its_jobs(client, roo
     link = re.search(r'<a href="([^"]+)">jobs →</a>', listing).group(1).replace("&amp;", "&")
     jobs = client.get(link).context["cl"]
     assert [j.pk for j in jobs.result_list] == [job.pk]
+
+
+def test_job_search_finds_a_job_by_one_of_its_task_ids(client, root, tenants):
+    from jobs.models import Task
+    from tests.ops_helpers import failed_service_job
+
+    job = failed_service_job(tenants.acme)
+    other = failed_service_job(tenants.acme, key="other")
+    task = Task.objects.get(job=job)
+    found = client.get(reverse("admin:jobs_job_changelist"), {"q": str(task.pk)}).context["cl"].result_list
+    assert [j.pk for j in found] == [job.pk] and other.pk != job.pk
+    listing = client.get(reverse("admin:jobs_job_changelist")).content.decode()
+    assert "exit 3: disk full on /srv" in listing, "the last error is on the job's row"
