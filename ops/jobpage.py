@@ -32,7 +32,7 @@ from django.utils.http import content_disposition_header, urlencode
 
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from accs_site.admin_kit import run_interval
-from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, JobStatus, Task, TaskStatus
+from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
 from jobs.scoping import can_act, scope
 from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
 from ops.overview import human_age, job_stuck_reasons
@@ -437,7 +437,10 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
     artifact = (Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no, kind=ArtifactKind.LOG)
                 .order_by("-created_at").first())
     problem, log = "", None
-    if artifact is None:
+    running = attempt.status == AttemptStatus.RUNNING
+    if artifact is None and running:
+        log = timeline_log(attempt, min_level=level, tail=tail)
+    elif artifact is None:
         problem = ("This attempt has no log artifact: agents store one when an attempt ends and artifact "
                    "storage is configured. The attempt's output tails are on the job page.")
     else:
@@ -455,8 +458,12 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
     level_links = [{"label": "all", "url": f"{page}?{urlencode(others)}" if others else page, "active": not level}]
     level_links += [{"label": f"≥ {lv}", "value": lv, "url": f"{page}?{urlencode({**others, 'level': lv})}",
                      "active": level == lv} for lv in LEVELS[1:]]
+    live = artifact is None and running
     context = {
         **admin.site.each_context(request),
+        "live": live,
+        "live_url": f"{page}?{urlencode({**request.GET.dict(), 'format': 'json'})}",
+        "refresh_seconds": refresh_seconds(request, REFRESH_SECONDS),
         "title": f"Log of {attempt.task.task_key}, attempt {attempt.attempt_no}",
         "job": job,
         "attempt": attempt,
@@ -469,7 +476,25 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
         "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
         "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]) if artifact else "",
     }
+    if request.GET.get("format") == "json":
+        html = render_to_string("admin/accs/_attempt_log_lines.html", context, request=request)
+        return JsonResponse({"html": html, "active": live, "status": attempt.status,
+                             "generated_at": timezone.now().isoformat()})
     return TemplateResponse(request, "admin/accs/attempt_log.html", context)
+
+
+def timeline_log(attempt: Attempt, *, min_level: str = "", tail: int = DEFAULT_TAIL) -> LogTail:
+    """Return a running attempt's last log lines from the timeline (its log artifact comes when it ends).
+
+    Agents write each line the command prints to the timeline as a ``log`` event of the task and
+    attempt, so the running attempt's page tails those (event_task_ts_idx, newest first).
+    """
+    lines = Event.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no, type=EventType.LOG)
+    matched = lines.filter(level__in=levels_from(min_level)) if min_level else lines
+    newest = list(matched.order_by("-ts", "-id").values_list("ts", "level", "message")[:tail])
+    return LogTail(lines=[LogLine(ts=ts, level=LOG_LEVEL_ALIASES.get(lv, lv), message=msg)
+                          for ts, lv, msg in reversed(newest)],
+                   total=lines.count(), matched=matched.count())
 
 
 __all__ = [

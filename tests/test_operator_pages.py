@@ -491,3 +491,37 @@ def test_job_search_finds_a_job_by_one_of_its_task_ids(client, root, tenants):
     assert [j.pk for j in found] == [job.pk] and other.pk != job.pk
     listing = client.get(reverse("admin:jobs_job_changelist")).content.decode()
     assert "exit 3: disk full on /srv" in listing, "the last error is on the job's row"
+
+
+# --------------------------------------------------------------------------------------------
+# A running attempt's log page tails its lines from the timeline and refreshes itself
+# --------------------------------------------------------------------------------------------
+
+def test_running_attempt_log_tails_the_timeline_and_refreshes(client, root, tenants, make_service):
+    from events.timeline import EventRow, write_events
+    from jobs import transitions
+    from jobs.models import Attempt
+    from tests.engine_helpers import claim_for, run_ok
+
+    svc = make_service("encode")
+    job = api.start_service("encode", tenant=tenants.acme)
+    [held] = claim_for(svc)
+    transitions.mark_running([(held.id, held.attempt, 42)], agent_id="agent-t", source="agent:test")
+    attempt = Attempt.objects.get(task_id=held.id, attempt_no=held.attempt)
+    assert attempt.status == "running"
+    write_events([EventRow(type="log", message=text, job_id=job.pk, task_id=held.id, attempt=held.attempt,
+                           source="agent:test", level=level)
+                  for level, text in (("info", "frame 1/3"), ("warn", "ERROR: disk almost full"), ("info", "frame 2/3"))])
+    url = reverse("ops:attempt_log", args=[job.pk, attempt.pk])
+    page = client.get(url).content.decode()
+    assert 'id="accs-log-live"' in page and "data-live-url=" in page and 'id="accs-log-problem"' not in page
+    assert page.index("frame 1/3") < page.index("ERROR: disk almost full") < page.index("frame 2/3")
+    warn = client.get(url, {"level": "warn"}).content.decode()
+    assert "ERROR: disk almost full" in warn and "frame 1/3" not in warn
+    data = client.get(url, {"format": "json"}).json()
+    assert data["active"] is True and "frame 2/3" in data["html"]
+
+    run_ok([held])  # ended without storing a log artifact (no storage configured)
+    data = client.get(url, {"format": "json"}).json()
+    assert data["active"] is False
+    assert 'id="accs-log-problem"' in client.get(url).content.decode()
