@@ -525,3 +525,14 @@ def test_running_attempt_log_tails_the_timeline_and_refreshes(client, root, tena
     data = client.get(url, {"format": "json"}).json()
     assert data["active"] is False
     assert 'id="accs-log-problem"' in client.get(url).content.decode()
+
+
+def test_workflow_steps_are_edited_as_indented_json(client, root, make_service):
+    make_service("a")
+    wf = Workflow.objects.create(name="pretty", version=1, steps=[{"key": "one", "service": "a"}])
+    form = client.get(reverse("admin:workflows_workflow_change", args=[wf.pk])).context["adminform"].form
+    assert form["steps"].value() == '[\n  {\n    "key": "one",\n    "service": "a"\n  }\n]'
+    broken = client.post(reverse("admin:workflows_workflow_change", args=[wf.pk]),
+                         workflow_post(wf, steps='[{"key": "one",'))
+    assert "Enter a valid JSON." in str(broken.context["adminform"].form.errors["steps"])
+    assert '[{&quot;key&quot;: &quot;one&quot;,' in broken.content.decode(), "what was typed stays to correct"

@@ -8,6 +8,7 @@ form, which raises a new condition), never by editing their timestamps.
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -94,6 +95,15 @@ class ServiceAdmin(admin.ModelAdmin):
 FROZEN_WHEN_USED = ("name", "version", "steps")
 
 
+class IndentedJSONField(forms.JSONField):
+    """A JSON field shown indented, one step per block, instead of one long line."""
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, forms.fields.InvalidJSONInput):
+            return value  # what the operator typed, to correct it
+        return json.dumps(value, ensure_ascii=False, indent=2, cls=self.encoder)
+
+
 class WorkflowForm(ProblemsByFieldForm):
     """Refuse to change the steps, name or version of a version that jobs use (as the HTTP API does)."""
 
@@ -105,7 +115,8 @@ class WorkflowForm(ProblemsByFieldForm):
     class Meta:
         model = Workflow
         fields = "__all__"
-        widgets = {"steps": forms.Textarea(attrs={"rows": 16, "cols": 100, "style": "font-family: monospace"})}
+        field_classes = {"steps": IndentedJSONField}
+        widgets = {"steps": forms.Textarea(attrs={"rows": 24, "cols": 100, "style": "font-family: monospace"})}
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
