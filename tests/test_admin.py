@@ -410,7 +410,7 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
     """With many finished tasks and attempts, the dashboard's queries avoid scanning them."""
     from django.db import connection
 
-    from ops import overview
+    from ops import charts, overview
 
     svc = make_service("hist")
     job = api.start_service("hist", tenant=tenants.acme)
@@ -430,12 +430,15 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
             ("dead", overview.DEAD_LETTER_SQL, {"ids": [str(tenants.acme.pk)]}),
             ("recent", overview.RECENT_STATS_SQL.format(tenants="TRUE"), {"sample": 1000, "since": job.created_at}),
             ("failures", overview.RECENT_FAILURES_SQL.format(tenants="TRUE"), {"sample": 1000, "limit": 10}),
+            ("charts", charts.CHART_SQL.format(tenants="TRUE"), {"sample": 1000, "since": job.created_at,
+                                                                   "bucket": 600}),
         ):
             cur.execute("EXPLAIN " + sql, params)
             plans[name] = "\n".join(r[0] for r in cur.fetchall())
     for name, plan in plans.items():
         assert "Seq Scan on accs_task " not in plan and "Seq Scan on accs_attempt" not in plan, f"{name}:\n{plan}"
     assert "accs_attempt_pkey" in plans["recent"], plans["recent"]
+    assert "accs_attempt_pkey" in plans["charts"], plans["charts"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -536,3 +536,25 @@ def test_workflow_steps_are_edited_as_indented_json(client, root, make_service):
                          workflow_post(wf, steps='[{"key": "one",'))
     assert "Enter a valid JSON." in str(broken.context["adminform"].form.errors["steps"])
     assert '[{&quot;key&quot;: &quot;one&quot;,' in broken.content.decode(), "what was typed stays to correct"
+
+
+# --------------------------------------------------------------------------------------------
+# The dashboard's charts
+# --------------------------------------------------------------------------------------------
+
+def test_dashboard_charts_count_attempts_and_failures_per_bar(client, root, tenants):
+    from ops.charts import chart_data
+    from tests.ops_helpers import pipeline_scene
+
+    pipeline_scene(tenants)
+    charts = chart_data()
+    assert charts.bars == 36 and not charts.partial
+    by_service = {s.service: s for s in charts.services}
+    # render: four hosts, one of them failed twice; all started within the last bar or two.
+    assert by_service["render"].total == 5 and sum(by_service["render"].failed) == 2
+    assert charts.overall.total == sum(s.total for s in charts.services)
+    body = client.get(reverse("ops:dashboard")).content.decode()
+    section = body[body.index('id="accs-charts"'):]
+    section = section[:section.index("</table>")]
+    assert section.count('<svg xmlns="http://www.w3.org/2000/svg" class="accs-chart"') == 3 * (1 + len(by_service))
+    assert '<tr data-chart="render">' in section and "attempts failed per bar, render" in section
