@@ -728,6 +728,8 @@ def job_stuck_reasons(job: Any, *, show_nodes: bool = True, now: datetime | None
         return _job_queued_reasons(job, target=target, now=now)
     if job.status not in ("waiting", "running"):
         return []
+    if not job.tasks.filter(status__in=("queued", "scheduled")).exists():  # task_job_status_idx
+        return []  # nothing queued: a running job's page asks this on every refresh
     reasons = stuck_reasons(nodes=node_health(now=now), conditions=governor_conditions(now=now), job_id=job.pk,
                             show_nodes=show_nodes)
     backoff = list(job.tasks.filter(status="scheduled").order_by("next_attempt_at")
