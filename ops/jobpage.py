@@ -277,6 +277,7 @@ def _artifacts(job: Job) -> list[Artifact]:
                 .order_by("task__task_key", "attempt", "kind", "key")[:JOB_PAGE_ARTIFACTS])
     for artifact in rows:
         artifact.name = artifact_name(artifact)
+        artifact.previewable = previewable(artifact)
     return rows
 
 
@@ -339,6 +340,56 @@ def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int)
     response["Content-Disposition"] = content_disposition_header(True, artifact_name(artifact).rsplit("/", 1)[-1])
     response["X-Content-Type-Options"] = "nosniff"
     return response
+
+
+#: Artifacts up to this size are shown inline when they are text or JSON (read whole, so checked).
+PREVIEW_MAX_BYTES = 512 * 1024
+PREVIEW_SUFFIXES = (".txt", ".log", ".csv", ".tsv", ".json", ".jsonl", ".md", ".yaml", ".yml", ".xml", ".html")
+
+
+def previewable(artifact: Artifact) -> bool:
+    """Whether an artifact is small text or JSON the page can show inline."""
+    kind = (artifact.content_type or "").split(";")[0].strip().lower()
+    texty = kind.startswith("text/") or kind.endswith(("/json", "+json", "/x-ndjson", "/xml", "/yaml"))
+    return artifact.size_bytes <= PREVIEW_MAX_BYTES and (texty or artifact_name(artifact).lower().endswith(
+        PREVIEW_SUFFIXES))
+
+
+def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
+    """Show a small text or JSON artifact inline (JSON indented), checked against its checksum."""
+    from events.artifacts import ChecksumMismatch, StorageNotConfigured, read_artifact
+
+    job = visible_job(request, job_id)
+    artifact = Artifact.objects.filter(pk=artifact_id, job_id=job.pk).select_related("task").first()
+    if artifact is None:
+        raise Http404("no such artifact")
+    text, problem = "", ""
+    if not previewable(artifact):
+        problem = (f"Only text and JSON up to {PREVIEW_MAX_BYTES // 1024} KB are shown here; download this one "
+                   f"({artifact.content_type}, {artifact.size_bytes} bytes).")
+    else:
+        try:
+            text = read_artifact(artifact).decode("utf-8", errors="replace")
+        except StorageNotConfigured as exc:
+            problem = str(exc)
+        except FileNotFoundError:
+            problem = f"The artifact's object {artifact.key} is missing from storage."
+        except ChecksumMismatch as exc:
+            problem = f"The artifact was changed after it was stored and is not shown: {exc}"
+    is_json = artifact_name(artifact).lower().endswith(".json") or "/json" in (artifact.content_type or "")
+    if text and is_json:
+        try:
+            text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        except ValueError:
+            pass  # JSON lines, or not JSON after all: shown as stored
+    context = {
+        **admin.site.each_context(request),
+        "title": f"{artifact_name(artifact)} ({artifact.kind})",
+        "job": job, "artifact": artifact, "text": text, "problem": problem,
+        "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
+        "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]),
+    }
+    return TemplateResponse(request, "admin/accs/artifact_preview.html", context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,6 +549,6 @@ def timeline_log(attempt: Attempt, *, min_level: str = "", tail: int = DEFAULT_T
 
 
 __all__ = [
-    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "attempt_log_view", "job_data_view",
+    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view", "attempt_log_view", "job_data_view",
     "job_page_context", "parse_log_line", "tail_log", "visible_job",
 ]

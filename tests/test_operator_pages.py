@@ -558,3 +558,30 @@ def test_dashboard_charts_count_attempts_and_failures_per_bar(client, root, tena
     section = section[:section.index("</table>")]
     assert section.count('<svg xmlns="http://www.w3.org/2000/svg" class="accs-chart"') == 3 * (1 + len(by_service))
     assert '<tr data-chart="render">' in section and "attempts failed per bar, render" in section
+
+
+# --------------------------------------------------------------------------------------------
+# Text and JSON artifacts are shown inline
+# --------------------------------------------------------------------------------------------
+
+def test_small_text_and_json_artifacts_are_previewed_inline(client, root, tenants, s3):
+    from events.artifacts import record_artifact
+    from jobs.models import Task
+    from tests.ops_helpers import failed_service_job, make_user
+
+    job = failed_service_job(tenants.acme)
+    task = Task.objects.get(job=job)
+    report = record_artifact(job_id=job.pk, task_id=task.pk, attempt=1, kind="output", name="report.json",
+                             data=b'{"frames": 3, "ok": false}', content_type="application/json")
+    binary = record_artifact(job_id=job.pk, task_id=task.pk, attempt=1, kind="output", name="frame.png",
+                             data=b"\x89PNG" + bytes(64), content_type="image/png")
+    page = client.get(job_url(job)).content.decode()
+    preview = reverse("ops:job_artifact_preview", args=[job.pk, report.pk])
+    assert f'href="{preview}"' in page
+    assert reverse("ops:job_artifact_preview", args=[job.pk, binary.pk]) not in page, "no view link for a PNG"
+    shown = client.get(preview).content.decode()
+    assert '<pre id="accs-preview">{\n  &quot;frames&quot;: 3,\n  &quot;ok&quot;: false\n}</pre>' in shown
+    refused = client.get(reverse("ops:job_artifact_preview", args=[job.pk, binary.pk])).content.decode()
+    assert 'id="accs-preview-problem"' in refused and "download this one" in refused
+    client.force_login(make_user("bob", tenants={tenants.globex: "admin"}))
+    assert client.get(preview).status_code == 404
