@@ -190,6 +190,7 @@ def _tasks(job: Job) -> list[Task]:
     """Return the job's tasks in the workflow's step order, each with its elapsed time."""
     tasks = list(Task.objects.filter(job_id=job.pk).select_related("service", "host").annotate(elapsed=run_interval())
                  .order_by("created_at", "task_key")[:JOB_PAGE_TASKS])
+    now = timezone.now()
     # Show tasks in the order of the workflow's steps (they are created together).
     position = {s.get("key"): i for i, s in enumerate(job.workflow.steps or [])} if job.workflow_id else {}
     tasks.sort(key=lambda t: (position.get(t.step_key, len(position)), t.task_key))
@@ -201,7 +202,16 @@ def _tasks(job: Job) -> list[Task]:
         task.elapsed_text = elapsed_text(task)
         task.attempt_text = attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
                                          budget=task.service.max_attempts)
+        task.next_text = next_attempt_text(task, now=now)
     return tasks
+
+
+def next_attempt_text(task: Task, *, now: datetime) -> str:
+    """Say when a queued task may start: "due now" once its time has come, else "in 4 min"."""
+    if task.status not in (TaskStatus.QUEUED, TaskStatus.SCHEDULED):
+        return ""
+    ahead = (task.next_attempt_at - now).total_seconds()
+    return f"in {human_age(ahead)}" if ahead > 1 else "due now"
 
 
 def _task_share() -> Case:

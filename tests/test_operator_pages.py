@@ -401,8 +401,12 @@ def test_job_and_task_pages_say_why_a_queued_task_is_not_moving(client, root, te
     flaky = make_service("flaky-net", max_attempts=3, backoff_base_seconds=600)
     retrying = api.start_service("flaky-net", tenant=tenants.acme)
     run_fail(claim_for(flaky), error="connection reset")
-    items = stuck_items(client.get(job_url(retrying)).content.decode())
+    retry_page = client.get(job_url(retrying)).content.decode()
+    items = stuck_items(retry_page)
     assert "task flaky-net waits out its backoff after attempt 1 failed" in items["backoff"], items
+    assert re.search(r'class="accs-next"[^>]*>in (9|10) min<', retry_page), "the next attempt in words"
+    assert re.search(r'class="accs-next"[^>]*>due now<', client.get(job_url(job)).content.decode()), \
+        "a queued task past its time is due now, not a time in the past"
     retry_task = Task.objects.get(job=retrying)
     page = client.get(reverse("admin:jobs_task_change", args=[retry_task.pk])).content.decode()
     assert "backoff" in stuck_items(page) and 'id="accs-task-retry"' not in page
