@@ -2,6 +2,10 @@
 page buttons and bulk actions from one table, a list paginator that does not count millions of rows,
 and the status pill.
 
+Every operator action goes through :func:`perform`: it names each object in the message, and writes
+Django's admin log entry for each change (the object's History, the index's "Recent actions").
+Destructive actions (:data:`DESTRUCTIVE`) answer first with a confirmation page (:func:`confirm_page`).
+
 Tenant isolation has one definition, :mod:`jobs.scoping`: every tenant-owned list is filtered
 through it, objects of other tenants do not exist for a tenant admin (their URLs redirect like a
 deleted object's), and actions only touch objects the user may act on.
