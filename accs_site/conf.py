@@ -223,6 +223,11 @@ class AccsSettings:
         return _int("ACC_ORPHAN_GRACE_SEC", 3600, minimum=60)
 
     @cached_property
+    def allow_self_approval(self) -> bool:
+        """Let the user who started an approval-gated job approve it too (off: another approver must)."""
+        return _bool("ACC_ALLOW_SELF_APPROVAL", False)
+
+    @cached_property
     def metrics_token(self) -> str | None:
         return _raw("ACC_METRICS_TOKEN")
 
