@@ -31,6 +31,14 @@ class Tenant(models.Model):
     name = models.CharField(max_length=200)
     timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
     max_in_flight = models.PositiveIntegerField(default=0, help_text="Running jobs at once; 0 = unlimited.")
+    # A priority band: every job of the tenant is clamped into it when it starts, so a tenant cannot
+    # claim ahead of the others by asking for a higher priority than the site gave it.
+    min_priority = models.IntegerField(default=-1000, db_default=-1000, help_text="Lowest priority a job of this tenant gets.")
+    max_priority = models.IntegerField(default=1000, db_default=1000, help_text="Highest priority a job of this tenant gets.")
+    # Written by the claim (best effort, never waited for): tenants at equal priority take turns,
+    # the one served least recently first.
+    served_at = models.DateTimeField(null=True, blank=True, editable=False,
+                                     help_text="When an agent last claimed a task of this tenant among others.")
     retention_days = models.PositiveIntegerField(
         null=True, blank=True,
         help_text="Days finished jobs are kept before they are pruned; 0 = for ever, empty = ACC_RETENTION_DAYS.",
@@ -44,6 +52,13 @@ class Tenant(models.Model):
     class Meta:
         db_table = "accs_tenant"
         ordering = ["slug"]
+        constraints = [
+            models.CheckConstraint(condition=Q(min_priority__lte=F("max_priority")), name="tenant_priority_band_valid"),
+        ]
+
+    def clamp_priority(self, priority: int) -> int:
+        """Return ``priority`` moved into the tenant's band."""
+        return max(self.min_priority, min(self.max_priority, priority))
 
     def __str__(self) -> str:
         return self.slug
@@ -310,11 +325,12 @@ class Task(models.Model):
             ),
         ]
         indexes = [
-            # The claim path (jobs.claim): queued tasks of a service in the global order. Tasks
-            # bound to a host have their own index, so a node never scans past other nodes'
-            # host-bound work; tasks waiting out a backoff are "scheduled", in neither.
+            # The claim path (jobs.claim): queued tasks of a service, per tenant (so tenants take
+            # turns), in the global order. Tasks bound to a host have their own index, so a node
+            # never scans past other nodes' host-bound work; tasks waiting out a backoff are
+            # "scheduled", in neither.
             models.Index(
-                "service", F("priority").desc(), "order_seq", "created_at", "id",
+                "service", "tenant", F("priority").desc(), "order_seq", "created_at", "id",
                 condition=Q(status="queued", host__isnull=True), name="task_claim_idx",
             ),
             models.Index(

@@ -1,0 +1,82 @@
+"""Tenants cannot starve each other: priority bands, turns at equal priority, a default in-flight cap."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from jobs import api, transitions
+from jobs.models import Job, Task, Tenant
+from tests.engine_helpers import claim_for, run_ok
+
+pytestmark = pytest.mark.django_db
+
+INT32 = 2**31 - 1
+
+
+@pytest.fixture
+def tenants(db):
+    return Tenant.objects.create(slug="flood", name="Flood"), Tenant.objects.create(slug="quiet", name="Quiet")
+
+
+def test_a_jobs_priority_is_clamped_into_its_tenants_band_on_every_start_path(make_service, tenants):
+    flood, _ = tenants
+    make_service("work")
+    flood.min_priority, flood.max_priority = -10, 10
+    flood.save()
+    fast = api.start_service("work", tenant=flood, priority=INT32)
+    assert (fast.priority, Task.objects.get(job=fast).priority) == (10, 10)
+    [bulk] = api.start_many([api.JobSpec(service="work", tenant=flood, priority=-INT32)])
+    assert Job.objects.get(pk=bulk).priority == -10
+    # A row written around the API (or before the band was narrowed) is clamped when admitted.
+    with connection.cursor() as cur:
+        cur.execute("UPDATE accs_job SET priority = %s WHERE id = %s", [INT32, bulk])
+    assert transitions.start_due_jobs() == [bulk]
+    assert Task.objects.get(job_id=bulk).priority == 10
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["tasks-finish-at-once", "tasks-keep-running"])
+def test_a_tenant_flooding_at_maximum_priority_does_not_delay_another_tenants_job(make_service, tenants, finish):
+    """Tenant A queues 300 jobs at the highest priority it can ask for, then tenant B starts one job
+    at the same (clamped) priority: an agent claiming one task at a time takes B's within 2 claims."""
+    flood, quiet = tenants
+    svc = make_service("work")
+    api.start_many([api.JobSpec(service="work", tenant=flood, priority=INT32) for _ in range(300)])
+    assert len(transitions.start_due_jobs(limit=1000)) == 300
+    # A claim or two before B arrives, as on a busy site.
+    for _ in range(2):
+        run_ok(claim_for(svc, 1))
+    quiet_job = api.start_service("work", tenant=quiet, priority=INT32)
+    assert quiet_job.priority == flood.max_priority == 1000
+
+    claims_until_quiet = None
+    for n in range(1, 302):
+        [task] = claim_for(svc, 1)
+        if finish:
+            run_ok([task])
+        if task.job_id == quiet_job.id:
+            claims_until_quiet = n
+            break
+    assert claims_until_quiet is not None and claims_until_quiet <= 2, (
+        f"tenant B's task was claimed at claim {claims_until_quiet} behind tenant A's flood")
+
+
+def test_tenants_take_turns_at_equal_priority_and_priority_still_wins(make_service, tenants):
+    flood, quiet = tenants
+    svc = make_service("work")
+    api.start_many([api.JobSpec(service="work", tenant=flood, priority=5) for _ in range(6)]
+                   + [api.JobSpec(service="work", tenant=quiet, priority=5) for _ in range(3)]
+                   + [api.JobSpec(service="work", tenant=quiet, priority=1) for _ in range(2)])
+    transitions.start_due_jobs()
+
+    def claimed(n: int) -> list[tuple[str, int]]:
+        tasks = claim_for(svc, n)
+        run_ok(tasks)  # finished, so the node's CPU budget does not limit the next claim
+        return sorted((j.tenant.slug, j.priority) for j in Job.objects.filter(
+            pk__in=[t.job_id for t in tasks]).select_related("tenant"))
+
+    # One claim of many: the tenants alternate while both have work at priority 5.
+    assert claimed(6) == [("flood", 5)] * 3 + [("quiet", 5)] * 3
+    # Then priority still wins: tenant A's last priority-5 tasks before B's priority-1 ones.
+    assert claimed(3) == [("flood", 5)] * 3
+    assert claimed(3) == [("quiet", 1)] * 2
