@@ -218,6 +218,11 @@ class AccsSettings:
         return _int("ACC_RETENTION_BATCH", 500, minimum=1, maximum=10_000)
 
     @cached_property
+    def event_receipt_retention_hours(self) -> int:
+        """Hours a receipt of an HTTP event is kept, so a repeated delivery within them fires nothing."""
+        return _int("ACC_EVENT_RECEIPT_RETENTION_HOURS", 168, minimum=1)
+
+    @cached_property
     def orphan_grace_sec(self) -> int:
         """Age an artifact object without a row must reach before the sweep deletes it."""
         return _int("ACC_ORPHAN_GRACE_SEC", 3600, minimum=60)

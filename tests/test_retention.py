@@ -334,3 +334,32 @@ def test_the_due_scan_walks_the_partial_retention_indexes(services, default_tena
         plan = "\n".join(r[0] for r in cur.fetchall())
     assert "job_prune_idx" in plan and "job_prune_dead_idx" in plan, plan
     assert "Seq Scan on accs_job" not in plan, plan
+
+
+def test_event_receipts_older_than_their_retention_are_pruned_by_a_duty(default_tenant, monkeypatch):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from accs_site.conf import reload
+    from jobs.duties import all_duties
+    from jobs.receipts import EventReceipt
+
+    def receipt(event_id: str, age: timedelta) -> None:
+        EventReceipt.objects.create(tenant=default_tenant, event_id=event_id, name="e", body_digest="0" * 64,
+                                    created_at=timezone.now() - age)
+
+    monkeypatch.setenv("ACC_EVENT_RECEIPT_RETENTION_HOURS", "24")
+    reload()
+    try:
+        receipt("old-1", timedelta(hours=25))
+        receipt("old-2", timedelta(days=30))
+        receipt("fresh", timedelta(hours=23))
+        [duty] = [d for d in all_duties(batch=100) if d.name == "prune_event_receipts"]
+        assert duty.run(1) == 1, "a bounded batch"
+        assert duty.run(100) == 1
+        assert duty.run(100) == 0
+        assert list(EventReceipt.objects.values_list("event_id", flat=True)) == ["fresh"]
+    finally:
+        monkeypatch.delenv("ACC_EVENT_RECEIPT_RETENTION_HOURS")
+        reload()
