@@ -233,6 +233,15 @@ class AccsSettings:
         return _bool("ACC_ALLOW_SELF_APPROVAL", False)
 
     @cached_property
+    def api_rate_limit(self) -> int:
+        """Requests one API token may make per window (``ACC_API_RATE_WINDOW_SEC``); 0 = no limit."""
+        return _int("ACC_API_RATE_LIMIT", 1200, minimum=0)
+
+    @cached_property
+    def api_rate_window_sec(self) -> int:
+        return _int("ACC_API_RATE_WINDOW_SEC", 60, minimum=1, maximum=86_400)
+
+    @cached_property
     def metrics_token(self) -> str | None:
         return _raw("ACC_METRICS_TOKEN")
 

@@ -111,6 +111,20 @@ class ApiToken(models.Model):
         return f"{self.name} ({self.prefix}…)"
 
 
+class ApiThrottle(models.Model):
+    """Requests made with one bearer token in the current window (:mod:`jobs.throttle`)."""
+
+    digest = models.CharField(max_length=64, primary_key=True, help_text="SHA-256 of the token, as ApiToken.digest.")
+    window_start = models.DateTimeField()
+    hits = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        db_table = "accs_api_throttle"
+
+    def __str__(self) -> str:
+        return f"{self.hits} requests since {self.window_start}"
+
+
 class JobStatus(models.TextChoices):
     """Lifecycle of a job."""
 
