@@ -233,6 +233,12 @@ class AccsSettings:
         return _bool("ACC_ALLOW_SELF_APPROVAL", False)
 
     @cached_property
+    def tenant_max_in_flight(self) -> int:
+        """The ``max_in_flight`` a new tenant gets; 0 = unlimited. A capped tenant's jobs are admitted by
+        the builder (counted under a lock) rather than started in the caller's statement."""
+        return _int("ACC_TENANT_MAX_IN_FLIGHT", 0, minimum=0)
+
+    @cached_property
     def api_rate_limit(self) -> int:
         """Requests one API token may make per window (``ACC_API_RATE_WINDOW_SEC``); 0 = no limit."""
         return _int("ACC_API_RATE_LIMIT", 1200, minimum=0)

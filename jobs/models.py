@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.utils.timezone import now
 
+from accs_site.conf import accs
 from workflows.models import StepFailurePolicy
 
 JOB_ORDER_SEQUENCE = "accs_job_order_seq"
@@ -23,6 +24,11 @@ def _choices_check(field: str, choices: type[models.TextChoices], name: str) -> 
     return models.CheckConstraint(condition=Q(**{f"{field}__in": [c.value for c in choices]}), name=name)
 
 
+def default_max_in_flight() -> int:
+    """Return the in-flight cap a new tenant gets (``ACC_TENANT_MAX_IN_FLIGHT``)."""
+    return accs.tenant_max_in_flight
+
+
 class Tenant(models.Model):
     """An isolation boundary: jobs and triggers belong to exactly one tenant."""
 
@@ -30,7 +36,8 @@ class Tenant(models.Model):
     slug = models.SlugField(max_length=100, unique=True)
     name = models.CharField(max_length=200)
     timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
-    max_in_flight = models.PositiveIntegerField(default=0, help_text="Running jobs at once; 0 = unlimited.")
+    max_in_flight = models.PositiveIntegerField(
+        default=default_max_in_flight, help_text="Running jobs at once; 0 = unlimited (new tenants: ACC_TENANT_MAX_IN_FLIGHT).")
     # A priority band: every job of the tenant is clamped into it when it starts, so a tenant cannot
     # claim ahead of the others by asking for a higher priority than the site gave it.
     min_priority = models.IntegerField(default=-1000, db_default=-1000, help_text="Lowest priority a job of this tenant gets.")

@@ -80,3 +80,26 @@ def test_tenants_take_turns_at_equal_priority_and_priority_still_wins(make_servi
     # Then priority still wins: tenant A's last priority-5 tasks before B's priority-1 ones.
     assert claimed(3) == [("flood", 5)] * 3
     assert claimed(3) == [("quiet", 1)] * 2
+
+
+def test_a_new_tenant_gets_the_sites_default_in_flight_cap(make_service, monkeypatch):
+    from accs_site.conf import reload
+    from jobs.accounts import AccountError, create_tenant
+
+    make_service("work")
+    monkeypatch.setenv("ACC_TENANT_MAX_IN_FLIGHT", "2")
+    reload()
+    try:
+        tenant, created = create_tenant("capped", min_priority=0, max_priority=10)
+        assert created and (tenant.max_in_flight, tenant.min_priority, tenant.max_priority) == (2, 0, 10)
+        assert create_tenant("capped", max_in_flight=5)[0].max_in_flight == 5, "an explicit cap wins"
+        assert create_tenant("capped")[0].max_in_flight == 5, "updating other fields keeps the cap"
+        with pytest.raises(AccountError, match="min priority 20 is above max priority 10"):
+            create_tenant("capped", min_priority=20)
+        other = Tenant.objects.create(slug="other", name="Other")
+        jobs = [api.start_service("work", tenant=other) for _ in range(3)]
+        transitions.start_due_jobs()
+        assert sorted(Job.objects.get(pk=j.id).status for j in jobs) == ["queued", "waiting", "waiting"]
+    finally:
+        monkeypatch.delenv("ACC_TENANT_MAX_IN_FLIGHT")
+        reload()
