@@ -115,6 +115,41 @@ def parse_labels(name: str, raw: str | None) -> dict[str, str]:
     return labels
 
 
+#: The public key a development checkout runs with; refused in production (accs_site.checks).
+DEV_SECRET_KEY = "accs-dev-only-insecure-key-change-me"
+#: Words that mark a key copied from an example instead of generated.
+PLACEHOLDER_WORDS = ("change-me", "changeme", "change_me", "insecure", "placeholder", "example", "secret-key")
+
+
+def is_placeholder(value: str | None) -> bool:
+    """Return whether a secret is empty, the development key, or copied from an example."""
+    lowered = (value or "").lower()
+    return not value or value == DEV_SECRET_KEY or any(word in lowered for word in PLACEHOLDER_WORDS)
+
+
+def is_weak_secret_key(key: str) -> bool:
+    """Return whether a secret key is a placeholder or too short or plain to sign sessions (Django's own bar)."""
+    return is_placeholder(key) or len(key) < 50 or len(set(key)) < 5
+
+
+def proxy_ssl_header(name: str, raw: str) -> tuple[str, str] | None:
+    """Parse ``X-Forwarded-Proto: https`` into Django's ``SECURE_PROXY_SSL_HEADER``; None when empty."""
+    if not raw.strip():
+        return None
+    header, sep, value = raw.partition(":")
+    if not sep or not header.strip() or not value.strip():
+        raise SettingError(name, f"expected 'Header-Name: value', e.g. 'X-Forwarded-Proto: https', got {raw!r}")
+    return "HTTP_" + header.strip().upper().replace("-", "_"), value.strip()
+
+
+def trusted_origins(name: str, origins: list[str]) -> list[str]:
+    """Check CSRF trusted origins are full origins (scheme and host), as Django requires."""
+    for origin in origins:
+        if not origin.startswith(("https://", "http://")) or "/" in origin.split("://", 1)[1].rstrip("/"):
+            raise SettingError(name, f"expected origins such as https://accs.example.com, got {origin!r}")
+    return origins
+
+
 @dataclass(frozen=True)
 class MinioSettings:
     endpoint: str | None
