@@ -73,7 +73,8 @@ def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpRe
 @api.exception_handler(Throttled)
 def _throttled(request: HttpRequest, exc: Throttled) -> HttpResponse:
     return _error(request, 429, f"too many requests with this token: at most {accs.api_rate_limit} per "
-                                f"{accs.api_rate_window_sec} s (ACC_API_RATE_LIMIT); retry after the Retry-After seconds")
+                                f"{accs.api_rate_window_sec} s (ACC_API_RATE_LIMIT); "
+                                "retry after the Retry-After seconds")
 
 
 @api.exception_handler(NotFound)

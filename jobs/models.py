@@ -37,11 +37,14 @@ class Tenant(models.Model):
     name = models.CharField(max_length=200)
     timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
     max_in_flight = models.PositiveIntegerField(
-        default=default_max_in_flight, help_text="Running jobs at once; 0 = unlimited (new tenants: ACC_TENANT_MAX_IN_FLIGHT).")
+        default=default_max_in_flight,
+        help_text="Running jobs at once; 0 = unlimited (new tenants: ACC_TENANT_MAX_IN_FLIGHT).")
     # A priority band: every job of the tenant is clamped into it when it starts, so a tenant cannot
     # claim ahead of the others by asking for a higher priority than the site gave it.
-    min_priority = models.IntegerField(default=-1000, db_default=-1000, help_text="Lowest priority a job of this tenant gets.")
-    max_priority = models.IntegerField(default=1000, db_default=1000, help_text="Highest priority a job of this tenant gets.")
+    min_priority = models.IntegerField(default=-1000, db_default=-1000,
+                                       help_text="Lowest priority a job of this tenant gets.")
+    max_priority = models.IntegerField(default=1000, db_default=1000,
+                                       help_text="Highest priority a job of this tenant gets.")
     # Written by the claim (best effort, never waited for): tenants at equal priority take turns,
     # the one served least recently first.
     served_at = models.DateTimeField(null=True, blank=True, editable=False,

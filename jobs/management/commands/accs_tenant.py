@@ -19,9 +19,11 @@ class Command(BaseCommand):
         create.add_argument("--name", default="")
         create.add_argument("--timezone", default="UTC", help="IANA zone for its schedules (default UTC).")
         create.add_argument("--max-in-flight", type=int, default=None,
-                            help="Running jobs at once; 0 = unlimited (default for a new tenant: ACC_TENANT_MAX_IN_FLIGHT).")
-        create.add_argument("--min-priority", type=int, default=None, help="Lowest priority its jobs get (default -1000).")
-        create.add_argument("--max-priority", type=int, default=None, help="Highest priority its jobs get (default 1000).")
+                            help="Running jobs at once; 0 = unlimited (new tenants: ACC_TENANT_MAX_IN_FLIGHT).")
+        create.add_argument("--min-priority", type=int, default=None,
+                            help="Lowest priority its jobs get (default -1000).")
+        create.add_argument("--max-priority", type=int, default=None,
+                            help="Highest priority its jobs get (default 1000).")
         sub.add_parser("list", help="List tenants.")
 
     def handle(self, *args, action: str, **options) -> None:
