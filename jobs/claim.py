@@ -21,6 +21,10 @@ the host is eligible; an exclusive task only while no other exclusive task is he
 ``required_labels`` the node lacks is not claimed at all. Tasks the agent still runs are never
 claimed by it again.
 
+Tenants take turns at equal priority: the scan reads each tenant's head of a service's queue, and
+the order is priority, then turn (each tenant's first task, then each one's second...), then the
+tenant served least recently, then ``order_seq`` (see the parts marked "Tenant fairness").
+
 Workflow ``max_active_jobs`` and tenant ``max_in_flight`` limit jobs, not tasks: see
 :mod:`jobs.admission`.
 """
