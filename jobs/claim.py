@@ -174,17 +174,25 @@ WITH RECURSIVE svc AS (
 ){keyed_pick}, turns AS (
     -- Tenant fairness, part 2: at equal priority the tenants take turns (each one's first task,
     -- then each one's second...), and within a turn the tenant served least recently goes first.
-    SELECT src.*, tn.served_at,
+    SELECT src.*, tn.served_at, svc.room,
            row_number() OVER (PARTITION BY src.tenant_id, src.eff_priority
                               ORDER BY src.order_seq, src.created_at, src.id) AS turn
-      FROM {source} src JOIN accs_tenant tn ON tn.id = src.tenant_id
+      FROM {source} src JOIN accs_tenant tn ON tn.id = src.tenant_id JOIN svc ON svc.id = src.service_id
+), fair AS (
+    -- Each tenant's scan read up to the service's room, so no more than the room per service,
+    -- taken in the fair order.
+    SELECT turns.*, row_number() OVER (PARTITION BY service_id
+                                       ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq,
+                                                created_at, id) AS srank
+      FROM turns
 ), ranked AS (
     SELECT src.*,
            row_number() OVER (PARTITION BY CASE WHEN exclusive THEN host_id END
                               ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq, created_at, id)
                AS host_rank,
            row_number() OVER w AS n, sum(weight) OVER w AS cpu
-      FROM turns src
+      FROM fair src
+     WHERE srank <= room
     WINDOW w AS (ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq, created_at, id)
 ), pick AS (
     -- One global order across the services; the node's slot and CPU room taken in that order;

@@ -129,3 +129,17 @@ def test_with_a_real_agent_another_tenants_job_waits_about_one_claim_behind_a_fl
     flood_left = Task.objects.filter(tenant=flood).exclude(attempts__started_at__lte=claimed_at).count()
     assert flood_claims_between <= 2, f"{flood_claims_between} of tenant A's tasks were claimed before B's"
     assert flood_left > 100, "tenant A still had most of its flood queued: the measure means something"
+
+
+def test_turns_never_give_a_service_more_than_its_room(make_service, tenants):
+    """Each tenant's scan reads up to the service's room; the claim still takes no more than the room."""
+    flood, quiet = tenants
+    capped = make_service("capped", max_concurrent=2)
+    rated = make_service("rated", rate_limit=1, rate_period_seconds=3600)
+    for key in ("capped", "rated"):
+        api.start_many([api.JobSpec(service=key, tenant=t) for t in (flood, quiet, flood, quiet)])
+    transitions.start_due_jobs()
+    first = claim_for(capped, 10)
+    assert len(first) == 2 and {Job.objects.get(pk=t.job_id).tenant_id for t in first} == {flood.id, quiet.id}
+    assert claim_for(capped, 10) == [], "the global cap holds across tenants"
+    assert len(claim_for(rated, 10)) == 1 and claim_for(rated, 10) == [], "so does the rate limit"
