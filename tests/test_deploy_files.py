@@ -180,3 +180,15 @@ def test_deploy_docs_install_the_env_files_readable_by_the_service_only():
     text = (ROOT / "docs" / "deploy.md").read_text()
     assert "install -m 0640 -g accs deploy/env/*.env /etc/accs/" in text
     assert "cp deploy/env/*.env" not in text
+
+
+def test_production_settings_name_a_malformed_value():
+    from accs_site.conf import SettingError, proxy_ssl_header, trusted_origins
+
+    assert proxy_ssl_header("ACC_PROXY_SSL_HEADER", "X-Forwarded-Proto: https") == ("HTTP_X_FORWARDED_PROTO", "https")
+    assert proxy_ssl_header("ACC_PROXY_SSL_HEADER", "") is None
+    with pytest.raises(SettingError, match="ACC_PROXY_SSL_HEADER: expected 'Header-Name: value'"):
+        proxy_ssl_header("ACC_PROXY_SSL_HEADER", "X-Forwarded-Proto")
+    assert trusted_origins("ACC_CSRF_TRUSTED_ORIGINS", ["https://a.example.com"]) == ["https://a.example.com"]
+    with pytest.raises(SettingError, match="ACC_CSRF_TRUSTED_ORIGINS: expected origins"):
+        trusted_origins("ACC_CSRF_TRUSTED_ORIGINS", ["a.example.com"])
