@@ -46,7 +46,8 @@ from workflows.validation import DefinitionError
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ("slug", "name", "timezone", "max_in_flight", "retention_days", "retention_dead_days", "created_at")
+    list_display = ("slug", "name", "timezone", "max_in_flight", "min_priority", "max_priority", "retention_days",
+                    "retention_dead_days", "created_at")
     search_fields = ("slug", "name")
 
     def get_queryset(self, request):
