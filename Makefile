@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo serve test test-fast bench bench-churn bench-compare chaos stop check
+.PHONY: install db demo serve test test-fast bench bench-churn bench-compare bench-keyed chaos stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,11 @@ serve: db
 	@echo "serving http://$${ACCS_WEB_HOST:-127.0.0.1}:$${ACCS_WEB_PORT:-8000}/admin/ (Ctrl-C stops; a login: $(PY) manage.py createsuperuser)"
 	@exec scripts/serve.sh
 
-# The browser tests need Debian's chromium and chromedriver: installed here when missing (root or sudo).
+# The browser tests need Debian's chromium and chromedriver, the fleet test PgBouncer: installed here when
+# missing (root or sudo).
 test: install
 	@scripts/browser_deps.sh
+	@scripts/pgbouncer_local.sh install || echo "the fleet test through PgBouncer will be skipped"
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 # Skip the slow chaos/race tests locally.
@@ -49,6 +51,11 @@ bench: db
 # the start and the end, bench/results/churn.json. CHURN_TASKS (2,000,000) sets the size, CHURN_SHORT=1 a smoke run.
 bench-churn: db
 	@$(PY) bench/churn.py
+
+# One claim of a keyed service (100,000 queued tasks, 1,000 keys, the 50 head keys at their limit)
+# against the same service without keys: bench/results/keyed_claim.json (bench/keyed_claim.py).
+bench-keyed: db
+	@$(PY) bench/keyed_claim.py
 
 # The peers (../shared/bench-peers, one repetition, on a copy) and ACCS in one session:
 # bench/results/compare.json and the README's benchmark table.

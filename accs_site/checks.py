@@ -1,8 +1,14 @@
-"""System checks: every ACC_* setting is parsed at start-up, so a bad value stops the process."""
+"""System checks: every ACC_* setting is parsed at start-up, so a bad value stops the process.
 
-from django.core.checks import Error, Warning, register
+The production checks run with ``manage.py check --deploy``, which the web unit of ``deploy/`` runs
+before gunicorn starts: only the web signs sessions and serves /metrics, so agents and builders
+start without the secret key and the metrics token.
+"""
 
-from accs_site.conf import SettingError, accs
+from django.conf import settings
+from django.core.checks import Error, Tags, Warning, register
+
+from accs_site.conf import ANY, SettingError, accs, is_placeholder, is_weak_secret_key
 
 
 @register()
@@ -55,3 +61,105 @@ def _retention_problems() -> list[Error | Warning]:
             )
         )
     return problems
+
+
+# The apps a site must install for ACCS, each with what it brings (for the error's words).
+REQUIRED_APPS = {
+    "django.contrib.postgres": "PostgreSQL features the engine's models use",
+    "workflows": "services and workflows",
+    "jobs": "the engine",
+    "nodes": "agents and hosts",
+    "events": "the timeline and artifacts",
+    "ops": "the operators' dashboard, metrics and accs_status (moved out of events in 0.2.0)",
+}
+
+
+@register()
+def check_accs_apps(app_configs=None, **kwargs) -> list[Error]:
+    """Name an ACCS app the site does not install, with what it brings.
+
+    Where ``ops`` goes relative to the admin is the site's choice (above it, the admin's pages get
+    the Dashboard link and ACCS's styles; below it, ACCS's own pages still carry theirs), so its
+    order is not checked.
+    """
+    from django.conf import settings
+
+    installed = list(settings.INSTALLED_APPS)
+    problems: list[Error] = []
+    for app, what in REQUIRED_APPS.items():
+        if app not in installed and not any(entry.startswith(f"{app}.apps.") for entry in installed):
+            problems.append(Error(
+                f"INSTALLED_APPS lacks {app!r} ({what})",
+                hint=f"Add {app!r} to INSTALLED_APPS; docs/embedding.md shows the full list in its order.",
+                id="accs.E004"))
+    return problems
+
+
+@register(Tags.urls)
+def check_ops_urls(app_configs=None, **kwargs) -> list[Warning]:
+    """Warn when the operators' pages are not wired into the site's URLs (they moved in 0.2.0)."""
+    from django.conf import settings
+    from django.urls import NoReverseMatch, reverse
+
+    if "ops" not in settings.INSTALLED_APPS or not getattr(settings, "ROOT_URLCONF", None):
+        return []
+    try:
+        reverse("ops:dashboard")
+    except NoReverseMatch:
+        return [Warning(
+            "the operators' pages (ops.urls: dashboard, job page downloads, attempt logs) are not in the "
+            "site's URLs; the dashboard is no longer registered on admin.site",
+            hint='Add path("admin/", include("ops.urls")) before path("admin/", admin.site.urls) '
+                 "(docs/embedding.md).",
+            id="accs.W003")]
+    return []
+
+
+@register(deploy=True)
+def check_allow_lists(app_configs=None, **kwargs) -> list[Warning]:
+    """Warn (under ``check --deploy``) when agents may run any program or any Python callable."""
+    warnings: list[Warning] = []
+    for variable, name in (("ACC_ALLOWED_EXECUTABLES", "allowed_executables"),
+                           ("ACC_ALLOWED_CALLABLES", "allowed_callables")):
+        try:
+            entries = getattr(accs, name)
+        except SettingError:
+            continue  # check_accs_settings reports it
+        if ANY in entries:
+            warnings.append(
+                Warning(
+                    f"{variable} allows anything (*): whoever may define services chooses what agents run",
+                    hint=f"List what your services need, e.g. {variable}="
+                         + ("python,/opt/tools/" if name == "allowed_executables" else "myapp.tasks,myapp.jobs")
+                         + " (docs/executors.md, Site allow-lists).",
+                    id="accs.W020",
+                )
+            )
+    return warnings
+
+
+@register(Tags.security, deploy=True)
+def check_production_secrets(app_configs=None, **kwargs) -> list[Error]:
+    """Refuse the development key or a placeholder, and an open /metrics, when DEBUG is off."""
+    if settings.DEBUG:
+        return []
+    errors: list[Error] = []
+    if is_weak_secret_key(settings.SECRET_KEY):
+        errors.append(Error(
+            "SECRET_KEY is the development key, a placeholder or too weak, and DEBUG is off: anyone could forge "
+            "sessions and signed values",
+            hint="Set ACC_SECRET_KEY to 50 or more random characters, e.g. "
+                 "python -c 'import secrets; print(secrets.token_urlsafe(50))'.",
+            id="accs.E010",
+        ))
+    try:
+        token = accs.metrics_token
+    except SettingError:
+        token = None  # reported by check_accs_settings
+    if is_placeholder(token):
+        errors.append(Error(
+            "ACC_METRICS_TOKEN is unset or a placeholder and DEBUG is off: /metrics refuses every scrape",
+            hint="Set ACC_METRICS_TOKEN to a random value and give it to Prometheus as a bearer token.",
+            id="accs.E011",
+        ))
+    return errors

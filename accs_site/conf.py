@@ -15,13 +15,22 @@ Tests and daemons may call :func:`reload` after changing the environment.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from functools import cached_property
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
 LOG_FORMATS = ("auto", "text", "json")
+DB_POOLERS = ("none", "pgbouncer")
+ANY = "*"
+# The hosts a default site lets http services live on: the agent's own machine.
+LOOPBACK_URL_PREFIXES = ("http://127.0.0.1", "http://localhost", "http://[::1]",
+                         "https://127.0.0.1", "https://localhost", "https://[::1]")
+_BARE_EXECUTABLE_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_MODULE_PREFIX_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 class SettingError(ImproperlyConfigured):
@@ -115,6 +124,83 @@ def parse_labels(name: str, raw: str | None) -> dict[str, str]:
     return labels
 
 
+def _entries(name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """Split a comma-separated list setting; unset means ``default``."""
+    raw = _raw(name)
+    if raw is None:
+        return default
+    entries = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if not entries:
+        raise SettingError(name, "expected a comma-separated list (or * for anything)")
+    return entries
+
+
+def _executable_entry(name: str, entry: str) -> str:
+    """Accept ``*``, a bare program name, an absolute path, or a directory ending in ``/``."""
+    if entry == ANY or _BARE_EXECUTABLE_RE.match(entry):
+        return entry
+    if not entry.startswith("/"):
+        raise SettingError(name, f"{entry!r} is neither a program name (no '/') nor an absolute path")
+    normal = os.path.normpath(entry) + ("/" if entry.endswith("/") and entry != "/" else "")
+    if normal != entry:
+        raise SettingError(name, f"{entry!r} is not a normal absolute path (write {normal!r})")
+    return entry
+
+
+def _module_entry(name: str, entry: str) -> str:
+    """Accept ``*`` or a dotted module prefix such as ``myapp.tasks``."""
+    if entry == ANY or _MODULE_PREFIX_RE.match(entry):
+        return entry
+    raise SettingError(name, f"{entry!r} is not a module prefix (dotted names such as myapp.tasks) or *")
+
+
+def _url_entry(name: str, entry: str) -> str:
+    """Accept an ``http(s)://host[:port][/path]`` prefix."""
+    try:
+        parts = urlsplit(entry)
+        parts.port  # noqa: B018 - parsing the port raises for a bad one
+    except ValueError as exc:
+        raise SettingError(name, f"{entry!r} is not a URL prefix: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise SettingError(name, f"{entry!r} is not a URL prefix such as http://127.0.0.1:8080/run")
+    return entry
+
+
+#: The public key a development checkout runs with; refused in production (accs_site.checks).
+DEV_SECRET_KEY = "accs-dev-only-insecure-key-change-me"
+#: Words that mark a key copied from an example instead of generated.
+PLACEHOLDER_WORDS = ("change-me", "changeme", "change_me", "insecure", "placeholder", "example", "secret-key")
+
+
+def is_placeholder(value: str | None) -> bool:
+    """Return whether a secret is empty, the development key, or copied from an example."""
+    lowered = (value or "").lower()
+    return not value or value == DEV_SECRET_KEY or any(word in lowered for word in PLACEHOLDER_WORDS)
+
+
+def is_weak_secret_key(key: str) -> bool:
+    """Return whether a secret key is a placeholder or too short or plain to sign sessions (Django's own bar)."""
+    return is_placeholder(key) or len(key) < 50 or len(set(key)) < 5
+
+
+def proxy_ssl_header(name: str, raw: str) -> tuple[str, str] | None:
+    """Parse ``X-Forwarded-Proto: https`` into Django's ``SECURE_PROXY_SSL_HEADER``; None when empty."""
+    if not raw.strip():
+        return None
+    header, sep, value = raw.partition(":")
+    if not sep or not header.strip() or not value.strip():
+        raise SettingError(name, f"expected 'Header-Name: value', e.g. 'X-Forwarded-Proto: https', got {raw!r}")
+    return "HTTP_" + header.strip().upper().replace("-", "_"), value.strip()
+
+
+def trusted_origins(name: str, origins: list[str]) -> list[str]:
+    """Check CSRF trusted origins are full origins (scheme and host), as Django requires."""
+    for origin in origins:
+        if not origin.startswith(("https://", "http://")) or "/" in origin.split("://", 1)[1].rstrip("/"):
+            raise SettingError(name, f"expected origins such as https://accs.example.com, got {origin!r}")
+    return origins
+
+
 @dataclass(frozen=True)
 class MinioSettings:
     endpoint: str | None
@@ -190,6 +276,22 @@ class AccsSettings:
         return _float("ACC_POLL_INTERVAL_SEC", 2.0, minimum=0.01)
 
     @cached_property
+    def db_pooler(self) -> str | None:
+        """The pooler in front of PostgreSQL (``pgbouncer``), or None for direct connections (``none``)."""
+        value = (_raw("ACC_DB_POOLER") or "none").lower()
+        if value not in DB_POOLERS:
+            raise SettingError("ACC_DB_POOLER", f"expected one of {', '.join(DB_POOLERS)}, got {value!r}")
+        return None if value == "none" else value
+
+    @cached_property
+    def listen_db_url(self) -> str | None:
+        """A direct PostgreSQL URL for the daemons' LISTEN connection when ACC_DB_URL goes through a pooler."""
+        value = _raw("ACC_LISTEN_DB_URL")
+        if value and not value.startswith(("postgres://", "postgresql://")):
+            raise SettingError("ACC_LISTEN_DB_URL", f"expected a postgres:// URL, got {value.split(':', 1)[0]}://")
+        return value
+
+    @cached_property
     def event_retention_months(self) -> int:
         return _int("ACC_EVENT_RETENTION_MONTHS", 12, minimum=1)
 
@@ -218,9 +320,34 @@ class AccsSettings:
         return _int("ACC_RETENTION_BATCH", 500, minimum=1, maximum=10_000)
 
     @cached_property
+    def event_receipt_retention_hours(self) -> int:
+        """Hours a receipt of an HTTP event is kept, so a repeated delivery within them fires nothing."""
+        return _int("ACC_EVENT_RECEIPT_RETENTION_HOURS", 168, minimum=1)
+
+    @cached_property
     def orphan_grace_sec(self) -> int:
         """Age an artifact object without a row must reach before the sweep deletes it."""
         return _int("ACC_ORPHAN_GRACE_SEC", 3600, minimum=60)
+
+    @cached_property
+    def allow_self_approval(self) -> bool:
+        """Let the user who started an approval-gated job approve it too (off: another approver must)."""
+        return _bool("ACC_ALLOW_SELF_APPROVAL", False)
+
+    @cached_property
+    def tenant_max_in_flight(self) -> int:
+        """The ``max_in_flight`` a new tenant gets; 0 = unlimited. A capped tenant's jobs are admitted by
+        the builder (counted under a lock) rather than started in the caller's statement."""
+        return _int("ACC_TENANT_MAX_IN_FLIGHT", 0, minimum=0)
+
+    @cached_property
+    def api_rate_limit(self) -> int:
+        """Requests one API token may make per window (``ACC_API_RATE_WINDOW_SEC``); 0 = no limit."""
+        return _int("ACC_API_RATE_LIMIT", 1200, minimum=0)
+
+    @cached_property
+    def api_rate_window_sec(self) -> int:
+        return _int("ACC_API_RATE_WINDOW_SEC", 60, minimum=1, maximum=86_400)
 
     @cached_property
     def metrics_token(self) -> str | None:
@@ -233,6 +360,28 @@ class AccsSettings:
         if value not in LOG_FORMATS:
             raise SettingError("ACC_LOG_FORMAT", f"expected one of {', '.join(LOG_FORMATS)}, got {value!r}")
         return value
+
+    @cached_property
+    def allowed_executables(self) -> tuple[str, ...]:
+        """What a command's argv[0] and an http service's start command may name.
+
+        Program names (looked up on the agent's PATH), absolute paths, directories ending in
+        ``/``, or ``*`` for anything (the default, for development).
+        """
+        name = "ACC_ALLOWED_EXECUTABLES"
+        return tuple(_executable_entry(name, e) for e in _entries(name, (ANY,)))
+
+    @cached_property
+    def allowed_callables(self) -> tuple[str, ...]:
+        """Module prefixes a python service's callable may come from (``*``, the default, allows any)."""
+        name = "ACC_ALLOWED_CALLABLES"
+        return tuple(_module_entry(name, e) for e in _entries(name, (ANY,)))
+
+    @cached_property
+    def allowed_http_urls(self) -> tuple[str, ...]:
+        """URL prefixes an http service's url and health_url must start with (default: loopback, any port)."""
+        name = "ACC_ALLOWED_HTTP_URLS"
+        return tuple(_url_entry(name, e) for e in _entries(name, LOOPBACK_URL_PREFIXES))
 
     @cached_property
     def minio(self) -> MinioSettings:
@@ -252,6 +401,20 @@ class AccsSettings:
 
 
 accs = AccsSettings()
+
+MIN_SECRET_CHARS = 3  # shorter values would blank out ordinary text
+
+
+def known_secrets() -> list[str]:
+    """Return this process's secret values (database URL and password, secret key, storage secret,
+    metrics token), longest first: what task output, errors and stored log lines must never carry."""
+    from django.conf import settings  # settings are read when asked, never at import (module docstring)
+
+    database = settings.DATABASES.get("default", {}) if settings.configured else {}
+    values = [os.environ.get("ACC_DB_URL"), database.get("PASSWORD"), getattr(settings, "SECRET_KEY", None),
+              accs.minio.secret_key, accs.metrics_token]
+    found = {str(v) for v in values if v and len(str(v)) >= MIN_SECRET_CHARS}
+    return sorted(found, key=len, reverse=True)
 
 
 def reload() -> AccsSettings:

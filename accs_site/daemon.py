@@ -6,6 +6,8 @@
 * :class:`Guard` — run one step of a loop, never let it kill the daemon, and log an outage once
   (when it starts and when it ends), not once per retry;
 * :func:`wait_for_database` — block start-up until PostgreSQL answers, saying so in one line;
+* :func:`ready_to_start` — the daemons' start-up: wait for PostgreSQL (for a bounded time if
+  asked), then refuse a schema whose migrations are not all applied, in one line each;
 * :func:`connect_options` / :func:`configure_daemon_session` / :func:`connect` — TCP keepalives,
   connect and statement timeouts on every long-lived connection, so a dead or hung peer is
   noticed in seconds instead of the kernel's ~15 minutes;
@@ -214,13 +216,112 @@ def configure_daemon_session(*, application_name: str) -> None:
 
     Django reads ``OPTIONS`` each time it connects, and all threads share the settings dict, so
     the worker threads' connections get them too. Web processes keep their own defaults.
+    Behind a pooler the timeouts cannot travel as a startup parameter (PgBouncer refuses
+    ``options``): they are left to the server (``ALTER ROLE ... SET``, docs/deploy.md) and the
+    builder's leader sets them per transaction (``SET LOCAL``).
     """
     from django.db import connections
 
     options = connections.settings["default"].setdefault("OPTIONS", {})
-    options.update(connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS,
-                                   idle_in_transaction_timeout_ms=DAEMON_IDLE_IN_TRANSACTION_TIMEOUT_MS))
+    if db_pooler():
+        options.update(connect_options())
+        options.pop("options", None)
+        options["prepare_threshold"] = None
+    else:
+        options.update(connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS,
+                                       idle_in_transaction_timeout_ms=DAEMON_IDLE_IN_TRANSACTION_TIMEOUT_MS))
     options["application_name"] = application_name
+
+
+def use_shared_pool(*, max_size: int) -> None:
+    """Make every thread's Django connection in this process borrow from one bounded pool.
+
+    Django's own psycopg pool (``OPTIONS["pool"]``): a thread's connection is taken from the pool
+    when it first queries and goes back when it is closed, so ``max_size`` bounds the server
+    connections of the whole process whatever its number of threads. Pooling needs
+    ``CONN_MAX_AGE = 0``; server-side cursors are off because a borrowed connection goes back
+    between statements (:func:`release_after_each_statement`).
+    """
+    from django.db import connections
+
+    settings = connections.settings["default"]
+    close_django_connection()  # an unpooled connection opened earlier goes; the next query borrows
+    settings["CONN_MAX_AGE"] = 0
+    settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+    settings.setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": max_size, "timeout": POOL_WAIT_SECONDS}
+
+
+def close_shared_pool() -> None:
+    """Close the pool of :func:`use_shared_pool` (its connections end); a no-op without one."""
+    from django.db import connection
+
+    try:
+        connection.close()
+        connection.close_pool()
+    except Exception:  # noqa: BLE001 - closing at exit must not fail the exit
+        pass
+
+
+# How long a thread waits for a pooled connection before its step fails (and is retried).
+POOL_WAIT_SECONDS = 10.0
+
+
+@contextmanager
+def release_after_each_statement():
+    """Return this thread's pooled connection after every statement run outside a transaction.
+
+    For task code in an agent's worker thread: an ORM query borrows a connection and gives it
+    back at once, so a task that queries and then works for minutes holds no server connection
+    meanwhile. Inside ``transaction.atomic()`` the connection stays until the block ends (and is
+    given back after a commit); whatever is left is returned when the block exits. The ORM has
+    already read the rows of a statement when it returns (client-side cursors only).
+    """
+    from django.db import connection
+
+    def give_back() -> None:
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - a broken connection is dropped by the pool anyway
+            connection.connection = None
+
+    def release(execute, sql, params, many, context):
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            if not connection.in_atomic_block:
+                give_back()
+            elif give_back not in [hook[1] for hook in connection.run_on_commit]:
+                connection.on_commit(give_back)
+
+    with connection.execute_wrapper(release):
+        try:
+            yield
+        finally:
+            give_back()
+
+
+# ---------------------------------------------------------------------------- poolers and LISTEN
+def db_pooler() -> str | None:
+    """Return the pooler in front of PostgreSQL (``ACC_DB_POOLER``: ``pgbouncer``), or None when direct."""
+    from accs_site.conf import accs
+
+    return accs.db_pooler
+
+
+def listen_db_url() -> str | None:
+    """Return the direct URL for LISTEN connections (``ACC_LISTEN_DB_URL``), or None."""
+    from accs_site.conf import accs
+
+    return accs.listen_db_url
+
+
+def listen_available() -> bool:
+    """Return whether this process can LISTEN: directly connected, or given a direct URL for it.
+
+    NOTIFY cannot reach a client through a transaction-mode pooler (the server session that
+    LISTENed is handed to other clients), so behind one the daemons poll instead.
+    """
+    return db_pooler() is None or listen_db_url() is not None
 
 
 def close_quietly(conn: psycopg.Connection | None) -> None:
@@ -241,26 +342,82 @@ def database_address() -> str:
     return f"{s.get('HOST') or 'localhost'}:{s.get('PORT') or 5432}"
 
 
-def connect(*, application_name: str, autocommit: bool = True) -> psycopg.Connection:
-    """Open a dedicated connection (LISTEN, leader lock) with keepalives and timeouts."""
+def connect(*, application_name: str, autocommit: bool = True, listen: bool = False) -> psycopg.Connection:
+    """Open a dedicated connection with keepalives and timeouts.
+
+    With ``listen``, to ``ACC_LISTEN_DB_URL`` when it is set (straight to PostgreSQL, past the
+    pooler). Through a pooler: no ``options`` startup parameter and no prepared statements.
+    """
     from django.db import connections
 
+    direct_url = listen_db_url() if listen else None
+    pooled = db_pooler() is not None and direct_url is None
+    opts = connect_options(statement_timeout_ms=None if pooled else DAEMON_STATEMENT_TIMEOUT_MS)
+    if pooled:
+        opts["prepare_threshold"] = None
+    if direct_url:
+        return psycopg.connect(direct_url, autocommit=autocommit, application_name=application_name, **opts)
     s = connections.settings["default"]
     return psycopg.connect(host=s["HOST"] or None, port=s["PORT"] or None, dbname=s["NAME"], user=s["USER"],
                            password=s["PASSWORD"] or None, autocommit=autocommit, application_name=application_name,
-                           **connect_options(statement_timeout_ms=DAEMON_STATEMENT_TIMEOUT_MS))
+                           **opts)
+
+
+# Refusals no retry can cure: the daemon says which setting is wrong and exits.
+CONFIGURATION_ERRORS = {
+    "unsupported startup parameter": "a pooler (PgBouncer) refuses the daemons' session options; set "
+                                     "ACC_DB_POOLER=pgbouncer (docs/deploy.md, Connections and PgBouncer)",
+    "password authentication failed": "check the user and password in ACC_DB_URL",
+    "no such database": "the pooler knows no such database; check ACC_DB_URL and the pooler's [databases]",
+    "no such user": "the pooler knows no such user; check ACC_DB_URL and the pooler's auth_file",
+}
+
+
+def configuration_problem(exc: BaseException) -> str | None:
+    """Return what to fix when ``exc`` is a connection refused for its configuration, else None."""
+    text = str(exc).lower()
+    for needle, advice in CONFIGURATION_ERRORS.items():
+        if needle in text:
+            return advice
+    return None
+
+
+def exit_on_configuration_error(logger: logging.Logger, exc: BaseException, *,
+                                extra: dict[str, Any] | None = None) -> None:
+    """Log a connection refused for its configuration in one line and exit with status 2."""
+    advice = configuration_problem(exc)
+    if advice is None:
+        return
+    logger.error("configuration error: PostgreSQL at %s refused the connection (%s): %s", database_address(),
+                 first_line(exc), advice, extra=extra)
+    raise SystemExit(2)
+
+
+# Exit code of a daemon that cannot start because of the database: unreachable for longer than
+# it was told to wait, or missing migrations (2 is a bad option or setting, accs_site.cli).
+EXIT_DATABASE_NOT_READY = 3
+# How long ``--once`` runs wait for PostgreSQL before giving up (a service waits for ever).
+ONCE_DATABASE_WAIT_SECONDS = 30.0
+
+
+class DatabaseNotReady(Exception):
+    """The database cannot serve a daemon: unreachable past its wait, or not migrated. The message is one line."""
 
 
 def wait_for_database(logger: logging.Logger, *, stopping: Callable[[], bool] = lambda: False,
-                      extra: dict[str, Any] | None = None, sleep: Callable[[float], Any] = time.sleep) -> bool:
+                      extra: dict[str, Any] | None = None, sleep: Callable[[float], Any] = time.sleep,
+                      give_up_after: float | None = None) -> bool:
     """Block until PostgreSQL answers a query; return False if ``stopping()`` became true first.
 
     Prints one clear line the first time it cannot connect, then retries quietly with backoff.
+    With ``give_up_after`` (seconds), raise :class:`DatabaseNotReady` once that time has passed
+    without an answer instead, and print nothing before: the caller says it in one line.
     """
     from django.db import connection
 
     backoff = Backoff(base=0.2, cap=5.0)
-    announced = False
+    announced = give_up_after is not None  # a bounded wait is said once, at its end
+    deadline = None if give_up_after is None else time.monotonic() + give_up_after
     while not stopping():
         try:
             with connection.cursor() as cur:
@@ -270,12 +427,74 @@ def wait_for_database(logger: logging.Logger, *, stopping: Callable[[], bool] = 
             return True
         except Exception as exc:  # noqa: BLE001 - any failure to connect means "not yet"
             close_django_connection()
+            exit_on_configuration_error(logger, exc, extra=extra)  # …except a refusal no retry cures
             if not announced:
                 announced = True
                 logger.warning("waiting for PostgreSQL at %s … (%s)", database_address(), first_line(exc),
                                extra=extra)
-            sleep(backoff.next_delay())
+            delay = backoff.next_delay()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DatabaseNotReady(f"PostgreSQL at {database_address()} did not answer within "
+                                           f"{give_up_after:g}s ({first_line(exc)}); giving up") from None
+                delay = min(delay, left)
+            sleep(delay)
     return False
+
+
+def missing_migrations() -> list[str]:
+    """Return the migrations (``app.name``) this code has that the database has not applied, in order."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connection)
+    plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    return [f"{migration.app_label}.{migration.name}" for migration, backwards in plan if not backwards]
+
+
+def check_schema() -> None:
+    """Raise :class:`DatabaseNotReady`, naming the first missing migration, unless all are applied.
+
+    Started on a database that was never migrated (or is behind the code), a daemon would fail
+    on a missing table or column on every pass for ever; it stops at once instead.
+    """
+    missing = missing_migrations()
+    if not missing:
+        return
+    from django.db import connections
+
+    name = connections.settings["default"].get("NAME")
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    raise DatabaseNotReady(f"database {name} at {database_address()} is missing migration {missing[0]}{more}: "
+                           "apply them with `manage.py migrate`, then start again")
+
+
+def ready_to_start(logger: logging.Logger, *, stopping: Callable[[], bool] = lambda: False,
+                   extra: dict[str, Any] | None = None, wait_seconds: float | None = None) -> int | None:
+    """Wait for PostgreSQL and check its schema; return None to start, else the exit code to stop with.
+
+    ``wait_seconds``: how long to wait for the database (None: until it answers or the daemon is
+    stopped, which returns 0). A database that never answered or misses migrations is one
+    error line and :data:`EXIT_DATABASE_NOT_READY`.
+    """
+    while True:
+        try:
+            if not wait_for_database(logger, stopping=stopping, extra=extra, give_up_after=wait_seconds):
+                return 0
+            check_schema()
+            return None
+        except DatabaseNotReady as exc:
+            logger.error("%s", exc, extra=extra)
+            return EXIT_DATABASE_NOT_READY
+        except Exception as exc:  # noqa: BLE001 - sorted below: one line, never a traceback
+            # The database went away between its answer and the check (a restart): wait for it again,
+            # as long again (it answered, so this is progress, not a wait without end).
+            if is_transient(exc):
+                close_django_connection()
+                continue
+            logger.error("cannot read the database's migrations (%s)", first_line(exc), extra=extra)
+            return EXIT_DATABASE_NOT_READY
 
 
 def shutdown_socket(fd: int) -> None:

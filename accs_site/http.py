@@ -64,7 +64,7 @@ class ErrorOut(Schema):
     job_id: UUID | None = None
 
 
-ERRORS: dict[int, type[ErrorOut]] = {code: ErrorOut for code in (400, 401, 403, 404, 409, 422)}
+ERRORS: dict[int, type[ErrorOut]] = {code: ErrorOut for code in (400, 401, 403, 404, 409, 422, 429)}
 
 
 def responses(ok: dict[int, Any]) -> dict[int, Any]:
@@ -80,6 +80,15 @@ def utc(value: datetime | None, *, field: str) -> datetime | None:
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     except (OverflowError, ValueError):
         raise ValueError(f"{field}: date out of range") from None
+
+
+def require_scope(request: HttpRequest, scope: str) -> None:
+    """Raise PermissionDenied unless the request's API token has ``scope`` (read, run, approve,
+    definitions); a request authenticated otherwise (no token scopes recorded) passes."""
+    scopes = getattr(request, "token_scopes", None)
+    if scopes is not None and scope not in scopes:
+        raise PermissionDenied(f"this API token lacks the {scope!r} scope (it has: {', '.join(sorted(scopes))}); "
+                               f"create one with manage.py accs_token create USER NAME --scope {scope}")
 
 
 def require_superuser(request: HttpRequest) -> None:

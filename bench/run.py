@@ -12,12 +12,13 @@ claim_ms_p50_at_10k / _100k / _1m (one claim of 10 tasks with that many queued, 
 
 Every claim, transition and event is written as in production. Environment: BENCH_N (20000),
 BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05), BENCH_FANOUT_HOSTS (1000), BENCH_CLAIM_SIZES (10000,100000,1000000), BENCH_SCALE_AGENTS (100; 0 skips), BENCH_SCALE_SLOTS (20),
-BENCH_SCALE_SECONDS (60), BENCH_SCALE_CAP (1500).
+BENCH_SCALE_SECONDS (60), BENCH_SCALE_CAP (1500), BENCH_FLEET_RATE (200).
 
-enqueue_rate_single_atomic: 20,000 start_service calls inside one atomic(). scale_100_agents_*:
-100 simulated agent processes x 20 slots claiming through the real claim statement, a service cap
-of 1,500 across them (bench/scale.py): claim p50/p95, tasks/s, the peak of held tasks sampled
-every 20 ms against the cap, and tasks claimed twice.
+enqueue_rate_single_atomic: 20,000 start_service calls inside one atomic(). fleet_100_agents_*:
+100 simulated agent processes x 20 slots (bench/scale.py's worker) at an offered load of
+BENCH_FLEET_RATE tasks/s, below saturation, straight to PostgreSQL and through PgBouncer in
+transaction mode (bench/fleet.py): claim and pick-up p50/p95, server connections, the peak of held
+tasks sampled every 20 ms against a cap of 1,500, and tasks claimed twice.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ SCALE_AGENTS = int(os.environ.get("BENCH_SCALE_AGENTS", "100"))
 SCALE_SLOTS = int(os.environ.get("BENCH_SCALE_SLOTS", "20"))
 SCALE_SECONDS = float(os.environ.get("BENCH_SCALE_SECONDS", "60"))
 SCALE_CAP = int(os.environ.get("BENCH_SCALE_CAP", "1500"))
+FLEET_RATE = float(os.environ.get("BENCH_FLEET_RATE", "200"))  # offered tasks/s, below saturation
 OUT = ROOT / "bench" / "results"
 
 
@@ -317,12 +319,20 @@ def main() -> int:
     say(f"  {'fanout_1000_instantiate_s':<22} {inst:>10.3f}")
     say(f"  {'fanout_1000_complete_s':<22} {complete:>10.3f}")
     if SCALE_AGENTS:
-        from bench.scale import scale
+        # The fleet at an offered load below saturation, direct and through PgBouncer (bench/fleet.py),
+        # in place of the saturated run every slot raced in.
+        from bench.fleet import run_mode
 
-        figures = scale(agents=SCALE_AGENTS, slots=SCALE_SLOTS, seconds=SCALE_SECONDS, cap=SCALE_CAP, say=say,
-                        reset=reset, make_tasks=make_tasks)
-        for name, value in figures.items():
-            results[f"scale_{SCALE_AGENTS}_agents_{name}"] = value
+        s = connection.settings_dict
+        direct_url = f"postgres://{s['USER']}@{s['HOST']}:{s['PORT']}/{s['NAME']}"
+        for mode in ("direct", "pgbouncer"):
+            figures = run_mode(mode, agents=SCALE_AGENTS, slots=SCALE_SLOTS, rate=FLEET_RATE, seconds=SCALE_SECONDS,
+                               cap=SCALE_CAP, direct_url=direct_url)
+            say(f"  fleet {SCALE_AGENTS} agents x {SCALE_SLOTS} slots at {FLEET_RATE:g} tasks/s, {mode}: {figures}")
+            for name, value in figures.items():
+                if name != "mode":
+                    results[f"fleet_{SCALE_AGENTS}_agents_{mode}_{name}"] = value
+        reset()
     results["runs"] = runs
     results["meta"] = {"n": N, "reps": REPS, "cores": os.cpu_count(), "python": platform.python_version(),
                        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -189,14 +189,26 @@ def collect_outputs(
         return []
     stored: list[Artifact] = []
     for path in files:
-        with path.open("rb") as fh:
-            stored.append(
-                _store(
-                    job_id=job_id, task_id=task_id, task_key=task_key, attempt=attempt,
-                    kind=ArtifactKind.OUTPUT, name=path.relative_to(root).as_posix(), data=fh,
+        name = safe_output_name(path.relative_to(root).as_posix())
+        try:
+            with path.open("rb") as fh:
+                stored.append(
+                    _store(
+                        job_id=job_id, task_id=task_id, task_key=task_key, attempt=attempt,
+                        kind=ArtifactKind.OUTPUT, name=name, data=fh,
+                    )
                 )
-            )
+        except ValueError as exc:
+            # One file the store refuses (a name too long) must not cost the others or the attempt's log.
+            log.warning("output file %r of task %s not stored: %s", name, task_key, exc,
+                        extra={"job_id": job_id, "task_id": task_id, "attempt": attempt})
     return stored
+
+
+def safe_output_name(name: str) -> str:
+    """Return a file name a task wrote, usable as an object key: control characters and backslashes
+    become ``%XX`` escapes; every other name stays as it is."""
+    return "".join(f"%{ord(ch):02X}" if ord(ch) < 32 or ord(ch) == 127 or ch == "\\" else ch for ch in name)
 
 
 def stage_inputs(

@@ -81,6 +81,13 @@ def console_formatter() -> logging.Formatter:
     return TextFormatter() if choose_format(setting, sys.stderr) == "text" else JsonFormatter()
 
 
+def _redact(text: str, secrets: list[str]) -> str:
+    """Replace each of the process's secret values in a line bound for the timeline with ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
 class EventBridgeHandler(logging.Handler):
     """Write log records that carry a ``job_id`` to the timeline as ``log`` events."""
 
@@ -92,10 +99,14 @@ class EventBridgeHandler(logging.Handler):
             return
         self._local.busy = True  # a database error logged while writing must not recurse
         try:
+            from accs_site.conf import known_secrets  # imported late, like the timeline: logging is set up first
             from events.timeline import log_event
 
-            log_event(LEVELS.get(record.levelno, "info"), "log", record.getMessage()[:2000],
-                      {"logger": record.name, **({"exc": self.format(record)} if record.exc_info else {})},
+            secrets = known_secrets()
+            message = _redact(record.getMessage(), secrets)[:2000]
+            log_event(LEVELS.get(record.levelno, "info"), "log", message,
+                      {"logger": record.name,
+                       **({"exc": _redact(self.format(record), secrets)} if record.exc_info else {})},
                       job_id=job_id, job_task_id=getattr(record, "task_id", None),
                       attempt=getattr(record, "attempt", None),
                       source=getattr(record, "source", None) or f"log:{record.name}")

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from jobs.auth import create_token
+from jobs.auth import PREFIX_CHARS, TOKEN_PREFIX, create_token, parse_scopes
 from jobs.models import ApiToken, Tenant, TenantMembership, TenantRole
 
 DURATION_RE = re.compile(r"^(\d+)([smhdw])$")
@@ -34,18 +34,29 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(**{UNITS[found.group(2)]: int(found.group(1))})
 
 
-def create_tenant(slug: str, *, name: str = "", tz: str = "UTC", max_in_flight: int = 0) -> tuple[Tenant, bool]:
-    """Create a tenant, or update the name/zone/limit of an existing one; return it and whether it is new."""
+def create_tenant(slug: str, *, name: str = "", tz: str = "UTC", max_in_flight: int | None = None,
+                  min_priority: int | None = None, max_priority: int | None = None) -> tuple[Tenant, bool]:
+    """Create a tenant, or update the name/zone/limits of an existing one; return it and whether it is new.
+
+    A limit left as None keeps an existing tenant's value, and gives a new one the default
+    (``ACC_TENANT_MAX_IN_FLIGHT``; the widest priority band).
+    """
     if slugify(slug) != slug or not slug or len(slug) > 100:
         raise AccountError(f"a tenant slug is 1-100 lower-case letters, digits, '-' or '_', got {slug!r}")
     try:
         ZoneInfo(tz)
     except (ZoneInfoNotFoundError, ValueError):
         raise AccountError(f"unknown time zone {tz!r}; use an IANA name such as Europe/Oslo") from None
-    if max_in_flight < 0:
+    if max_in_flight is not None and max_in_flight < 0:
         raise AccountError("max in flight must be 0 (unlimited) or more")
-    return Tenant.objects.update_or_create(
-        slug=slug, defaults={"name": name or slug, "timezone": tz, "max_in_flight": max_in_flight})
+    limits = {k: v for k, v in (("max_in_flight", max_in_flight), ("min_priority", min_priority),
+                                ("max_priority", max_priority)) if v is not None}
+    current = Tenant.objects.filter(slug=slug).values("min_priority", "max_priority").first() or {}
+    low = limits.get("min_priority", current.get("min_priority", Tenant._meta.get_field("min_priority").default))
+    high = limits.get("max_priority", current.get("max_priority", Tenant._meta.get_field("max_priority").default))
+    if low > high:
+        raise AccountError(f"the priority band is empty: min priority {low} is above max priority {high}")
+    return Tenant.objects.update_or_create(slug=slug, defaults={"name": name or slug, "timezone": tz, **limits})
 
 
 def _user(username: str):
@@ -83,8 +94,13 @@ def remove_member(username: str, tenant_slug: str) -> bool:
     return bool(deleted)
 
 
-def issue_token(username: str, name: str, *, expires_at: datetime | None = None) -> tuple[ApiToken, str]:
-    """Create an API token for an active user; return the row and the raw token (shown once)."""
+def issue_token(username: str, name: str, *, expires_at: datetime | None = None,
+                scopes: list[str] | str | None = None) -> tuple[ApiToken, str]:
+    """Create an API token for an active user; return the row and the raw token (shown once).
+
+    ``scopes`` (names or text separated by commas) default to all but ``definitions``, which only a
+    superuser's token may have.
+    """
     user = _user(username)
     if not user.is_active:
         raise AccountError(f"user {username!r} is not active")
@@ -92,7 +108,25 @@ def issue_token(username: str, name: str, *, expires_at: datetime | None = None)
         raise AccountError("a token name is 1-100 characters")
     if expires_at is not None and expires_at <= timezone.now():
         raise AccountError("the expiry must be in the future")
-    return create_token(user, name.strip(), expires_at=expires_at)
+    try:
+        chosen = parse_scopes(scopes) if scopes is not None else None
+    except ValueError as exc:
+        raise AccountError(str(exc)) from None
+    if chosen and "definitions" in chosen and not user.is_superuser:
+        raise AccountError(f"the definitions scope is for superusers' tokens; {username!r} is not a superuser")
+    return create_token(user, name.strip(), expires_at=expires_at, scopes=chosen)
+
+
+def full_prefix(given: str) -> str:
+    """Return the stored prefix a ``--prefix`` names: its first 12 characters, which must all be given.
+
+    A shorter text (``accs_``) would match every token of every user.
+    """
+    given = given.strip()
+    if len(given) < PREFIX_CHARS or not given.startswith(TOKEN_PREFIX):
+        raise AccountError(f"a token prefix is the first {PREFIX_CHARS} characters of the token, as "
+                           f"'accs_token list' shows them (e.g. accs_AbC123x), got {given!r}")
+    return given[:PREFIX_CHARS]
 
 
 def revoke_tokens(*, prefix: str | None = None, username: str | None = None, name: str | None = None) -> int:
@@ -101,7 +135,7 @@ def revoke_tokens(*, prefix: str | None = None, username: str | None = None, nam
         raise AccountError("say which tokens: a prefix (accs_...) or a user")
     tokens = ApiToken.objects.filter(revoked_at__isnull=True)
     if prefix:
-        tokens = tokens.filter(prefix__startswith=prefix[:12])
+        tokens = tokens.filter(prefix=full_prefix(prefix))
     if username:
         tokens = tokens.filter(user=_user(username))
     if name:

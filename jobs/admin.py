@@ -58,7 +58,8 @@ from workflows.validation import DefinitionError
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ("slug", "name", "timezone", "max_in_flight", "retention_days", "retention_dead_days", "created_at")
+    list_display = ("slug", "name", "timezone", "max_in_flight", "min_priority", "max_priority", "retention_days",
+                    "retention_dead_days", "created_at")
     search_fields = ("slug", "name")
 
     def get_queryset(self, request):
@@ -77,7 +78,7 @@ class TokenAddForm(forms.ModelForm):
 
     class Meta:
         model = ApiToken
-        fields = ("user", "name", "expires_at")
+        fields = ("user", "name", "scopes", "expires_at")
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
@@ -101,7 +102,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     """API tokens: created here (the secret is shown once) or with ``manage.py accs_token``, revoked
     with the action; both are recorded in the admin's history."""
 
-    list_display = ("name", "user", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at")
+    list_display = ("name", "user", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
     search_fields = ("name", "user__username", "prefix")
     actions = ("revoke_selected",)
 
@@ -112,8 +113,8 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     def get_fields(self, request, obj=None):
         if obj is None:
-            return ("user", "name", "expires_at")
-        return ("user", "name", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at")
+            return ("user", "name", "scopes", "expires_at")
+        return ("user", "name", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
 
     def get_readonly_fields(self, request, obj=None):
         return () if obj is None else self.get_fields(request, obj)
@@ -126,7 +127,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change) -> None:
         """Create the token the way ``accs_token`` does; show the secret this once."""
-        token, raw = create_token(obj.user, obj.name.strip(), expires_at=obj.expires_at)
+        token, raw = create_token(obj.user, obj.name.strip(), expires_at=obj.expires_at, scopes=list(obj.scopes))
         obj.pk, obj.prefix, obj.digest, obj.created_at = token.pk, token.prefix, token.digest, token.created_at
         obj._state.adding = False
         self.message_user(request, f"The token {obj.name!r} is {raw} — copy it now: it is not shown again.",

@@ -2,6 +2,8 @@
 
 A token is shown once, when it is created (``manage.py create_api_token USER NAME``); it reads
 ``accs_<random>`` and its first characters are kept as ``prefix`` so operators can recognise it.
+Each token has scopes (:class:`jobs.models.TokenScope`): an endpoint needs its scope on top of
+what the token's user may do; ``definitions`` is never given unless asked for.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from ninja.security import HttpBearer
 
-from jobs.models import ApiToken
+from jobs.models import ApiToken, TokenScope, default_token_scopes
 
 TOKEN_PREFIX = "accs_"
 PREFIX_CHARS = 12
@@ -30,17 +32,41 @@ def digest(raw: str) -> str:
     return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def create_token(user: Any, name: str, *, expires_at: datetime | None = None) -> tuple[ApiToken, str]:
-    """Create a token for ``user`` (valid until ``expires_at``, if given); return the row and the raw
-    token (shown once, never stored)."""
+def parse_scopes(given: Any) -> list[str]:
+    """Return the scopes named in ``given`` (a list, or text separated by commas), checked and sorted.
+
+    Raise ValueError naming an unknown scope.
+    """
+    names = given.split(",") if isinstance(given, str) else list(given)
+    scopes = sorted({str(name).strip() for name in names if str(name).strip()})
+    unknown = [name for name in scopes if name not in TokenScope.values]
+    if unknown:
+        raise ValueError(f"unknown token scope(s) {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(TokenScope.values)}")
+    if not scopes:
+        raise ValueError(f"a token needs at least one scope ({', '.join(TokenScope.values)})")
+    return scopes
+
+
+def create_token(user: Any, name: str, *, expires_at: datetime | None = None,
+                 scopes: list[str] | None = None) -> tuple[ApiToken, str]:
+    """Create a token for ``user`` (valid until ``expires_at``, if given; with ``scopes``, default
+    all but definitions); return the row and the raw token (shown once, never stored)."""
     raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    chosen = parse_scopes(scopes) if scopes is not None else default_token_scopes()
     token = ApiToken.objects.create(user=user, name=name, prefix=raw[:PREFIX_CHARS], digest=digest(raw),
-                                    expires_at=expires_at)
+                                    expires_at=expires_at, scopes=chosen)
     return token, raw
 
 
 def user_for_token(raw: str) -> Any | None:
     """Return the active user a valid, unrevoked, unexpired token belongs to, or None."""
+    token = token_for(raw)
+    return token.user if token is not None else None
+
+
+def token_for(raw: str) -> ApiToken | None:
+    """Return the valid, unrevoked, unexpired token of an active user (with its user), or None."""
     if not raw or len(raw) > 200:
         return None
     now = timezone.now()
@@ -53,14 +79,17 @@ def user_for_token(raw: str) -> Any | None:
         (ApiToken.objects.filter(pk=token.pk)
          .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_RESOLUTION))
          .update(last_used_at=now))
-    return token.user
+    return token
 
 
 class BearerToken(HttpBearer):
     """``Authorization: Bearer <token>``; the authenticated user becomes ``request.user``."""
 
     def authenticate(self, request: HttpRequest, token: str) -> Any | None:
-        user = user_for_token(token.strip())
-        if user is not None:
-            request.user = user
-        return user
+        found = token_for(token.strip())
+        if found is None:
+            return None
+        request.user = found.user
+        # Read by accs_site.http.require_scope, which every endpoint calls.
+        request.token_scopes = frozenset(found.scopes)
+        return found.user

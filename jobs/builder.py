@@ -2,15 +2,18 @@
 
 Every builder instantiates due jobs (several may run; SKIP LOCKED shares the work), within a
 budget per tick (batches and seconds), so a large backlog never starves the rest. One builder,
-the leader, holds a session-level advisory lock on a dedicated connection and also runs the
-maintenance duties (:mod:`jobs.duties`): rescue expired leases, fire cron triggers, expire
-governor conditions, wake nodes, keep event partitions ready, archive old months. Every due
-duty runs every tick within its own budget.
+the leader, holds the leader lease (:mod:`jobs.leader`: a row with a fencing number and an expiry
+by PostgreSQL's clock) and also runs the maintenance duties (:mod:`jobs.duties`): rescue expired
+leases, fire cron triggers, expire governor conditions, wake nodes, keep event partitions ready,
+archive old months. Every due duty runs every tick within its own budget, each batch in a
+transaction that first checks the leader's fence, so a deposed leader's late write does nothing.
 
-Leadership is checked every tick on the session that holds the lock: if that session is gone
-(a restart, a network cut, an operator's ``pg_terminate_backend``), the lock went with it; the
-builder steps down, reconnects and competes again. Every step is guarded: a database outage
-is logged once, the loop backs off with jitter and resumes; start-up waits for the database.
+The lease is taken and renewed in short transactions (every third of its length): nothing lives
+on a session, so leadership works the same through a transaction-mode pooler and survives the
+leader's reconnects; a leader that stops renewing (killed, frozen, cut off) loses it when it
+expires and another builder takes over. Every step is guarded: a database outage is logged once,
+the loop backs off with jitter and resumes; start-up waits for the database. A dedicated
+connection LISTENs for due work where NOTIFY can arrive (direct, or ``ACC_LISTEN_DB_URL``).
 """
 
 from __future__ import annotations
@@ -25,40 +28,32 @@ import psycopg
 from django.db import close_old_connections, connection
 
 from accs_site import daemon
-from jobs import transitions
+from jobs import leader, transitions
 from jobs.duties import Duty, all_duties
 from jobs.notify import builder_channel
 
 log = logging.getLogger("accs.builder")
 
-LEADER_LOCK_KEY = 0x4143435301  # "ACCS" + 1
-LOCK_APPLICATION_NAME = "accs builder lock"
+LISTEN_APPLICATION_NAME = "accs builder listen"
 INSTANTIATE_MAX_BATCHES = 4
 INSTANTIATE_MAX_SECONDS = 2.0
 STALL_LIMIT_SECONDS = daemon.DAEMON_STATEMENT_TIMEOUT_MS / 1000 + 15
-
-# Is the leader lock held by this session? A session-level advisory lock on a bigint key shows
-# in pg_locks as classid (high 32 bits), objid (low 32 bits), objsubid 1.
-HOLDS_LOCK_SQL = """
-SELECT count(*) FROM pg_locks
- WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND objsubid = 1
-   AND classid::bigint = (%(key)s::bigint >> 32) AND objid::bigint = (%(key)s::bigint & 4294967295)
-"""
 
 
 class Builder:
     """Run builder ticks until stopped (or, with ``once``, one pass of everything)."""
 
     def __init__(self, *, tick_seconds: float = 1.0, batch: int = 500, once: bool = False,
-                 duties: list[Duty] | None = None) -> None:
+                 duties: list[Duty] | None = None, lease_seconds: float = leader.LEASE_SECONDS) -> None:
         self.tick_seconds = tick_seconds
         self.batch = batch
         self.once = once
         self.stopping = False
-        self.is_leader = False
-        self._conn: psycopg.Connection | None = None
+        self.lease = leader.Lease(seconds=lease_seconds)
+        self._conn: psycopg.Connection | None = None  # the LISTEN connection
         self._conn_retry_at = 0.0
         self._conn_backoff = daemon.Backoff(base=0.2, cap=10.0)
+        self._polling_announced = False
         self.duties = duties if duties is not None else all_duties(batch=batch)
         self._last_run: dict[str, float] = {}
         self.guard = daemon.Guard(log, on_transient=daemon.close_django_connection)
@@ -69,6 +64,10 @@ class Builder:
         self.backlog = False
         self.stats = {"jobs_started": 0, "ticks": 0}
 
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.held
+
     def install_signal_handlers(self) -> None:
         def handle(signum, frame) -> None:
             if self.stopping:
@@ -78,54 +77,50 @@ class Builder:
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
 
-    # ------------------------------------------------------------------ the dedicated session
+    # ------------------------------------------------------------------ the LISTEN session
     def _ensure_session(self) -> None:
-        """Open the dedicated connection (LISTEN + leader lock) if it is closed, with backoff."""
+        """Open the LISTEN connection if it is closed (with backoff), where NOTIFY can arrive."""
         if self._conn is not None or time.monotonic() < self._conn_retry_at:
             return
+        if not daemon.listen_available():
+            if not self._polling_announced:
+                self._polling_announced = True
+                log.info("behind a pooler without ACC_LISTEN_DB_URL: no NOTIFY wake-ups; ticking every %.2fs",
+                         self.tick_seconds)
+            return
         try:
-            conn = daemon.connect(application_name=LOCK_APPLICATION_NAME)
+            conn = daemon.connect(application_name=LISTEN_APPLICATION_NAME, listen=True)
             conn.execute(f'LISTEN "{builder_channel()}"')
         except psycopg.Error:
             self._conn_retry_at = time.monotonic() + self._conn_backoff.next_delay()
             raise
-        self._conn, self.is_leader = conn, False
+        self._conn = conn
         self._conn_backoff.reset()
 
-    def _drop_session(self, reason: str) -> None:
-        if self.is_leader:
-            log.warning("stepping down as leader: %s", reason)
-        self.is_leader = False
+    def _close_listen(self) -> None:
         daemon.close_quietly(self._conn)
         self._conn = None
 
-    def _check_leader(self) -> None:
-        """Confirm the lock on its own session every tick; take it when free.
-
-        A failed session is dropped and reopened at once (one more try in this tick); if the
-        database itself is unreachable, the error goes to the loop's guard.
-        """
-        for last_try in (False, True):
-            try:
-                self._hold_or_take_lock()
-                return
-            except psycopg.Error as exc:
-                self._drop_session(f"its session failed ({daemon.first_line(exc)})")
-                if last_try:
-                    raise
-
-    def _hold_or_take_lock(self) -> None:
-        self._ensure_session()
-        if self._conn is None:  # waiting to reconnect (backoff)
-            self.is_leader = False
-            return
+    def _drop_session(self, reason: str) -> None:
+        """Step down (ending the term at once, when the database answers) and close the LISTEN connection."""
         if self.is_leader:
-            if not self._conn.execute(HOLDS_LOCK_SQL, {"key": LEADER_LOCK_KEY}).fetchone()[0]:
-                self._drop_session("the leader lock is no longer held by this session")
-            return
-        if self._conn.execute("SELECT pg_try_advisory_lock(%s)", [LEADER_LOCK_KEY]).fetchone()[0]:
-            self.is_leader = True
-            log.info("this builder is now the leader")
+            log.warning("stepping down as leader: %s", reason)
+            try:
+                self.lease.release()
+            except Exception as exc:  # noqa: BLE001 - unreachable: the lease expires by itself
+                log.info("could not end the leader term early (%s); it expires by itself", daemon.first_line(exc))
+        self._close_listen()
+
+    def _check_leader(self) -> None:
+        """Renew the lease when a third of it has passed; take it when it is free."""
+        if self.is_leader:
+            fence = self.lease.fence
+            if not self.lease.due_for_renewal() or self.lease.renew():
+                return
+            log.warning("stepping down as leader: the lease of term %s ended before it was renewed", fence)
+        fence = self.lease.acquire()
+        if fence is not None:
+            log.info("this builder is now the leader (term %d)", fence)
 
     # ------------------------------------------------------------------ one tick
     def tick(self) -> int:
@@ -136,14 +131,17 @@ class Builder:
             self.guard.probe()
         started = self._step("instantiate due jobs", self._instantiate, default=0)
         self._step("leadership", self._check_leader)
-        if self.is_leader:
-            now = time.monotonic()
-            for duty in self.duties:
-                if self.once or now - self._last_run.get(duty.name, -duty.every) >= duty.every:
-                    self._last_run[duty.name] = now
-                    done = self._step(duty.name, lambda duty=duty: run_duty(duty), default=0)
-                    if done:
-                        log.info("maintenance %s: %d", duty.name, done)
+        now = time.monotonic()
+        for duty in self.duties:
+            if not self.is_leader:
+                break
+            if self.once or now - self._last_run.get(duty.name, -duty.every) >= duty.every:
+                self._last_run[duty.name] = now
+                self._step("leadership", self._check_leader)  # renews only when a third of the lease passed
+                done = self._step(duty.name, lambda duty=duty: self._run_duty(duty), default=0)
+                if done:
+                    log.info("maintenance %s: %d", duty.name, done)
+        self._step("listen", self._ensure_session)
         self.stats["ticks"] += 1
         self.stats["jobs_started"] += started
         return started
@@ -153,6 +151,15 @@ class Builder:
             return default
         with self.stall.step(name):
             return self.guard.run(name, fn, default=default)
+
+    def _run_duty(self, duty: Duty) -> int:
+        if not self.is_leader:
+            return 0
+        try:
+            return run_duty(duty, lease=self.lease)
+        except leader.NotLeader as exc:
+            log.warning("stepping down as leader: %s; %s wrote nothing", exc, duty.name)
+            return 0
 
     def _instantiate(self) -> int:
         """Start due jobs in batches, within this tick's budget (the rest waits for the next tick)."""
@@ -175,6 +182,8 @@ class Builder:
         if self.backlog:
             return
         timeout = self.tick_seconds * random.uniform(0.8, 1.2)
+        if self.is_leader:
+            timeout = min(timeout, self.lease.seconds / 3)  # renew in time whatever the tick
         if self._conn is None:
             time.sleep(timeout)
             return
@@ -184,15 +193,18 @@ class Builder:
                 for _ in self._conn.notifies(timeout=0, stop_after=10000):
                     pass
         except (OSError, ValueError, psycopg.Error) as exc:
-            self._drop_session(f"its session failed ({daemon.first_line(exc)})")
+            self._close_listen()
             log.warning("LISTEN connection lost (%s); reopening", daemon.first_line(exc))
 
     def run(self) -> int:
         daemon.configure_daemon_session(application_name="accs builder")
+        # A database that never answers (--once) or is not migrated: one line and an exit code.
+        refused = daemon.ready_to_start(log, stopping=lambda: self.stopping,
+                                        wait_seconds=daemon.ONCE_DATABASE_WAIT_SECONDS if self.once else None)
+        if refused is not None:
+            return refused
         self.stall.start()
         try:
-            if not daemon.wait_for_database(log, stopping=lambda: self.stopping):
-                return 0
             log.info("builder started (tick %.2fs, batch %d)", self.tick_seconds, self.batch)
             while not self.stopping:
                 self.tick()
@@ -210,11 +222,19 @@ class Builder:
         return 0
 
 
-def run_duty(duty: Duty) -> int:
-    """Run one duty within its budget: batches of ``limit`` while full, at most ``max_batches``."""
+def run_duty(duty: Duty, *, lease: leader.Lease | None = None) -> int:
+    """Run one duty within its budget: batches of ``limit`` while full, at most ``max_batches``.
+
+    With ``lease``, each batch runs in a transaction fenced by the leader's term
+    (:meth:`jobs.leader.Lease.run_fenced`): :class:`jobs.leader.NotLeader` when the term ended.
+    """
     done = 0
+    timeout = leader.pooled_statement_timeout_ms()
     for _ in range(duty.max_batches):
-        n = duty.run(duty.limit)
+        if lease is None:
+            n = duty.run(duty.limit)
+        else:
+            n = lease.run_fenced(lambda: duty.run(duty.limit), statement_timeout_ms=timeout)
         done += n
         if n < duty.limit:
             break

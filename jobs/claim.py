@@ -21,6 +21,10 @@ the host is eligible; an exclusive task only while no other exclusive task is he
 ``required_labels`` the node lacks is not claimed at all. Tasks the agent still runs are never
 claimed by it again.
 
+Tenants take turns at equal priority: the scan reads each tenant's head of a service's queue, and
+the order is priority, then turn (each tenant's first task, then each one's second...), then the
+tenant served least recently, then ``order_seq`` (see the parts marked "Tenant fairness").
+
 Workflow ``max_active_jobs`` and tenant ``max_in_flight`` limit jobs, not tasks: see
 :mod:`jobs.admission`.
 """
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -111,22 +115,44 @@ class ClaimedTask:
 # The claim statement, built from parts: services with a per-key limit need the key filters, and
 # services with a rate limit record their starts; a claim that involves neither runs the plain
 # statement, whose cost is what the hot path was measured with.
+#
+# Its instant ({stamp}) is statement_timestamp(), not now(): the statement runs after the service
+# and node locks are held, while now() is the transaction's start, earlier by however long the
+# claim waited for those locks. Starts are stamped and counted at the instant they really happen,
+# so no more than a rate limit's starts land in any real window.
+STAMP_SQL = "coalesce(%(now)s::timestamptz, statement_timestamp())"
+
 _CLAIM_HEAD = """
-WITH svc AS (
+WITH RECURSIVE svc AS (
     SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[],
                          %(scans)s::int[], %(rpaths)s::text[], %(rlimits)s::int[], %(cpaths)s::text[],
                          %(climits)s::int[], %(periods)s::int[], %(rated)s::bool[])
              AS s(id, room, weight, adjust, scan, rpath, rlimit, cpath, climit, period, rated)
-){keyed_ctes}, free AS (
-    -- Tasks bound to no host, per service: served by task_claim_idx (service_id, priority DESC,
-    -- order_seq, created_at, id) WHERE queued AND no host; each scan stops after the service's
-    -- room. SKIP LOCKED: concurrent claimers never wait for each other nor take the same row.
+){keyed_ctes}, queued_tenants AS (
+    -- Tenant fairness, part 1: the tenants with queued work of each service, by a skip scan of
+    -- task_claim_idx (one index descent per tenant), so the scan below reads each tenant's head
+    -- and a tenant with thousands of tasks at the top of the order cannot hide another's behind them.
+    SELECT svc.id AS service_id, (SELECT t.tenant_id FROM accs_task t
+                                   WHERE t.service_id = svc.id AND t.status = 'queued' AND t.host_id IS NULL
+                                   ORDER BY t.tenant_id LIMIT 1) AS tenant_id
+      FROM svc
+    UNION ALL
+    SELECT q.service_id, (SELECT t.tenant_id FROM accs_task t
+                           WHERE t.service_id = q.service_id AND t.status = 'queued' AND t.host_id IS NULL
+                             AND t.tenant_id > q.tenant_id
+                           ORDER BY t.tenant_id LIMIT 1)
+      FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
+), free AS (
+    -- Tasks bound to no host, per service and tenant: served by task_claim_idx (service_id,
+    -- tenant_id, priority DESC, order_seq, created_at, id) WHERE queued AND no host; each scan stops
+    -- after the service's room. SKIP LOCKED: concurrent claimers never wait for each other nor
+    -- take the same row.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
-      FROM svc CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at{key_cols}
+      FROM queued_tenants q JOIN {services} ON svc.id = q.service_id CROSS JOIN LATERAL (
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq, t.created_at{key_cols}
           FROM accs_task t
-         WHERE t.service_id = svc.id AND t.status = 'queued' AND t.host_id IS NULL
-           AND t.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+         WHERE t.service_id = svc.id AND t.tenant_id = q.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
+           AND t.next_attempt_at <= {stamp}
            -- Tasks this agent still runs (an older attempt it has not finished) are never
            -- claimed by it again: its own late finish would otherwise race the new attempt.
            AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
@@ -137,11 +163,11 @@ WITH svc AS (
     -- Tasks bound to this node's eligible hosts, per host and service: task_claim_host_idx. Other
     -- nodes' host-bound work is never scanned.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
-      FROM svc CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at{key_cols}
+      FROM {services} CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq, t.created_at{key_cols}
           FROM accs_task t
          WHERE t.host_id = h.id AND t.service_id = svc.id AND t.status = 'queued'
-           AND t.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+           AND t.next_attempt_at <= {stamp}
            AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
            -- Exclusive work: not while another exclusive task is held on the host (served by
            -- the partial unique index task_one_held_per_exclusive_host).
@@ -152,13 +178,29 @@ WITH svc AS (
            FOR UPDATE OF t SKIP LOCKED) c
 ), cand AS (
     SELECT * FROM free UNION ALL SELECT * FROM bound
-){keyed_pick}, ranked AS (
+){keyed_pick}, turns AS (
+    -- Tenant fairness, part 2: at equal priority the tenants take turns (each one's first task,
+    -- then each one's second...), and within a turn the tenant served least recently goes first.
+    SELECT src.*, tn.served_at, svc.room,
+           row_number() OVER (PARTITION BY src.tenant_id, src.eff_priority
+                              ORDER BY src.order_seq, src.created_at, src.id) AS turn
+      FROM {source} src JOIN accs_tenant tn ON tn.id = src.tenant_id JOIN svc ON svc.id = src.service_id
+), fair AS (
+    -- Each tenant's scan read up to the service's room, so no more than the room per service,
+    -- taken in the fair order.
+    SELECT turns.*, row_number() OVER (PARTITION BY service_id
+                                       ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq,
+                                                created_at, id) AS srank
+      FROM turns
+), ranked AS (
     SELECT src.*,
            row_number() OVER (PARTITION BY CASE WHEN exclusive THEN host_id END
-                              ORDER BY eff_priority DESC, order_seq, created_at, id) AS host_rank,
+                              ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq, created_at, id)
+               AS host_rank,
            row_number() OVER w AS n, sum(weight) OVER w AS cpu
-      FROM {source} src
-    WINDOW w AS (ORDER BY eff_priority DESC, order_seq, created_at, id)
+      FROM fair src
+     WHERE srank <= room
+    WINDOW w AS (ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq, created_at, id)
 ), pick AS (
     -- One global order across the services; the node's slot and CPU room taken in that order;
     -- an exclusive host gets one task per claim.
@@ -167,23 +209,31 @@ WITH svc AS (
 ), upd AS (
     UPDATE accs_task t
        SET status = 'starting', attempt = t.attempt + 1, claimed_by = %(agent)s, node = %(node)s,
-           claimed_at = coalesce(%(now)s::timestamptz, now()),
-           lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease)s),
-           heartbeat_at = coalesce(%(now)s::timestamptz, now()), updated_at = coalesce(%(now)s::timestamptz, now()),
+           claimed_at = {stamp},
+           lease_expires_at = {stamp} + make_interval(secs => %(lease)s),
+           heartbeat_at = {stamp}, updated_at = {stamp},
            cancel_requested_at = NULL, started_at = NULL
      -- By primary key: the planner cannot know how few rows pick holds, and a hash join would
      -- read the whole task table.
      WHERE t.id = ANY(ARRAY(SELECT id FROM pick))
     RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.service_id,
-              t.priority, t.order_seq, t.created_at
+              t.priority, t.order_seq, t.created_at, t.tenant_id
+), served AS (
+    -- Tenant fairness, part 3: the tenants served here go to the back of the next turn, when
+    -- another tenant was waiting too. Best effort: a tenant row another claimer is marking is
+    -- skipped, never waited for (its mark is as recent).
+    UPDATE accs_tenant tn SET served_at = {stamp}
+     WHERE tn.id = ANY(ARRAY(SELECT x.id FROM accs_tenant x WHERE x.id IN (SELECT tenant_id FROM upd)
+                                 ORDER BY x.id FOR NO KEY UPDATE SKIP LOCKED))
+       AND (SELECT count(DISTINCT tenant_id) FROM cand) > 1
 ), att AS (
     INSERT INTO accs_attempt (task_id, attempt_no, node, agent_id, pid, status, started_at, stdout_tail,
                               stderr_tail, error_text)
-    SELECT id, attempt, %(node)s, %(agent)s, %(pid)s, 'running', coalesce(%(now)s::timestamptz, now()), '', '', ''
+    SELECT id, attempt, %(node)s, %(agent)s, %(pid)s, 'running', {stamp}, '', '', ''
       FROM upd
 ), ev AS (
     INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
-    SELECT coalesce(%(now)s::timestamptz, now()), job_id, id, attempt, %(source)s, 'info', 'status',
+    SELECT {stamp}, job_id, id, attempt, %(source)s, 'info', 'status',
            'task queued → starting', jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', %(agent)s::text)
       FROM upd
 ){record_starts}
@@ -201,14 +251,33 @@ def params_key_sql(alias: str, path: str) -> str:
     return f"coalesce({alias}.params #>> string_to_array({path}, '.'), '')"
 
 
-# Held tasks of each key of the services with a per-key cap (task_held_service_idx: the held
+# Per-key limits. The keys at their limit are read once per claim, per service, into two small
+# arrays (cfull: held tasks at the key cap; rfull: starts in the window at the key rate), and the
+# scan passes over a task whose key is in them with an in-memory comparison. So the cost of a
+# full key does not grow with the backlog behind it nor with the key's limit, and a keyed claim
+# costs about what an unkeyed one does (bench/keyed_claim.py).
+#
+# cused: held tasks per key of the services with a per-key cap (task_held_service_idx: the held
 # tasks of those services only, so the cost follows the running work).
+# rused: starts in the window per key of the services with a per-key rate (rate_start_service_at_idx;
+# the window's starts only: older ones are forgotten by the forget_old_rate_starts duty).
 _KEYED_CTES = f"""
-, cused AS (
+, cused AS MATERIALIZED (
     SELECT h.service_id, {params_key_sql('h', 'svc.cpath')} AS key, count(*) AS used
       FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
      WHERE svc.climit > 0
      GROUP BY 1, 2
+), rused AS MATERIALIZED (
+    SELECT r.service_id, r.key, count(*) AS used
+      FROM svc JOIN accs_rate_start r ON r.service_id = svc.id
+                                     AND r.at > {STAMP_SQL} - make_interval(secs => svc.period)
+     WHERE svc.rlimit > 0 AND r.key IS NOT NULL
+     GROUP BY 1, 2
+), ksvc AS (
+    SELECT svc.*,
+           ARRAY(SELECT u.key FROM cused u WHERE u.service_id = svc.id AND u.used >= svc.climit) AS cfull,
+           ARRAY(SELECT u.key FROM rused u WHERE u.service_id = svc.id AND u.used >= svc.rlimit) AS rfull
+      FROM svc
 )"""
 
 _KEY_COLS = f""",
@@ -216,34 +285,22 @@ _KEY_COLS = f""",
                CASE WHEN svc.climit > 0 THEN {params_key_sql('t', 'svc.cpath')} END AS ckey"""
 
 # A key already at its limit is passed over in the scan itself, so one busy key cannot fill the
-# scan window and hide the tasks of other keys behind it. The rate probe reads at most the limit's
-# count of index entries (rate_start_key_at_idx).
+# scan window and hide the tasks of other keys behind it.
 _KEY_FILTER = f"""
-           AND (svc.climit = 0 OR NOT EXISTS (
-                 SELECT 1 FROM cused u WHERE u.service_id = svc.id AND u.used >= svc.climit
-                    AND u.key = {params_key_sql('t', 'svc.cpath')}))
-           AND (svc.rlimit = 0 OR (
-                 SELECT count(*) FROM (SELECT 1 FROM accs_rate_start r
-                                        WHERE r.service_id = svc.id AND r.key = {params_key_sql('t', 'svc.rpath')}
-                                          AND r.at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => svc.period)
-                                        LIMIT svc.rlimit) x) < svc.rlimit)"""
+           AND (svc.climit = 0 OR {params_key_sql('t', 'svc.cpath')} <> ALL(svc.cfull))
+           AND (svc.rlimit = 0 OR {params_key_sql('t', 'svc.rpath')} <> ALL(svc.rfull))"""
 
 # Per key, no more tasks than the key has room for (its rate or its cap, whichever is nearer);
 # then per service no more than the service's room. Ranks count the candidates of a key in the
 # global order, so a key's room goes to its most important tasks.
-_KEYED_PICK = """, rused AS (
-    SELECT k.service_id, k.rkey, (SELECT count(*) FROM accs_rate_start r
-                                   WHERE r.service_id = k.service_id AND r.key = k.rkey
-                                     AND r.at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => svc.period)) AS used
-      FROM (SELECT DISTINCT service_id, rkey FROM cand WHERE rkey IS NOT NULL) k JOIN svc ON svc.id = k.service_id
-), keyed AS (
+_KEYED_PICK = """, keyed AS (
     SELECT cand.*, svc.room, svc.rlimit - coalesce(ru.used, 0) AS rleft, svc.climit - coalesce(cu.used, 0) AS cleft,
            row_number() OVER (PARTITION BY cand.service_id, cand.rkey
                               ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS rrank,
            row_number() OVER (PARTITION BY cand.service_id, cand.ckey
                               ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS crank
       FROM cand JOIN svc ON svc.id = cand.service_id
-      LEFT JOIN rused ru ON ru.service_id = cand.service_id AND ru.rkey = cand.rkey
+      LEFT JOIN rused ru ON ru.service_id = cand.service_id AND ru.key = cand.rkey
       LEFT JOIN cused cu ON cu.service_id = cand.service_id AND cu.key = cand.ckey
 ), allowed AS (
     SELECT keyed.*, row_number() OVER (PARTITION BY service_id ORDER BY eff_priority DESC, order_seq, created_at, id)
@@ -251,7 +308,7 @@ _KEYED_PICK = """, rused AS (
       FROM keyed
      WHERE (rkey IS NULL OR rrank <= rleft) AND (ckey IS NULL OR crank <= cleft)
 ), keyed_cand AS (
-    SELECT id, service_id, host_id, exclusive, priority, order_seq, created_at, weight, eff_priority
+    SELECT id, service_id, host_id, exclusive, tenant_id, priority, order_seq, created_at, weight, eff_priority
       FROM allowed WHERE srank <= room
 )"""
 
@@ -259,7 +316,7 @@ _KEYED_PICK = """, rused AS (
 _RECORD_STARTS = f""", starts AS (
     INSERT INTO accs_rate_start (service_id, key, at)
     SELECT upd.service_id, CASE WHEN svc.rlimit > 0 THEN {params_key_sql('upd', 'svc.rpath')} END,
-           coalesce(%(now)s::timestamptz, now())
+           {STAMP_SQL}
       FROM upd JOIN svc ON svc.id = upd.service_id WHERE svc.rated
 )"""
 
@@ -269,7 +326,8 @@ def claim_sql(*, keyed: bool, rated: bool) -> str:
     return _CLAIM_HEAD.format(
         keyed_ctes=_KEYED_CTES if keyed else "", key_cols=_KEY_COLS if keyed else "",
         key_filter=_KEY_FILTER if keyed else "", keyed_pick=_KEYED_PICK if keyed else "",
-        source="keyed_cand" if keyed else "cand", record_starts=_RECORD_STARTS if rated else "")
+        source="keyed_cand" if keyed else "cand", record_starts=_RECORD_STARTS if rated else "",
+        services="ksvc svc" if keyed else "svc", stamp=STAMP_SQL)
 
 
 CLAIM_SQL = claim_sql(keyed=False, rated=False)
@@ -302,10 +360,11 @@ SELECT t.service_id, count(*) FILTER (WHERE t.node = %(node)s), count(*), coales
  GROUP BY t.service_id
 """
 
-STARTED_SQL = """
--- Starts of the rate-limited services in each one's last period (rate_start_service_at_idx).
+STARTED_SQL = f"""
+-- Starts of the rate-limited services in each one's last period (rate_start_service_at_idx),
+-- counted at this statement's instant (after the locks are held, like the claim's).
 SELECT s.id, (SELECT count(*) FROM accs_rate_start r
-               WHERE r.service_id = s.id AND r.at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => s.period))
+               WHERE r.service_id = s.id AND r.at > {STAMP_SQL} - make_interval(secs => s.period))
   FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS s(id, period)
 """
 
@@ -362,6 +421,24 @@ def service_room(service: ServiceSpec, limits: NodeLimits, held: FleetHeld, *, s
     return Room(max(0, min(reasons.values())), reasons)
 
 
+LIMITS_SQL = """
+-- The limits a claim enforces, read by the claim itself: an operator's change applies to the very
+-- next claim, not only once the agent's service cache (about 10 s) renews. By primary key.
+SELECT id, max_concurrent, rate_limit, rate_period_seconds, rate_key, rate_key_limit, concurrency_key,
+       concurrency_key_limit
+  FROM accs_service WHERE id = ANY(%s::bigint[])
+"""
+
+
+def current_limits(cur, services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
+    """Return ``services`` with the fleet-wide limits the database holds now (a deleted service is left out)."""
+    cur.execute(LIMITS_SQL, [[s.id for s in services]])
+    rows = {r[0]: r[1:] for r in cur.fetchall()}
+    return [replace(s, max_concurrent=row[0], rate_limit=row[1], rate_period=row[2], rate_key=row[3],
+                    rate_key_limit=row[4], concurrency_key=row[5], concurrency_key_limit=row[6])
+            for s in services if (row := rows.get(s.id)) is not None]
+
+
 def labels_satisfied(required: Mapping[str, Any], labels: Mapping[str, Any]) -> bool:
     """Return whether a node with ``labels`` offers every label a service requires."""
     return all(str(labels.get(k)) == str(v) for k, v in (required or {}).items())
@@ -374,13 +451,19 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
     """Claim across ``services`` in the global order, within every limit; one short transaction.
 
     ``priority_adjust`` maps a service id to a priority shift (governor conditions). ``exclude``
-    names tasks the agent is still running (any attempt): they are never claimed again.
+    names tasks the agent is still running (any attempt): they are never claimed again. The
+    fleet-wide limits (``max_concurrent``, rates, per-key caps) are read from the database in the
+    claim's transaction; the rest of each :class:`ServiceSpec` is taken as given.
     """
     services = [s for s in services if labels_satisfied(s.required_labels, limits.labels)]
     if free_slots <= 0 or not services:
         return []
     adjust = priority_adjust or {}
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        # The agent's specs may be up to its cache's age old; the limits come from the database.
+        services = current_limits(cur, services)
+        if not services:
+            return []
         cur.execute("SELECT id, status FROM accs_host WHERE node_id = %s", [limits.name])
         node_hosts = cur.fetchall()
         ok_hosts = [h for h, status in node_hosts if status == "ok"]

@@ -194,6 +194,35 @@ def finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, r
     cur.execute(FINISH_SQL, {"jobs": jobs, "now": now, "source": source})
 
 
+# The reason jobs.reports gives the tasks it skips when a fail_job failure fails their job.
+JOB_FAILED_REASON = "job failed"
+
+REWAIT_ALWAYS_SQL = f"""
+-- Queued (never started) tasks of "always" steps go back to waiting while a step they depend on
+-- is not final any more (a retry re-queued a task of it): they run once every dependency is final
+-- again, and finalize promotes them then.
+WITH o AS (
+    SELECT t.id, t.job_id FROM accs_task t
+     WHERE t.job_id = ANY(%(jobs)s::uuid[]) AND t.status = 'queued' AND {is_always("t")}
+       AND EXISTS (SELECT 1 FROM accs_job_step d WHERE d.job_id = t.job_id AND d.step_key = ANY(t.depends_on)
+                      AND {finished("d")} < d.total)
+)
+UPDATE accs_task t SET status = 'waiting', updated_at = %(now)s FROM o WHERE t.id = o.id
+RETURNING t.id, t.job_id
+"""
+
+
+def rewait_always(cur, job_ids: Sequence[UUID], *, now: datetime, source: str) -> list[EventRow]:
+    """Send queued ``always`` tasks of (locked) jobs back to waiting while a dependency is not final; return events."""
+    if not job_ids:
+        return []
+    cur.execute(REWAIT_ALWAYS_SQL, {"jobs": sorted({str(j) for j in job_ids}), "now": now})
+    why = "a dependency was retried; an always step waits until every dependency is final"
+    return [EventRow(type="status", job_id=jid, task_id=tid, source=source, message=f"task queued → waiting ({why})",
+                     data={"from": "queued", "to": "waiting", "reason": why})
+            for tid, jid in cur.fetchall()]
+
+
 def reset_step_flags(cur, job_ids: Sequence[UUID]) -> None:
     """Forget which steps already released or skipped their dependents (after a retry resets tasks)."""
     cur.execute("UPDATE accs_job_step SET released = false, poisoned = false WHERE job_id = ANY(%s::uuid[])",

@@ -19,7 +19,7 @@ from django.utils import timezone
 from ninja import Field, Query, Router, Schema, Status
 from pydantic import AwareDatetime, field_validator
 
-from accs_site.http import INT32, In, responses, username, utc
+from accs_site.http import INT32, In, require_scope, responses, username, utc
 from jobs import api, redrive, triggers
 from jobs.models import (
     TASK_HELD, ApprovalState, Attempt, Job, JobSource, JobStatus, MissedRunPolicy, Task, Tenant, Trigger,
@@ -386,6 +386,8 @@ def _page(items: list, limit: int) -> tuple[list, bool]:
 
 
 def _action(request: HttpRequest, job: Job, result: api.ActionResult):
+    if result.forbidden:
+        return Status(403, {"detail": result.message, "job_id": job.id})
     if not result.changed:
         return Status(409, {"detail": result.message, "job_id": job.id})
     job = Job.objects.select_related(*JOB_RELATED).get(pk=job.pk)
@@ -401,6 +403,7 @@ def create_job(request: HttpRequest, body: JobIn):
     """Start a job; 201 when created, 200 with the existing job when ``external_id`` was seen before
     in the tenant with the same body, 409 naming that job when the body differs, 409 naming the holder
     when ``dedupe_key`` is held by a queued or running job."""
+    require_scope(request, "run")
     tenant = _tenant_to_act_in(request, body.tenant)
     spec = api.JobSpec(
         workflow=body.workflow, version=body.version, service=body.service, params=body.params,
@@ -426,6 +429,7 @@ def create_job(request: HttpRequest, body: JobIn):
 @router.get("", response=responses({200: JobPage}), summary="List jobs")
 def list_jobs(request: HttpRequest, filters: Query[JobFilter]):
     """Newest first; ``has_more`` instead of an exact count, so big tables stay cheap."""
+    require_scope(request, "read")
     qs = _tenant_filter(request, Job.objects.select_related(*JOB_RELATED), filters.tenant)
     for name in ("status", "source", "approval_state"):
         value = getattr(filters, name)
@@ -451,6 +455,7 @@ class SummaryFilter(In):
 @router.get("/summary", response=responses({200: SummaryOut}), summary="Queue summary")
 def summary(request: HttpRequest, filters: Query[SummaryFilter]):
     """Counts by status, running count, pending approvals and the age of the oldest due queued job."""
+    require_scope(request, "read")
     tenant = filters.tenant
     now = timezone.now()
     jobs = _tenant_filter(request, Job.objects.all(), tenant)
@@ -477,6 +482,7 @@ def redrive_matching(request: HttpRequest, body: RedriveIn):
     """Count (``dry_run``, the default) or retry every dead-lettered task or failed job matching the
     filter, in the tenants you administer. An unknown service, a bad time or ``until`` before
     ``since`` is 422 naming the field; a tenant you may not act in is 403."""
+    require_scope(request, "run")
     allowed = tenant_ids_for(request.auth, write=True)
     if allowed is not None and not allowed:
         raise PermissionDenied("you are not an admin of any tenant")
@@ -497,6 +503,7 @@ def redrive_matching(request: HttpRequest, body: RedriveIn):
 
 @router.get("/triggers", response=responses({200: TriggerPage}), summary="List triggers")
 def list_triggers(request: HttpRequest, filters: Query[TriggerFilter]):
+    require_scope(request, "read")
     qs = _tenant_filter(request, Trigger.objects.select_related("tenant", "workflow", "service"), filters.tenant)
     if filters.trigger_type is not None:
         qs = qs.filter(trigger_type=filters.trigger_type)
@@ -511,6 +518,7 @@ def list_triggers(request: HttpRequest, filters: Query[TriggerFilter]):
 @router.post("/triggers", response=responses({201: TriggerOut}), summary="Create a trigger")
 def create_trigger(request: HttpRequest, body: TriggerIn):
     """Validated on save: cron expression, time zone and template errors name their field (422)."""
+    require_scope(request, "run")
     tenant = _tenant_to_act_in(request, body.tenant)
     fields = body.model_dump(exclude={"tenant"})
     trigger = triggers.create_trigger(tenant=tenant, created_by=request.auth, **fields)
@@ -519,12 +527,14 @@ def create_trigger(request: HttpRequest, body: TriggerIn):
 
 @router.get("/triggers/{trigger_id}", response=responses({200: TriggerOut}), summary="Get a trigger")
 def get_trigger(request: HttpRequest, trigger_id: UUID):
+    require_scope(request, "read")
     return _trigger_out(_visible_trigger(request, trigger_id))
 
 
 @router.patch("/triggers/{trigger_id}", response=responses({200: TriggerOut}), summary="Change a trigger")
 def update_trigger(request: HttpRequest, trigger_id: UUID, body: TriggerPatch):
     """Send only the fields to change; ``null`` clears ``workflow`` / ``service`` / ``event_name``."""
+    require_scope(request, "run")
     trigger = _visible_trigger(request, trigger_id, write=True)
     changes = body.model_dump(exclude_unset=True)
     for name in ("label", "missed_run_policy", "payload_template", "priority", "dedupe_window_seconds", "is_enabled"):
@@ -536,6 +546,7 @@ def update_trigger(request: HttpRequest, trigger_id: UUID, body: TriggerPatch):
 @router.delete("/triggers/{trigger_id}", response=responses({204: None}), summary="Delete a trigger")
 def delete_trigger(request: HttpRequest, trigger_id: UUID):
     """Jobs it started stay; their ``source_ref`` still names it."""
+    require_scope(request, "run")
     _visible_trigger(request, trigger_id, write=True).delete()
     return Status(204, None)
 
@@ -546,6 +557,7 @@ def delete_trigger(request: HttpRequest, trigger_id: UUID):
 
 @router.get("/{job_id}", response=responses({200: JobDetailOut}), summary="A job with its tasks")
 def get_job(request: HttpRequest, job_id: UUID):
+    require_scope(request, "read")
     job = _visible_job(request, job_id)
     tasks = (Task.objects.filter(job=job).select_related("service", "host")
              .order_by("order_seq", "created_at", "task_key"))
@@ -554,6 +566,7 @@ def get_job(request: HttpRequest, job_id: UUID):
 
 @router.get("/{job_id}/attempts", response=responses({200: list[AttemptOut]}), summary="Attempts of a job's tasks")
 def job_attempts(request: HttpRequest, job_id: UUID):
+    require_scope(request, "read")
     job = _visible_job(request, job_id)
     rows = Attempt.objects.filter(task__job=job).select_related("task").order_by("started_at", "task__task_key",
                                                                                  "attempt_no")
@@ -565,6 +578,7 @@ def job_attempts(request: HttpRequest, job_id: UUID):
 @router.post("/{job_id}/cancel", response=responses({200: ActionOut}), summary="Cancel a job")
 def cancel_job(request: HttpRequest, job_id: UUID):
     """Queued/waiting tasks are canceled; running ones are told to stop at their next heartbeat."""
+    require_scope(request, "run")
     job = _visible_job(request, job_id, write=True)
     return _action(request, job, api.cancel(job.id, by=username(request)))
 
@@ -572,12 +586,14 @@ def cancel_job(request: HttpRequest, job_id: UUID):
 @router.post("/{job_id}/retry", response=responses({200: ActionOut}), summary="Retry a failed or canceled job")
 def retry_job(request: HttpRequest, job_id: UUID):
     """Failed/skipped/canceled tasks go back to work with attempts reset; never an unapproved job."""
+    require_scope(request, "run")
     job = _visible_job(request, job_id, write=True)
     return _action(request, job, api.retry(job.id, by=username(request)))
 
 
 @router.post("/{job_id}/approve", response=responses({200: ActionOut}), summary="Approve a job")
 def approve_job(request: HttpRequest, job_id: UUID):
+    require_scope(request, "approve")
     job = _visible_job(request, job_id, write=True)
     return _action(request, job, api.approve(job.id, by=username(request)))
 
@@ -585,12 +601,14 @@ def approve_job(request: HttpRequest, job_id: UUID):
 @router.post("/{job_id}/reject", response=responses({200: ActionOut}), summary="Reject a job")
 def reject_job(request: HttpRequest, job_id: UUID, body: RejectIn | None = None):
     """The job and its unstarted tasks are canceled."""
+    require_scope(request, "approve")
     job = _visible_job(request, job_id, write=True)
     return _action(request, job, api.reject(job.id, by=username(request), reason=body.reason if body else ""))
 
 
 @router.post("/{job_id}/tasks/{task_id}/cancel", response=responses({200: ActionOut}), summary="Cancel one task")
 def cancel_task(request: HttpRequest, job_id: UUID, task_id: UUID):
+    require_scope(request, "run")
     job = _visible_job(request, job_id, write=True)
     if not Task.objects.filter(pk=task_id, job=job).exists():
         raise api.NotFound(f"no task {task_id} in job {job_id}")
@@ -599,6 +617,7 @@ def cancel_task(request: HttpRequest, job_id: UUID, task_id: UUID):
 
 @router.post("/{job_id}/tasks/{task_id}/retry", response=responses({200: ActionOut}), summary="Retry one task")
 def retry_task(request: HttpRequest, job_id: UUID, task_id: UUID):
+    require_scope(request, "run")
     job = _visible_job(request, job_id, write=True)
     if not Task.objects.filter(pk=task_id, job=job).exists():
         raise api.NotFound(f"no task {task_id} in job {job_id}")

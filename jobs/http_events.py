@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from django.http import HttpRequest
 from ninja import Field, Router, Schema, Status
 
-from accs_site.http import In, responses, username
+from accs_site.http import In, require_scope, responses, username
 from jobs import api
 from jobs.http import _tenant_to_act_in
 from jobs.receipts import EventReceipt
@@ -66,6 +66,7 @@ def _fire(name: str, body: EventIn, tenant, request: HttpRequest) -> dict[str, A
 def emit_event(request: HttpRequest, name: str, body: EventIn):
     """Fire the tenant's event triggers named ``name``; 201 when fired, 200 for a repeated ``event_id``
     (what the first delivery did; nothing fires again), 409 when that id was used for another event."""
+    require_scope(request, "run")
     tenant = _tenant_to_act_in(request, body.tenant)
     out = {"name": name, "tenant": tenant.slug, "event_id": body.event_id}
     if body.event_id is None:

@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.utils.timezone import now
 
+from accs_site.conf import accs
 from workflows.models import StepFailurePolicy
 
 JOB_ORDER_SEQUENCE = "accs_job_order_seq"
@@ -23,6 +24,11 @@ def _choices_check(field: str, choices: type[models.TextChoices], name: str) -> 
     return models.CheckConstraint(condition=Q(**{f"{field}__in": [c.value for c in choices]}), name=name)
 
 
+def default_max_in_flight() -> int:
+    """Return the in-flight cap a new tenant gets (``ACC_TENANT_MAX_IN_FLIGHT``)."""
+    return accs.tenant_max_in_flight
+
+
 class Tenant(models.Model):
     """An isolation boundary: jobs and triggers belong to exactly one tenant."""
 
@@ -30,7 +36,19 @@ class Tenant(models.Model):
     slug = models.SlugField(max_length=100, unique=True)
     name = models.CharField(max_length=200)
     timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
-    max_in_flight = models.PositiveIntegerField(default=0, help_text="Running jobs at once; 0 = unlimited.")
+    max_in_flight = models.PositiveIntegerField(
+        default=default_max_in_flight,
+        help_text="Running jobs at once; 0 = unlimited (new tenants: ACC_TENANT_MAX_IN_FLIGHT).")
+    # A priority band: every job of the tenant is clamped into it when it starts, so a tenant cannot
+    # claim ahead of the others by asking for a higher priority than the site gave it.
+    min_priority = models.IntegerField(default=-1000, db_default=-1000,
+                                       help_text="Lowest priority a job of this tenant gets.")
+    max_priority = models.IntegerField(default=1000, db_default=1000,
+                                       help_text="Highest priority a job of this tenant gets.")
+    # Written by the claim (best effort, never waited for): tenants at equal priority take turns,
+    # the one served least recently first.
+    served_at = models.DateTimeField(null=True, blank=True, editable=False,
+                                     help_text="When an agent last claimed a task of this tenant among others.")
     retention_days = models.PositiveIntegerField(
         null=True, blank=True,
         help_text="Days finished jobs are kept before they are pruned; 0 = for ever, empty = ACC_RETENTION_DAYS.",
@@ -44,6 +62,13 @@ class Tenant(models.Model):
     class Meta:
         db_table = "accs_tenant"
         ordering = ["slug"]
+        constraints = [
+            models.CheckConstraint(condition=Q(min_priority__lte=F("max_priority")), name="tenant_priority_band_valid"),
+        ]
+
+    def clamp_priority(self, priority: int) -> int:
+        """Return ``priority`` moved into the tenant's band."""
+        return max(self.min_priority, min(self.max_priority, priority))
 
     def __str__(self) -> str:
         return self.slug
@@ -77,6 +102,20 @@ class TenantMembership(models.Model):
         return f"{self.user} @ {self.tenant} ({self.role})"
 
 
+class TokenScope(models.TextChoices):
+    """What an API token may do (on top of what its user may do)."""
+
+    READ = "read", "Read jobs, tasks, triggers and (superusers) definitions"
+    RUN = "run", "Start, cancel, retry and redrive jobs; manage triggers; emit events"
+    APPROVE = "approve", "Approve or reject jobs waiting for approval"
+    DEFINITIONS = "definitions", "Create and change services and workflows (superusers only)"
+
+
+def default_token_scopes() -> list[str]:
+    """Every scope but definitions: a token that may define code must be asked for."""
+    return [TokenScope.READ, TokenScope.RUN, TokenScope.APPROVE]
+
+
 class ApiToken(models.Model):
     """A bearer token for the HTTP API; only its SHA-256 digest is stored."""
 
@@ -88,12 +127,28 @@ class ApiToken(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, help_text="The API refuses the token from then on.")
+    scopes = ArrayField(models.CharField(max_length=20, choices=TokenScope.choices), default=default_token_scopes,
+                        help_text="What the token may do: read, run, approve, definitions.")
 
     class Meta:
         db_table = "accs_api_token"
 
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
+
+
+class ApiThrottle(models.Model):
+    """Requests made with one bearer token in the current window (:mod:`jobs.throttle`)."""
+
+    digest = models.CharField(max_length=64, primary_key=True, help_text="SHA-256 of the token, as ApiToken.digest.")
+    window_start = models.DateTimeField()
+    hits = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        db_table = "accs_api_throttle"
+
+    def __str__(self) -> str:
+        return f"{self.hits} requests since {self.window_start}"
 
 
 class JobStatus(models.TextChoices):
@@ -310,11 +365,12 @@ class Task(models.Model):
             ),
         ]
         indexes = [
-            # The claim path (jobs.claim): queued tasks of a service in the global order. Tasks
-            # bound to a host have their own index, so a node never scans past other nodes'
-            # host-bound work; tasks waiting out a backoff are "scheduled", in neither.
+            # The claim path (jobs.claim): queued tasks of a service, per tenant (so tenants take
+            # turns), in the global order. Tasks bound to a host have their own index, so a node
+            # never scans past other nodes' host-bound work; tasks waiting out a backoff are
+            # "scheduled", in neither.
             models.Index(
-                "service", F("priority").desc(), "order_seq", "created_at", "id",
+                "service", "tenant", F("priority").desc(), "order_seq", "created_at", "id",
                 condition=Q(status="queued", host__isnull=True), name="task_claim_idx",
             ),
             models.Index(
@@ -513,3 +569,47 @@ class RateStart(models.Model):
 
     def __str__(self) -> str:
         return f"start of service {self.service_id} at {self.at}"
+
+
+class LeaderLease(models.Model):
+    """The builder leader's lease: one row, taken and renewed in short transactions (jobs/leader.py).
+
+    Whoever holds an unexpired lease is the leader; expiry is PostgreSQL's clock. Every gain
+    draws a new fencing number from a sequence, and every leader-only write checks it in its own
+    transaction, so a deposed leader's late write does nothing. Nothing lives on a session: the
+    lease works through a transaction-mode pooler and survives the leader's reconnects.
+    """
+
+    name = models.TextField(primary_key=True, help_text="What is led (one row: 'builder').")
+    holder = models.TextField(help_text="The holding builder: host, process id and a random suffix.")
+    fence = models.BigIntegerField(help_text="The fencing number of the current term (strictly increasing).")
+    acquired_at = models.DateTimeField(help_text="When this term began (PostgreSQL's clock).")
+    expires_at = models.DateTimeField(help_text="When the lease ends unless renewed (PostgreSQL's clock).")
+
+    class Meta:
+        db_table = "accs_leader"
+
+    def __str__(self) -> str:
+        return f"{self.name} led by {self.holder} (fence {self.fence})"
+
+
+class LeaderTerm(models.Model):
+    """One leadership term: its window and the span of the leader-only writes made under its fence.
+
+    Kept for operators (who led when) and as the proof that terms never overlap: the writes of
+    one fence all end before the next fence's term begins.
+    """
+
+    fence = models.BigIntegerField(primary_key=True)
+    holder = models.TextField()
+    acquired_at = models.DateTimeField(help_text="When the term began (PostgreSQL's clock, after the takeover).")
+    expires_at = models.DateTimeField(help_text="The lease's end as last renewed.")
+    first_write_at = models.DateTimeField(null=True, blank=True, help_text="First duty transaction that wrote.")
+    last_write_at = models.DateTimeField(null=True, blank=True, help_text="Last duty transaction that wrote.")
+    writes = models.BigIntegerField(default=0, help_text="Units of work the duties of this term did.")
+
+    class Meta:
+        db_table = "accs_leader_term"
+
+    def __str__(self) -> str:
+        return f"term {self.fence} of {self.holder}"

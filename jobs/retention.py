@@ -22,6 +22,11 @@ on PostgreSQL's clock.
    is left without a row and the orphan sweep deletes it later; no row ever names a missing object.
 
 The timeline is not touched: events outlive their jobs and leave with their monthly partition.
+A job is due only once every task of it is final and the last of them finished before the
+retention age too: a job can end while tasks of it still run (a ``fail_job`` failure ends it
+``error`` while siblings run on; a cancel ends it before its running tasks have stopped), and
+their reports, logs and artifacts must still find their rows.
+
 A job that a row of another table still references through a foreign key (an embedding site's
 model, say) is kept, not an error: the references are read from PostgreSQL's catalog, so a table
 added later is honoured without a change here.
@@ -42,6 +47,7 @@ from accs_site.conf import accs
 from events.artifacts import JSONL_CONTENT_TYPE, delete_artifact_objects
 from events.storage import get_storage, is_configured, save_verified
 from events.timeline import EventRow, write_events
+from jobs.states import TASK_FINAL, sql_in
 
 log = logging.getLogger("accs.retention")
 
@@ -76,6 +82,23 @@ CASE WHEN j.status = 'error' THEN coalesce(t.retention_dead_days, %(dead_days)s)
      ELSE coalesce(t.retention_days, %(days)s) END
 """
 
+# A job whose tasks are not all final, or whose last task finished after the cutoff, is not due
+# yet (its job row may have ended long before: a fail_job failure or a cancel while tasks ran).
+# One probe of the job's tasks (task_job_key_unique), per job the scan looks at.
+SETTLED_SQL = f"""
+AND NOT EXISTS (SELECT 1 FROM accs_task x WHERE x.job_id = j.id
+                   AND (x.status NOT IN {sql_in(TASK_FINAL)} OR x.finished_at >= {{cutoff}}))
+"""
+
+
+def _settled(cutoff: str) -> str:
+    """Return SQL (``AND NOT EXISTS ...`` on ``j``): every task of the job final before ``cutoff``."""
+    return SETTLED_SQL.format(cutoff=cutoff)
+
+
+_DONE_CUTOFF = "%(now)s - make_interval(days => coalesce(t.retention_days, %(days)s))"
+_DEAD_CUTOFF = "%(now)s - make_interval(days => coalesce(t.retention_dead_days, %(dead_days)s))"
+
 # Oldest due jobs first. Each tenant and class (dead letters apart) walks its own partial index
 # (job_prune_idx / job_prune_dead_idx on tenant_id, finished_at) from the oldest end and stops
 # after a batch, so a pass costs the batch, not the table; a class kept for ever (0 days) is not
@@ -88,12 +111,14 @@ CROSS JOIN LATERAL (
       WHERE coalesce(t.retention_days, %(days)s) > 0
         AND j.tenant_id = t.id AND j.status IN ('done', 'partial', 'canceled')
         AND j.finished_at < %(now)s - make_interval(days => coalesce(t.retention_days, %(days)s)) {kept}
+        {settled_done}
       ORDER BY j.finished_at LIMIT %(limit)s)
     UNION ALL
     (SELECT j.id, j.finished_at FROM accs_job j
       WHERE coalesce(t.retention_dead_days, %(dead_days)s) > 0
         AND j.tenant_id = t.id AND j.status = 'error'
         AND j.finished_at < %(now)s - make_interval(days => coalesce(t.retention_dead_days, %(dead_days)s)) {kept}
+        {settled_dead}
       ORDER BY j.finished_at LIMIT %(limit)s)
 ) c
 ORDER BY c.finished_at LIMIT %(limit)s
@@ -103,21 +128,25 @@ ORDER BY c.finished_at LIMIT %(limit)s
 # recheck runs on the locked row version, so a job retried since the scan is not deleted.
 LOCK_JOBS_SQL = """
 -- retention: lock due jobs
-SELECT j.id FROM accs_job j JOIN accs_tenant t ON t.id = j.tenant_id
+SELECT j.id, %(now)s - make_interval(days => {age}) FROM accs_job j JOIN accs_tenant t ON t.id = j.tenant_id
  WHERE j.id = ANY(%(ids)s::uuid[]) AND j.status IN ('done', 'partial', 'error', 'canceled')
    AND ({age}) > 0 AND j.finished_at < %(now)s - make_interval(days => {age}) {kept}
  ORDER BY j.id FOR UPDATE OF j SKIP LOCKED
 """
 
-LOCK_TASKS_SQL = """
+LOCK_TASKS_SQL = f"""
 -- retention: lock the jobs' tasks; a job with a task held elsewhere is left for a later batch.
 -- MATERIALIZED: the locks are taken once, in id order, not per job by the correlated count.
+-- The locked rows are the newest versions: a task a report finished since the scan is seen
+-- here with its new finish, and keeps its job until that finish is old enough too.
 WITH locked AS MATERIALIZED (
-    SELECT id, job_id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]) ORDER BY id FOR UPDATE SKIP LOCKED
+    SELECT id, job_id, status, finished_at FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[])
+     ORDER BY id FOR UPDATE SKIP LOCKED
 )
-SELECT j.id FROM unnest(%(ids)s::uuid[]) AS j(id)
+SELECT j.id FROM unnest(%(ids)s::uuid[], %(cutoffs)s::timestamptz[]) AS j(id, cutoff)
  WHERE (SELECT count(*) FROM accs_task t WHERE t.job_id = j.id)
-     = (SELECT count(*) FROM locked l WHERE l.job_id = j.id)
+     = (SELECT count(*) FROM locked l WHERE l.job_id = j.id AND l.status IN {sql_in(TASK_FINAL)}
+                                          AND l.finished_at < j.cutoff)
 """
 
 # One JSON document per job; row_to_json keeps every column, so a new column is exported too.
@@ -177,13 +206,16 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
         now = now or db_now(cur)
         params = {"now": now, "days": accs.retention_days, "dead_days": accs.retention_dead_days, "limit": limit}
         kept = _kept_clause(cur)
-        cur.execute(CANDIDATES_SQL.format(kept=kept), params)
+        cur.execute(CANDIDATES_SQL.format(kept=kept, settled_done=_settled(_DONE_CUTOFF),
+                                          settled_dead=_settled(_DEAD_CUTOFF)), params)
         ids = [row[0] for row in cur.fetchall()]
+        cutoffs: list[datetime] = []
         if ids:
             cur.execute(LOCK_JOBS_SQL.format(age=AGE_SQL, kept=kept), {**params, "ids": ids})
-            ids = [row[0] for row in cur.fetchall()]
+            locked = cur.fetchall()
+            ids, cutoffs = [row[0] for row in locked], [row[1] for row in locked]
         if ids:
-            cur.execute(LOCK_TASKS_SQL, {"ids": ids})
+            cur.execute(LOCK_TASKS_SQL, {"ids": ids, "cutoffs": cutoffs})
             ids = sorted(row[0] for row in cur.fetchall())
         if not ids:
             return result

@@ -42,9 +42,10 @@ TASK_TRANSITIONS: dict[str, frozenset[str]] = {
     T.STARTING: frozenset({T.RUNNING, T.DONE, T.QUEUED, T.SCHEDULED, T.ERROR, T.CANCELED}),
     T.RUNNING: frozenset({T.DONE, T.QUEUED, T.SCHEDULED, T.ERROR, T.CANCELED}),
     T.DONE: frozenset(),
-    T.ERROR: frozenset({T.QUEUED, T.WAITING}),
-    T.SKIPPED: frozenset({T.QUEUED, T.WAITING}),
-    T.CANCELED: frozenset({T.QUEUED, T.WAITING}),
+    # error/skipped/canceled → blocked: a retry of a task whose service was blocked on its host since.
+    T.ERROR: frozenset({T.QUEUED, T.WAITING, T.BLOCKED}),
+    T.SKIPPED: frozenset({T.QUEUED, T.WAITING, T.BLOCKED}),
+    T.CANCELED: frozenset({T.QUEUED, T.WAITING, T.BLOCKED}),
     T.BLOCKED: frozenset({T.QUEUED, T.WAITING}),
 }
 

@@ -14,16 +14,19 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from django.contrib.auth import get_user_model
 from django.db import connection, transaction
 
 from events.timeline import EventRow, write_events
 from jobs.admission import readmit, tenant_lock_key, workflow_lock_key
-from jobs.finalize import finalize_jobs, reset_step_flags, skip_unstarted
+from jobs.finalize import JOB_FAILED_REASON, finalize_jobs, reset_step_flags, rewait_always, skip_unstarted
 from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
 from accs_site.clock import db_now
-from jobs.states import JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, TASK_RETRYABLE, TASK_UNSTARTED, sql_in
+from accs_site.conf import accs
+from jobs.states import (JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, TASK_HELD, TASK_RETRYABLE, TASK_UNSTARTED,
+                         sql_in)
 
 
 @dataclass
@@ -32,6 +35,8 @@ class ActionResult:
 
     changed: bool
     message: str
+    # The caller may not do this at all (not merely "no longer applies"): the HTTP API answers 403.
+    forbidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,11 @@ def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> 
     return ActionResult(False, "task is already finished; nothing to cancel")
 
 
+# Whether the task's service is blocked on its host (accs_host_block, placed by an operator).
+HOST_BLOCKED_SQL = ("EXISTS (SELECT 1 FROM accs_host_block b WHERE b.host_id = {t}.host_id"
+                    " AND b.service_id = {t}.service_id)")
+
+
 def _reset_tasks(cur, job_ids: Sequence[UUID], *, only: Sequence[UUID] | None = None,
                  seen: Mapping[UUID, datetime] | None = None, statuses: Iterable[str] = TASK_RETRYABLE,
                  now: datetime, source: str, why: Note) -> list[tuple]:
@@ -139,32 +149,44 @@ def _reset_tasks(cur, job_ids: Sequence[UUID], *, only: Sequence[UUID] | None = 
     caller saw (a task retried and finished again meanwhile is another failure, left alone).
     The retry budget is renewed: ``max_attempts`` becomes the attempts used so far plus the
     service's budget. Attempt numbers never go back, so each Attempt row keeps its number and a
-    late report from an earlier attempt stays fenced. Return (task id, new status, service id, job id).
+    late report from an earlier attempt stays fenced. A task whose service is blocked on its host
+    (a block placed while it was failed, say) becomes ``blocked``, as it would be created now, and
+    a blocked task whose block is still there is left as it is. Return (task id, new status,
+    service id, job id).
     """
     if not job_ids:
         return []
     ids = [str(t) for t in only] if only is not None else None
     seen_ids = [str(t) for t in seen] if seen is not None else None
     cur.execute(
-        "WITH o AS (SELECT id, status FROM accs_task WHERE job_id = ANY(%s::uuid[])"
-        "           AND (%s::uuid[] IS NULL OR id = ANY(%s::uuid[]))"
-        f"           AND status IN {sql_in(statuses)}"
+        "WITH o AS (SELECT t.id, t.status, " + HOST_BLOCKED_SQL.format(t="t") + " AS host_blocked"
+        "           FROM accs_task t WHERE t.job_id = ANY(%s::uuid[])"
+        "           AND (%s::uuid[] IS NULL OR t.id = ANY(%s::uuid[]))"
+        f"           AND t.status IN {sql_in(statuses)}"
         # The finished_at the caller saw identifies the failure it means to retry.
-        "           AND (%s::uuid[] IS NULL OR (id, finished_at) IN"
+        "           AND (%s::uuid[] IS NULL OR (t.id, t.finished_at) IN"
         "                (SELECT * FROM unnest(%s::uuid[], %s::timestamptz[]))))"
-        " UPDATE accs_task t SET status = CASE WHEN cardinality(t.depends_on) = 0 THEN 'queued' ELSE 'waiting' END,"
+        " UPDATE accs_task t SET status = CASE WHEN o.host_blocked THEN 'blocked'"
+        "                                      WHEN cardinality(t.depends_on) = 0 THEN 'queued' ELSE 'waiting' END,"
         "  max_attempts = t.attempt + s.max_attempts,"
-        "  next_attempt_at = %s, updated_at = %s, finished_at = NULL, error_code = '', error_message = '',"
+        "  next_attempt_at = %s, updated_at = %s, finished_at = CASE WHEN o.host_blocked THEN %s END,"
+        "  error_code = CASE WHEN o.host_blocked THEN 'host_blocked' ELSE '' END,"
+        "  error_message = CASE WHEN o.host_blocked THEN s.key || ' is blocked on '"
+        "                       || (SELECT h.name FROM accs_host h WHERE h.id = t.host_id) ELSE '' END,"
         "  results = NULL, progress = NULL, claimed_by = '', lease_expires_at = NULL, cancel_requested_at = NULL"
         "  FROM o, accs_service s WHERE t.id = o.id AND s.id = t.service_id"
-        " RETURNING t.id, t.status, t.service_id, t.job_id, o.status",
+        "   AND NOT (o.status = 'blocked' AND o.host_blocked)"
+        " RETURNING t.id, t.status, t.service_id, t.job_id, o.status, t.error_message",
         [[str(j) for j in job_ids], ids, ids, seen_ids, seen_ids, list(seen.values()) if seen is not None else None,
-         now, now],
+         now, now, now],
     )
     rows = cur.fetchall()
-    write_events([EventRow(type="status", message=f"task {frm} → {st} ({why.task}, attempts reset)", job_id=job,
-                           task_id=t, source=source, data={"from": frm, "to": st, "retry": True, **why.data})
-                  for t, st, _, job, frm in rows], cursor=cur)
+    write_events([EventRow(type="status", job_id=job, task_id=t, source=source,
+                           level="warn" if st == "blocked" else "info",
+                           message=(f"task {frm} → blocked ({why.task}: {msg})" if st == "blocked"
+                                    else f"task {frm} → {st} ({why.task}, attempts reset)"),
+                           data={"from": frm, "to": st, "retry": True, **why.data})
+                  for t, st, _, job, frm, msg in rows], cursor=cur)
     return [r[:4] for r in rows]
 
 
@@ -208,9 +230,13 @@ def _locked_jobs(cur, job_ids: Iterable[UUID]) -> dict[UUID, tuple[Any, ...]]:
 
 
 def _settle(cur, rows: list[tuple], back: dict[UUID, str], *, now: datetime, source: str) -> None:
-    """Forget the retried jobs' step flags, wake the services of queued tasks, finalize admitted jobs."""
+    """Forget the retried jobs' step flags, wake the services of queued tasks, finalize admitted jobs.
+
+    A queued ``always`` task whose dependency was just re-queued goes back to waiting first.
+    """
     if back:
         reset_step_flags(cur, list(back))
+        write_events(rewait_always(cur, list(back), now=now, source=source), cursor=cur)
     admitted = sorted(j for j, st in back.items() if st in JOB_ADMITTED)
     if admitted:
         _notify_services(cur, [r[2] for r in rows if r[1] == "queued" and r[3] in admitted])
@@ -225,6 +251,20 @@ def _ids(ids: Iterable[UUID] | Mapping[UUID, datetime]) -> tuple[list[UUID], dic
     return [UUID(str(i)) for i in ids], None
 
 
+def _stopping(cur, job_ids: Iterable[UUID]) -> dict[UUID, int]:
+    """Return, per job, how many of its tasks were told to stop (a cancel) and still run."""
+    cur.execute("SELECT job_id, count(*) FROM accs_task WHERE job_id = ANY(%s::uuid[])"
+                f" AND status IN {sql_in(TASK_HELD)} AND cancel_requested_at IS NOT NULL GROUP BY job_id",
+                [[str(j) for j in job_ids]])
+    return dict(cur.fetchall())
+
+
+def _still_stopping(count: int) -> ActionResult:
+    # Retried now, the job would be ended again by those tasks' canceled reports: refuse, and say when.
+    return ActionResult(False, f"job is still stopping: {count} task(s) told to stop by its cancel are still "
+                               "running; retry it once they have stopped")
+
+
 def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "", now: datetime | None = None,
                statuses: Iterable[str] = JOB_RETRYABLE, why: Note = Note()) -> dict[UUID, ActionResult]:
     """Put failed, partial or canceled jobs back to work in one transaction: their unsuccessful tasks are reset.
@@ -233,6 +273,8 @@ def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "
     turn. A job canceled while it waited for approval goes back to waiting for approval. Given a
     mapping of job id → the ``finished_at`` the caller saw, a job that has finished again since
     (someone else retried it) is left alone. ``statuses`` narrows which final states are retried.
+    A job with tasks that were told to stop (a cancel) and still run is refused with that reason:
+    it can be retried once they have stopped.
     """
     ids, seen = _ids(job_ids)
     allowed = frozenset(statuses) & JOB_RETRYABLE
@@ -241,6 +283,7 @@ def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         jobs = _locked_jobs(cur, ids)
         now = now or db_now(cur)
+        stopping = _stopping(cur, jobs)
         for job_id in ids:
             job = jobs.get(job_id)
             if job is None:
@@ -251,6 +294,8 @@ def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "
                 out[job_id] = ActionResult(False, f"job is {job[0]}; only {_listed(allowed)} jobs can be retried")
             elif seen is not None and job[5] != seen[job_id]:
                 out[job_id] = ActionResult(False, "job was retried and finished again since; left alone")
+            elif stopping.get(job_id):
+                out[job_id] = _still_stopping(stopping[job_id])
         todo = sorted((j for j in ids if j not in out), key=str)
         rows = _reset_tasks(cur, todo, now=now, source=source, why=why)
         back = {j: _back_to_work(cur, j, jobs[j], by=by, now=now, why=why) for j in todo}
@@ -280,8 +325,12 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
     """Put failed (dead-letter), skipped, canceled or blocked tasks back to queued in one transaction.
 
     Attempts are reset. A finished job whose task is retried goes back to work, and the tasks
-    skipped because this one failed get another chance too. Given a mapping of task id → the
-    ``finished_at`` the caller saw, a task that has finished again since is left alone.
+    skipped because this one failed get another chance too: its dependents (transitively), and
+    the tasks its job's failure skipped once no other ``fail_job`` failure keeps the job failed.
+    Tasks skipped because of another failure stay skipped. Given a mapping of task id → the
+    ``finished_at`` the caller saw, a task that has finished again since is left alone. A
+    finished job with tasks told to stop (a cancel) that still run is refused, as by
+    :func:`retry_jobs`; a task whose service is blocked on its host becomes ``blocked``.
     """
     ids, seen = _ids(task_ids)
     source = _source(by)
@@ -291,29 +340,38 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
         job_of = dict(cur.fetchall())
         jobs = _locked_jobs(cur, job_of.values())
         now = now or db_now(cur)
+        stopping = _stopping(cur, jobs)
         for task_id in ids:
             job = jobs.get(job_of.get(task_id))
             if job is None:
                 out[task_id] = ActionResult(False, "no such task")
             elif job[1] in (ApprovalState.PENDING, ApprovalState.REJECTED):
                 out[task_id] = ActionResult(False, f"job approval is {job[1]}; approve it before it can run")
+            elif job[0] not in JOB_ACTIVE and stopping.get(job_of[task_id]):
+                out[task_id] = _still_stopping(stopping[job_of[task_id]])
         todo = [t for t in ids if t not in out]
+        blocked = _host_blocked(cur, todo)
         rows = _reset_tasks(cur, sorted({job_of[t] for t in todo}, key=str), only=todo, statuses=statuses,
                             seen={t: seen[t] for t in todo} if seen is not None else None,
                             now=now, source=source, why=why)
         touched = sorted({r[3] for r in rows}, key=str)
         finished = [j for j in touched if jobs[j][0] not in JOB_ACTIVE]
-        # Dependents skipped because these tasks failed get another chance too, also while the job
-        # still runs (a "continue" step failed); finalize skips again those whose other
-        # dependencies still did not succeed.
-        rows += _reset_tasks(cur, [j for j in touched if jobs[j][0] != JobStatus.QUEUED], statuses=["skipped"],
-                             now=now, source=source, why=why)
+        # Tasks skipped because these failed get another chance too, also while the job still runs
+        # (a "continue" step failed); finalize skips again those whose other dependencies still did
+        # not succeed.
+        readmit_jobs = [j for j in touched if jobs[j][0] != JobStatus.QUEUED]
+        rows += _reset_tasks(cur, readmit_jobs, only=_skipped_by(cur, [r[0] for r in rows if r[1] != "blocked"],
+                                                                  readmit_jobs),
+                             statuses=["skipped"], now=now, source=source, why=why)
         back = {j: _back_to_work(cur, j, jobs[j], by=by, now=now, why=why) if j in finished else jobs[j][0]
                 for j in touched}
         _settle(cur, rows, back, now=now, source=source)
-    retried = {r[0] for r in rows}
+    retried = {r[0]: r[1] for r in rows}
     for task_id in todo:
-        if task_id in retried:
+        if retried.get(task_id) == "blocked" or task_id in blocked:
+            out[task_id] = ActionResult(retried.get(task_id) == "blocked",
+                                        f"task blocked: {blocked[task_id]}; remove the block to run it")
+        elif task_id in retried:
             waits = " (the job waits for admission)" if back[job_of[task_id]] == "queued" else ""
             out[task_id] = ActionResult(True, "task queued again" + waits)
         else:
@@ -322,9 +380,59 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
     return out
 
 
+def _host_blocked(cur, task_ids: Sequence[UUID]) -> dict[UUID, str]:
+    """Return the tasks whose service is blocked on their host, with words saying so."""
+    cur.execute("SELECT t.id, s.key || ' is blocked on ' || h.name FROM accs_task t"
+                " JOIN accs_host_block b ON b.host_id = t.host_id AND b.service_id = t.service_id"
+                " JOIN accs_service s ON s.id = t.service_id JOIN accs_host h ON h.id = t.host_id"
+                " WHERE t.id = ANY(%s::uuid[])", [[str(t) for t in task_ids]])
+    return dict(cur.fetchall())
+
+
+SKIPPED_BY_SQL = f"""
+-- The skipped tasks a retry of these tasks re-admits: the tasks of every step that depends on
+-- theirs, transitively (including the other tasks of their own steps), and the tasks skipped when
+-- the job failed once no task of a fail_job step is failed any more. A task skipped because
+-- another failure did not succeed stays skipped.
+WITH RECURSIVE dep(job_id, step_key) AS (
+    SELECT job_id, step_key FROM accs_task WHERE id = ANY(%(ids)s::uuid[])
+    UNION
+    SELECT t.job_id, t.step_key FROM dep JOIN accs_task t ON t.job_id = dep.job_id AND dep.step_key = ANY(t.depends_on)
+)
+SELECT t.id FROM accs_task t
+ WHERE t.job_id = ANY(%(jobs)s::uuid[]) AND t.status = 'skipped'
+   AND ((t.job_id, t.step_key) IN (SELECT job_id, step_key FROM dep)
+        OR (t.error_message = %(job_failed)s
+            AND NOT EXISTS (SELECT 1 FROM accs_job_step s WHERE s.job_id = t.job_id AND s.on_failure = 'fail_job'
+                               AND s.error > 0)))
+"""
+
+
+def _skipped_by(cur, task_ids: Sequence[UUID], job_ids: Sequence[UUID]) -> list[UUID]:
+    """Return the skipped tasks of (locked) jobs that a retry of ``task_ids`` gives another chance (SKIPPED_BY_SQL)."""
+    if not task_ids or not job_ids:
+        return []
+    cur.execute(SKIPPED_BY_SQL, {"ids": [str(t) for t in task_ids], "jobs": [str(j) for j in job_ids],
+                                 "job_failed": JOB_FAILED_REASON})
+    return [r[0] for r in cur.fetchall()]
+
+
 def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Put one failed (dead-letter), skipped, canceled or blocked task back to queued, attempts reset."""
     return retry_tasks([task_id], by=by, now=now)[UUID(str(task_id))]
+
+
+def _self_approval(by: str, creator_id: int | None) -> bool:
+    """Return whether ``by`` is the user who started the job, and the site does not let creators approve.
+
+    Four eyes: whoever starts an approval-gated job is not the one who lets it run. Every path
+    (Python API, HTTP API, admin) names its operator in ``by``, so the check is made once, here.
+    """
+    if not by or creator_id is None or accs.allow_self_approval:
+        return False
+    user_model = get_user_model()
+    creator = user_model._default_manager.filter(pk=creator_id).values_list(user_model.USERNAME_FIELD, flat=True)
+    return by in creator
 
 
 def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
@@ -333,8 +441,11 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
         if not lock_jobs(cur, [job_id]):
             return ActionResult(False, "no such job")
         now = now or db_now(cur)
-        cur.execute("SELECT status, approval_state FROM accs_job WHERE id = %s", [job_id])
-        status, approval = cur.fetchone()
+        cur.execute("SELECT status, approval_state, created_by_id FROM accs_job WHERE id = %s", [job_id])
+        status, approval, creator_id = cur.fetchone()
+        if _self_approval(by, creator_id):
+            return ActionResult(False, f"{by} started this job and may not approve it: another approver must "
+                                       "(ACC_ALLOW_SELF_APPROVAL allows it)", forbidden=True)
         if approval != ApprovalState.PENDING:
             return ActionResult(False, f"job is not waiting for approval (approval is {approval})")
         if status != JobStatus.QUEUED:

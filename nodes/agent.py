@@ -20,9 +20,14 @@ not renewed for ``TTL − margin`` (margin = TTL/4), even while the main thread 
 database call, so the task's process is gone before the builder may hand the task to another
 agent; the same thread breaks a database call that is blocked for too long.
 
+Connections: every thread's Django connection borrows from one pool of :data:`POOL_SIZE` (claims,
+reports, and task code that uses the ORM, which gives its connection back after each statement
+and when the task ends), plus the LISTEN connection: a fixed number whatever ``--max-concurrent``.
 No transaction or row lock is held while work runs. First SIGTERM/SIGINT: stop claiming and let
-running tasks finish; second: stop them now (reported ``interrupted`` and retried at once);
-third: exit without reporting (leases expire and the builder rescues the tasks).
+running tasks finish (for at most ``drain_seconds``, when given; then as on a second signal);
+second: stop them now (reported ``interrupted`` and retried at once); third: exit without
+reporting (leases expire and the builder rescues the tasks). An attempt whose process had already
+exited when a stop reached it keeps the outcome it produced.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,16 +58,21 @@ from jobs.notify import service_channel
 from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
 from nodes.executors import (
-    RunContext, agent_alive, bad_output, end_orphan_groups, make_executors, ours, orphans_on_node, remove_scratch,
-    sanitize_outcome, scratch_dir, secrets_in,
+    RunContext, agent_alive, agent_secrets, bad_output, end_orphan_groups, make_executors, not_allowed, ours,
+    orphans_on_node, remove_scratch, sanitize_outcome, secrets_in,
 )
+from nodes.scratch import remove_leftovers, scratch_dir
 from workflows.governor import claim_adjustments
 
 log = logging.getLogger("accs.agent")
 
+# Server connections for the whole agent (main loop and worker threads), LISTEN aside: one for
+# the loop's claims and reports, one more so task code's queries do not queue behind them.
+POOL_SIZE = 2
 SERVICE_CACHE_SECONDS = 10.0  # definition changes are picked up within ~10 s
 NODE_REFRESH_SECONDS = 2.0
 DISK_SAMPLE_SECONDS = 60.0
+SCRATCH_SWEEP_SECONDS = 3600.0  # leftover scratch folders: at start, then hourly
 WATCHDOG_SECONDS = 0.1
 # A database call blocked this long is broken by force (statement_timeout ends slow ones sooner
 # on the server's side; this catches a connection that no longer answers at all).
@@ -113,7 +124,8 @@ class Agent:
 
     def __init__(self, *, node: str, services: list[str], max_concurrent: int = 4, once: bool = False,
                  labels: dict[str, str] | None = None, poll_interval: float | None = None,
-                 lease_seconds: float | None = None, claim_batch: int | None = None) -> None:
+                 lease_seconds: float | None = None, claim_batch: int | None = None,
+                 drain_seconds: float | None = None, database_wait: float | None = None) -> None:
         self.node = node
         self.service_keys = services
         self.max_concurrent = max_concurrent
@@ -123,10 +135,20 @@ class Agent:
         self.lease_seconds = float(lease_seconds or accs.heartbeat_ttl_sec)
         self.margin = lease_margin(self.lease_seconds)
         self.claim_batch = claim_batch or max_concurrent
+        # How long the first SIGTERM lets running tasks finish before the agent stops them and hands
+        # them back as interrupted (None: as long as they take). A supervisor that SIGKILLs after a
+        # stop timeout should get a shorter drain, so no task is killed with the agent and then
+        # rescued as a failure that uses up its retry budget.
+        self.drain_seconds = drain_seconds
+        # How long start-up waits for PostgreSQL (None: until it answers); --once gives up after a while.
+        self.database_wait = database_wait if database_wait is not None else (
+            daemon.ONCE_DATABASE_WAIT_SECONDS if once else None)
+        self._drain_deadline: float | None = None
         self.agent_id = agent_identity()
         self.source = f"agent:{node}"
         self.extra = {"node": node}
         self.executors = make_executors()
+        self.secrets = agent_secrets()  # redacted from every task's output, errors and log lines
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="accs-task")
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.running: dict[Key, Running] = {}
@@ -148,9 +170,12 @@ class Agent:
         self._node_at = -NODE_REFRESH_SECONDS
         self._heartbeat_at = 0.0
         self._disk_at = 0.0
+        self._scratch_at = 0.0
         self._paused = False
         self._active_conditions: set[str] = set()
-        self._claim_in_doubt = False  # a claim raised: it may have committed all the same
+        # Tasks may be claimed for this agent that it does not run: a claim raised (it may have
+        # committed all the same), or starting a claimed task raised. The next pass adopts them.
+        self._claim_in_doubt = False
         self._listen: psycopg.Connection | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = daemon.Backoff(base=0.5, cap=10.0)
@@ -165,6 +190,7 @@ class Agent:
         self.known_services: list[str] = []
         self.unknown_services: list[str] = []
         self.registered = False  # the node row is ours to sign off only once we registered it
+        self._handles_signals = False
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
@@ -177,21 +203,44 @@ class Agent:
                 log.warning("second signal: stopping running tasks now (they are retried)", extra=self.extra)
             else:
                 self.stopping = True
-                log.info("signal received: no new claims, draining %d running task(s)", len(self.running),
+                if self.drain_seconds is not None:
+                    self._drain_deadline = time.monotonic() + self.drain_seconds
+                log.info("signal received: no new claims, draining %d running task(s)%s", len(self.running),
+                         f" for at most {self.drain_seconds:g}s" if self.drain_seconds is not None else "",
                          extra=self.extra)
             self._wake()
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+        self._handles_signals = True
+
+    def _ignore_late_signals(self) -> None:
+        """Ignore SIGTERM and SIGINT once everything is reported and the agent signed off.
+
+        The interpreter's exit (threads joined, modules torn down) takes a few tenths of a second
+        and puts the default handlers back, so a signal landing then would end the process with
+        status -15 although the agent stopped cleanly. There is nothing left to stop: exit 0.
+        """
+        if self._handles_signals:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def run(self) -> int:
         """Run until stopped (or, with ``once``, until no work is left). Return an exit code."""
         daemon.configure_daemon_session(application_name=f"accs agent {self.node}")
+        # Before anything else: a database that never answers or is not migrated is one line and an
+        # exit code, with nothing to report or sign off.
+        refused = daemon.ready_to_start(log, stopping=lambda: self.stopping, extra=self.extra,
+                                        wait_seconds=self.database_wait)
+        if refused is not None:
+            self._ignore_late_signals()
+            return refused
         threading.Thread(target=self._watchdog, name="accs-lease-watchdog", daemon=True).start()
         self.stall.start()
         try:
-            if not daemon.wait_for_database(log, stopping=lambda: self.stopping, extra=self.extra):
-                return 0
+            # Connection pool: all threads share POOL_SIZE connections from here on (after the
+            # first connection, so a refused one is reported as it is, not as a pool timeout).
+            daemon.use_shared_pool(max_size=POOL_SIZE)
             if not self._until_ok("check services", self._check_services):
                 return 0
             if self.unknown_services:
@@ -201,12 +250,14 @@ class Agent:
             if not self._until_ok("register node", self._register):
                 return 0
             self._step("end orphans", self._end_orphans)
+            self._sweep_scratch()
             log.info("agent %s started on node %s for %s (max %d, lease %.0fs, local deadline %.1fs)",
                      self.agent_id, self.node, ",".join(self.service_keys), self.max_concurrent, self.lease_seconds,
                      self.lease_seconds - self.margin, extra=self.extra)
             self._loop()
         finally:
             self._shutdown()
+            self._ignore_late_signals()
         return 0
 
     def _loop(self) -> None:
@@ -218,6 +269,8 @@ class Agent:
                 break
             if self.once and not claimed and idle and not self.guard.failed:
                 break
+            # Connection pool: the loop's connection goes back while it waits, for the tasks' use.
+            daemon.close_django_connection()
             if self.guard.failed:
                 self._sleep(self.backoff.next_delay())
             else:
@@ -245,6 +298,9 @@ class Agent:
         if now - self._disk_at >= DISK_SAMPLE_SECONDS:
             self._disk_at = now
             self._step("disk sample", self._sample_disk)
+        if now - self._scratch_at >= SCRATCH_SWEEP_SECONDS:
+            self._sweep_scratch()
+        self._check_drain_deadline()
         if self.stop_now:
             for item in self._running_items():
                 item.ctx.stop("shutdown")
@@ -253,6 +309,15 @@ class Agent:
         if self.stopping:
             return 0
         return self._step("claim", self._claim, default=0)
+
+    def _check_drain_deadline(self) -> None:
+        """Past the drain deadline, stop running tasks as a second signal would (handed back, interrupted)."""
+        if self.stop_now or self._drain_deadline is None or time.monotonic() < self._drain_deadline:
+            return
+        self.stop_now = True
+        if self.running:
+            log.warning("drain time (%gs) is over: stopping %d running task(s) now; they are handed back as "
+                        "interrupted and queued again", self.drain_seconds, len(self.running), extra=self.extra)
 
     def _step(self, name: str, fn, *, default: Any = None) -> Any:
         """Run one guarded step; after a database failure in this pass, skip the remaining ones."""
@@ -288,6 +353,7 @@ class Agent:
             if self._step("sign off", lambda: sign_off(self.node, agent_id=self.agent_id)):
                 log.info("node %s is offline", self.node, extra=self.extra)
         self._close_listen()
+        daemon.close_shared_pool()
         log.info("agent stopped: %s", self.stats, extra=self.extra)
 
     # ------------------------------------------------------------------ node, services, orphans
@@ -317,6 +383,17 @@ class Agent:
         if killed:
             log.warning("ended %d orphaned task process(es) of a dead agent on node %s: %s", len(killed), self.node,
                         killed, extra=self.extra)
+
+    def _sweep_scratch(self) -> None:
+        """Remove scratch folders left by agents that are gone (``kill -9``, a crash); see nodes.scratch.
+
+        After the orphans are ended, so no process of a dead agent still writes into them.
+        """
+        self._scratch_at = time.monotonic()
+        removed = self.guard.run("scratch sweep", remove_leftovers, default=[])
+        if removed:
+            log.warning("removed %d leftover scratch folder(s) of agents that are gone: %s", len(removed),
+                        " ".join(p.name for p in removed), extra=self.extra)
 
     def _touch_node(self) -> None:
         self._node_state, self._node_limits = touch_node(self.node, agent_id=self.agent_id)
@@ -383,14 +460,16 @@ class Agent:
         # attempt's finish would race the new one.
         exclude = {task_id for task_id, _ in self.running}
         renewed_at = time.monotonic()  # before the request: the lease starts no earlier
-        # Until the answer arrives, the claim may have committed without this agent knowing.
+        # Until every claimed task is started, some may be this agent's without it running them: the
+        # answer may not arrive, or starting one may raise (a full disk) and leave the rest of the
+        # answer unstarted. The flag stays up until then, so the next pass adopts what is left.
         self._claim_in_doubt = True
         tasks = claim_many([s.spec for s in services], self._limits(), agent_id=self.agent_id, free_slots=free,
                            lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude,
                            priority_adjust=adjust)
-        self._claim_in_doubt = False
         for task in tasks:
             self._start(task, by_key[task.service_key], renewed_at=renewed_at)
+        self._claim_in_doubt = False
         if tasks:
             self.stats["claimed"] += len(tasks)
             log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
@@ -401,7 +480,6 @@ class Agent:
         known = {task_id for task_id, _ in (*self.running, *self.pending_outcomes, *self.pending_started)}
         renewed_at = time.monotonic()
         tasks = adopt_claimed(self.node, agent_id=self.agent_id, known=known, lease_seconds=self.lease_seconds)
-        self._claim_in_doubt = False
         for task in tasks:
             service = self._services.get(task.service_key)
             if service is None:  # not served any more: its lease ends and the builder rescues it
@@ -410,6 +488,7 @@ class Agent:
                         task.attempt, extra={**self.extra, "task_id": task.id, "job_id": task.job_id})
             self._start(task, service, renewed_at=renewed_at)
             self.stats["claimed"] += 1
+        self._claim_in_doubt = False  # only now: a start that raised leaves it up for the next pass
 
     def _start(self, task: ClaimedTask, service: Service, *, renewed_at: float) -> None:
         inbox, wake = self.inbox, self._wake
@@ -427,7 +506,8 @@ class Agent:
             inbox.put(("log", key, level, message))
 
         ctx = RunContext(task=task, service_config=service.config, on_started=on_started, on_progress=on_progress,
-                         on_log=on_log, secrets=secrets_in(task.params), node=self.node, agent_id=self.agent_id)
+                         on_log=on_log, secrets=secrets_in(task.params) + self.secrets, node=self.node,
+                         agent_id=self.agent_id)
         if service.executor == "command":
             ctx.output_dir = scratch_dir(task)
         with self._running_lock:
@@ -436,14 +516,22 @@ class Agent:
         lease_seconds = self.lease_seconds
 
         def work() -> None:
+            # Connection pool: the task's queries each borrow a connection and give it back.
+            with daemon.release_after_each_statement():
+                run_and_report()
+
+        def run_and_report() -> None:
             try:
-                if ctx.output_dir and accs.minio.configured:
-                    _stage_inputs(task, ctx)
-                outcome = executor.run(task, ctx)
+                # This site's allow-lists are asked again before every run, whatever the row says.
+                outcome = not_allowed(task, service.executor, service.config)
+                if outcome is None:
+                    if ctx.output_dir and accs.minio.configured:
+                        _stage_inputs(task, ctx)
+                    outcome = executor.run(task, ctx)
             except Exception as exc:  # noqa: BLE001 - an executor bug fails the attempt, not the agent
                 log.exception("executor crashed", extra={"task_id": task.id, "job_id": task.job_id})
                 outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed", error=f"executor error: {exc}")
-            outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds))
+            outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds), secrets=ctx.secrets)
             try:
                 _store_artifacts(task, ctx, outcome)
             finally:
@@ -667,8 +755,15 @@ class Agent:
         """Open the LISTEN connection; on failure, poll only and try again later with backoff."""
         if time.monotonic() < self._listen_retry_at:
             return
+        if not daemon.listen_available():  # behind a pooler, NOTIFY cannot reach us: poll
+            if not self._listen_broken:
+                self._listen_broken = True
+                log.info("behind a pooler without ACC_LISTEN_DB_URL: no NOTIFY wake-ups; polling every %.2fs",
+                         self.poll_interval, extra=self.extra)
+            self._listen_retry_at = float("inf")
+            return
         try:
-            conn = daemon.connect(application_name=f"accs agent {self.node} listen")
+            conn = daemon.connect(application_name=f"accs agent {self.node} listen", listen=True)
             for key in self.service_keys:
                 conn.execute(f'LISTEN "{service_channel(key)}"')
         except psycopg.Error as exc:
@@ -702,6 +797,8 @@ class Agent:
         timeout = self.poll_interval * random.uniform(0.8, 1.2)
         if self.running:
             timeout = min(timeout, self.lease_seconds / 3)
+        if self._drain_deadline is not None and not self.stop_now:  # wake up when the drain time is over
+            timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
         fds = [self._wake_r]
         listen_fd = self._listen_fd()
         if listen_fd is not None:
@@ -771,15 +868,22 @@ def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> No
         return
     from events import artifacts
 
+    records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
+                                  "message": f"attempt {task.attempt} ended: {outcome.status}"}]
+    # One upload each: output files the store refuses must not cost the attempt's log.
+    if ctx.output_dir:
+        _guarded_upload(task, lambda: artifacts.collect_outputs(
+            job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt,
+            directory=ctx.output_dir))
+    _guarded_upload(task, lambda: artifacts.upload_attempt_log(
+        job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt, records=records))
+
+
+def _guarded_upload(task: ClaimedTask, upload: Callable[[], object]) -> None:
+    """Run one artifact upload; storage trouble is logged and must not lose the outcome."""
     try:
         close_old_connections()  # this worker thread's connection may have died in an outage
-        if ctx.output_dir:
-            artifacts.collect_outputs(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                      attempt=task.attempt, directory=ctx.output_dir)
-        records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
-                                      "message": f"attempt {task.attempt} ended: {outcome.status}"}]
-        artifacts.upload_attempt_log(job_id=task.job_id, task_id=task.id, task_key=task.task_key,
-                                     attempt=task.attempt, records=records)
+        upload()
     except Exception:  # noqa: BLE001 - storage trouble must not lose the outcome
         log.exception("artifact upload failed", extra={"task_id": task.id, "job_id": task.job_id})
         daemon.close_django_connection()

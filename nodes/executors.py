@@ -12,7 +12,7 @@ start (pid), progress and log lines through ``ctx``; the agent batches those int
   (a callable blocked in C code is stopped when it returns to Python). With
   ``"isolation": "process"`` it runs in a child process instead, which can always be killed.
 * ``http``: POST ``{job_id, task_id, attempt, params}`` to a local service, optionally started by a
-  start command and stopped after it was idle for a while.
+  start command and stopped after it was idle for a while; redirects are not followed.
 * ``simulate``: an unstable network with seeded delays, errors and timeouts.
 
 Every process a task starts dies with the agent: the direct child gets a parent-death signal,
@@ -20,6 +20,11 @@ and an agent that starts on a node ends the process groups its dead predecessor 
 :mod:`nodes.agent`). What a task prints is cleaned before it reaches the database
 (:func:`sanitize_outcome`): NUL characters are stripped, NaN and Infinity are refused, sizes
 are capped, so one task's output can never make a report fail.
+
+Least privilege: a task's process gets an allow-listed environment (:func:`service_env`), never
+the agent's ``ACC_*`` settings; the agent's secrets and secret params are redacted from tails,
+errors and log lines; and :func:`not_allowed` refuses, before each run, what the site's
+``ACC_ALLOWED_*`` lists do not name.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -47,8 +51,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from accs_site.conf import MIN_SECRET_CHARS, known_secrets
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
+from workflows.validation import argv_fields, not_allowed_problems
 
 TAIL_CHARS = 4000
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")
@@ -58,22 +64,37 @@ KILL_GRACE_SECONDS = 3.0
 MAX_RESULTS_BYTES = 1_000_000
 MAX_LOG_LINE_CHARS = 8000
 MAX_ERROR_CHARS = 2000
+# What a task's process inherits from the agent's environment; nothing else (least privilege:
+# the agent's database URL, secret key, storage keys and tokens never reach a task).
+INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "HOME", "TMPDIR", "TZ", "PYTHONPATH",
+                 "DJANGO_SETTINGS_MODULE")
 
 
-def secrets_in(params: dict[str, Any]) -> list[str]:
-    """Return the values of params whose names look secret, to redact from logs and tails."""
+def secrets_in(params: Any, *, secret: bool = False) -> list[str]:
+    """Return the values of params whose names look secret (every value under such a name, in lists
+    and objects too), to redact from logs and tails."""
     found: list[str] = []
-    for key, value in params.items():
-        if isinstance(value, dict):
-            found += secrets_in(value)
-        elif SECRET_KEY_RE.search(key) and isinstance(value, (str, int)) and len(str(value)) >= 3:
-            found.append(str(value))
+    if isinstance(params, dict):
+        for key, value in params.items():
+            found += secrets_in(value, secret=secret or bool(SECRET_KEY_RE.search(str(key))))
+    elif isinstance(params, (list, tuple)):
+        for value in params:
+            found += secrets_in(value, secret=secret)
+    elif secret and isinstance(params, (str, int, float)) and not isinstance(params, bool):
+        if len(str(params)) >= MIN_SECRET_CHARS:
+            found.append(str(params))
     return found
 
 
+def agent_secrets() -> list[str]:
+    """Return the agent's own secrets (:func:`accs_site.conf.known_secrets`), which no task output,
+    error or log line may carry into the database."""
+    return known_secrets()
+
+
 def redact(text: str, secrets: list[str]) -> str:
-    """Replace every secret value in ``text`` with ``***``."""
-    for secret in secrets:
+    """Replace every secret value in ``text`` with ``***`` (longest first, so a URL goes before its password)."""
+    for secret in sorted(set(secrets), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
 
@@ -174,15 +195,17 @@ def parse_results(stdout: str) -> Any:
         raise BadOutput("stdout is not JSON (the CLI contract wants one JSON value)") from None
 
 
-def sanitize_outcome(outcome: Outcome) -> Outcome:
-    """Make an outcome storable: clean text fields, check results; bad results fail the attempt.
+def sanitize_outcome(outcome: Outcome, *, secrets: list[str] = ()) -> Outcome:
+    """Make an outcome storable: clean text fields, redact ``secrets`` from them, check results;
+    bad results fail the attempt.
 
     A result that cannot be stored becomes a final failure (``bad_output``): running the task
     again would print the same thing.
     """
-    outcome.error = clean_text(outcome.error or "")[:MAX_ERROR_CHARS]
-    outcome.stdout_tail = clean_text(outcome.stdout_tail or "")[-TAIL_CHARS:]
-    outcome.stderr_tail = clean_text(outcome.stderr_tail or "")[-TAIL_CHARS:]
+    secrets = list(secrets)
+    outcome.error = redact(clean_text(outcome.error or ""), secrets)[:MAX_ERROR_CHARS]
+    outcome.stdout_tail = redact(clean_text(outcome.stdout_tail or ""), secrets)[-TAIL_CHARS:]
+    outcome.stderr_tail = redact(clean_text(outcome.stderr_tail or ""), secrets)[-TAIL_CHARS:]
     if outcome.results is None:
         return outcome
     try:
@@ -213,14 +236,22 @@ def _outcome(task: ClaimedTask, status: str, **fields: Any) -> Outcome:
 
 
 def render_argv(template: list[str], params: dict[str, Any]) -> list[str]:
-    """Render each argv element with ``str.format`` over params; each stays one argument."""
+    """Render each argv element's plain ``{name}`` fields from params; each stays one argument.
+
+    Anything but a plain name (attributes, indexing, conversions, format specs) is refused, even in
+    a row written to the database without validation.
+    """
     values = {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else str(v))) for k, v in params.items()}
     out = []
     for arg in template:
-        try:
-            out.append(arg.format_map(values))
-        except KeyError as exc:
-            raise ValueError(f"argv placeholder {exc} has no value in params") from None
+        rendered = []
+        for literal, name in argv_fields(arg):
+            rendered.append(literal)
+            if name is not None:
+                if name not in values:
+                    raise ValueError(f"argv placeholder {name!r} has no value in params")
+                rendered.append(values[name])
+        out.append("".join(rendered))
     if out and out[0] == "python":
         out[0] = sys.executable  # the agent's own interpreter, so demo tools need no PATH set-up
     return out
@@ -363,9 +394,30 @@ class CommandExecutor:
         return run_process(task, ctx, argv)
 
 
+def not_allowed(task: ClaimedTask, executor: str, config: dict[str, Any]) -> Outcome | None:
+    """Return a final failure (``not_allowed``) when this site's allow-lists refuse the service's
+    executor config, else None. The agent asks before every run: a row written to the database
+    without validation, or an allow-list narrowed since, must not run."""
+    problems = not_allowed_problems(executor, config)
+    if not problems:
+        return None
+    return _outcome(task, "failed", error="not allowed: " + "; ".join(str(p) for p in problems),
+                    error_code="not_allowed", retryable=False)
+
+
+def service_env(config: dict[str, Any]) -> dict[str, str]:
+    """Return the environment a service's processes start from: the few names in INHERITED_ENV and
+    the service's own ``env``; never the agent's ACC_* settings (nor ACCS_* names, which the agent sets)."""
+    env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
+    extra = config.get("env")
+    if isinstance(extra, dict):
+        env.update({str(k): str(v) for k, v in extra.items() if not str(k).startswith(("ACC_", "ACCS_"))})
+    return env
+
+
 def task_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
-    """Return the environment of a task's process (the CLI contract's ACCS_* variables)."""
-    env = dict(os.environ)
+    """Return the environment of a task's process: :func:`service_env` and the CLI contract's ACCS_* variables."""
+    env = service_env(ctx.service_config)
     env.update(ACCS_JOB_ID=str(task.job_id), ACCS_TASK_ID=str(task.id), ACCS_TASK_KEY=task.task_key,
                ACCS_ATTEMPT=str(task.attempt), ACCS_HOST=task.host or "", ACCS_PARAMS=json.dumps(task.params))
     # Marks the process as the agent's, so the next agent on the node can find it if it is orphaned.
@@ -414,6 +466,11 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str]) -> Outcome:
         elif time.monotonic() > deadline:
             ended_by = "timeout"
         if ended_by:
+            # A stop (cancel, timeout, shutdown, lost lease) that comes after the process exited
+            # by itself changes nothing: the exit code and results it produced are the outcome.
+            if proc.poll() is not None:
+                ended_by = ""
+                break
             _kill_group(proc, grace=ctx.kill_grace)
             break
     proc.wait()
@@ -650,8 +707,31 @@ class PythonExecutor:
         return _outcome(task, "succeeded", results=results if results is not None else {})
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuse redirects: a local service's 3xx could point the agent at any address."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        return None  # urllib then raises HTTPError with the 3xx status
+
+
+# No proxies either: an http_proxy variable would send "local" requests across the network.
+_local_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
+def _read_capped(response: Any, limit: int) -> bytes:
+    """Read at most ``limit`` bytes; raise BadOutput when the body is larger."""
+    body = response.read(limit + 1)
+    if len(body) > limit:
+        raise BadOutput(f"the response is larger than {limit} bytes; store big outputs as artifacts")
+    return body
+
+
 class HttpExecutor:
-    """POST the task to a local HTTP service; start it on demand and stop it when idle."""
+    """POST the task to a local HTTP service; start it on demand and stop it when idle.
+
+    Redirects are not followed and proxies are not used (the request goes to the validated URL
+    and nowhere else); a response larger than the results limit fails the attempt.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -667,6 +747,7 @@ class HttpExecutor:
             proc = self._started.get(key)
             if proc is None or proc.poll() is not None:
                 self._started[key] = subprocess.Popen(render_argv(command, {}), start_new_session=True,
+                                                      env=service_env(config),
                                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 self._wait_ready(config)
             self._last_used[key] = time.monotonic()
@@ -677,7 +758,7 @@ class HttpExecutor:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(url, timeout=1)  # noqa: S310 - loopback only (validated)
+                _local_opener.open(url, timeout=1).close()  # noqa: S310 - loopback only (validated)
                 return
             except urllib.error.HTTPError:
                 return  # it answers
@@ -696,7 +777,7 @@ class HttpExecutor:
         config = ctx.service_config
         try:
             self._ensure_started(config)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             return _outcome(task, "failed", error=f"cannot start the service: {exc}", error_code="spawn_failed")
         ctx.on_started(None)
         body = json.dumps({"job_id": str(task.job_id), "task_id": str(task.id), "attempt": task.attempt,
@@ -704,12 +785,18 @@ class HttpExecutor:
         request = urllib.request.Request(config["url"], data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=task.timeout_seconds) as response:  # noqa: S310
-                payload = response.read().decode(errors="replace")
+            with _local_opener.open(request, timeout=task.timeout_seconds) as response:  # noqa: S310
+                payload = _read_capped(response, MAX_RESULTS_BYTES).decode(errors="replace")
         except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")[-TAIL_CHARS:]
+            text = exc.read(TAIL_CHARS * 4).decode(errors="replace")[-TAIL_CHARS:]
+            if 300 <= exc.code < 400:
+                return _outcome(task, "failed", error=f"HTTP {exc.code} from the service: redirects are not followed"
+                                f" (it pointed at {exc.headers.get('Location', '?')[:200]!r})",
+                                error_code="http_redirect", retryable=False, stdout_tail=redact(text, ctx.secrets))
             return _outcome(task, "failed", error=f"HTTP {exc.code} from the service", error_code="http_status",
                             stdout_tail=redact(text, ctx.secrets))
+        except BadOutput as exc:
+            return _outcome(task, "failed", error=f"bad output: {exc}", error_code="bad_output", retryable=False)
         except TimeoutError:
             return _outcome(task, "timeout", error=f"timeout after {task.timeout_seconds}s", error_code="timeout")
         except OSError as exc:
@@ -748,11 +835,6 @@ def make_executors() -> dict[str, Executor]:
     """Return one executor instance per kind (they are shared by the agent's worker threads)."""
     return {"command": CommandExecutor(), "python": PythonExecutor(), "http": HttpExecutor(),
             "simulate": SimulateExecutor()}
-
-
-def scratch_dir(task: ClaimedTask) -> str:
-    """Return a fresh directory for a command's output files."""
-    return tempfile.mkdtemp(prefix=f"accs-{str(task.id)[:8]}-{task.attempt}-")
 
 
 def remove_scratch(ctx: RunContext) -> None:

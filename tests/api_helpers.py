@@ -6,18 +6,25 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from jobs.auth import create_token
-from jobs.models import Tenant, TenantMembership
+from jobs.models import Tenant, TenantMembership, TokenScope
 
 
-def user_with_token(username: str, *, superuser: bool = False, tenants: dict[Tenant, str] | None = None) -> tuple:
-    """Create a user (superuser, or member of ``tenants`` with the given roles) and a token; return both."""
+def user_with_token(username: str, *, superuser: bool = False, tenants: dict[Tenant, str] | None = None,
+                    scopes: list[str] | None = None) -> tuple:
+    """Create a user (superuser, or member of ``tenants`` with the given roles) and a token; return both.
+
+    A superuser's token has every scope (definitions too) unless ``scopes`` says otherwise; other
+    tokens get the default scopes.
+    """
     model = get_user_model()
     # No password: tokens authenticate, and skipping the hasher keeps tests fast.
     user = (model.objects.create_superuser(username, f"{username}@example.test", None) if superuser
             else model.objects.create_user(username, f"{username}@example.test", None))
     for tenant, role in (tenants or {}).items():
         TenantMembership.objects.create(user=user, tenant=tenant, role=role)
-    return user, create_token(user, f"{username}-token")[1]
+    if scopes is None and superuser:
+        scopes = list(TokenScope.values)
+    return user, create_token(user, f"{username}-token", scopes=scopes)[1]
 
 
 def client_for(token: str) -> Client:

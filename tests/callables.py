@@ -27,3 +27,13 @@ def sleep(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
             break
         time.sleep(0.01)
     return {"slept": seconds}
+
+
+def orm_then_wait(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    """Query through the ORM, work a while without the database, query again (as task code does)."""
+    from jobs.models import Task
+
+    before = Task.objects.filter(status="running").count()
+    sleep({"seconds": params.get("seconds", 1.0)}, ctx)
+    after = Task.objects.filter(status="running").count()
+    return {"running_before": before, "running_after": after}

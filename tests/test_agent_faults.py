@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from events.models import Event
 from jobs import api, transitions
 from jobs.models import Attempt, Job, Task
-from tests.daemons import wait_all_final, wait_until
+from tests.daemons import ROOT, wait_all_final, wait_until
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -326,13 +327,16 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     other = claim_many([spec(svc)], limits, agent_id="another-agent", free_slots=1,
                        lease_seconds=30)
     agent._claim_in_doubt = True  # what a claim that raised leaves behind
-    options = connections.settings["default"].setdefault("OPTIONS", {})
-    saved = dict(options)
+    settings = connections.settings["default"]
+    saved, saved_options = dict(settings), dict(settings.setdefault("OPTIONS", {}))
     try:
         assert agent.run() == 0
-    finally:  # the agent gave this process's connections the daemons' timeouts: take them back
-        options.clear()
-        options.update(saved)
+    finally:  # the agent gave this process's connections the daemons' timeouts and its pool: take them back
+        settings["OPTIONS"].clear()
+        settings["OPTIONS"].update(saved_options)
+        settings.update({k: v for k, v in saved.items() if k != "OPTIONS"})
+        if "DISABLE_SERVER_SIDE_CURSORS" not in saved:
+            settings.pop("DISABLE_SERVER_SIDE_CURSORS", None)
         connections.close_all()
     for task in lost:
         task_row = Task.objects.get(pk=task.id)
@@ -341,3 +345,189 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     [held] = other
     assert Task.objects.get(pk=held.id).status == "starting", "another agent's claim is not taken"
     assert len(jobs) == 3
+
+
+def test_tasks_a_claim_returned_are_adopted_when_starting_one_of_them_fails(make_service, monkeypatch):
+    """Starting a claimed task can raise (its scratch folder cannot be made: a full disk); the tasks
+    after it in the claim's answer are this agent's all the same and must still run, not wait for
+    their leases to end and be rescued as failures."""
+    from django.db import connections
+
+    from nodes import agent as agent_module
+    from nodes.agent import Agent
+
+    make_service("scratchy", executor="command", executor_config={"argv": ["python", "-c", "print('{{}}')"]},
+                 max_attempts=1)
+    jobs = [api.start_service("scratchy") for _ in range(2)]
+    real_scratch_dir, calls = agent_module.scratch_dir, []
+
+    def full_disk_once(task):
+        calls.append(task.id)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real_scratch_dir(task)
+
+    monkeypatch.setattr(agent_module, "scratch_dir", full_disk_once)
+    agent = Agent(node="scratchy-node", services=["scratchy"], max_concurrent=2, once=True, lease_seconds=30)
+    options = connections.settings["default"].setdefault("OPTIONS", {})
+    saved = dict(options)
+    try:
+        assert agent.run() == 0
+    finally:  # the agent gave this process's connections the daemons' timeouts: take them back
+        options.clear()
+        options.update(saved)
+        connections.close_all()
+    for job in jobs:
+        task = Task.objects.get(job=job)
+        assert (task.status, task.attempt) == ("done", 1), (task.status, task.error_message)
+    assert len(calls) == 3, "the failed start was retried once, by adoption"
+
+
+EXITS_WHEN_RELEASED = """
+import pathlib, sys, time
+release, runs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+with runs.open("a") as fh:
+    fh.write("run\\n")
+deadline = time.monotonic() + 60
+while not release.exists() and time.monotonic() < deadline:  # wait for the test's go, bounded
+    time.sleep(0.01)
+print('{{"answer": 42}}')
+"""
+
+
+def test_a_second_sigterm_after_the_command_exited_0_records_it_done_and_it_never_runs_again(
+        make_service, subprocess_env, tmp_path, db_url):
+    from tests.daemons import Daemons
+
+    release, runs = tmp_path / "release", tmp_path / "runs"
+    make_service("finisher", executor="command", max_attempts=1,
+                 executor_config={"argv": ["python", "-c", EXITS_WHEN_RELEASED, "{release}", "{runs}"]},
+                 params_schema={"type": "object", "properties": {"release": {"type": "string"},
+                                                                 "runs": {"type": "string"}}})
+    job = api.start_service("finisher", params={"release": str(release), "runs": str(runs)})
+    hooked = Daemons(subprocess_env, tmp_path, manage_py=ROOT / "tests" / "hooked_manage.py")
+    try:
+        agent = hooked.agent("n1", "finisher", env={"ACCS_TEST_HOOK": "second_sigterm_after_exit"})
+        wait_until(lambda: Task.objects.filter(job=job, status="running").exists(), timeout=30, message="running")
+        agent.send_signal(signal.SIGTERM)  # the first: drain
+        wait_until(lambda: "draining 1 running task" in _log(agent), timeout=10, message="the agent drains")
+        release.touch()  # the command prints its result and exits 0; the hook sends the second SIGTERM
+        assert agent.wait(timeout=30) == 0, _log(agent)[-3000:]
+    finally:
+        hooked.stop_all()
+    log = _log(agent)
+    assert "second signal" in log and "hook:" not in log, log[-3000:]
+    attempts = list(Attempt.objects.filter(task__job=job))
+    assert [(a.status, a.exit_code) for a in attempts] == [("succeeded", 0)], [a.error_text for a in attempts]
+    task = Task.objects.get(job=job)
+    assert (task.status, task.results) == ("done", {"answer": 42})
+    daemons_again = Daemons(subprocess_env, tmp_path)
+    try:
+        daemons_again.agent("n2", "finisher", "--once", name="agent-after")
+        wait_until(lambda: daemons_again.procs[0].poll() is not None, timeout=60, message="--once agent exits")
+    finally:
+        daemons_again.stop_all()
+    assert runs.read_text() == "run\n", "the command ran once"
+    assert Attempt.objects.filter(task__job=job).count() == 1
+
+
+@pytest.mark.parametrize("stop", ["cancel", "timeout"])
+def test_a_cancel_or_timeout_that_comes_after_the_command_exited_keeps_its_outcome(stop, monkeypatch):
+    """The worker finds the stop before it looks at the process, which had already exited 0."""
+    import subprocess
+    import uuid
+
+    from jobs.claim import ClaimedTask
+    from nodes import executors
+
+    class ExitedUnseen(subprocess.Popen):
+        """A process that has exited before the worker's first look, which does not see it yet."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.wait()
+            self.looks = 0
+
+        def poll(self):
+            self.looks += 1
+            return None if self.looks == 1 else super().poll()
+
+    monkeypatch.setattr(executors.subprocess, "Popen", ExitedUnseen)
+    task = ClaimedTask(id=uuid.uuid4(), job_id=uuid.uuid4(), task_key="t", attempt=1, params={},
+                       timeout_seconds=0 if stop == "timeout" else 60, host=None, service_key="s")
+    ctx = executors.RunContext(task=task, service_config={}, on_started=lambda pid: None,
+                               on_progress=lambda value: None, on_log=lambda level, text: None)
+    if stop == "cancel":
+        ctx.stop("cancel")
+    outcome = executors.run_process(task, ctx, [sys.executable, "-c", "import json; print(json.dumps({'n': 1}))"])
+    assert (outcome.status, outcome.exit_code, outcome.results) == ("succeeded", 0, {"n": 1}), outcome.error
+
+
+def test_sigterms_during_the_agents_last_moments_still_exit_0(make_service, daemons, db_url):
+    make_service("idle")
+    agent = daemons.agent("n1", "idle")
+    wait_until(lambda: "started on node n1" in _log(agent), timeout=30, message="agent started")
+    agent.send_signal(signal.SIGTERM)
+    wait_until(lambda: "agent stopped" in _log(agent) or agent.poll() is not None, timeout=30,
+               message="the agent's last log line")
+    while agent.poll() is None:  # a systemd stop and an impatient operator: SIGTERMs until it is gone
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    assert agent.returncode == 0, _log(agent)[-2000:]
+
+
+def test_a_task_longer_than_the_drain_time_is_handed_back_interrupted_without_using_its_budget(
+        make_service, daemons, db_url):
+    make_service("long", **SLEEP, max_attempts=1)
+    job = api.start_service("long", params={"seconds": 120})
+    agent = daemons.agent("n1", "long", "--drain-seconds", "1")
+    wait_until(lambda: Task.objects.filter(job=job, status="running").exists(), timeout=20, message="running")
+    agent.send_signal(signal.SIGTERM)  # one SIGTERM only, as systemd sends it
+    assert agent.wait(timeout=30) == 0, _log(agent)[-3000:]
+    assert "draining 1 running task(s) for at most 1s" in _log(agent)
+    assert "drain time (1s) is over" in _log(agent)
+    attempt = Attempt.objects.get(task__job=job, attempt_no=1)
+    task = Task.objects.get(job=job)
+    assert attempt.status == "interrupted", attempt.error_text
+    assert (task.status, task.max_attempts) == ("queued", 2), "queued again; the budget grew by the attempt it used"
+
+
+WRITES_THEN_WAITS = """
+import os, pathlib, sys, time
+(pathlib.Path(os.environ["ACCS_OUTPUT_DIR"]) / "partial.txt").write_text("half")
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:  # runs until its agent is killed (bounded)
+    time.sleep(0.05)
+"""
+
+
+def test_a_new_agent_removes_the_scratch_folders_a_killed_agent_left_and_keeps_live_ones(
+        make_service, daemons, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    make_service("writer", executor="command", executor_config={"argv": ["python", "-c", WRITES_THEN_WAITS]})
+    make_service("idle")
+    neighbour = daemons.agent("n2", "idle", env=env, name="agent-neighbour")  # a live agent on the same machine
+    wait_until(lambda: "started on node n2" in _log(neighbour), timeout=30, message="the neighbour started")
+    live = tmp / f"accs-{'ab' * 4}-1-{neighbour.pid}-live"  # as if the neighbour ran an attempt now
+    live.mkdir()
+    job = api.start_service("writer")
+    victim = daemons.agent("n1", "writer", env=env)
+    left = wait_until(lambda: [p for p in tmp.glob("accs-*") if (p / "partial.txt").exists()], timeout=30,
+                      message="the attempt wrote into its scratch folder")
+    assert Task.objects.filter(job=job, status__in=("starting", "running")).exists()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    old_style_stale, old_style_fresh = tmp / "accs-cdcdcdcd-1-stale", tmp / "accs-efefefef-1-fresh"
+    old_style_stale.mkdir()
+    old_style_fresh.mkdir()
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(old_style_stale, (two_days_ago, two_days_ago))
+    assert all(p.exists() for p in left), "kill -9 leaves the attempt's folder behind"
+
+    successor = daemons.agent("n1", "writer", env=env, name="agent-successor")
+    wait_until(lambda: "started on node n1" in _log(successor), timeout=30, message="the successor started")
+    assert not any(p.exists() for p in left + [old_style_stale]), _log(successor)[-2000:]
+    assert live.exists() and old_style_fresh.exists(), "a live agent's folder and a young one are kept"
+    assert "removed 2 leftover scratch folder(s)" in _log(successor)

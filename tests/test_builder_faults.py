@@ -1,14 +1,14 @@
-"""Builders under faults, as real processes: a lost leader session, a large due backlog."""
+"""Builders under faults, as real processes: a frozen leader, killed connections, a large due backlog."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import psycopg
 import pytest
 
 from jobs import api
-from jobs.builder import LEADER_LOCK_KEY, LOCK_APPLICATION_NAME
 from jobs.claim import claim
 from jobs.models import Attempt, Task
 from tests.daemons import wait_until
@@ -16,17 +16,34 @@ from tests.engine_helpers import NODE, spec
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-LOCK_HOLDER_SQL = """
-SELECT l.pid FROM pg_locks l
- WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-   AND l.classid::bigint = (%(key)s::bigint >> 32) AND l.objid::bigint = (%(key)s::bigint & 4294967295)
+LEADER_SQL = "SELECT holder, fence FROM accs_leader WHERE name = 'builder' AND expires_at > now()"
+# Any two terms whose leader-only writes overlap in time (different fences, intersecting spans).
+OVERLAP_SQL = """
+SELECT a.fence, b.fence FROM accs_leader_term a JOIN accs_leader_term b ON a.fence < b.fence
+ WHERE a.first_write_at IS NOT NULL AND b.first_write_at IS NOT NULL
+   AND (a.last_write_at >= b.first_write_at OR a.last_write_at >= b.acquired_at)
 """
 
 
-def _lock_holder(db_url: str) -> int | None:
+def _leader(db_url: str) -> tuple[str, int] | None:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        row = conn.execute(LOCK_HOLDER_SQL, {"key": LEADER_LOCK_KEY}).fetchone()
-        return row[0] if row else None
+        return conn.execute(LEADER_SQL).fetchone()
+
+
+def _locks(db_url: str) -> list:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        return conn.execute("SELECT a.application_name, a.state, a.query, l.mode, l.granted FROM pg_locks l"
+                            " JOIN pg_stat_activity a USING (pid)"
+                            " WHERE l.relation = 'accs_leader'::regclass").fetchall()
+
+
+def _pid_of(holder: str) -> int:
+    return int(holder.split(":")[1])
+
+
+def overlapping_terms(db_url: str) -> list[tuple[int, int]]:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        return conn.execute(OVERLAP_SQL).fetchall()
 
 
 def _expired_task(make_service, key: str, *, lease: float = 0.5):
@@ -41,23 +58,39 @@ def _rescued(task) -> bool:
     return Attempt.objects.filter(task_id=task.id, attempt_no=task.attempt, status="failed").exists()
 
 
-def test_leader_whose_lock_session_dies_steps_down_and_a_builder_leads_again(make_service, daemons, db_url):
-    builders = [daemons.builder(name=f"builder-{i}") for i in range(2)]
-    first = wait_until(lambda: _lock_holder(db_url), timeout=30, message="a builder leads")
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        application = conn.execute("SELECT application_name FROM pg_stat_activity WHERE pid = %s", [first]).fetchone()[0]
-        assert application == LOCK_APPLICATION_NAME, "the lock lives on the builder's dedicated session"
-        assert conn.execute("SELECT pg_terminate_backend(%s)", [first]).fetchone()[0]
-    again = wait_until(lambda: (holder := _lock_holder(db_url)) and holder != first and holder, timeout=10,
-                       message="a builder holds the leader lock again within a few ticks")
-    assert again != first
-    _job, task = _expired_task(make_service, "orphaned")
-    wait_until(lambda: _rescued(task), timeout=10, message="the new leader rescues expired leases")
+def test_a_frozen_leader_is_replaced_and_its_late_writes_are_fenced(make_service, daemons, db_url):
+    builders = {p.pid: p for p in (daemons.builder("--lease-seconds", "4", name=f"builder-{i}") for i in range(2))}
+    holder, fence = wait_until(lambda: _leader(db_url), timeout=30, message="a builder leads")
+    frozen = builders[_pid_of(holder)]
+    # Alive, holding its connections, renewing nothing. Frozen in the instant between a duty's
+    # final fence check and its commit, it holds the takeover off until the server ends that
+    # idle transaction (30 s): hence the long wait below.
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        new_holder, new_fence = wait_until(lambda: (row := _leader(db_url)) and row[1] != fence and row, timeout=60,
+                                           message=f"another builder takes the lease once it expires; {_locks(db_url)}")
+        assert new_fence > fence and _pid_of(new_holder) != frozen.pid
+        _job, task = _expired_task(make_service, "orphaned")
+        wait_until(lambda: _rescued(task), timeout=10, message="the new leader rescues expired leases")
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    wait_until(lambda: "stepping down as leader" in frozen.log_path.read_text(), timeout=15,
+               message="the thawed builder finds its term over and steps down")
     assert Task.objects.get(pk=task.id).status == "queued"
-    for proc in builders:
+    for proc in builders.values():
         assert proc.poll() is None, proc.log_path.read_text()[-3000:]
-    logs = "".join(p.log_path.read_text() for p in builders)
-    assert "stepping down as leader" in logs or logs.count("this builder is now the leader") >= 2
+    assert overlapping_terms(db_url) == []
+
+
+def test_killing_the_leaders_connections_does_not_end_its_term(make_service, daemons, db_url):
+    builder = daemons.builder(name="builder")
+    holder, fence = wait_until(lambda: _leader(db_url), timeout=30, message="the builder leads")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                     " WHERE application_name LIKE 'accs builder%%'")
+    _job, task = _expired_task(make_service, "orphaned")
+    wait_until(lambda: _rescued(task), timeout=15, message="the leader rescues after reconnecting")
+    assert _leader(db_url) is not None and builder.poll() is None, builder.log_path.read_text()[-3000:]
 
 
 def test_a_large_due_backlog_does_not_starve_lease_rescue(make_service, daemons, db_url):

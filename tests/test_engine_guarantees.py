@@ -431,7 +431,10 @@ def test_lease_times_come_from_postgres_clock_not_the_callers(make_service):
     api.start_service(svc)
     [task] = claim_for(svc)
     with connection.cursor() as cur:
-        cur.execute("SELECT lease_expires_at - now(), claimed_at - now() FROM accs_task WHERE id = %s", [task.id])
+        # clock_timestamp(): the claim's instant is its statement's start (after its locks), later than
+        # now(), which here is the start of the test's own transaction.
+        cur.execute("SELECT lease_expires_at - clock_timestamp(), claimed_at - clock_timestamp() FROM accs_task"
+                    " WHERE id = %s", [task.id])
         lease_left, claimed_skew = cur.fetchone()
     assert timedelta(seconds=55) <= lease_left <= timedelta(seconds=60)
     assert abs(claimed_skew) < timedelta(seconds=1)

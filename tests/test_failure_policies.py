@@ -312,3 +312,77 @@ def test_dag_picture_marks_continue_and_always_steps_and_explains_them_in_the_le
     page = job_dag_svg(job)
     assert 'class="step status-error policy-continue"' in page
     assert 'class="step status-queued policy-always"' in page
+
+
+# --------------------------------------------------------------------------------------------
+# What a retry re-admits
+# --------------------------------------------------------------------------------------------
+
+def test_retrying_one_failed_task_readmits_its_dependents_only_not_tasks_skipped_by_another_failure(flow):
+    job = flow(step("a"), step("b", "a"), step("x"), step("y", "x"), step("z"))
+    x = claim_for(Service.objects.get(key="svc-x"))
+    transitions.mark_running([(t.id, t.attempt, 1) for t in x], agent_id="agent-t", source="agent:test")
+    run("a", ok=False)
+    run_fail(x)
+    assert statuses(job) == {"a": "error", "b": "skipped", "x": "error", "y": "skipped", "z": "skipped"}
+    assert job_state(job)[0] == "error"
+
+    assert transitions.retry_task(Task.objects.get(job=job, step_key="a").id, by="op").changed
+    # x's failure still fails the job: what the job's failure skipped, and x's dependent, stay skipped.
+    assert statuses(job) == {"a": "queued", "b": "waiting", "x": "error", "y": "skipped", "z": "skipped"}
+    assert claim_for(Service.objects.get(key="svc-z")) == []
+    run("a")
+    run("b")
+    assert job_state(job) == ("error", "task_failed")
+    assert statuses(job)["z"] == "skipped"
+
+    assert transitions.retry_task(Task.objects.get(job=job, step_key="x").id, by="op").changed
+    # No fail_job failure is left: what the job's failure skipped gets its chance now.
+    assert statuses(job) == {"a": "done", "b": "done", "x": "queued", "y": "waiting", "z": "queued"}
+    run("x")
+    run("y")
+    run("z")
+    assert job_state(job) == ("done", "")
+
+
+def test_an_always_step_queued_after_a_failure_waits_again_while_a_retried_dependency_runs(flow):
+    job = flow(step("build"), step("slow"), step("cleanup", "build", "slow", always=True))
+    run("slow")
+    run("build", ok=False)
+    assert statuses(job) == {"build": "error", "slow": "done", "cleanup": "queued"}
+    assert transitions.retry_task(Task.objects.get(job=job, step_key="build").id, by="op").changed
+    assert statuses(job) == {"build": "queued", "slow": "done", "cleanup": "waiting"}
+    assert claim_for(Service.objects.get(key="svc-cleanup")) == [], "not before every dependency is final again"
+    assert Event.objects.filter(job_id=job.id, task__step_key="cleanup", data__from="queued",
+                                data__to="waiting").exists()
+    run("build")
+    assert statuses(job)["cleanup"] == "queued"
+    run("cleanup")
+    assert job_state(job) == ("done", "")
+
+
+@pytest.mark.parametrize("verb", ["retry_task", "retry_job"])
+def test_a_task_retried_after_its_service_was_blocked_on_its_host_becomes_blocked_not_queued(make_service, verb):
+    ping = make_service("svc-ping", max_attempts=1)
+    create_workflow(name="fan", steps=[step("ping", fan_out="hosts")])
+    Node.objects.create(name="node-t")
+    hosts = [Host.objects.create(name=n, node_id="node-t") for n in ("h1", "h2")]
+    job = api.start_workflow("fan", options={"hosts": ["h1", "h2"]})
+    first, second = sorted(claim_for(ping), key=lambda t: t.task_key)
+    run_ok([second])
+    run_fail([first])
+    assert job_state(job)[0] == "error"
+    HostBlock.objects.create(host=hosts[0], service=ping, reason="disk replaced")  # placed while it was failed
+    if verb == "retry_task":
+        result = transitions.retry_task(first.id, by="op")
+        assert result.message == "task blocked: svc-ping is blocked on h1; remove the block to run it"
+    else:
+        assert transitions.retry_job(job.id, by="op").changed
+    task = Task.objects.get(id=first.id)
+    assert (task.status, task.error_code) == ("blocked", "host_blocked")
+    assert claim_for(ping) == []
+    assert job_state(job) == ("partial", "hosts_blocked")
+    HostBlock.objects.all().delete()
+    assert transitions.retry_task(first.id, by="op").changed, "once the block is gone, a retry runs it"
+    run_ok(claim_for(ping))
+    assert job_state(job) == ("done", "")

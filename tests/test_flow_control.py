@@ -347,3 +347,108 @@ def test_admin_service_form_puts_each_flow_problem_under_its_field(client):
                                                              "concurrency_key_limit": 2})
     assert ok.status_code == 302
     assert Service.objects.get(key="render").concurrency_key_limit == 2
+
+
+# --------------------------------------------------------------------------------------------
+# The instant of a start, and limits read by the claim itself
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_that_waited_for_the_service_lock_stamps_its_starts_after_the_lock_was_released(
+        make_service, db_url):
+    """A second connection holds the service's claim lock; the claim waits on it, then stamps its starts."""
+    import threading
+
+    import psycopg
+
+    svc = make_service("rated-wait", rate_limit=3, rate_period_seconds=60, **KEYED)
+    enqueue("rated-wait", ["a"] * 5)
+    got: dict[str, object] = {}
+
+    def claimer() -> None:
+        try:
+            got["tasks"] = claim(svc, agent="agent-wait")
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            got["error"] = exc
+        finally:
+            connection.close()
+
+    with psycopg.connect(db_url, autocommit=False) as holder, psycopg.connect(db_url, autocommit=True) as watch:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:service:{svc.id}"])
+        thread = threading.Thread(target=claimer)
+        thread.start()
+        wait_for(lambda: watch.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                 .fetchone()[0] == 1, message="the claim waiting for the service lock")
+        released_after = holder.execute("SELECT clock_timestamp()").fetchone()[0]
+        holder.commit()
+        thread.join(timeout=30)
+    assert "error" not in got, got.get("error")
+    assert len(got["tasks"]) == 3
+    stamps = list(RateStart.objects.filter(service=svc).values_list("at", flat=True))
+    assert len(stamps) == 3
+    assert min(stamps) > released_after, "a start stamped before the claim held the lock"
+    claimed = Task.objects.filter(service=svc, status="starting").values_list("claimed_at", flat=True)
+    assert min(claimed) > released_after
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("before", "after", "expected"), [
+    ({"concurrency_key": "customer", "concurrency_key_limit": 3}, {"concurrency_key_limit": 1}, {"a": 1, "b": 1}),
+    ({"rate_key": "customer", "rate_key_limit": 3}, {"rate_key_limit": 1}, {"a": 1, "b": 1}),
+    ({"rate_limit": 5}, {"rate_limit": 1}, {"a": 1}),
+    ({"max_concurrent": 5}, {"max_concurrent": 2}, {"a": 2}),
+    ({}, {"concurrency_key": "customer", "concurrency_key_limit": 1}, {"a": 1, "b": 1}),
+], ids=["key-cap", "key-rate", "service-rate", "max-concurrent", "new-key-cap"])
+def test_a_lowered_limit_applies_to_the_very_next_claim_even_with_the_agents_stale_service_spec(
+        make_service, before, after, expected):
+    from workflows.models import Service
+
+    svc = make_service("lowered", **before, **KEYED)
+    enqueue("lowered", ["a"] * 4 + ["b"] * 4)
+    stale = service_spec(svc)  # what an agent's service cache holds
+    Service.objects.filter(id=svc.id).update(**after)
+    tasks = claim_many([stale], NODE, agent_id="agent-stale", free_slots=50, lease_seconds=60)
+    assert customers_of(tasks) == expected
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("limit", ["concurrency", "rate"])
+def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candidate(make_service, limit):
+    """With the head keys at their limit, the limit's table is read in one pass, not probed per task."""
+    from django.db import transaction
+
+    from jobs.claim import claim_statement
+
+    fields = ({"concurrency_key": "customer", "concurrency_key_limit": 1} if limit == "concurrency"
+              else {"rate_key": "customer", "rate_key_limit": 1})
+    svc = make_service("keyed-once", **fields, **KEYED)
+    # Two keys own the head of the backlog: 200 tasks a claim passes over once they are at their limit.
+    enqueue("keyed-once", ["c0"] * 100 + ["c1"] * 100 + [f"x{i}" for i in range(50)])
+    assert customers_of(claim(svc, 2)) == {"c0": 1}
+    assert customers_of(claim(svc, 2)) == {"c1": 1}, "c0 is at its limit (held, and started in the window)"
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE accs_task")
+        cur.execute("ANALYZE accs_rate_start")
+    sql, params = claim_statement([(service_spec(svc), 10)], adjust={})
+    params.update({"now": None, "hosts": [], "slots": 10, "cpu": 1000, "agent": "plan", "node": "plan",
+                   "lease": 60.0, "pid": 1, "source": "plan", "exclude": []})
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+        plan = cur.fetchone()[0]
+        transaction.set_rollback(True)
+    # The held tasks per key (cused) and the starts per key (rused, from accs_rate_start) are read
+    # in one pass each; a filter that looked them up per task passed over would loop 198+ times.
+    # (The pick may still look up each of the scan window's candidates: at most 4 * 10 + 16.)
+    nodes = list(_plan_nodes(plan[0]["Plan"]))
+    starts = [n["Actual Loops"] for n in nodes if n.get("Relation Name") == "accs_rate_start"]
+    ctes = [(n["CTE Name"], n["Actual Loops"]) for n in nodes if n.get("CTE Name") in ("cused", "rused")]
+    assert all(loops <= 1 for loops in starts), starts
+    assert ctes and all(loops <= 4 * 10 + 16 for _, loops in ctes), ctes
+    scan = next(n for n in nodes if n.get("Index Name") == "task_claim_idx")
+    assert scan["Rows Removed by Filter"] == 198, "the scan passed over the full keys' tasks"
+
+
+def _plan_nodes(node: dict):
+    yield node
+    for child in node.get("Plans", []):
+        yield from _plan_nodes(child)

@@ -388,3 +388,38 @@ def test_command_refuses_unknown_names_with_exit_code_2(scene, argv, needle):
 ])
 def test_command_bad_option_is_one_line_and_exit_code_2(argv, needle):
     assert_one_line_refusal(run_command("accs_redrive", *argv), needle)
+
+
+def test_redrive_of_a_canceled_job_with_a_task_still_stopping_is_refused_with_the_reason_until_it_stopped(db):
+    """Redriven while its canceled task still runs, the job would be canceled again by that task's report."""
+    from workflows.api import create_workflow
+    from workflows.models import Service
+
+    for key in ("stop-fast", "stop-slow"):
+        save_service(key=key, executor="python", executor_config={"callable": "tests.callables:noop"},
+                     params_schema={"type": "object"})
+    create_workflow(name="stopping", steps=[{"key": "fast", "service": "stop-fast"},
+                                            {"key": "slow", "service": "stop-slow"}])
+    job = api.start_workflow("stopping")
+    slow = claim_for(Service.objects.get(key="stop-slow"))
+    transitions.mark_running([(t.id, t.attempt, 1) for t in slow], agent_id="agent-t", source="agent:test")
+    assert transitions.cancel_job(job.id, by="op").changed
+    job.refresh_from_db()
+    assert job.status == "canceled"
+    flt = RedriveFilter(jobs=True, include=frozenset({"canceled"}))
+
+    result = redrive.redrive(flt, by="alice")
+    assert (result.matched, result.redriven, result.skipped) == (1, 0, 1)
+    assert result.reasons == {"job is still stopping: 1 task(s) told to stop by its cancel are still running; "
+                              "retry it once they have stopped": 1}
+    job.refresh_from_db()
+    assert job.status == "canceled"
+    assert Task.objects.get(id=slow[0].id).status == "running"
+
+    transitions.report([transitions.Outcome(task_id=slow[0].id, attempt=slow[0].attempt, status="canceled")],
+                       agent_id="agent-t", source="agent:test")
+    result = redrive.redrive(flt, by="alice")
+    assert (result.matched, result.redriven, result.skipped) == (1, 1, 0)
+    job.refresh_from_db()
+    assert job.status == "waiting"
+    assert set(Task.objects.filter(job=job).values_list("status", flat=True)) == {"queued"}

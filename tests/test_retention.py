@@ -54,6 +54,9 @@ def finished_job(services, tenant: Tenant, *, days_ago: float, failed: bool = Fa
     with connection.cursor() as cur:
         cur.execute("UPDATE accs_job SET finished_at = now() - make_interval(secs => %s) WHERE id = %s",
                     [days_ago * 86400, job.id])
+        # Its tasks ended with it: a job is due only once its last task's finish is old enough too.
+        cur.execute("UPDATE accs_task SET finished_at = now() - make_interval(secs => %s) WHERE job_id = %s",
+                    [days_ago * 86400, job.id])
     job.refresh_from_db()
     assert job.status == ("error" if failed else "done"), job.status
     return job
@@ -315,7 +318,7 @@ def test_tenant_retention_is_editable_in_the_admin(admin_client, default_tenant)
 
 
 def test_the_due_scan_walks_the_partial_retention_indexes(services, default_tenant):
-    from jobs.retention import CANDIDATES_SQL
+    from jobs.retention import _DEAD_CUTOFF, _DONE_CUTOFF, CANDIDATES_SQL, _settled
 
     with connection.cursor() as cur:
         # 20,000 young finished jobs (one in ten a dead letter) and 20,000 active ones.
@@ -329,8 +332,89 @@ def test_the_due_scan_walks_the_partial_retention_indexes(services, default_tena
               FROM generate_series(1, 40000) AS i""", [default_tenant.id, services["ok"].id])
         cur.execute("ANALYZE accs_job")
         cur.execute("ANALYZE accs_tenant")
-        cur.execute("EXPLAIN " + CANDIDATES_SQL.format(kept=""),
+        cur.execute("EXPLAIN " + CANDIDATES_SQL.format(kept="", settled_done=_settled(_DONE_CUTOFF),
+                                                       settled_dead=_settled(_DEAD_CUTOFF)),
                     {"now": default_tenant.created_at, "days": 30, "dead_days": 90, "limit": 500})
         plan = "\n".join(r[0] for r in cur.fetchall())
     assert "job_prune_idx" in plan and "job_prune_dead_idx" in plan, plan
     assert "Seq Scan on accs_job" not in plan, plan
+
+
+# --------------------------------------------------------------------------------------------
+# A job that ended while tasks of it still ran
+# --------------------------------------------------------------------------------------------
+
+def _move_back(table: str, job_id, days: float) -> None:
+    """Move the finish of a job (or of its finished tasks) ``days`` back."""
+    column = "id" if table == "accs_job" else "job_id"
+    with connection.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET finished_at = now() - make_interval(secs => %s)"
+                    f" WHERE {column} = %s AND finished_at IS NOT NULL", [days * 86400, job_id])
+
+
+@pytest.mark.parametrize("ends", ["fail_job", "cancel"])
+def test_a_job_that_ended_while_a_task_still_runs_is_kept_until_that_task_finished_longer_ago_than_retention(
+        make_service, default_tenant, ends):
+    """A job final by a fail_job failure or a cancel, with a sibling still running, is not pruned."""
+    from jobs import transitions
+    from workflows.api import create_workflow
+    from workflows.models import Service
+
+    make_service("ret-fast", max_attempts=1)
+    make_service("ret-slow", max_attempts=1)
+    create_workflow(name="ret-wf", steps=[{"key": "fast", "service": "ret-fast"},
+                                          {"key": "slow", "service": "ret-slow"}])
+    job = api.start_workflow("ret-wf")
+    slow = claim_for(Service.objects.get(key="ret-slow"))
+    transitions.mark_running([(t.id, t.attempt, 1) for t in slow], agent_id="agent-t", source="agent:test")
+    if ends == "fail_job":
+        run_fail(claim_for(Service.objects.get(key="ret-fast")))
+        expected = "error"
+    else:
+        assert transitions.cancel_job(job.id, by="op").changed
+        expected = "canceled"
+    job.refresh_from_db()
+    assert job.status == expected
+    assert Task.objects.get(id=slow[0].id).status == "running"
+    _move_back("accs_job", job.id, 1000)  # past both ages (30 days done, 90 dead)
+    _move_back("accs_task", job.id, 1000)
+    before = rows_of([job.id])
+    assert job.id not in prune_finished_jobs(limit=10).job_ids, "pruned while a task of it still runs"
+    assert rows_of([job.id]) == before and before["tasks"] == 2
+
+    outcome = "succeeded" if ends == "fail_job" else "canceled"
+    transitions.report([transitions.Outcome(task_id=slow[0].id, attempt=slow[0].attempt, status=outcome)],
+                       agent_id="agent-t", source="agent:test")
+    assert Task.objects.get(id=slow[0].id).finished_at is not None
+    assert job.id not in prune_finished_jobs(limit=10).job_ids, "its last task finished just now"
+    _move_back("accs_task", job.id, 1000)
+    assert prune_finished_jobs(limit=10).job_ids == [job.id]
+    assert rows_of([job.id]) == dict.fromkeys(["jobs", "tasks", "attempts", "steps", "artifacts"], 0)
+
+def test_event_receipts_older_than_their_retention_are_pruned_by_a_duty(default_tenant, monkeypatch):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from accs_site.conf import reload
+    from jobs.duties import all_duties
+    from jobs.receipts import EventReceipt
+
+    def receipt(event_id: str, age: timedelta) -> None:
+        EventReceipt.objects.create(tenant=default_tenant, event_id=event_id, name="e", body_digest="0" * 64,
+                                    created_at=timezone.now() - age)
+
+    monkeypatch.setenv("ACC_EVENT_RECEIPT_RETENTION_HOURS", "24")
+    reload()
+    try:
+        receipt("old-1", timedelta(hours=25))
+        receipt("old-2", timedelta(days=30))
+        receipt("fresh", timedelta(hours=23))
+        [duty] = [d for d in all_duties(batch=100) if d.name == "prune_event_receipts"]
+        assert duty.run(1) == 1, "a bounded batch"
+        assert duty.run(100) == 1
+        assert duty.run(100) == 0
+        assert list(EventReceipt.objects.values_list("event_id", flat=True)) == ["fresh"]
+    finally:
+        monkeypatch.delenv("ACC_EVENT_RECEIPT_RETENTION_HOURS")
+        reload()

@@ -69,8 +69,22 @@ class ServiceForm(ProblemsByFieldForm):
         }
 
 
+class DefinitionAdmin(admin.ModelAdmin):
+    """Services and workflows decide what code agents run: only superusers add, change or delete them,
+    as the HTTP API requires (a model permission given to a staff user is not enough)."""
+
+    def has_add_permission(self, request) -> bool:
+        return request.user.is_active and request.user.is_superuser
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return request.user.is_active and request.user.is_superuser
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return request.user.is_active and request.user.is_superuser
+
+
 @admin.register(Service)
-class ServiceAdmin(admin.ModelAdmin):
+class ServiceAdmin(DefinitionAdmin):
     form = ServiceForm
     list_display = ("key", "executor", "is_active", "max_concurrent", "cpu_weight", "base_priority",
                     "requires_approval", "exclusive_per_host", "timeout_seconds", "max_attempts")
@@ -137,7 +151,7 @@ class WorkflowForm(ProblemsByFieldForm):
 
 
 @admin.register(Workflow)
-class WorkflowAdmin(admin.ModelAdmin):
+class WorkflowAdmin(DefinitionAdmin):
     """Workflow versions: a version that jobs use keeps its steps; an edit becomes the next version.
 
     "Save as a new version" (Django's save-as) stores the form as the next free version number

@@ -16,7 +16,7 @@ from ninja import Field, Path, Query, Router, Schema, Status
 from ninja.errors import HttpError
 from pydantic import StrictBool
 
-from accs_site.http import INT32, In, require_superuser, responses
+from accs_site.http import INT32, In, require_scope, require_superuser, responses
 from workflows.api import create_workflow, save_service, steps_frozen_reason
 from workflows.models import Executor, Service, Workflow
 from workflows.validation import DefinitionError, Problem, validate_workflow
@@ -190,6 +190,7 @@ def _workflow(name: str, version: int) -> Workflow:
 
 @router.get("/services", response=responses({200: list[ServiceOut]}), summary="List services")
 def list_services(request: HttpRequest, filters: Query[ListFilter]):
+    require_scope(request, "read")
     require_superuser(request)
     qs = Service.objects.order_by("key")
     if filters.name:
@@ -201,6 +202,7 @@ def list_services(request: HttpRequest, filters: Query[ListFilter]):
 
 @router.post("/services", response=responses({201: ServiceOut}), summary="Create a service")
 def create_service(request: HttpRequest, body: ServiceIn):
+    require_scope(request, "definitions")
     require_superuser(request)
     if Service.objects.filter(key=body.key).exists():
         return Status(409, {"detail": f"service {body.key!r} exists; PATCH /services/{body.key} changes it"})
@@ -210,6 +212,7 @@ def create_service(request: HttpRequest, body: ServiceIn):
 
 @router.get("/services/{key}", response=responses({200: ServiceOut}), summary="Get a service")
 def get_service(request: HttpRequest, key: str = Path(..., min_length=1, max_length=100, pattern=SLUG)):
+    require_scope(request, "read")
     require_superuser(request)
     return _service(key)
 
@@ -218,6 +221,7 @@ def get_service(request: HttpRequest, key: str = Path(..., min_length=1, max_len
 def update_service(request: HttpRequest, body: ServicePatch,
                    key: str = Path(..., min_length=1, max_length=100, pattern=SLUG)):
     """Send only the fields to change; the whole service is validated again before saving."""
+    require_scope(request, "definitions")
     require_superuser(request)
     _service(key)
     changes = body.model_dump(exclude_unset=True)
@@ -234,6 +238,7 @@ def update_service(request: HttpRequest, body: ServicePatch,
 
 @router.get("/workflows", response=responses({200: list[WorkflowOut]}), summary="List workflows")
 def list_workflows(request: HttpRequest, filters: Query[ListFilter]):
+    require_scope(request, "read")
     require_superuser(request)
     qs = Workflow.objects.order_by("name", "-version")
     if filters.name:
@@ -246,6 +251,7 @@ def list_workflows(request: HttpRequest, filters: Query[ListFilter]):
 @router.post("/workflows", response=responses({201: WorkflowOut}), summary="Create a workflow version")
 def create_workflow_version(request: HttpRequest, body: WorkflowIn):
     """Validated as a whole (unique keys, known services, deps, no cycles, params); nothing is saved on error."""
+    require_scope(request, "definitions")
     require_superuser(request)
     workflow = create_workflow(name=body.name, version=body.version, steps=_steps(body.steps),
                                description=body.description, max_active_jobs=body.max_active_jobs,
@@ -256,6 +262,7 @@ def create_workflow_version(request: HttpRequest, body: WorkflowIn):
 @router.get("/workflows/{name}/{version}", response=responses({200: WorkflowOut}), summary="Get a workflow version")
 def get_workflow(request: HttpRequest, name: str = Path(..., min_length=1, max_length=100, pattern=SLUG),
                  version: int = Path(..., ge=1, le=INT32)):
+    require_scope(request, "read")
     require_superuser(request)
     return _workflow(name, version)
 
@@ -266,6 +273,7 @@ def update_workflow(request: HttpRequest, body: WorkflowPatch,
                     name: str = Path(..., min_length=1, max_length=100, pattern=SLUG),
                     version: int = Path(..., ge=1, le=INT32)):
     """Activate/deactivate, describe, cap; steps change only while no job uses the version."""
+    require_scope(request, "definitions")
     require_superuser(request)
     changes = body.model_dump(exclude_unset=True)
     nulls = sorted(n for n, v in changes.items() if v is None)

@@ -7,6 +7,7 @@ validate everything before writing anything.
 
 from __future__ import annotations
 
+import os
 import re
 import string
 from collections.abc import Iterable, Mapping
@@ -18,11 +19,16 @@ from django.core.exceptions import ValidationError
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
+from accs_site.conf import ANY, accs
+
 STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 FAN_OUT_VALUES = ("hosts",)
 STEP_FIELDS = frozenset({"key", "service", "depends_on", "default_params", "fan_out", "on_failure", "always"})
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names the agent sets itself (the task contract) or keeps for itself (its settings).
+RESERVED_ENV_PREFIXES = ("ACC_", "ACCS_")
 
 
 @dataclass(frozen=True)
@@ -61,23 +67,35 @@ def schema_errors(schema: Mapping[str, Any], instance: Any, *, partial: bool = F
     ]
 
 
+def argv_fields(arg: str) -> list[tuple[str, str | None]]:
+    """Split one argv element into (literal text, placeholder name or None) pairs.
+
+    Only plain ``{name}`` fields are placeholders: attribute access, indexing, format specs and
+    conversions are refused (they would let params reach Python objects or build huge strings).
+    Raise ValueError naming the field.
+    """
+    try:
+        parsed = list(string.Formatter().parse(arg))
+    except ValueError as exc:
+        raise ValueError(f"{arg!r}: {exc}; {LITERAL_BRACES_HINT}") from None
+    pieces: list[tuple[str, str | None]] = []
+    for literal, field, spec, conversion in parsed:
+        if field is None:
+            pieces.append((literal, None))
+            continue
+        if field == "" or field.isdigit():
+            raise ValueError(f"positional placeholder in {arg!r}; name it ({{param}}) or {LITERAL_BRACES_HINT}")
+        if not field.isidentifier() or spec or conversion:
+            shown = field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ValueError(f"{{{shown}}} in {arg!r} is not a plain {{name}} placeholder (no attributes, indexing,"
+                             f" conversions or format specs); {LITERAL_BRACES_HINT}")
+        pieces.append((literal, field))
+    return pieces
+
+
 def argv_placeholders(argv: Iterable[str]) -> set[str]:
-    """Return the ``{name}`` placeholders used in an argv template."""
-    names: set[str] = set()
-    for arg in argv:
-        try:
-            parsed = list(string.Formatter().parse(arg))
-        except ValueError as exc:
-            raise ValueError(f"{arg!r}: {exc}; {LITERAL_BRACES_HINT}") from None
-        for _, field, _, _ in parsed:
-            if field == "" or (field and field.isdigit()):
-                raise ValueError(f"positional placeholder in {arg!r}; name it ({{param}}) or {LITERAL_BRACES_HINT}")
-            if field:
-                name = field.split(".")[0].split("[")[0]
-                if not name.isidentifier():
-                    raise ValueError(f"{{{field}}} in {arg!r} is not a placeholder name; {LITERAL_BRACES_HINT}")
-                names.add(name)
-    return names
+    """Return the ``{name}`` placeholders used in an argv template (ValueError for any other field)."""
+    return {name for arg in argv for _, name in argv_fields(arg) if name}
 
 
 # Argv elements are rendered with str.format, so literal braces (JSON, shell-like ${VAR}) are doubled.
@@ -121,12 +139,9 @@ def service_problems(service) -> list[Problem]:
         if not isinstance(target, str) or not CALLABLE_RE.match(target):
             problems.append(Problem("executor_config.callable", "expected a dotted path such as 'package.module:function'"))
     elif executor == "http":
-        url = config.get("url")
-        parsed = urlparse(url) if isinstance(url, str) else None
-        if not parsed or parsed.scheme not in ("http", "https") or not parsed.hostname:
-            problems.append(Problem("executor_config.url", "expected an http(s) URL of the local service"))
-        elif parsed.hostname not in LOOPBACK_HOSTS:
-            problems.append(Problem("executor_config.url", f"must be a local service (loopback), got host {parsed.hostname!r}"))
+        problems += local_url_problems(config.get("url"), field="executor_config.url")
+        if config.get("health_url") is not None:
+            problems += local_url_problems(config.get("health_url"), field="executor_config.health_url")
         start = config.get("start_command")
         if start is not None and (not isinstance(start, list) or not all(isinstance(a, str) for a in start)):
             problems.append(Problem("executor_config.start_command", "must be a list of strings (argv, no shell)"))
@@ -137,6 +152,10 @@ def service_problems(service) -> list[Problem]:
                 problems.append(Problem(f"executor_config.{rate}", "must be a number between 0 and 1"))
     else:
         problems.append(Problem("executor", f"unknown executor {executor!r}"))
+    if executor in ("command", "python", "http"):
+        problems += env_problems(config.get("env"))
+    already = {p.where for p in problems}  # one message per field: a malformed URL need not be "not allowed" too
+    problems += [p for p in not_allowed_problems(executor, config) if p.where not in already]
     if not (1 <= (service.cpu_weight or 0) <= 5):
         problems.append(Problem("cpu_weight", f"must be between 1 and 5, got {service.cpu_weight}"))
     if (service.timeout_seconds or 0) < 1:
@@ -154,6 +173,104 @@ def service_problems(service) -> list[Problem]:
         problems.append(Problem("priority_adjust_during", 'expected {"condition": integer, ...}'))
     problems += flow_control_problems(service)
     problems += key_change_problems(service)
+    return problems
+
+
+def local_url_problems(url: Any, *, field: str) -> list[Problem]:
+    """Return what is wrong with the URL of a local (loopback) http service."""
+    try:
+        parsed = urlparse(url) if isinstance(url, str) else None
+        parsed and parsed.port  # noqa: B018 - parsing the port raises for a bad one
+    except ValueError:
+        parsed = None
+    if not parsed or parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return [Problem(field, "expected an http(s) URL of the local service")]
+    if parsed.hostname not in LOOPBACK_HOSTS:
+        return [Problem(field, f"must be a local service (loopback), got host {parsed.hostname!r}")]
+    return []
+
+
+def env_problems(env: Any) -> list[Problem]:
+    """Check a service's extra environment: ``{"NAME": "value"}``, never the agent's own names."""
+    if env is None:
+        return []
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        return [Problem("executor_config.env", 'expected {"NAME": "text value", ...}')]
+    problems = []
+    for name in env:
+        if not ENV_NAME_RE.match(name):
+            problems.append(Problem("executor_config.env", f"{name!r} is not an environment variable name"))
+        elif name.startswith(RESERVED_ENV_PREFIXES):
+            problems.append(Problem("executor_config.env", f"{name!r}: names starting with ACC_ or ACCS_ are the"
+                                                           " agent's (its settings and the task contract)"))
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Site allow-lists: what this site lets agents run, whatever a definition says
+# --------------------------------------------------------------------------------------------
+
+def executable_allowed(program: str, allowed: Iterable[str]) -> bool:
+    """Return whether argv[0] ``program`` is a listed name, a listed path or inside a listed directory."""
+    allowed = tuple(allowed)
+    if ANY in allowed:
+        return True
+    if "/" not in program:
+        return program in allowed
+    path = os.path.normpath(program)
+    if not os.path.isabs(path):
+        return False  # a relative path depends on the agent's working directory; list it as a name or path
+    return any(path == entry or (entry.endswith("/") and path.startswith(entry)) for entry in allowed)
+
+
+def callable_allowed(target: str, allowed: Iterable[str]) -> bool:
+    """Return whether the callable ``module:function`` (or dotted) comes from an allowed module prefix."""
+    allowed = tuple(allowed)
+    if ANY in allowed:
+        return True
+    module = target.partition(":")[0] if ":" in target else target.rpartition(".")[0]
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in allowed)
+
+
+def url_allowed(url: str, allowed: Iterable[str]) -> bool:
+    """Return whether ``url`` has the scheme, host (and port, when the prefix names one) and path of a prefix."""
+    try:
+        target = urlparse(url)
+        port = target.port
+    except ValueError:
+        return False
+    for entry in allowed:
+        prefix = urlparse(entry)
+        if (target.scheme == prefix.scheme and target.hostname == prefix.hostname
+                and (prefix.port is None or port == prefix.port) and target.path.startswith(prefix.path)):
+            return True
+    return False
+
+
+def not_allowed_problems(executor: str, config: Mapping[str, Any]) -> list[Problem]:
+    """Return what in an executor config this site's allow-lists refuse (ACC_ALLOWED_*)."""
+    problems: list[Problem] = []
+    argv_fields_ = (("executor_config.argv", config.get("argv")),) if executor == "command" else ()
+    if executor == "http":
+        argv_fields_ = (("executor_config.start_command", config.get("start_command")),)
+    for where, argv in argv_fields_:
+        if isinstance(argv, list) and argv and isinstance(argv[0], str):
+            if not executable_allowed(argv[0], accs.allowed_executables):
+                problems.append(Problem(where, f"{argv[0]!r} is not an executable this site allows"
+                                               f" (ACC_ALLOWED_EXECUTABLES={','.join(accs.allowed_executables)})"))
+    # "task" is the function a Django Tasks service's adapter callable runs: both must be allowed.
+    for key in ("callable", "task") if executor == "python" else ():
+        target = config.get(key)
+        if isinstance(target, str) and not callable_allowed(target, accs.allowed_callables):
+            listed = ",".join(accs.allowed_callables)
+            problems.append(Problem(f"executor_config.{key}", f"{target!r} is not from a module this site allows"
+                                                              f" (ACC_ALLOWED_CALLABLES={listed})"))
+    for key in ("url", "health_url") if executor == "http" else ():
+        url = config.get(key)
+        if isinstance(url, str) and not url_allowed(url, accs.allowed_http_urls):
+            listed = ",".join(accs.allowed_http_urls)
+            problems.append(Problem(f"executor_config.{key}",
+                                    f"{url!r} does not start with a URL this site allows (ACC_ALLOWED_HTTP_URLS={listed})"))
     return problems
 
 

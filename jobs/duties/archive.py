@@ -10,13 +10,12 @@ from jobs.duties import Duty
 
 def archive(limit: int) -> int:
     # Exporting a month of events can take longer than the daemons' statement timeout allows.
+    # SET LOCAL: the builder runs each duty in a transaction fenced by the leader's term, and a
+    # session-level SET would outlive it on a pooled server session.
     with connection.cursor() as cur:
-        cur.execute("SET statement_timeout = 0")
-    try:
-        return len(archive_partitions(limit=limit))
-    finally:
-        with connection.cursor() as cur:
-            cur.execute("RESET statement_timeout")
+        cur.execute("SET LOCAL statement_timeout = 0")
+        cur.execute("SET LOCAL idle_in_transaction_session_timeout = 0")  # uploads run inside it
+    return len(archive_partitions(limit=limit))
 
 
 def duty() -> Duty:

@@ -1,4 +1,5 @@
-"""``manage.py accs_token create USER NAME [--expires-in 90d | --expires-at ISO]`` · ``revoke`` · ``list``."""
+"""``manage.py accs_token create USER NAME [--scope read,run,approve,definitions]
+[--expires-in 90d | --expires-at ISO]`` · ``revoke --prefix accs_AbC1234`` · ``list``."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ class Command(BaseCommand):
         when = create.add_mutually_exclusive_group()
         when.add_argument("--expires-in", default=None, help="e.g. 90d, 12h, 2w")
         when.add_argument("--expires-at", default=None, help="ISO 8601 time, e.g. 2027-01-31T00:00:00Z")
+        create.add_argument("--scope", action="append", default=None, dest="scopes",
+                            help="read, run, approve, definitions (repeat or separate by commas); "
+                                 "default: read,run,approve")
         revoke = sub.add_parser("revoke", help="Revoke tokens by prefix, or all of a user's (optionally by name).")
-        revoke.add_argument("--prefix", default=None)
+        revoke.add_argument("--prefix", default=None, help="the token's full 12-character prefix (accs_token list)")
         revoke.add_argument("--user", default=None)
         revoke.add_argument("--name", default=None)
         listing = sub.add_parser("list", help="List tokens (never the secret).")
@@ -36,10 +40,13 @@ class Command(BaseCommand):
         except AccountError as exc:
             raise CommandError(str(exc)) from None
 
-    def _create(self, *, user: str, name: str, expires_in: str | None, expires_at: str | None, **_) -> None:
-        token, raw = issue_token(user, name, expires_at=_expiry(expires_in, expires_at))
+    def _create(self, *, user: str, name: str, expires_in: str | None, expires_at: str | None,
+                scopes: list[str] | None, **_) -> None:
+        token, raw = issue_token(user, name, expires_at=_expiry(expires_in, expires_at),
+                                 scopes=",".join(scopes) if scopes else None)
         until = f", expires {token.expires_at.isoformat()}" if token.expires_at else ""
-        self.stderr.write(f"token {token.name!r} for {user} (prefix {token.prefix}{until}); "
+        self.stderr.write(f"token {token.name!r} for {user} (prefix {token.prefix}, scopes {','.join(token.scopes)}"
+                          f"{until}); "
                           "store it now, it is not shown again:")
         self.stdout.write(raw)
 
@@ -54,7 +61,8 @@ class Command(BaseCommand):
         for t in tokens:
             state = ("revoked" if t.revoked_at else "expired" if t.expires_at and t.expires_at <= now else "active")
             expires = t.expires_at.isoformat() if t.expires_at else "never"
-            self.stdout.write(f"{t.prefix:<13} {t.user.username:<20} {t.name:<24} {state:<8} expires {expires}")
+            self.stdout.write(f"{t.prefix:<13} {t.user.username:<20} {t.name:<24} {state:<8} "
+                              f"{','.join(t.scopes):<28} expires {expires}")
 
 
 def _expiry(expires_in: str | None, expires_at: str | None) -> datetime | None:

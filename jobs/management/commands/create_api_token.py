@@ -1,11 +1,10 @@
-"""Create an HTTP API token for a user and print it once: ``manage.py create_api_token USER NAME``."""
+"""Create an HTTP API token for a user and print it once: ``manage.py create_api_token USER NAME [--scope ...]``."""
 
 from __future__ import annotations
 
-from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.auth import create_token
+from jobs.accounts import AccountError, issue_token
 
 
 class Command(BaseCommand):
@@ -14,16 +13,15 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         parser.add_argument("user", help="username of the token's owner")
         parser.add_argument("name", help="what the token is for, e.g. 'ci-webhook'")
+        parser.add_argument("--scope", action="append", default=None, dest="scopes",
+                            help="read, run, approve, definitions (repeat or separate by commas); "
+                                 "default: read,run,approve")
 
-    def handle(self, *args, user: str, name: str, **options) -> None:
-        owner = get_user_model().objects.filter(username=user).first()
-        if owner is None:
-            raise CommandError(f"no user {user!r}; create it first (manage.py createsuperuser or the admin)")
-        if not owner.is_active:
-            raise CommandError(f"user {user!r} is not active")
-        if not name.strip() or len(name) > 100:
-            raise CommandError("NAME must be 1-100 characters")
-        token, raw = create_token(owner, name.strip())
-        self.stderr.write(f"token {token.name!r} for {owner.username} (prefix {token.prefix}); "
+    def handle(self, *args, user: str, name: str, scopes: list[str] | None = None, **options) -> None:
+        try:
+            token, raw = issue_token(user, name, scopes=",".join(scopes) if scopes else None)
+        except AccountError as exc:
+            raise CommandError(str(exc)) from None
+        self.stderr.write(f"token {token.name!r} for {user} (prefix {token.prefix}, scopes {','.join(token.scopes)}); "
                           "store it now, it is not shown again:")
         self.stdout.write(raw)

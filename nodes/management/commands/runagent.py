@@ -44,6 +44,13 @@ class Command(OperatorCommand):
         parser.add_argument("--lease-seconds", type=bounded(float, above=0, minimum=3, maximum=86400),
                             default=None, help="Lease TTL in seconds, 3-86400; heartbeats come every third of it "
                                                "(default: ACC_HEARTBEAT_TTL_SEC, else 120).")
+        parser.add_argument("--drain-seconds", type=bounded(float, minimum=0, maximum=7 * 86400), default=None,
+                            help="After the first SIGTERM, let running tasks finish for at most this long, then "
+                                 "stop them and hand them back as interrupted (default: as long as they take). "
+                                 "Keep it below the supervisor's stop timeout (TimeoutStopSec).")
+        parser.add_argument("--database-wait", type=bounded(float, minimum=0, maximum=86400), default=None,
+                            help="Seconds to wait for PostgreSQL at start before giving up with exit code 3 "
+                                 "(default: 30 with --once, else until it answers).")
         parser.add_argument("--claim-batch", type=bounded(int, minimum=1, maximum=1000), default=None,
                             help="Most tasks claimed per statement, 1-1000 (default: --max-concurrent).")
 
@@ -62,6 +69,7 @@ class Command(OperatorCommand):
             raise usage_error(str(exc)) from None
         agent = Agent(node=node, services=services, max_concurrent=options["max_concurrent"], once=options["once"],
                       labels=labels, poll_interval=options["poll_interval"], lease_seconds=options["lease_seconds"],
-                      claim_batch=options["claim_batch"])
+                      claim_batch=options["claim_batch"], drain_seconds=options["drain_seconds"],
+                      database_wait=options["database_wait"])
         agent.install_signal_handlers()
         raise SystemExit(agent.run())

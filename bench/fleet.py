@@ -1,0 +1,181 @@
+"""A fleet at an offered load below saturation, direct and through PgBouncer (``python bench/fleet.py``).
+
+Unlike a saturated run (every slot busy, every claim racing), this is what a fleet sees in
+production: work arrives at a steady rate (``--rate`` tasks per second), lower than the fleet's
+capacity, and many agents wait for it. Each simulated agent is a ``bench/scale.py worker``
+process (the real ``claim_many`` and ``report``, tasks of 2–6 s simulated by a timer, polling
+every 0.5 s), connected straight to PostgreSQL or through a transaction-mode PgBouncer
+(scripts/pgbouncer_local.sh, ``ACC_DB_POOLER=pgbouncer``). Figures per mode: claim p50/p95 (one
+claim statement, as the agent times it), pick-up p50/p95 (task created → claimed, PostgreSQL's
+clock), server connections (peak of all, and of those in use: not idle), cap violations (held
+tasks sampled every 20 ms against the service's cap) and double claims (a task with two attempts:
+the simulated work never fails). Written to bench/results/fleet.json.
+
+Defaults are the issue's fleet (100 agents × 20 slots at 200 tasks/s for 60 s); a 2-core machine
+shared with other work wants ``--agents 20 --rate 40 --seconds 30``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "accs_site.settings")
+
+SERVICE = "bench-scale"  # the service bench/scale.py's workers claim
+CONNECTIONS_SQL = """
+SELECT count(*), count(*) FILTER (WHERE state <> 'idle')
+  FROM pg_stat_activity
+ WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()
+   AND coalesce(application_name, '') NOT LIKE 'bench driver%%'
+"""
+HELD_SQL = ("SELECT count(*) FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
+            " WHERE s.key = %s AND t.status IN ('starting', 'running')")
+
+
+def _quantiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (0.0, 0.0)
+    q = statistics.quantiles(values, n=100)
+    return round(q[49], 2), round(q[94], 2)
+
+
+class Sampler(threading.Thread):
+    """Sample server connections and held tasks every 20 ms on a connection of its own."""
+
+    def __init__(self, url: str, cap: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.cap = url, cap
+        self.stop = threading.Event()
+        self.peak_connections = self.peak_in_use = self.peak_held = self.violations = 0
+        self.samples = 0
+
+    def run(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True, application_name="bench driver sampler") as conn:
+            while not self.stop.is_set():
+                total, in_use = conn.execute(CONNECTIONS_SQL).fetchone()
+                held = conn.execute(HELD_SQL, [SERVICE]).fetchone()[0]
+                self.peak_connections = max(self.peak_connections, total)
+                self.peak_in_use = max(self.peak_in_use, in_use)
+                self.peak_held = max(self.peak_held, held)
+                self.violations += int(self.cap > 0 and held > self.cap)
+                self.samples += 1
+                time.sleep(0.02)
+
+
+def _feed(*, rate: float, seconds: float) -> int:
+    """Start ``rate`` one-task jobs a second for ``seconds`` (in tenths of a second); return how many."""
+    from jobs import api, transitions
+
+    fed, started = 0, time.monotonic()
+    while (elapsed := time.monotonic() - started) < seconds:
+        due = int(rate * elapsed) - fed
+        if due > 0:
+            api.start_many([api.JobSpec(service=SERVICE, params={"n": fed + i}) for i in range(due)])
+            while transitions.start_due_jobs(limit=5000):
+                pass
+            fed += due
+        time.sleep(0.1)
+    return fed
+
+
+def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float, cap: int, direct_url: str) -> dict:
+    from django.db import connection
+
+    from workflows.api import save_service
+
+    with connection.cursor() as cur:
+        cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event CASCADE")
+        cur.execute("DELETE FROM accs_node WHERE name LIKE 'bench-scale-%%'")
+    save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
+                 params_schema={"type": "object"}, max_concurrent=cap)
+    env = {**os.environ, "ACC_LOG_LEVEL": "WARNING"}
+    if mode == "pgbouncer":
+        script = str(ROOT / "scripts" / "pgbouncer_local.sh")
+        subprocess.run([script, "start"], check=True, capture_output=True)
+        dbname = direct_url.rsplit("/", 1)[1]
+        env.update(ACC_DB_URL=subprocess.run([script, "url", dbname], check=True, capture_output=True,
+                                             text=True).stdout.strip(), ACC_DB_POOLER="pgbouncer")
+    run_dir = ROOT / ".local" / "bench" / f"fleet-{mode}-{time.time_ns()}"
+    run_dir.mkdir(parents=True)
+    go = run_dir / "go"
+    # The workers stop claiming a few seconds after the feed ends, once the last tasks are picked up.
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "bench" / "scale.py"), "worker", "--index", str(i),
+                               "--slots", str(slots), "--seconds", str(seconds + 8), "--go", str(go),
+                               "--out", str(run_dir / f"{i}.txt")], cwd=ROOT, env=env)
+             for i in range(agents)]
+    time.sleep(min(90.0, 0.8 * agents))  # let the interpreters start and import Django
+    sampler = Sampler(direct_url, cap)
+    sampler.start()
+    go.touch()
+    fed = _feed(rate=rate, seconds=seconds)
+    for proc in procs:
+        proc.wait(timeout=180)
+    sampler.stop.set()
+    sampler.join(5)
+    claims = sorted(float(x) for i in range(agents) if (run_dir / f"{i}.txt").exists()
+                    for x in (run_dir / f"{i}.txt").read_text().split())
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM (SELECT task_id FROM accs_attempt GROUP BY task_id HAVING count(*) > 1) d")
+        twice = cur.fetchone()[0]
+        cur.execute("SELECT count(*) FILTER (WHERE status = 'done'),"
+                    " array_agg(extract(epoch FROM claimed_at - created_at) * 1000)"
+                    " FILTER (WHERE claimed_at IS NOT NULL)"
+                    " FROM accs_task t WHERE service_id = (SELECT id FROM accs_service WHERE key = %s)", [SERVICE])
+        done, pickups = cur.fetchone()
+    claim_p50, claim_p95 = _quantiles(claims)
+    pickup_p50, pickup_p95 = _quantiles(sorted(float(p) for p in pickups or []))
+    return {"mode": mode, "agents": agents, "slots": slots, "offered_tasks_per_s": rate, "seconds": seconds,
+            "fed": fed, "done": done, "claims": len(claims), "claim_p50_ms": claim_p50, "claim_p95_ms": claim_p95,
+            "pickup_p50_ms": pickup_p50, "pickup_p95_ms": pickup_p95,
+            "server_connections_peak": sampler.peak_connections, "server_connections_in_use_peak": sampler.peak_in_use,
+            "held_peak": sampler.peak_held, "cap": cap, "cap_violations": sampler.violations,
+            "double_claims": twice, "workers_failed": sum(1 for p in procs if p.returncode != 0)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=100)
+    parser.add_argument("--slots", type=int, default=20)
+    parser.add_argument("--rate", type=float, default=200.0, help="offered tasks per second")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--cap", type=int, default=1500, help="the service's max_concurrent")
+    parser.add_argument("--modes", default="direct,pgbouncer")
+    args = parser.parse_args()
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.core.management import call_command
+
+    settings.DATABASES["default"]["OPTIONS"]["application_name"] = "bench driver"
+    call_command("migrate", verbosity=0)
+    s = settings.DATABASES["default"]
+    direct_url = f"postgres://{s['USER']}@{s['HOST']}:{s['PORT']}/{s['NAME']}"
+    results = []
+    for mode in args.modes.split(","):
+        figures = run_mode(mode, agents=args.agents, slots=args.slots, rate=args.rate, seconds=args.seconds,
+                           cap=args.cap, direct_url=direct_url)
+        print(json.dumps(figures), flush=True)
+        results.append(figures)
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_text(json.dumps({"runs": results, "cores": os.cpu_count(),
+                                                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                                               indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

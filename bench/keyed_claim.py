@@ -1,0 +1,197 @@
+"""Keyed claim benchmark (``make bench-keyed``): what a per-key limit adds to one claim.
+
+A service with a ``concurrency_key`` (or a ``rate_key``) and a backlog whose head keys are at
+their limit: the claim must pass over those keys' tasks and find the others. It must cost about
+what the same claim costs without keys (the target is at most twice as much).
+
+Each layout empties the engine's tables, queues ``KEYED_TASKS`` (100,000) one-task jobs of one
+service straight in SQL, their ``params.customer`` spread over ``KEYED_KEYS`` (1,000) keys, and
+puts the first ``KEYED_FULL`` (50) keys of the claim order at their limit (2): held tasks (for the
+concurrency key) and recorded starts in the window (for the rate key). Then ``KEYED_CLAIMS`` (30)
+claims of 10 tasks per scenario, the scenarios taking turns claim by claim (the service's limits
+are set in the database before each), every claim rolled back so each sees the same queue, timed
+from the call to its return (the median is reported, with p95). Two layouts of the backlog:
+
+* ``interleaved``: key = position in the order modulo the key count (the head 50 tasks belong to
+  the 50 full keys, then every key comes round again);
+* ``grouped``: each key's tasks in one run, so the 50 full keys own the first 5,000 tasks of the
+  order (the worst case: the claim passes over all of them).
+
+Scenarios: ``plain`` (the service without keys), ``concurrency`` (``concurrency_key_limit`` 2),
+``rate`` (``rate_key_limit`` 2 per hour). Output: a table on stdout and
+``bench/results/keyed_claim.json``. Uses the database of ``ACC_DB_URL`` (``make db``) and empties
+the engine's tables first, as ``make bench`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "accs_site.settings")
+os.environ.setdefault("ACC_LOG_LEVEL", "WARNING")
+
+from bench import run as bench  # noqa: E402  (sets Django up)
+
+from django.core.management import call_command  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
+
+from jobs.claim import NodeLimits, claim_many, service_spec  # noqa: E402
+from workflows.api import save_service  # noqa: E402
+from workflows.models import Service  # noqa: E402
+
+TASKS = int(os.environ.get("KEYED_TASKS", "100000"))
+KEYS = int(os.environ.get("KEYED_KEYS", "1000"))
+FULL = int(os.environ.get("KEYED_FULL", "50"))
+CLAIMS = int(os.environ.get("KEYED_CLAIMS", "30"))
+LIMIT = 2
+SERVICE = "bench-keyed"
+NODE = NodeLimits("bench-keyed-node", slot_cap=10_000, cpu_budget=100_000, per_service={})
+
+FILL_SQL = """
+-- n one-task jobs of the service; the task at position i of the claim order has key {key}.
+WITH j AS (
+    INSERT INTO accs_job (id, tenant_id, service_id, status, progress, current_task_key, priority, options,
+                          step_params, scheduled_at, error_code, error_message, source, source_ref, correlation_id,
+                          approval_state, approved_by, created_at, updated_at, started_at)
+    SELECT gen_random_uuid(), %(tenant)s, %(svc)s, 'waiting', 0, 'bench', 0, '{{}}', '{{}}', now(), '', '', 'manual',
+           '', '', 'not_required', '', now(), now(), now()
+      FROM generate_series(1, %(n)s)
+    RETURNING id, order_seq
+), r AS (SELECT j.*, row_number() OVER (ORDER BY j.order_seq) - 1 AS i FROM j)
+INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status, depends_on,
+                       attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds, params,
+                       assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at)
+SELECT gen_random_uuid(), r.id, %(tenant)s, 'bench', 'bench', %(svc)s, NULL, false, 'queued', '{{}}', 0, 3, now(), 0,
+       r.order_seq, 600, jsonb_build_object('customer', 'c' || ({key})), '', '', '', '', '', now(), now()
+  FROM r
+"""
+
+# SQL for the key number of the task at position r.i ('%%' is psycopg's percent sign).
+KEY_OF = {"interleaved": "r.i %% {keys}", "grouped": "r.i / ({n} / {keys})"}
+
+# The full keys' held tasks: the first FULL keys of the order, LIMIT each, running on another node.
+HOLD_SQL = """
+UPDATE accs_task t SET status = 'running', attempt = 1, claimed_by = 'bench-other:1:1', node = 'bench-other',
+       claimed_at = now(), started_at = now(), lease_expires_at = now() + interval '1 hour', heartbeat_at = now()
+ WHERE t.id IN (SELECT id FROM (
+        SELECT t2.id, t2.params->>'customer' AS key,
+               row_number() OVER (PARTITION BY t2.params->>'customer' ORDER BY t2.order_seq DESC) AS n
+          FROM accs_task t2 WHERE t2.params->>'customer' = ANY(%(keys)s)) x WHERE x.n <= %(limit)s)
+"""
+
+STARTS_SQL = """
+INSERT INTO accs_rate_start (service_id, key, at)
+SELECT %(svc)s, k, now() FROM unnest(%(keys)s::text[]) AS k CROSS JOIN generate_series(1, %(limit)s)
+"""
+
+
+SCENARIOS = ("plain", "concurrency", "rate")
+
+
+def limits_of(scenario: str) -> dict[str, object]:
+    """Return the service's flow-control fields for a scenario (none for ``plain``)."""
+    fields: dict[str, object] = {"concurrency_key": "", "concurrency_key_limit": 0, "rate_key": "",
+                                 "rate_key_limit": 0, "rate_period_seconds": 3600}
+    if scenario == "concurrency":
+        fields.update(concurrency_key="customer", concurrency_key_limit=LIMIT)
+    elif scenario == "rate":
+        fields.update(rate_key="customer", rate_key_limit=LIMIT)
+    return fields
+
+
+def fill(service, layout: str) -> list[str]:
+    """Queue the backlog and put the head keys at their limit (held tasks and starts); return them."""
+    bench.reset()
+    with connection.cursor() as cur:
+        cur.execute("DELETE FROM accs_rate_start")
+        cur.execute("SELECT id FROM accs_tenant WHERE slug = 'default'")
+        tenant = cur.fetchone()[0]
+        key = KEY_OF[layout].format(keys=KEYS, n=TASKS)
+        cur.execute(FILL_SQL.format(key=key), {"tenant": tenant, "svc": service.id, "n": TASKS})
+        cur.execute("SELECT params->>'customer' FROM accs_task ORDER BY order_seq LIMIT %s", [FULL * TASKS // KEYS])
+        head: list[str] = []
+        for (k,) in cur.fetchall():
+            if k not in head:
+                head.append(k)
+            if len(head) == FULL:
+                break
+        # The full keys' held tasks come from the end of the order, so the head stays queued.
+        cur.execute(HOLD_SQL, {"keys": head, "limit": LIMIT})
+        cur.execute(STARTS_SQL, {"svc": service.id, "keys": head, "limit": LIMIT})
+    bench.settle()
+    with connection.cursor() as cur:
+        cur.execute("VACUUM ANALYZE accs_rate_start")
+    return head
+
+
+class Rollback(Exception):
+    pass
+
+
+def one_claim(service, scenario: str, full: list[str]) -> tuple[float, int]:
+    """Set the scenario's limits, then time one claim of 10 (rolled back); return (ms, tasks claimed)."""
+    Service.objects.filter(id=service.id).update(**limits_of(scenario))
+    service.refresh_from_db()
+    spec = service_spec(service)
+    try:
+        with transaction.atomic():
+            start = time.perf_counter()
+            got = claim_many([spec], NODE, agent_id="bench-keyed", free_slots=10, lease_seconds=600)
+            ms = (time.perf_counter() - start) * 1000
+            taken = {t.params.get("customer") for t in got}
+            if spec.keyed:
+                # Grouped, the first key with room owns the whole scan window: the claim takes that
+                # key's room (2) and the next claim moves on.
+                assert got, "a keyed claim found nothing"
+                assert not taken & set(full), f"claimed a key at its limit: {sorted(taken & set(full))}"
+            else:
+                assert len(got) == 10, len(got)
+            raise Rollback
+    except Rollback:
+        pass
+    return ms, len(got)
+
+
+def main() -> int:
+    call_command("migrate", verbosity=0)
+    bench.say(f"keyed claim: {TASKS:,} queued tasks, {KEYS:,} keys, the {FULL} head keys at their limit ({LIMIT}),"
+              f" {CLAIMS} claims of 10 per scenario, the scenarios taking turns claim by claim")
+    service = save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
+                           params_schema={"type": "object", "properties": {"customer": {"type": "string"}}},
+                           **limits_of("plain"))
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for layout in ("interleaved", "grouped"):
+        full = fill(service, layout)
+        runs: dict[str, list[tuple[float, int]]] = {s: [] for s in SCENARIOS}
+        for _ in range(CLAIMS):
+            for scenario in SCENARIOS:  # in turn, so a load that comes and goes hits each alike
+                runs[scenario].append(one_claim(service, scenario, full))
+        results[layout] = {}
+        for scenario, got in runs.items():
+            times = sorted(ms for ms, _ in got)
+            results[layout][scenario] = {"p50_ms": round(statistics.median(times), 2),
+                                         "p95_ms": round(times[max(int(len(times) * 0.95) - 1, 0)], 2),
+                                         "claimed": round(statistics.median(n for _, n in got), 1)}
+        plain = results[layout]["plain"]["p50_ms"]
+        for scenario in ("concurrency", "rate"):
+            results[layout][scenario]["vs_plain"] = round(results[layout][scenario]["p50_ms"] / plain, 2)
+        for scenario, r in results[layout].items():
+            bench.say(f"  {layout:<12} {scenario:<12} p50 {r['p50_ms']:7.2f} ms  p95 {r['p95_ms']:7.2f} ms"
+                      f"  {r['claimed']:4.1f} claimed"
+                      + (f"  {r['vs_plain']:.2f}x plain" if "vs_plain" in r else ""))
+    bench.OUT.mkdir(parents=True, exist_ok=True)
+    doc = {"tasks": TASKS, "keys": KEYS, "full_keys": FULL, "limit": LIMIT, "claims": CLAIMS, "results": results}
+    (bench.OUT / "keyed_claim.json").write_text(json.dumps(doc, indent=2) + "\n")
+    bench.reset()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

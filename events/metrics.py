@@ -1,0 +1,5 @@
+"""Deprecated: moved to :mod:`ops.metrics` in ACCS 0.2.0; this path is removed in 0.3.0."""
+
+from events._moved import forward
+
+__getattr__ = forward("events.metrics", "ops.metrics")
