@@ -39,8 +39,8 @@ from jobs import redrive, transitions, triggers
 from jobs.accounts import revoke_tokens
 from jobs.auth import create_token
 from jobs.models import (
-    JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, Trigger,
-    TriggerType,
+    JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, TokenScope,
+    Trigger, TriggerType, default_token_scopes,
 )
 from jobs.scoping import can_act, scope, tenant_ids_for
 from nodes.models import Node
@@ -74,7 +74,11 @@ class TenantMembershipAdmin(admin.ModelAdmin):
 
 
 class TokenAddForm(forms.ModelForm):
-    """What creating a token asks: whose, its name, and when it expires (the secret is generated)."""
+    """What creating a token asks: whose, its name, what it may do and when it expires (the secret is
+    generated)."""
+
+    scopes = forms.MultipleChoiceField(choices=TokenScope.choices, widget=forms.CheckboxSelectMultiple,
+                                       initial=default_token_scopes, help_text="What the token may do.")
 
     class Meta:
         model = ApiToken
