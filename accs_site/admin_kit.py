@@ -301,9 +301,15 @@ def confirm_page(request: HttpRequest, modeladmin: admin.ModelAdmin, *, verb: st
         "title": f"{verb} {subjects[0]}?" if len(subjects) == 1 else (
             f"{verb} {len(subjects)} {modeladmin.opts.verbose_name_plural}?"),
         "subjects": subjects, "hidden": hidden, "options": options, "note": note,
-        "back_url": safe_next(request, request.META.get("HTTP_REFERER") or ""),
+        "back_url": safe_next(request, _same_site(request, request.META.get("HTTP_REFERER") or "")),
     }
     return TemplateResponse(request, CONFIRM_TEMPLATE, context)
+
+
+def _same_site(request: HttpRequest, url: str) -> str:
+    """Return ``url`` when it points into this site, else an empty string."""
+    ok = url_has_allowed_host_and_scheme(url, allowed_hosts={request.get_host()}, require_https=request.is_secure())
+    return url if ok else ""
 
 
 def _options(request: HttpRequest, names: tuple[str, ...]) -> dict[str, str]:
