@@ -2,6 +2,10 @@
 page buttons and bulk actions from one table, a list paginator that does not count millions of rows,
 and the status pill.
 
+Every operator action goes through :func:`perform`: it names each object in the message, and writes
+Django's admin log entry for each change (the object's History, the index's "Recent actions").
+Destructive actions (:data:`DESTRUCTIVE`) answer first with a confirmation page (:func:`confirm_page`).
+
 Tenant isolation has one definition, :mod:`jobs.scoping`: every tenant-owned list is filtered
 through it, objects of other tenants do not exist for a tenant admin (their URLs redirect like a
 deleted object's), and actions only touch objects the user may act on.
@@ -11,7 +15,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from functools import cached_property
 from typing import Any
@@ -24,6 +27,7 @@ from django.core.paginator import Paginator
 from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
@@ -65,17 +69,48 @@ def actor(request: HttpRequest) -> str:
     return request.user.get_username()
 
 
+def subject_of(modeladmin: admin.ModelAdmin, obj: Any) -> str:
+    """Name an object in action messages and the admin log (the admin's ``action_subject``, if any)."""
+    name = getattr(modeladmin, "action_subject", None)
+    return name(obj) if name else f"{modeladmin.opts.verbose_name} {obj}"
+
+
+def _named(subject: str, message: str) -> str:
+    """Return ``subject: message``, or the message alone when it names the subject already."""
+    return message if subject in message else f"{subject}: {message}"
+
+
+def _some(subjects: list[str], limit: int = 5) -> str:
+    return ", ".join(subjects[:limit]) + (f" and {len(subjects) - limit} more" if len(subjects) > limit else "")
+
+
 def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
-           results: list[ActionResult], *, denied: int = 0, capped: bool = False) -> None:
-    """Summarise action outcomes in one message: how many changed, which did not and why."""
-    changed = [r for r in results if r.changed]
-    unchanged = Counter(r.message for r in results if not r.changed)
+           results: list[ActionResult], *, denied: int = 0, capped: bool = False,
+           subjects: list[str] | None = None) -> None:
+    """Summarise action outcomes in one message naming what changed, what did not and why.
+
+    ``subjects`` names the object of each result (in order); without them the message gives
+    counts and reasons only.
+    """
+    named = list(zip(subjects, results)) if subjects else [("", r) for r in results]
+    changed = [(s, r) for s, r in named if r.changed]
+    unchanged: dict[str, list[str]] = {}
+    for subject, result in named:
+        if not result.changed:
+            unchanged.setdefault(result.message, []).append(subject)
     parts = []
-    if changed:
-        detail = changed[0].message if len(changed) == 1 else f"{len(changed)} changed"
-        parts.append(f"{verb}: {detail}")
-    for message, n in unchanged.most_common():
-        parts.append(f"{n} unchanged ({message})" if n > 1 else f"unchanged: {message}")
+    if len(changed) == 1:
+        subject, result = changed[0]
+        parts.append(f"{verb}: {_named(subject, result.message)}" if subject else f"{verb}: {result.message}")
+    elif changed:
+        names = [s for s, _r in changed if s]
+        parts.append(f"{verb}: {len(changed)} changed" + (f" ({_some(names)})" if names else ""))
+    for message, names in sorted(unchanged.items(), key=lambda item: -len(item[1])):
+        if len(names) == 1:
+            parts.append(f"unchanged: {_named(names[0], message)}" if names[0] else f"unchanged: {message}")
+        else:
+            listed = [n for n in names if n]
+            parts.append(f"{len(names)} unchanged ({message})" + (f": {_some(listed)}" if listed else ""))
     if denied:
         parts.append(f"{denied} not permitted (another tenant, or viewer role)")
     if capped:
@@ -83,6 +118,39 @@ def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
     level = messages.SUCCESS if changed and not unchanged and not denied else (
         messages.WARNING if changed else messages.ERROR)
     modeladmin.message_user(request, "; ".join(parts) or f"{verb}: nothing selected", level)
+
+
+def log_action(request: HttpRequest, modeladmin: admin.ModelAdmin, obj: Any, verb: str, result: ActionResult) -> None:
+    """Record an action that changed ``obj`` in Django's admin log (its History, "Recent actions")."""
+    if result.changed:
+        modeladmin.log_change(request, obj, f"{verb}: {result.message}")
+
+
+def log_bulk(request: HttpRequest, model: type, message: str) -> None:
+    """Record an action over many objects of ``model`` (a redrive by filter) as one admin log entry."""
+    from django.contrib.admin.models import CHANGE, LogEntry
+    from django.contrib.contenttypes.models import ContentType
+
+    LogEntry.objects.create(user_id=request.user.pk, content_type=ContentType.objects.get_for_model(model),
+                            object_id=None, object_repr=message[:200], action_flag=CHANGE, change_message=message)
+
+
+def perform(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str, objects: list[Any],
+            fn: Callable[[Any], ActionResult], *, denied: int = 0, capped: bool = False) -> list[ActionResult]:
+    """Run an operator action on each object: record each change in the admin log, then report.
+
+    Every action the cockpit offers (page buttons, bulk actions, node and host actions, governor
+    conditions, tokens) comes through here, so each one is named in its message and in the
+    admin's history of the object, with the operator who did it.
+    """
+    results = []
+    for obj in objects:
+        result = fn(obj)
+        log_action(request, modeladmin, obj, verb, result)
+        results.append(result)
+    report(request, modeladmin, verb, results, denied=denied, capped=capped,
+           subjects=[subject_of(modeladmin, obj) for obj in objects])
+    return results
 
 
 def run_interval() -> ExpressionWrapper:
@@ -181,8 +249,7 @@ class TenantScopedAdmin(admin.ModelAdmin):
         ids = ids[:MAX_BULK]
         allowed = scope(self.model.objects.filter(pk__in=ids), request.user, write=True, field=self.tenant_path)
         objects = list(allowed)
-        results = [fn(obj) for obj in objects]
-        report(request, self, verb, results, denied=len(ids) - len(objects), capped=capped)
+        perform(request, self, verb, objects, fn, denied=len(ids) - len(objects), capped=capped)
 
 
 class ReadOnlyScopedAdmin(TenantScopedAdmin):
@@ -215,32 +282,80 @@ def safe_next(request: HttpRequest, fallback: str) -> str:
 #: An action table: name → (verb, transition called as ``fn(pk, by=operator)``).
 ActionTable = dict[str, tuple[str, Callable[..., ActionResult]]]
 
+#: Actions that stop work or refuse it for good: they ask for a confirmation first.
+DESTRUCTIVE = frozenset({"cancel", "reject"})
 
-def bulk_actions(table: ActionTable, noun: str) -> tuple[Callable, ...]:
+CONFIRM_TEMPLATE = "admin/accs/confirm_action.html"
+
+
+def confirm_page(request: HttpRequest, modeladmin: admin.ModelAdmin, *, verb: str, objects: list[Any],
+                 hidden: list[tuple[str, str]], options: tuple[str, ...] = (), note: str = "") -> HttpResponse:
+    """Ask before a destructive action: what it does to which objects, then POST again with ``confirm``.
+
+    ``hidden`` carries the original request's fields (the action, the selection, ``next``) so
+    the confirmed POST repeats it; ``options`` are text fields handed to the action (a reason).
+    """
+    subjects = [subject_of(modeladmin, obj) for obj in objects]
+    context = {
+        **modeladmin.admin_site.each_context(request), "opts": modeladmin.opts, "verb": verb,
+        "title": f"{verb} {subjects[0]}?" if len(subjects) == 1 else (
+            f"{verb} {len(subjects)} {modeladmin.opts.verbose_name_plural}?"),
+        "subjects": subjects, "hidden": hidden, "options": options, "note": note,
+        "back_url": safe_next(request, _same_site(request, request.META.get("HTTP_REFERER") or "")),
+    }
+    return TemplateResponse(request, CONFIRM_TEMPLATE, context)
+
+
+def _same_site(request: HttpRequest, url: str) -> str:
+    """Return ``url`` when it points into this site, else an empty string."""
+    ok = url_has_allowed_host_and_scheme(url, allowed_hosts={request.get_host()}, require_https=request.is_secure())
+    return url if ok else ""
+
+
+def _options(request: HttpRequest, names: tuple[str, ...]) -> dict[str, str]:
+    return {name: request.POST.get(name, "").strip() for name in names}
+
+
+def bulk_actions(table: ActionTable, noun: str, *, confirm: frozenset[str] = DESTRUCTIVE) -> tuple[Callable, ...]:
     """Build the list page's bulk actions from the same table as the page buttons.
 
     Each becomes ``<name>_<noun>`` ("retry_jobs"), needs the act permission, and runs its
     transition on every selected object the user may act on (:meth:`TenantScopedAdmin.act_on`).
+    Those named in ``confirm`` first show :func:`confirm_page` for the selection.
     """
     built = []
     for name, (verb, fn) in table.items():
-        def action(modeladmin, request, queryset, verb=verb, fn=fn):
-            modeladmin.act_on(request, queryset, verb, lambda obj: fn(obj.pk, by=actor(request)))
+        def action(modeladmin, request, queryset, verb=verb, fn=fn, name=name):
+            options = getattr(modeladmin, "page_action_options", {}).get(name, ())
+            if name in confirm and "confirm" not in request.POST:
+                objects = list(queryset.order_by()[:MAX_BULK])
+                hidden = [("action", request.POST.get("action", "")), ("select_across", "0"), ("index", "0")]
+                hidden += [(admin.helpers.ACTION_CHECKBOX_NAME, str(obj.pk)) for obj in objects]
+                return confirm_page(request, modeladmin, verb=verb, objects=objects, hidden=hidden, options=options,
+                                    note=getattr(modeladmin, "confirm_notes", {}).get(name, ""))
+            extra = _options(request, options)
+            modeladmin.act_on(request, queryset, verb, lambda obj: fn(obj.pk, by=actor(request), **extra))
+            return None
 
         action.__name__ = f"{name}_{noun}"
         built.append(admin.action(description=f"{verb}: the selected {noun}", permissions=["act"])(action))
     return tuple(built)
 
 
-class PageActionsAdmin(ReadOnlyScopedAdmin):
+class PageActionsMixin:
     """Run one action from a button on an object's page (POST ``<id>/act/<action>/``), then go back.
 
     Subclasses name their actions (``page_actions``, an :data:`ActionTable`; :func:`bulk_actions`
     builds the list's actions from the same table) and where to return (``after_action_url``);
-    the URL is ``admin:<app>_<model>_act``.
+    the URL is ``admin:<app>_<model>_act``. Actions in ``confirm_actions`` answer the first POST
+    with a confirmation page (``confirm_notes`` says what they do); ``page_action_options`` names
+    text fields an action takes (``{"reject": ("reason",)}``).
     """
 
     page_actions: ActionTable = {}
+    confirm_actions: frozenset[str] = DESTRUCTIVE
+    confirm_notes: dict[str, str] = {}
+    page_action_options: dict[str, tuple[str, ...]] = {}
 
     def after_action_url(self, request: HttpRequest, obj: Any) -> str:
         raise NotImplementedError
@@ -260,5 +375,15 @@ class PageActionsAdmin(ReadOnlyScopedAdmin):
         if action not in self.page_actions or not self.has_act_permission(request, obj):
             raise PermissionDenied
         verb, fn = self.page_actions[action]
-        report(request, self, verb, [fn(obj.pk, by=actor(request))])
+        options = self.page_action_options.get(action, ())
+        if action in self.confirm_actions and "confirm" not in request.POST:
+            hidden = [("next", request.POST["next"])] if request.POST.get("next") else []
+            return confirm_page(request, self, verb=verb, objects=[obj], hidden=hidden, options=options,
+                                note=self.confirm_notes.get(action, ""))
+        extra = _options(request, options)
+        perform(request, self, verb, [obj], lambda o: fn(o.pk, by=actor(request), **extra))
         return HttpResponseRedirect(self.after_action_url(request, obj))
+
+
+class PageActionsAdmin(PageActionsMixin, ReadOnlyScopedAdmin):
+    """A tenant-scoped, read-only admin whose objects change through page buttons and bulk actions."""

@@ -4,7 +4,8 @@ Every endpoint needs ``Authorization: Bearer <token>`` (see :mod:`jobs.auth`) un
 ``auth=None``. Errors are JSON ``{"detail": ..., "problems": [...]}`` with 400 (unreadable or
 unstorable input), 401 (no or bad token), 403 (not allowed), 404 (not found or not visible to
 you), 405 (method not allowed), 409 (conflict: state or dedupe key), 413 (body over the size
-limit, which the message names), 422 (invalid fields, each named) or 503 (the database was
+limit, which the message names), 422 (invalid fields, each named), 429 (too many requests with
+this token in the current window; ``Retry-After`` says when to come back) or 503 (the database was
 briefly unavailable or chose this request as a deadlock victim: nothing was written, retry).
 Swagger UI at /api/v1/docs.
 """
@@ -15,19 +16,21 @@ from django.core.exceptions import PermissionDenied, ValidationError as DjangoVa
 from django.db import DataError, IntegrityError, OperationalError
 from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI, Swagger
-from ninja.errors import ValidationError as NinjaValidationError
+from ninja.errors import Throttled, ValidationError as NinjaValidationError
 
+from accs_site.conf import accs
 from accs_site.middleware import transient_reason
 from jobs.api import JobConflict, NotFound
 from jobs.auth import BearerToken
 from jobs.http import router as jobs_router
 from jobs.http_events import router as events_router
+from jobs.throttle import TokenThrottle
 from workflows.http import router as workflows_router
 from workflows.validation import DefinitionError
 
 # Swagger UI at /api/v1/docs comes from django-ninja's bundled files (``ninja`` is an installed
 # app), so the page works without network access; no online validator badge calls out either.
-api = NinjaAPI(title="ACCS API", version="1.0.0", urls_namespace="api-v1", auth=BearerToken(),
+api = NinjaAPI(title="ACCS API", version="1.0.0", urls_namespace="api-v1", auth=BearerToken(), throttle=TokenThrottle(),
                description=__doc__.split("\n\n", 1)[1], docs=Swagger(settings={"validatorUrl": None}))
 
 
@@ -65,6 +68,13 @@ def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpRe
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         problems.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
     return _error(request, 422, "; ".join(problems) or "invalid request", problems=problems)
+
+
+@api.exception_handler(Throttled)
+def _throttled(request: HttpRequest, exc: Throttled) -> HttpResponse:
+    return _error(request, 429, f"too many requests with this token: at most {accs.api_rate_limit} per "
+                                f"{accs.api_rate_window_sec} s (ACC_API_RATE_LIMIT); "
+                                "retry after the Retry-After seconds")
 
 
 @api.exception_handler(NotFound)

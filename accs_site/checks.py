@@ -1,8 +1,14 @@
-"""System checks: every ACC_* setting is parsed at start-up, so a bad value stops the process."""
+"""System checks: every ACC_* setting is parsed at start-up, so a bad value stops the process.
 
+The production checks run with ``manage.py check --deploy``, which the web unit of ``deploy/`` runs
+before gunicorn starts: only the web signs sessions and serves /metrics, so agents and builders
+start without the secret key and the metrics token.
+"""
+
+from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 
-from accs_site.conf import ANY, SettingError, accs
+from accs_site.conf import ANY, SettingError, accs, is_placeholder, is_weak_secret_key
 
 
 @register()
@@ -130,3 +136,30 @@ def check_allow_lists(app_configs=None, **kwargs) -> list[Warning]:
                 )
             )
     return warnings
+
+
+@register(Tags.security, deploy=True)
+def check_production_secrets(app_configs=None, **kwargs) -> list[Error]:
+    """Refuse the development key or a placeholder, and an open /metrics, when DEBUG is off."""
+    if settings.DEBUG:
+        return []
+    errors: list[Error] = []
+    if is_weak_secret_key(settings.SECRET_KEY):
+        errors.append(Error(
+            "SECRET_KEY is the development key, a placeholder or too weak, and DEBUG is off: anyone could forge "
+            "sessions and signed values",
+            hint="Set ACC_SECRET_KEY to 50 or more random characters, e.g. "
+                 "python -c 'import secrets; print(secrets.token_urlsafe(50))'.",
+            id="accs.E010",
+        ))
+    try:
+        token = accs.metrics_token
+    except SettingError:
+        token = None  # reported by check_accs_settings
+    if is_placeholder(token):
+        errors.append(Error(
+            "ACC_METRICS_TOKEN is unset or a placeholder and DEBUG is off: /metrics refuses every scrape",
+            hint="Set ACC_METRICS_TOKEN to a random value and give it to Prometheus as a bearer token.",
+            id="accs.E011",
+        ))
+    return errors

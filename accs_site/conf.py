@@ -166,6 +166,41 @@ def _url_entry(name: str, entry: str) -> str:
     return entry
 
 
+#: The public key a development checkout runs with; refused in production (accs_site.checks).
+DEV_SECRET_KEY = "accs-dev-only-insecure-key-change-me"
+#: Words that mark a key copied from an example instead of generated.
+PLACEHOLDER_WORDS = ("change-me", "changeme", "change_me", "insecure", "placeholder", "example", "secret-key")
+
+
+def is_placeholder(value: str | None) -> bool:
+    """Return whether a secret is empty, the development key, or copied from an example."""
+    lowered = (value or "").lower()
+    return not value or value == DEV_SECRET_KEY or any(word in lowered for word in PLACEHOLDER_WORDS)
+
+
+def is_weak_secret_key(key: str) -> bool:
+    """Return whether a secret key is a placeholder or too short or plain to sign sessions (Django's own bar)."""
+    return is_placeholder(key) or len(key) < 50 or len(set(key)) < 5
+
+
+def proxy_ssl_header(name: str, raw: str) -> tuple[str, str] | None:
+    """Parse ``X-Forwarded-Proto: https`` into Django's ``SECURE_PROXY_SSL_HEADER``; None when empty."""
+    if not raw.strip():
+        return None
+    header, sep, value = raw.partition(":")
+    if not sep or not header.strip() or not value.strip():
+        raise SettingError(name, f"expected 'Header-Name: value', e.g. 'X-Forwarded-Proto: https', got {raw!r}")
+    return "HTTP_" + header.strip().upper().replace("-", "_"), value.strip()
+
+
+def trusted_origins(name: str, origins: list[str]) -> list[str]:
+    """Check CSRF trusted origins are full origins (scheme and host), as Django requires."""
+    for origin in origins:
+        if not origin.startswith(("https://", "http://")) or "/" in origin.split("://", 1)[1].rstrip("/"):
+            raise SettingError(name, f"expected origins such as https://accs.example.com, got {origin!r}")
+    return origins
+
+
 @dataclass(frozen=True)
 class MinioSettings:
     endpoint: str | None
@@ -285,9 +320,34 @@ class AccsSettings:
         return _int("ACC_RETENTION_BATCH", 500, minimum=1, maximum=10_000)
 
     @cached_property
+    def event_receipt_retention_hours(self) -> int:
+        """Hours a receipt of an HTTP event is kept, so a repeated delivery within them fires nothing."""
+        return _int("ACC_EVENT_RECEIPT_RETENTION_HOURS", 168, minimum=1)
+
+    @cached_property
     def orphan_grace_sec(self) -> int:
         """Age an artifact object without a row must reach before the sweep deletes it."""
         return _int("ACC_ORPHAN_GRACE_SEC", 3600, minimum=60)
+
+    @cached_property
+    def allow_self_approval(self) -> bool:
+        """Let the user who started an approval-gated job approve it too (off: another approver must)."""
+        return _bool("ACC_ALLOW_SELF_APPROVAL", False)
+
+    @cached_property
+    def tenant_max_in_flight(self) -> int:
+        """The ``max_in_flight`` a new tenant gets; 0 = unlimited. A capped tenant's jobs are admitted by
+        the builder (counted under a lock) rather than started in the caller's statement."""
+        return _int("ACC_TENANT_MAX_IN_FLIGHT", 0, minimum=0)
+
+    @cached_property
+    def api_rate_limit(self) -> int:
+        """Requests one API token may make per window (``ACC_API_RATE_WINDOW_SEC``); 0 = no limit."""
+        return _int("ACC_API_RATE_LIMIT", 1200, minimum=0)
+
+    @cached_property
+    def api_rate_window_sec(self) -> int:
+        return _int("ACC_API_RATE_WINDOW_SEC", 60, minimum=1, maximum=86_400)
 
     @cached_property
     def metrics_token(self) -> str | None:

@@ -64,7 +64,7 @@ class ErrorOut(Schema):
     job_id: UUID | None = None
 
 
-ERRORS: dict[int, type[ErrorOut]] = {code: ErrorOut for code in (400, 401, 403, 404, 409, 422)}
+ERRORS: dict[int, type[ErrorOut]] = {code: ErrorOut for code in (400, 401, 403, 404, 409, 422, 429)}
 
 
 def responses(ok: dict[int, Any]) -> dict[int, Any]:

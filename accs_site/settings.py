@@ -12,6 +12,7 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from accs_site.conf import DEV_SECRET_KEY, proxy_ssl_header, trusted_origins
 from accs_site.daemon import connect_options
 from accs_site.localdb import local_pg_url
 
@@ -42,9 +43,23 @@ def _database_from_url(name: str, default: str) -> dict:
     return cfg
 
 
-SECRET_KEY = env.str("ACC_SECRET_KEY", default="accs-dev-only-insecure-key-change-me")
+# The development key is public: `manage.py check --deploy` (and so the web unit of deploy/) refuses
+# it, or any placeholder, when DEBUG is off (accs_site.checks). Agents and builders never need it.
+SECRET_KEY = env.str("ACC_SECRET_KEY", default=DEV_SECRET_KEY)
 DEBUG = env.bool("ACC_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("ACC_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
+
+# Behind a TLS-terminating proxy (docs/deploy.md, docs/security.md): which header says the request
+# came over HTTPS, the origins the browser's forms may post from, cookies sent over HTTPS only,
+# HSTS, and the redirect of plain HTTP (the liveness probe and the scrape stay reachable on it).
+SECURE_PROXY_SSL_HEADER = proxy_ssl_header("ACC_PROXY_SSL_HEADER", env.str("ACC_PROXY_SSL_HEADER", default=""))
+CSRF_TRUSTED_ORIGINS = trusted_origins("ACC_CSRF_TRUSTED_ORIGINS", env.list("ACC_CSRF_TRUSTED_ORIGINS", default=[]))
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env.bool("ACC_SECURE_COOKIES", default=False)
+SECURE_HSTS_SECONDS = env.int("ACC_HSTS_SECONDS", default=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("ACC_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = env.bool("ACC_HSTS_PRELOAD", default=False)
+SECURE_SSL_REDIRECT = env.bool("ACC_SSL_REDIRECT", default=False)
+SECURE_REDIRECT_EXEMPT = [r"^api/v1/health$", r"^metrics$"]
 
 INSTALLED_APPS = [
     # Above the admin, so its admin/base_site.html override adds the Dashboard link and styles everywhere.

@@ -34,18 +34,29 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(**{UNITS[found.group(2)]: int(found.group(1))})
 
 
-def create_tenant(slug: str, *, name: str = "", tz: str = "UTC", max_in_flight: int = 0) -> tuple[Tenant, bool]:
-    """Create a tenant, or update the name/zone/limit of an existing one; return it and whether it is new."""
+def create_tenant(slug: str, *, name: str = "", tz: str = "UTC", max_in_flight: int | None = None,
+                  min_priority: int | None = None, max_priority: int | None = None) -> tuple[Tenant, bool]:
+    """Create a tenant, or update the name/zone/limits of an existing one; return it and whether it is new.
+
+    A limit left as None keeps an existing tenant's value, and gives a new one the default
+    (``ACC_TENANT_MAX_IN_FLIGHT``; the widest priority band).
+    """
     if slugify(slug) != slug or not slug or len(slug) > 100:
         raise AccountError(f"a tenant slug is 1-100 lower-case letters, digits, '-' or '_', got {slug!r}")
     try:
         ZoneInfo(tz)
     except (ZoneInfoNotFoundError, ValueError):
         raise AccountError(f"unknown time zone {tz!r}; use an IANA name such as Europe/Oslo") from None
-    if max_in_flight < 0:
+    if max_in_flight is not None and max_in_flight < 0:
         raise AccountError("max in flight must be 0 (unlimited) or more")
-    return Tenant.objects.update_or_create(
-        slug=slug, defaults={"name": name or slug, "timezone": tz, "max_in_flight": max_in_flight})
+    limits = {k: v for k, v in (("max_in_flight", max_in_flight), ("min_priority", min_priority),
+                                ("max_priority", max_priority)) if v is not None}
+    current = Tenant.objects.filter(slug=slug).values("min_priority", "max_priority").first() or {}
+    low = limits.get("min_priority", current.get("min_priority", Tenant._meta.get_field("min_priority").default))
+    high = limits.get("max_priority", current.get("max_priority", Tenant._meta.get_field("max_priority").default))
+    if low > high:
+        raise AccountError(f"the priority band is empty: min priority {low} is above max priority {high}")
+    return Tenant.objects.update_or_create(slug=slug, defaults={"name": name or slug, "timezone": tz, **limits})
 
 
 def _user(username: str):

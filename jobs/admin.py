@@ -12,6 +12,8 @@ task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, 
 from __future__ import annotations
 
 import json
+import re
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -23,21 +25,31 @@ from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils.html import format_html
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
+from django.utils.safestring import mark_safe
+from django.utils.text import Truncator
 
 from accs_site.admin_kit import (
-    ActionTable, PageActionsAdmin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin, bulk_actions, safe_next,
-    actor, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
+    ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
+    bulk_actions, safe_next,
+    actor, log_bulk, perform, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
 )
-from jobs import redrive, transitions
+from jobs import redrive, transitions, triggers
+from jobs.accounts import revoke_tokens
+from jobs.auth import create_token
 from jobs.models import (
-    JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, Trigger,
-    TriggerType,
+    JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, TokenScope,
+    Trigger, TriggerType, default_token_scopes,
 )
 from jobs.scoping import can_act, scope, tenant_ids_for
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
+from nodes.models import Node
+from ops.jobpage import attempt_text, job_progress, job_progress_subquery
 from ops.overview import human_age
 from workflows.models import Service, Workflow
+from jobs.transitions import ActionResult
 from workflows.validation import DefinitionError
 
 
@@ -48,7 +60,8 @@ from workflows.validation import DefinitionError
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ("slug", "name", "timezone", "max_in_flight", "retention_days", "retention_dead_days", "created_at")
+    list_display = ("slug", "name", "timezone", "max_in_flight", "min_priority", "max_priority", "retention_days",
+                    "retention_dead_days", "created_at")
     search_fields = ("slug", "name")
 
     def get_queryset(self, request):
@@ -62,16 +75,88 @@ class TenantMembershipAdmin(admin.ModelAdmin):
     search_fields = ("user__username", "tenant__slug")
 
 
+class TokenAddForm(forms.ModelForm):
+    """What creating a token asks: whose, its name, what it may do and when it expires (the secret is
+    generated)."""
+
+    scopes = forms.MultipleChoiceField(choices=TokenScope.choices, widget=forms.CheckboxSelectMultiple,
+                                       initial=default_token_scopes, help_text="What the token may do.")
+
+    class Meta:
+        model = ApiToken
+        fields = ("user", "name", "scopes", "expires_at")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        user, expires = data.get("user"), data.get("expires_at")
+        if user is not None and not user.is_active:
+            self.add_error("user", "this user is not active; a token of theirs would be refused")
+        if expires is not None and expires <= timezone.now():
+            self.add_error("expires_at", "must be in the future (leave empty for no expiry)")
+        return data
+
+
+def _revoke(token: ApiToken) -> ActionResult:
+    if token.revoked_at is not None:
+        return ActionResult(False, "already revoked")
+    revoke_tokens(prefix=token.prefix, username=token.user.get_username(), name=token.name)
+    return ActionResult(True, "revoked; the API refuses it from now on")
+
+
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ("name", "user", "prefix", "scopes", "created_at", "last_used_at", "revoked_at")
+    """API tokens: created here (the secret is shown once) or with ``manage.py accs_token``, revoked
+    with the action; both are recorded in the admin's history."""
+
+    list_display = ("name", "user", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
     search_fields = ("name", "user__username", "prefix")
-    readonly_fields = ("prefix", "digest", "last_used_at")
+    actions = ("revoke_selected",)
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        if obj is None:
+            kwargs["form"] = TokenAddForm
+        return super().get_form(request, obj, change=change, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ("user", "name", "scopes", "expires_at")
+        return ("user", "name", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
+
+    def get_readonly_fields(self, request, obj=None):
+        return () if obj is None else self.get_fields(request, obj)
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False  # a token's secret and state change by creating and revoking, never by editing
+
+    def action_subject(self, obj: ApiToken) -> str:
+        return f"token {obj}"
+
+    def save_model(self, request, obj, form, change) -> None:
+        """Create the token the way ``accs_token`` does; show the secret this once."""
+        token, raw = create_token(obj.user, obj.name.strip(), expires_at=obj.expires_at, scopes=list(obj.scopes))
+        obj.pk, obj.prefix, obj.digest, obj.created_at = token.pk, token.prefix, token.digest, token.created_at
+        obj._state.adding = False
+        self.message_user(request, f"The token {obj.name!r} is {raw} — copy it now: it is not shown again.",
+                          messages.WARNING)
+
+    @admin.action(description="Revoke selected tokens", permissions=["delete"])
+    def revoke_selected(self, request, queryset):
+        perform(request, self, "Revoke", list(queryset.select_related("user")), _revoke)
 
 
 # --------------------------------------------------------------------------------------------
 # Bulk redrive: "Redrive all matching…" on the task and job lists
 # --------------------------------------------------------------------------------------------
+
+FULL_UUID = re.compile(r"\b([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+
+
+def error_cell(message: str, *, code: str = "") -> str:
+    """Render an error for a list row: ids shortened to 8 characters, cut at 80; the whole text as its title."""
+    whole = f"{code}: {message}" if code else message
+    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole,
+                       Truncator(FULL_UUID.sub(r"\1", message)).chars(80))
+
 
 class RedriveForm(forms.Form):
     """The filter of a bulk redrive; the tenant choices are the tenants the operator administers."""
@@ -142,9 +227,12 @@ class RedriveAdmin(PageActionsAdmin):
             try:
                 if "confirm" in request.POST:
                     done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed)
-                    self.message_user(request, f"Redrive: {done.matched} matched, {done.redriven} redriven, "
-                                               f"{done.skipped} skipped (no longer applicable)",
-                                      messages.SUCCESS if not done.skipped else messages.WARNING)
+                    summary = (f"Redrive: {done.matched} matched, {done.redriven} redriven, "
+                               f"{done.skipped} skipped (no longer applicable)")
+                    self.message_user(request, summary, messages.SUCCESS if not done.skipped else messages.WARNING)
+                    if done.redriven:
+                        log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
+                            f"{k}={v}" for k, v in flt.describe().items()))
                     return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"))
                 matched = redrive.count(flt, tenant_ids=allowed)
             except DefinitionError as exc:
@@ -170,13 +258,17 @@ JOB_ACTIONS: ActionTable = {
 }
 
 
-def job_actions_for(job: Job) -> list[str]:
-    """Return the actions that apply to a job in its current state (buttons on its page)."""
+def job_actions_for(job: Job, *, tasks_stopping: int = 0) -> list[str]:
+    """Return the actions that apply to a job in its current state (buttons on its page).
+
+    Retry waits until every task has stopped (``tasks_stopping``: tasks of the finished job an
+    agent still holds, told to stop), so a retried job never runs beside its own last attempt.
+    """
     out = []
     if job.approval_state == ApprovalState.PENDING and job.status == JobStatus.QUEUED:
         out += ["approve", "reject"]
     if job.status in (JobStatus.ERROR, JobStatus.CANCELED) and job.approval_state not in (
-            ApprovalState.PENDING, ApprovalState.REJECTED):
+            ApprovalState.PENDING, ApprovalState.REJECTED) and not tasks_stopping:
         out.append("retry")
     if job.status in JOB_ACTIVE:
         out.append("cancel")
@@ -195,12 +287,14 @@ def task_actions_for(task: Task) -> list[str]:
 
 @admin.register(Job)
 class JobAdmin(RedriveAdmin):
-    list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "priority",
-                    "source", "approval_state", "age", "duration", "finished_at")
+    # Fits 1440 px: priority, source and approval are filters (approval also shows by the status).
+    list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "age",
+                    "duration", "last_error")
     list_display_links = ("short_id",)
     list_filter = ("status", "approval_state", "source", TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
-    search_help_text = ("A job id or its first characters (4 or more hex digits), else an exact external id / "
+    search_help_text = ("A job id or one of its tasks' ids, or a job id's first characters (4 or more hex digits), "
+                        "else an exact external id / "
                         "dedupe key / correlation id, workflow name or service key.")
     list_select_related = ("tenant", "workflow", "service")
     ordering = ("-created_at",)  # job_created_idx
@@ -245,6 +339,7 @@ class JobAdmin(RedriveAdmin):
         return super().get_queryset(request).annotate(
             age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
             run_interval=run_interval(),
+            tasks_share=job_progress_subquery(),
         )
 
     def get_search_results(self, request, queryset, search_term):
@@ -253,7 +348,9 @@ class JobAdmin(RedriveAdmin):
             return queryset, False
         as_uuid = uuid_or_none(term)
         if as_uuid:
-            return queryset.filter(pk=as_uuid), False
+            # A task id finds its job (one primary-key lookup on tasks).
+            of_task = Task.objects.filter(pk=as_uuid).values("job_id")
+            return queryset.filter(Q(pk=as_uuid) | Q(pk__in=of_task)), False
         if span := uuid_prefix_range(term):
             # An id prefix is searched as an id range only: OR-ing it with the unindexed text
             # fields below would read every job.
@@ -277,11 +374,20 @@ class JobAdmin(RedriveAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Job) -> str:
+        if obj.approval_state == ApprovalState.PENDING:
+            return status_pill(obj.status, extra=format_html(" {}", status_pill("pending", label="approval")))
         return status_pill(obj.status)
 
-    @admin.display(description="progress", ordering="progress")
+    @admin.display(description="error")
+    def last_error(self, obj: Job) -> str:
+        """The job's error, shortened (the full text is its title and on the job page)."""
+        if not obj.error_message:
+            return ""
+        return error_cell(obj.error_message, code=obj.error_code)
+
+    @admin.display(description="progress")
     def progress_pct(self, obj: Job) -> str:
-        return f"{obj.progress * 100:.0f} %"
+        return f"{job_progress(obj, getattr(obj, 'tasks_share', None)) * 100:.0f} %"
 
     @admin.display(description="age", ordering="-created_at")
     def age(self, obj: Job) -> str:
@@ -301,6 +407,15 @@ class JobAdmin(RedriveAdmin):
     # The job page ---------------------------------------------------------------------------
 
     page_actions = JOB_ACTIONS
+    page_action_options = {"reject": ("reason",)}
+    confirm_notes = {
+        "cancel": "Cancel: tasks not started yet are canceled; running tasks are told to stop at their next heartbeat "
+                  "(the job page keeps refreshing until they have). The job can be retried afterwards.",
+        "reject": "Reject: the job will never run; it is canceled and cannot be retried (start a new job instead).",
+    }
+
+    def action_subject(self, obj: Job) -> str:
+        return f"job {str(obj.pk)[:8]} ({obj.target_name})"
 
     def after_action_url(self, request: HttpRequest, obj: Job) -> str:
         return reverse("admin:jobs_job_change", args=[obj.pk])
@@ -319,6 +434,19 @@ class JobAdmin(RedriveAdmin):
 # Tasks and attempts
 # --------------------------------------------------------------------------------------------
 
+class NodeListFilter(admin.SimpleListFilter):
+    """Filter tasks by the node that holds or last held them (the nodes are few; tasks are many)."""
+
+    title = "node"
+    parameter_name = "node"
+
+    def lookups(self, request, model_admin):
+        return [(name, name) for name in Node.objects.order_by("name").values_list("name", flat=True)]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(node=self.value()) if self.value() else queryset
+
+
 TASK_ACTIONS: ActionTable = {
     "retry": ("Retry", transitions.retry_task),
     "cancel": ("Cancel", transitions.cancel_task),
@@ -327,9 +455,9 @@ TASK_ACTIONS: ActionTable = {
 
 @admin.register(Task)
 class TaskAdmin(RedriveAdmin):
-    list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "priority", "node",
-                    "host", "next_attempt_at", "finished_at")
-    list_filter = ("status", "service", TenantListFilter)
+    list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "node", "host",
+                    "finished_at", "last_error")
+    list_filter = ("status", "service", NodeListFilter, TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
                         "exact task key or service key.")
@@ -366,14 +494,37 @@ class TaskAdmin(RedriveAdmin):
     def status_badge(self, obj: Task) -> str:
         return status_pill(obj.status)
 
+    @admin.display(description="error")
+    def last_error(self, obj: Task) -> str:
+        """The task's last error, shortened (the full text is its title and on the task page)."""
+        if not obj.error_message:
+            return ""
+        return error_cell(obj.error_message, code=obj.error_code)
+
     @admin.display(description="attempt")
     def attempts(self, obj: Task) -> str:
-        return f"{obj.attempt}/{obj.max_attempts}"
+        return attempt_text(attempt=obj.attempt, max_attempts=obj.max_attempts, budget=obj.service.max_attempts)
 
     page_actions = TASK_ACTIONS
+    confirm_notes = {"cancel": "Cancel: a task not started yet is canceled; a running task is told to stop at its "
+                               "next heartbeat."}
+
+    def action_subject(self, obj: Task) -> str:
+        return f"task {obj.task_key} (job {str(obj.job_id)[:8]})"
 
     def after_action_url(self, request: HttpRequest, obj: Task) -> str:
         return safe_next(request, reverse("admin:jobs_job_change", args=[obj.job_id]))
+
+    change_form_template = "admin/jobs/task/change_form.html"
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        from ops.jobpage import task_page_context
+
+        task = self.get_object(request, object_id)
+        extra = dict(extra_context or {})
+        if task is not None:
+            extra.update(task_page_context(request, task))
+        return super().change_view(request, object_id, form_url, extra_context=extra)
 
 
 @admin.register(Attempt)
@@ -456,14 +607,95 @@ class TriggerForm(forms.ModelForm):
         return data
 
 
+TRIGGER_ACTIONS: ActionTable = {"run_now": ("Run now", triggers.run_now)}
+#: Due times a schedule trigger's page previews.
+PREVIEW_RUNS = 5
+
+
+def trigger_jobs_url(trigger: Trigger) -> str:
+    """Return the jobs list of the jobs a trigger started (their ``source_ref`` names it)."""
+    return f"{reverse('admin:jobs_job_changelist')}?{urlencode({'source_ref__startswith': f'trigger:{trigger.pk}'})}"
+
+
+def next_runs(trigger: Trigger, *, count: int = PREVIEW_RUNS) -> tuple[list[datetime], str]:
+    """Return a schedule trigger's next due times (its own zone's rules), or why there are none."""
+    if trigger.trigger_type != TriggerType.SCHEDULE:
+        return [], ""
+    try:
+        schedule = triggers.Schedule.parse(trigger.cron_expr, trigger.timezone)
+        start = timezone.now()
+        return schedule.due_times(start, start + timedelta(days=3660), limit=count), ""
+    except triggers.ScheduleError as exc:
+        return [], str(exc)
+
+
 @admin.register(Trigger)
-class TriggerAdmin(TenantScopedAdmin):
+class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
+    """Triggers: tenant admins edit them; each page previews the next runs, links the jobs the trigger
+    started and offers *Run now* (a schedule trigger's job, started at once)."""
+
     form = TriggerForm
-    list_display = ("label", "tenant", "trigger_type", "event_name", "cron_expr", "timezone", "is_enabled",
-                    "next_run_at", "last_fired_at")
+    list_display = ("label", "tenant", "when", "is_enabled", "next_run", "last_fired", "fired_jobs")
     list_filter = ("trigger_type", "is_enabled", TenantListFilter)
     search_fields = ("label", "event_name")
-    readonly_fields = ("next_run_at", "last_fired_at", "last_error", "created_by", "created_at", "updated_at")
+    readonly_fields = ("next_run_at", "upcoming", "last_fired_at", "last_error", "jobs_started", "created_by",
+                       "created_at", "updated_at")
+    actions = bulk_actions(TRIGGER_ACTIONS, "triggers")
+    page_actions = TRIGGER_ACTIONS
+    change_form_template = "admin/jobs/trigger/change_form.html"
+
+    def after_action_url(self, request: HttpRequest, obj: Trigger) -> str:
+        return reverse("admin:jobs_trigger_change", args=[obj.pk])
+
+    def get_readonly_fields(self, request, obj=None):
+        fields = super().get_readonly_fields(request, obj)
+        return fields if obj is not None else tuple(f for f in fields if f not in ("upcoming", "jobs_started"))
+
+    def action_subject(self, obj: Trigger) -> str:
+        return f"trigger {obj.label!r}"
+
+    @admin.display(description="when")
+    def when(self, obj: Trigger) -> str:
+        if obj.trigger_type == TriggerType.EVENT:
+            return format_html("on event <code>{}</code>", obj.event_name)
+        return format_html("<code>{}</code> {}", obj.cron_expr, obj.timezone)
+
+    @admin.display(description="next run", ordering="next_run_at")
+    def next_run(self, obj: Trigger) -> str:
+        if obj.next_run_at is None:
+            return "—"
+        ahead = (obj.next_run_at - timezone.now()).total_seconds()
+        text = f"in {human_age(ahead)}" if ahead >= 0 else f"due {human_age(-ahead)} ago"
+        return format_html('<span title="{}" style="white-space:nowrap">{}</span>',
+                           obj.next_run_at.isoformat(timespec="seconds"), text)
+
+    @admin.display(description="last fired", ordering="last_fired_at")
+    def last_fired(self, obj: Trigger) -> str:
+        if obj.last_fired_at is None:
+            return "never"
+        return format_html('<span title="{}" style="white-space:nowrap">{} ago</span>',
+                           obj.last_fired_at.isoformat(timespec="seconds"),
+                           human_age((timezone.now() - obj.last_fired_at).total_seconds()))
+
+    @admin.display(description="jobs")
+    def fired_jobs(self, obj: Trigger) -> str:
+        return format_html('<a href="{}">jobs →</a>', trigger_jobs_url(obj))
+
+    @admin.display(description="next runs")
+    def upcoming(self, obj: Trigger) -> str:
+        due, problem = next_runs(obj)
+        if problem:
+            return problem
+        if not due:
+            return "—" if obj.trigger_type == TriggerType.SCHEDULE else "when its event is emitted"
+        zone = triggers.zone(obj.timezone)
+        return format_html_join(mark_safe("<br>"), "{} <span class=\"accs-muted\">({})</span>",
+                                ((d.astimezone(zone).strftime("%a %Y-%m-%d %H:%M %Z"),
+                                  f"in {human_age((d - timezone.now()).total_seconds())}") for d in due))
+
+    @admin.display(description="jobs started")
+    def jobs_started(self, obj: Trigger) -> str:
+        return self.fired_jobs(obj) if obj.pk else "—"
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         if db_field.name == "tenant":

@@ -207,8 +207,11 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
         return []
     lock_jobs(cur, job_ids)
     cur.execute(
-        "SELECT j.id, j.tenant_id, j.workflow_id, j.service_id, j.priority, j.order_seq, j.options, j.step_params,"
-        "       w.steps, s.key, j.started_at IS NOT NULL FROM accs_job j"
+        # A job's priority is clamped into its tenant's band here too, whoever wrote the row and
+        # whenever the band changed: the tasks are what the claim orders.
+        "SELECT j.id, j.tenant_id, j.workflow_id, j.service_id, greatest(tn.min_priority, least(tn.max_priority,"
+        "       j.priority)), j.order_seq, j.options, j.step_params, w.steps, s.key, j.started_at IS NOT NULL"
+        "  FROM accs_job j JOIN accs_tenant tn ON tn.id = j.tenant_id"
         "  LEFT JOIN accs_workflow w ON w.id = j.workflow_id LEFT JOIN accs_service s ON s.id = j.service_id"
         " WHERE j.id = ANY(%s::uuid[]) AND j.status = 'queued' AND j.scheduled_at <= %s"
         # Nothing instantiates a job whose approval is pending or rejected, whoever calls.

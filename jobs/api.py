@@ -208,6 +208,7 @@ class _Plan:
     step_params: dict[str, dict[str, Any]]
     approval: str
     services: list[Service]
+    priority: int  # the spec's, clamped into the tenant's band
 
 
 def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Service]) -> _Plan:
@@ -273,7 +274,7 @@ def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Ser
     if problems:
         raise DefinitionError(problems)
     approval = ApprovalState.PENDING if any(s.requires_approval for s in involved) else ApprovalState.NOT_REQUIRED
-    return _Plan(spec, tenant, workflow, service, step_params, approval, involved)
+    return _Plan(spec, tenant, workflow, service, step_params, approval, involved, tenant.clamp_priority(spec.priority))
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def _insert(plans: Sequence[_Plan]) -> set[UUID]:
         spec._id = jid = uuid.uuid4()  # type: ignore[attr-defined]
         rows.append({
             "id": jid.hex, "tenant": plan.tenant.id.hex, "wf": plan.workflow.id.hex if plan.workflow else None,
-            "svc": plan.service.id if plan.service else None, "prio": spec.priority, "opts": spec.options or None,
+            "svc": plan.service.id if plan.service else None, "prio": plan.priority, "opts": spec.options or None,
             "sp": plan.step_params, "sched": spec.scheduled_at.isoformat() if spec.scheduled_at else None,
             "src": str(spec.source), "sref": spec.source_ref, "ext": spec.external_id, "dk": spec.dedupe_key,
             "corr": spec.correlation_id, "appr": str(plan.approval),
@@ -370,7 +371,7 @@ def _start_now(plan: _Plan) -> Job | None:
                                    s.exclusive_per_host) for s in plan.services if s.is_active}
     jid = uuid.uuid4()
     row = JobRow(jid, plan.tenant.id, plan.workflow.id if plan.workflow else None,
-                 plan.service.id if plan.service else None, spec.priority, 0, spec.options or {}, plan.step_params)
+                 plan.service.id if plan.service else None, plan.priority, 0, spec.options or {}, plan.step_params)
     try:
         tasks = build_task_rows(row, steps_for(row, steps, plan.service.key if plan.service else None), services,
                                 hosts=[], blocked=set())
@@ -382,7 +383,7 @@ def _start_now(plan: _Plan) -> Job | None:
         t["status"] == TaskStatus.QUEUED and t["service_id"] == services[key].id for t in tasks)}
     created_by = getattr(spec.created_by, "pk", spec.created_by)
     inserted = admission.insert_and_start(
-        job={"id": jid, "tenant": plan.tenant.id, "wf": row.workflow_id, "svc": row.service_id, "prio": spec.priority,
+        job={"id": jid, "tenant": plan.tenant.id, "wf": row.workflow_id, "svc": row.service_id, "prio": plan.priority,
              "opts": json.dumps(spec.options or {}), "sp": json.dumps(plan.step_params), "sched": spec.scheduled_at,
              "src": str(spec.source), "sref": spec.source_ref, "ext": spec.external_id, "dk": spec.dedupe_key,
              "corr": spec.correlation_id, "cby": created_by},
@@ -392,7 +393,7 @@ def _start_now(plan: _Plan) -> Job | None:
     jid, order_seq, created_at, scheduled_at = inserted[:4]
     job = Job(id=jid, tenant=plan.tenant, workflow=plan.workflow, service=plan.service, status=JobStatus.WAITING,
               progress=0.0, current_task_key=min(tasks, key=lambda r: r["position"])["task_key"],
-              priority=spec.priority, order_seq=order_seq, options=spec.options or {}, step_params=plan.step_params,
+              priority=plan.priority, order_seq=order_seq, options=spec.options or {}, step_params=plan.step_params,
               scheduled_at=scheduled_at, source=spec.source, source_ref=spec.source_ref, external_id=spec.external_id,
               dedupe_key=spec.dedupe_key, correlation_id=spec.correlation_id,
               approval_state=ApprovalState.NOT_REQUIRED, created_by_id=created_by, created_at=created_at,

@@ -21,6 +21,10 @@ the host is eligible; an exclusive task only while no other exclusive task is he
 ``required_labels`` the node lacks is not claimed at all. Tasks the agent still runs are never
 claimed by it again.
 
+Tenants take turns at equal priority: the scan reads each tenant's head of a service's queue, and
+the order is priority, then turn (each tenant's first task, then each one's second...), then the
+tenant served least recently, then ``order_seq`` (see the parts marked "Tenant fairness").
+
 Workflow ``max_active_jobs`` and tenant ``max_in_flight`` limit jobs, not tasks: see
 :mod:`jobs.admission`.
 """
@@ -119,20 +123,35 @@ class ClaimedTask:
 STAMP_SQL = "coalesce(%(now)s::timestamptz, statement_timestamp())"
 
 _CLAIM_HEAD = """
-WITH svc AS (
+WITH RECURSIVE svc AS (
     SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[],
                          %(scans)s::int[], %(rpaths)s::text[], %(rlimits)s::int[], %(cpaths)s::text[],
                          %(climits)s::int[], %(periods)s::int[], %(rated)s::bool[])
              AS s(id, room, weight, adjust, scan, rpath, rlimit, cpath, climit, period, rated)
-){keyed_ctes}, free AS (
-    -- Tasks bound to no host, per service: served by task_claim_idx (service_id, priority DESC,
-    -- order_seq, created_at, id) WHERE queued AND no host; each scan stops after the service's
-    -- room. SKIP LOCKED: concurrent claimers never wait for each other nor take the same row.
+){keyed_ctes}, queued_tenants AS (
+    -- Tenant fairness, part 1: the tenants with queued work of each service, by a skip scan of
+    -- task_claim_idx (one index descent per tenant), so the scan below reads each tenant's head
+    -- and a tenant with thousands of tasks at the top of the order cannot hide another's behind them.
+    SELECT svc.id AS service_id, (SELECT t.tenant_id FROM accs_task t
+                                   WHERE t.service_id = svc.id AND t.status = 'queued' AND t.host_id IS NULL
+                                   ORDER BY t.tenant_id LIMIT 1) AS tenant_id
+      FROM svc
+    UNION ALL
+    SELECT q.service_id, (SELECT t.tenant_id FROM accs_task t
+                           WHERE t.service_id = q.service_id AND t.status = 'queued' AND t.host_id IS NULL
+                             AND t.tenant_id > q.tenant_id
+                           ORDER BY t.tenant_id LIMIT 1)
+      FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
+), free AS (
+    -- Tasks bound to no host, per service and tenant: served by task_claim_idx (service_id,
+    -- tenant_id, priority DESC, order_seq, created_at, id) WHERE queued AND no host; each scan stops
+    -- after the service's room. SKIP LOCKED: concurrent claimers never wait for each other nor
+    -- take the same row.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
-      FROM {services} CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at{key_cols}
+      FROM queued_tenants q JOIN {services} ON svc.id = q.service_id CROSS JOIN LATERAL (
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq, t.created_at{key_cols}
           FROM accs_task t
-         WHERE t.service_id = svc.id AND t.status = 'queued' AND t.host_id IS NULL
+         WHERE t.service_id = svc.id AND t.tenant_id = q.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
            AND t.next_attempt_at <= {stamp}
            -- Tasks this agent still runs (an older attempt it has not finished) are never
            -- claimed by it again: its own late finish would otherwise race the new attempt.
@@ -145,7 +164,7 @@ WITH svc AS (
     -- nodes' host-bound work is never scanned.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM {services} CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.priority, t.order_seq, t.created_at{key_cols}
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq, t.created_at{key_cols}
           FROM accs_task t
          WHERE t.host_id = h.id AND t.service_id = svc.id AND t.status = 'queued'
            AND t.next_attempt_at <= {stamp}
@@ -159,13 +178,29 @@ WITH svc AS (
            FOR UPDATE OF t SKIP LOCKED) c
 ), cand AS (
     SELECT * FROM free UNION ALL SELECT * FROM bound
-){keyed_pick}, ranked AS (
+){keyed_pick}, turns AS (
+    -- Tenant fairness, part 2: at equal priority the tenants take turns (each one's first task,
+    -- then each one's second...), and within a turn the tenant served least recently goes first.
+    SELECT src.*, tn.served_at, svc.room,
+           row_number() OVER (PARTITION BY src.tenant_id, src.eff_priority
+                              ORDER BY src.order_seq, src.created_at, src.id) AS turn
+      FROM {source} src JOIN accs_tenant tn ON tn.id = src.tenant_id JOIN svc ON svc.id = src.service_id
+), fair AS (
+    -- Each tenant's scan read up to the service's room, so no more than the room per service,
+    -- taken in the fair order.
+    SELECT turns.*, row_number() OVER (PARTITION BY service_id
+                                       ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq,
+                                                created_at, id) AS srank
+      FROM turns
+), ranked AS (
     SELECT src.*,
            row_number() OVER (PARTITION BY CASE WHEN exclusive THEN host_id END
-                              ORDER BY eff_priority DESC, order_seq, created_at, id) AS host_rank,
+                              ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq, created_at, id)
+               AS host_rank,
            row_number() OVER w AS n, sum(weight) OVER w AS cpu
-      FROM {source} src
-    WINDOW w AS (ORDER BY eff_priority DESC, order_seq, created_at, id)
+      FROM fair src
+     WHERE srank <= room
+    WINDOW w AS (ORDER BY eff_priority DESC, turn, served_at NULLS FIRST, order_seq, created_at, id)
 ), pick AS (
     -- One global order across the services; the node's slot and CPU room taken in that order;
     -- an exclusive host gets one task per claim.
@@ -182,7 +217,15 @@ WITH svc AS (
      -- read the whole task table.
      WHERE t.id = ANY(ARRAY(SELECT id FROM pick))
     RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.service_id,
-              t.priority, t.order_seq, t.created_at
+              t.priority, t.order_seq, t.created_at, t.tenant_id
+), served AS (
+    -- Tenant fairness, part 3: the tenants served here go to the back of the next turn, when
+    -- another tenant was waiting too. Best effort: a tenant row another claimer is marking is
+    -- skipped, never waited for (its mark is as recent).
+    UPDATE accs_tenant tn SET served_at = {stamp}
+     WHERE tn.id = ANY(ARRAY(SELECT x.id FROM accs_tenant x WHERE x.id IN (SELECT tenant_id FROM upd)
+                                 ORDER BY x.id FOR NO KEY UPDATE SKIP LOCKED))
+       AND (SELECT count(DISTINCT tenant_id) FROM cand) > 1
 ), att AS (
     INSERT INTO accs_attempt (task_id, attempt_no, node, agent_id, pid, status, started_at, stdout_tail,
                               stderr_tail, error_text)
@@ -265,7 +308,7 @@ _KEYED_PICK = """, keyed AS (
       FROM keyed
      WHERE (rkey IS NULL OR rrank <= rleft) AND (ckey IS NULL OR crank <= cleft)
 ), keyed_cand AS (
-    SELECT id, service_id, host_id, exclusive, priority, order_seq, created_at, weight, eff_priority
+    SELECT id, service_id, host_id, exclusive, tenant_id, priority, order_seq, created_at, weight, eff_priority
       FROM allowed WHERE srank <= room
 )"""
 

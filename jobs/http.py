@@ -386,6 +386,8 @@ def _page(items: list, limit: int) -> tuple[list, bool]:
 
 
 def _action(request: HttpRequest, job: Job, result: api.ActionResult):
+    if result.forbidden:
+        return Status(403, {"detail": result.message, "job_id": job.id})
     if not result.changed:
         return Status(409, {"detail": result.message, "job_id": job.id})
     job = Job.objects.select_related(*JOB_RELATED).get(pk=job.pk)

@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models import F, Func, Q, Value
 from django.utils.timezone import now
 
+from accs_site.conf import accs
 from workflows.models import StepFailurePolicy
 
 JOB_ORDER_SEQUENCE = "accs_job_order_seq"
@@ -23,6 +24,11 @@ def _choices_check(field: str, choices: type[models.TextChoices], name: str) -> 
     return models.CheckConstraint(condition=Q(**{f"{field}__in": [c.value for c in choices]}), name=name)
 
 
+def default_max_in_flight() -> int:
+    """Return the in-flight cap a new tenant gets (``ACC_TENANT_MAX_IN_FLIGHT``)."""
+    return accs.tenant_max_in_flight
+
+
 class Tenant(models.Model):
     """An isolation boundary: jobs and triggers belong to exactly one tenant."""
 
@@ -30,7 +36,19 @@ class Tenant(models.Model):
     slug = models.SlugField(max_length=100, unique=True)
     name = models.CharField(max_length=200)
     timezone = models.CharField(max_length=64, default="UTC", help_text="IANA name, default for schedules.")
-    max_in_flight = models.PositiveIntegerField(default=0, help_text="Running jobs at once; 0 = unlimited.")
+    max_in_flight = models.PositiveIntegerField(
+        default=default_max_in_flight,
+        help_text="Running jobs at once; 0 = unlimited (new tenants: ACC_TENANT_MAX_IN_FLIGHT).")
+    # A priority band: every job of the tenant is clamped into it when it starts, so a tenant cannot
+    # claim ahead of the others by asking for a higher priority than the site gave it.
+    min_priority = models.IntegerField(default=-1000, db_default=-1000,
+                                       help_text="Lowest priority a job of this tenant gets.")
+    max_priority = models.IntegerField(default=1000, db_default=1000,
+                                       help_text="Highest priority a job of this tenant gets.")
+    # Written by the claim (best effort, never waited for): tenants at equal priority take turns,
+    # the one served least recently first.
+    served_at = models.DateTimeField(null=True, blank=True, editable=False,
+                                     help_text="When an agent last claimed a task of this tenant among others.")
     retention_days = models.PositiveIntegerField(
         null=True, blank=True,
         help_text="Days finished jobs are kept before they are pruned; 0 = for ever, empty = ACC_RETENTION_DAYS.",
@@ -44,6 +62,13 @@ class Tenant(models.Model):
     class Meta:
         db_table = "accs_tenant"
         ordering = ["slug"]
+        constraints = [
+            models.CheckConstraint(condition=Q(min_priority__lte=F("max_priority")), name="tenant_priority_band_valid"),
+        ]
+
+    def clamp_priority(self, priority: int) -> int:
+        """Return ``priority`` moved into the tenant's band."""
+        return max(self.min_priority, min(self.max_priority, priority))
 
     def __str__(self) -> str:
         return self.slug
@@ -110,6 +135,20 @@ class ApiToken(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
+
+
+class ApiThrottle(models.Model):
+    """Requests made with one bearer token in the current window (:mod:`jobs.throttle`)."""
+
+    digest = models.CharField(max_length=64, primary_key=True, help_text="SHA-256 of the token, as ApiToken.digest.")
+    window_start = models.DateTimeField()
+    hits = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        db_table = "accs_api_throttle"
+
+    def __str__(self) -> str:
+        return f"{self.hits} requests since {self.window_start}"
 
 
 class JobStatus(models.TextChoices):
@@ -326,11 +365,12 @@ class Task(models.Model):
             ),
         ]
         indexes = [
-            # The claim path (jobs.claim): queued tasks of a service in the global order. Tasks
-            # bound to a host have their own index, so a node never scans past other nodes'
-            # host-bound work; tasks waiting out a backoff are "scheduled", in neither.
+            # The claim path (jobs.claim): queued tasks of a service, per tenant (so tenants take
+            # turns), in the global order. Tasks bound to a host have their own index, so a node
+            # never scans past other nodes' host-bound work; tasks waiting out a backoff are
+            # "scheduled", in neither.
             models.Index(
-                "service", F("priority").desc(), "order_seq", "created_at", "id",
+                "service", "tenant", F("priority").desc(), "order_seq", "created_at", "id",
                 condition=Q(status="queued", host__isnull=True), name="task_claim_idx",
             ),
             models.Index(

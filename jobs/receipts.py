@@ -1,12 +1,16 @@
 """Receipts of events received over HTTP, so a repeated delivery (same event id) fires nothing twice.
 
+A receipt is kept for ``ACC_EVENT_RECEIPT_RETENTION_HOURS`` (default a week): long enough for any
+sender's retries, and a builder duty deletes older ones, so a caller who sends a new event id per
+request cannot grow the table without bound.
+
 The model lives apart from :mod:`jobs.models` because it belongs to the HTTP front door only;
 :class:`jobs.apps.JobsConfig` imports this module so Django registers it with the ``jobs`` app.
 """
 
 from __future__ import annotations
 
-from django.db import models
+from django.db import connection, models
 from django.utils.timezone import now
 
 
@@ -24,6 +28,26 @@ class EventReceipt(models.Model):
         app_label = "jobs"
         db_table = "accs_event_receipt"
         constraints = [models.UniqueConstraint(fields=["tenant", "event_id"], name="event_receipt_unique_id")]
+        # Pruning from the oldest end.
+        indexes = [models.Index(fields=["created_at"], name="event_receipt_created_idx")]
 
     def __str__(self) -> str:
         return f"{self.name} #{self.event_id}"
+
+
+PRUNE_RECEIPTS_SQL = """
+-- Receipts older than the retention: a bounded batch from the oldest end (event_receipt_created_idx),
+-- so a long pause never turns into one huge delete.
+DELETE FROM accs_event_receipt WHERE id = ANY(ARRAY(
+    SELECT r.id FROM accs_event_receipt r
+     WHERE r.created_at < now() - make_interval(hours => %(hours)s)
+     ORDER BY r.created_at
+     LIMIT %(limit)s))
+"""
+
+
+def prune_receipts(*, limit: int, hours: int) -> int:
+    """Delete up to ``limit`` receipts older than ``hours``; return how many."""
+    with connection.cursor() as cur:
+        cur.execute(PRUNE_RECEIPTS_SQL, {"limit": limit, "hours": hours})
+        return cur.rowcount

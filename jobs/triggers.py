@@ -695,7 +695,38 @@ def _fire_schedule(trigger: Trigger, *, now: datetime) -> int:
     return 1
 
 
+def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> "ActionResult":
+    """Start a schedule trigger's job now, as if it were due now (an operator's "run now").
+
+    The job is the trigger's like its scheduled ones (``source_ref`` ``trigger:<id>``), with its own
+    external id, so it is listed with them; the schedule's next due time does not move. Event
+    triggers run when their event is emitted, so they are refused with that reason.
+    """
+    from jobs import api
+    from jobs.verbs import ActionResult
+
+    trigger = Trigger.objects.select_related("tenant", "workflow", "service").filter(pk=trigger_id).first()
+    if trigger is None:
+        return ActionResult(False, "no such trigger")
+    if trigger.trigger_type != TriggerType.SCHEDULE:
+        return ActionResult(False, f"event triggers start jobs when {trigger.event_name!r} is emitted; emit it instead")
+    now = now or djtz.now()
+    source = f"user:{by}" if by else "api"
+    try:
+        payload = render(trigger.payload_template, _schedule_context(trigger, now))
+        with transaction.atomic():
+            job = api.start(_spec(trigger, payload, source=JobSource.SCHEDULE, source_ref=f"trigger:{trigger.id}",
+                                  external_id=f"trigger:{trigger.id}:now:{now.astimezone(UTC).isoformat()}"))
+            write_events([_started_event(job, trigger, f"job started by 'run now' of schedule trigger "
+                                                       f"{trigger.label!r}", source=source,
+                                         data={"due_at": now.astimezone(UTC).isoformat(), "run_now": True})])
+    except (TemplateError, DefinitionError, LookupError, ScheduleError, api.JobConflict) as exc:
+        message = "; ".join(str(p) for p in exc.problems) if isinstance(exc, DefinitionError) else str(exc)
+        return ActionResult(False, message)
+    return ActionResult(True, f"job {str(job.id)[:8]} started")
+
+
 __all__ = [
     "EmitResult", "Schedule", "ScheduleError", "TemplateError", "create_trigger", "fire_due_schedules", "fire_event",
-    "payload_digest", "render", "template_problems", "trigger_problems", "update_trigger", "zone",
+    "payload_digest", "render", "run_now", "template_problems", "trigger_problems", "update_trigger", "zone",
 ]

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from django.contrib.auth import get_user_model
 from django.db import connection, transaction
 
 from events.timeline import EventRow, write_events
@@ -23,6 +24,7 @@ from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
 from accs_site.clock import db_now
+from accs_site.conf import accs
 from jobs.states import (JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, TASK_HELD, TASK_RETRYABLE, TASK_UNSTARTED,
                          sql_in)
 
@@ -33,6 +35,8 @@ class ActionResult:
 
     changed: bool
     message: str
+    # The caller may not do this at all (not merely "no longer applies"): the HTTP API answers 403.
+    forbidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -418,14 +422,30 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
     return retry_tasks([task_id], by=by, now=now)[UUID(str(task_id))]
 
 
+def _self_approval(by: str, creator_id: int | None) -> bool:
+    """Return whether ``by`` is the user who started the job, and the site does not let creators approve.
+
+    Four eyes: whoever starts an approval-gated job is not the one who lets it run. Every path
+    (Python API, HTTP API, admin) names its operator in ``by``, so the check is made once, here.
+    """
+    if not by or creator_id is None or accs.allow_self_approval:
+        return False
+    user_model = get_user_model()
+    creator = user_model._default_manager.filter(pk=creator_id).values_list(user_model.USERNAME_FIELD, flat=True)
+    return by in creator
+
+
 def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Approve a job waiting for approval; the builder then starts it."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         if not lock_jobs(cur, [job_id]):
             return ActionResult(False, "no such job")
         now = now or db_now(cur)
-        cur.execute("SELECT status, approval_state FROM accs_job WHERE id = %s", [job_id])
-        status, approval = cur.fetchone()
+        cur.execute("SELECT status, approval_state, created_by_id FROM accs_job WHERE id = %s", [job_id])
+        status, approval, creator_id = cur.fetchone()
+        if _self_approval(by, creator_id):
+            return ActionResult(False, f"{by} started this job and may not approve it: another approver must "
+                                       "(ACC_ALLOW_SELF_APPROVAL allows it)", forbidden=True)
         if approval != ApprovalState.PENDING:
             return ActionResult(False, f"job is not waiting for approval (approval is {approval})")
         if status != JobStatus.QUEUED:

@@ -11,18 +11,48 @@ from __future__ import annotations
 
 from django.contrib import admin, messages
 from django.contrib.admin import ShowFacets
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
+from ops.nodepage import node_page_context
 from ops.overview import human_age, stale_after_seconds
 from nodes import verbs
 from nodes.api import retire_nodes
-from accs_site.admin_kit import EstimatedCountPaginator, actor, report, status_pill
+from accs_site.admin_kit import ActionTable, EstimatedCountPaginator, PageActionsMixin, actor, perform, status_pill
 from nodes.models import DiskSample, Host, HostBlock, Node
 
 
+NODE_ACTIONS: ActionTable = {
+    "drain": ("Drain", verbs.drain_node),
+    "undrain": ("Undrain", verbs.undrain_node),
+}
+
+
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(PageActionsMixin, admin.ModelAdmin):
+    """Nodes: configuration is edited here; state changes by the Drain/Undrain actions and buttons.
+
+    A node's page shows what its agents are doing now (held tasks with elapsed time and progress),
+    its recent failures, and links to its tasks (:func:`ops.nodepage.node_page_context`).
+    """
+
+    page_actions = NODE_ACTIONS
+    change_form_template = "admin/nodes/node/change_form.html"
+
+    def has_act_permission(self, request, obj=None) -> bool:
+        return self.has_change_permission(request, obj)
+
+    def after_action_url(self, request, obj: Node) -> str:
+        return reverse("admin:nodes_node_change", args=[obj.pk])
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        node = self.get_object(request, object_id)
+        extra = dict(extra_context or {})
+        if node is not None:
+            extra.update(node_page_context(request, node, can_act=self.has_act_permission(request, node)))
+        return super().change_view(request, object_id, form_url, extra_context=extra)
+
     list_display = ("name", "presence_badge", "heartbeat", "state_badge", "services_list", "slot_cap", "cpu_budget",
                     "disk_level", "version")
     list_filter = ("presence", "state", "awake_state", "wake_method", "disk_level")
@@ -73,11 +103,11 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain selected nodes (claim nothing new)", permissions=["change"])
     def drain(self, request, queryset):
-        report(request, self, "Drain", [verbs.drain_node(n.name, by=actor(request)) for n in queryset])
+        perform(request, self, "Drain", list(queryset), lambda n: verbs.drain_node(n.name, by=actor(request)))
 
     @admin.action(description="Undrain selected nodes (claim again)", permissions=["change"])
     def undrain(self, request, queryset):
-        report(request, self, "Undrain", [verbs.undrain_node(n.name, by=actor(request)) for n in queryset])
+        perform(request, self, "Undrain", list(queryset), lambda n: verbs.undrain_node(n.name, by=actor(request)))
 
     @admin.action(description="Retire selected nodes (not online, never ran anything)", permissions=["change"])
     def retire(self, request, queryset):
@@ -105,8 +135,8 @@ class HostAdmin(admin.ModelAdmin):
 
     @admin.action(description="Clear quarantine of selected hosts", permissions=["change"])
     def clear_quarantine(self, request, queryset):
-        report(request, self, "Clear quarantine",
-               [verbs.clear_quarantine(h.pk, by=actor(request)) for h in queryset])
+        perform(request, self, "Clear quarantine", list(queryset),
+                lambda h: verbs.clear_quarantine(h.pk, by=actor(request)))
 
 
 @admin.register(HostBlock)

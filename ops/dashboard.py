@@ -18,6 +18,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.http import urlencode
 
+from ops.charts import chart_data, chart_rows
 from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
 from jobs.scoping import tenant_ids_for
 
@@ -89,6 +90,8 @@ def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
         "infra": sees_infrastructure(request.user),
         "refresh_seconds": refresh_seconds(request),
     }
+    charts = chart_data(tenant_ids=tenant_ids_for(request.user), now=data.generated_at)
+    context.update(charts=charts, chart_rows=chart_rows(charts))
     return data, context
 
 

@@ -21,6 +21,8 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib import admin
+from django.db.models import Avg, Case, F, FloatField, OuterRef, Q, Subquery, Value, When
+from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
@@ -30,13 +32,18 @@ from django.utils.http import content_disposition_header, urlencode
 
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from accs_site.admin_kit import run_interval
-from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, Job, Task, TaskStatus
+from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
 from jobs.scoping import can_act, scope
-from ops.dashboard import query_int, refresh_seconds
-from ops.overview import human_age
+from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
+from ops.overview import human_age, job_stuck_reasons
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).
 JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 100, 200, 200
+#: A job's own moves between running and waiting: it is "waiting" whenever none of its tasks is
+#: starting or running, so a one-task step writes a pair around every task. Operators read them as
+#: flapping and act on none of them; the timeline hides them unless asked for every change.
+FLAPPING = Q(task_id__isnull=True, type=EventType.STATUS, data__from__in=["running", "waiting"],
+             data__to__in=["running", "waiting"])
 #: Event levels, lowest first (the timeline's own); a level filter keeps that level and those after it.
 LEVELS = tuple(Level.values)
 #: Seconds between refreshes of an active job's page (``?refresh=N`` overrides, 1-300).
@@ -88,10 +95,18 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     tasks = _tasks(job)
     for task in tasks:
         task.ops = task_actions_for(task) if can else []
+    stopping = tasks_stopping(job)
+    progress = job_progress_of(job)
     task_keys = {t.pk: t.task_key for t in tasks}
     attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
                     .order_by("-id")[:JOB_PAGE_ATTEMPTS])
     events = Event.objects.filter(job_id=job.pk)
+    show_all = request.GET.get("moves") == "all"
+    hidden = 0
+    if not show_all:
+        flapping = Event.objects.filter(job_id=job.pk).filter(FLAPPING)
+        hidden = flapping.count()
+        events = events.exclude(FLAPPING)
     if level:
         events = events.filter(level__in=levels_from(level))
     if event_type:
@@ -106,12 +121,16 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         artifact.log_attempt_id = attempt_ids.get((artifact.task_id, artifact.attempt)) if is_log else None
     page_url = reverse("admin:jobs_job_change", args=[job.pk])
     return {
-        "job_active": job.status in JOB_ACTIVE,
+        # A canceled job is final at once, but its running tasks stop at their next heartbeat: the
+        # page keeps refreshing until they have.
+        "job_active": job.status in JOB_ACTIVE or bool(stopping),
+        "tasks_stopping": stopping,
+        "job_progress": progress,
         "page_url": page_url + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "data_url": reverse("ops:job_data", args=[job.pk]) + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "refresh_seconds": refresh_seconds(request, REFRESH_SECONDS),
         "dag_svg": job_dag_svg(job),
-        "job_ops": job_actions_for(job) if can else [],
+        "job_ops": job_actions_for(job, tasks_stopping=stopping) if can else [],
         "job_tasks": tasks,
         "job_tasks_capped": len(tasks) >= JOB_PAGE_TASKS,
         "job_attempts": attempts,
@@ -123,14 +142,55 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "level_links": _filter_links(request, page_url, "level", [(lv, f"≥ {lv}") for lv in LEVELS]),
         "type_links": _filter_links(request, page_url, "type", EventType.choices),
         "events_capped": len(events) >= JOB_PAGE_EVENTS,
+        "job_stuck": job_stuck_reasons(job, show_nodes=sees_infrastructure(request.user)),
+        "moves_hidden": hidden,
+        "moves_links": _filter_links(request, page_url, "moves", [("all", "every job status change")],
+                                     unset="hide job running ↔ waiting"),
         "can_act": can,
     }
+
+
+def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
+    """Collect the task page's summary, buttons, attempts and why it is not moving (its job's reasons
+    that concern this task: its service's, or its own backoff)."""
+    from jobs.admin import task_actions_for
+
+    job = task.job
+    reasons = [r for r in job_stuck_reasons(job, show_nodes=sees_infrastructure(request.user))
+               if (r.reason == "backoff" and r.message.startswith(f"task {task.task_key} "))
+               or (r.reason != "backoff" and (r.service == task.service.key or job.status == JobStatus.QUEUED))]
+    if task.status not in ("waiting", "queued", "scheduled"):
+        reasons = []
+    elapsed = Task.objects.filter(pk=task.pk).annotate(elapsed=run_interval()).values_list("elapsed", flat=True).first()
+    task.elapsed = elapsed
+    attempts = list(Attempt.objects.filter(task_id=task.pk).order_by("-attempt_no")[:JOB_PAGE_ATTEMPTS])
+    return {
+        "task_stuck": reasons,
+        "task_ops": task_actions_for(task) if may_act(request, job) else [],
+        "task_attempt_text": attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
+                                          budget=task.service.max_attempts),
+        "task_elapsed": elapsed_text(task),
+        "task_progress": shown_progress(task),
+        "task_attempts": attempts,
+        "task_job": job,
+        "task_page_url": reverse("admin:jobs_task_change", args=[task.pk]),
+        "task_due_in": (task.next_attempt_at - timezone.now()).total_seconds()
+        if task.status in ("queued", "scheduled") else None,
+    }
+
+
+def tasks_stopping(job: Job) -> int:
+    """Return how many tasks of a finished job an agent still holds (told to stop, not stopped yet)."""
+    if job.status in JOB_ACTIVE:
+        return 0
+    return Task.objects.filter(job_id=job.pk, status__in=TASK_HELD).count()  # task_job_status_idx
 
 
 def _tasks(job: Job) -> list[Task]:
     """Return the job's tasks in the workflow's step order, each with its elapsed time."""
     tasks = list(Task.objects.filter(job_id=job.pk).select_related("service", "host").annotate(elapsed=run_interval())
                  .order_by("created_at", "task_key")[:JOB_PAGE_TASKS])
+    now = timezone.now()
     # Show tasks in the order of the workflow's steps (they are created together).
     position = {s.get("key"): i for i, s in enumerate(job.workflow.steps or [])} if job.workflow_id else {}
     tasks.sort(key=lambda t: (position.get(t.step_key, len(position)), t.task_key))
@@ -140,7 +200,69 @@ def _tasks(job: Job) -> list[Task]:
             task.progress_attr = f"{task.shown_progress:.3f}"
             task.progress_width = f"{task.shown_progress * 100:.1f}"
         task.elapsed_text = elapsed_text(task)
+        task.attempt_text = attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
+                                         budget=task.service.max_attempts)
+        task.next_text = next_attempt_text(task, now=now)
     return tasks
+
+
+def next_attempt_text(task: Task, *, now: datetime) -> str:
+    """Say when a queued task may start: "due now" once its time has come, else "in 4 min"."""
+    if task.status not in (TaskStatus.QUEUED, TaskStatus.SCHEDULED):
+        return ""
+    ahead = (task.next_attempt_at - now).total_seconds()
+    return f"in {human_age(ahead)}" if ahead > 1 else "due now"
+
+
+def _task_share() -> Case:
+    """A task's part of its job's progress: 1 when done, its reported progress while held, else 0."""
+    return Case(When(status=TaskStatus.DONE, then=Value(1.0)),
+                When(status__in=TASK_HELD, then=Coalesce(F("progress"), Value(0.0))),
+                default=Value(0.0), output_field=FloatField())
+
+
+def job_progress_subquery() -> Subquery:
+    """The mean of a job's tasks' shares, per job row (the jobs list annotates its page with it).
+
+    The stored ``Job.progress`` is the share of *finished* tasks (failed ones too), so it reads
+    100 % for a failed job and 0 % for a job whose only task is half done; operators see this.
+    """
+    tasks = (Task.objects.filter(job_id=OuterRef("pk")).order_by().values("job_id")
+             .annotate(share=Avg(_task_share())).values("share"))  # task_job_status_idx
+    return Subquery(tasks, output_field=FloatField())
+
+
+def job_progress(job: Job, tasks_share: float | None) -> float:
+    """Return the progress to show for a job: full once done, else the mean of its tasks' shares."""
+    if job.status == JobStatus.DONE:
+        return 1.0
+    return max(0.0, min(1.0, tasks_share or 0.0))
+
+
+def job_progress_of(job: Job) -> float:
+    """Return :func:`job_progress` for one job, reading its tasks' shares in one query."""
+    share = Task.objects.filter(job_id=job.pk).aggregate(share=Avg(_task_share()))["share"]
+    return job_progress(job, share)
+
+
+def attempt_text(*, attempt: int, max_attempts: int, budget: int) -> str:
+    """Describe a task's attempt against its retry budget: ``attempt 2 (retry 1 of 2)``.
+
+    ``budget`` is the service's attempts per run. An operator's retry renews the budget on top of
+    the attempts already used (``max_attempts`` = used + budget), so numbering goes on (attempt 4)
+    while the retries count from the renewal.
+    """
+    if attempt <= 0:
+        return f"not started (up to {max_attempts} attempt{'s' if max_attempts != 1 else ''})"
+    base = max_attempts - budget
+    if budget < 1 or base < 0 or attempt <= base:
+        return f"attempt {attempt} of {max_attempts}"  # the service's budget changed since: plain numbers
+    retry = attempt - base - 1
+    if budget == 1:
+        return f"attempt {attempt} (no retries)"
+    if retry == 0:
+        return f"attempt {attempt} (first of {budget})"
+    return f"attempt {attempt} (retry {retry} of {budget - 1})"
 
 
 def shown_progress(task: Task) -> float | None:
@@ -165,6 +287,7 @@ def _artifacts(job: Job) -> list[Artifact]:
                 .order_by("task__task_key", "attempt", "kind", "key")[:JOB_PAGE_ARTIFACTS])
     for artifact in rows:
         artifact.name = artifact_name(artifact)
+        artifact.previewable = previewable(artifact)
     return rows
 
 
@@ -175,7 +298,7 @@ def artifact_name(artifact: Artifact) -> str:
 
 
 def _filter_links(request: HttpRequest, page_url: str, name: str,
-                  choices: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:
+                  choices: Iterable[tuple[str, str]], *, unset: str = "all") -> list[dict[str, Any]]:
     """Build one filter's links, each keeping the page's other filters."""
     others = {k: v for k, v in request.GET.items() if k != name}
     current = request.GET.get(name, "")
@@ -184,7 +307,7 @@ def _filter_links(request: HttpRequest, page_url: str, name: str,
         params = {**others, name: value} if value else others
         return f"{page_url}?{urlencode(params)}#accs-timeline" if params else f"{page_url}#accs-timeline"
 
-    out = [{"value": "", "label": "all", "url": link(""), "active": not current}]
+    out = [{"value": "", "label": unset, "url": link(""), "active": not current}]
     out += [{"value": value, "label": label, "url": link(value), "active": current == value}
             for value, label in choices]
     return out
@@ -198,7 +321,7 @@ def job_data_view(request: HttpRequest, job_id: UUID) -> JsonResponse:
     return JsonResponse({
         "status": job.status,
         "active": context["job_active"],
-        "progress": job.progress,
+        "progress": context["job_progress"],
         "generated_at": timezone.now().isoformat(),
         "html": html,
     })
@@ -227,6 +350,56 @@ def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int)
     response["Content-Disposition"] = content_disposition_header(True, artifact_name(artifact).rsplit("/", 1)[-1])
     response["X-Content-Type-Options"] = "nosniff"
     return response
+
+
+#: Artifacts up to this size are shown inline when they are text or JSON (read whole, so checked).
+PREVIEW_MAX_BYTES = 512 * 1024
+PREVIEW_SUFFIXES = (".txt", ".log", ".csv", ".tsv", ".json", ".jsonl", ".md", ".yaml", ".yml", ".xml", ".html")
+
+
+def previewable(artifact: Artifact) -> bool:
+    """Whether an artifact is small text or JSON the page can show inline."""
+    kind = (artifact.content_type or "").split(";")[0].strip().lower()
+    texty = kind.startswith("text/") or kind.endswith(("/json", "+json", "/x-ndjson", "/xml", "/yaml"))
+    return artifact.size_bytes <= PREVIEW_MAX_BYTES and (texty or artifact_name(artifact).lower().endswith(
+        PREVIEW_SUFFIXES))
+
+
+def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
+    """Show a small text or JSON artifact inline (JSON indented), checked against its checksum."""
+    from events.artifacts import ChecksumMismatch, StorageNotConfigured, read_artifact
+
+    job = visible_job(request, job_id)
+    artifact = Artifact.objects.filter(pk=artifact_id, job_id=job.pk).select_related("task").first()
+    if artifact is None:
+        raise Http404("no such artifact")
+    text, problem = "", ""
+    if not previewable(artifact):
+        problem = (f"Only text and JSON up to {PREVIEW_MAX_BYTES // 1024} KB are shown here; download this one "
+                   f"({artifact.content_type}, {artifact.size_bytes} bytes).")
+    else:
+        try:
+            text = read_artifact(artifact).decode("utf-8", errors="replace")
+        except StorageNotConfigured as exc:
+            problem = str(exc)
+        except FileNotFoundError:
+            problem = f"The artifact's object {artifact.key} is missing from storage."
+        except ChecksumMismatch as exc:
+            problem = f"The artifact was changed after it was stored and is not shown: {exc}"
+    is_json = artifact_name(artifact).lower().endswith(".json") or "/json" in (artifact.content_type or "")
+    if text and is_json:
+        try:
+            text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        except ValueError:
+            pass  # JSON lines, or not JSON after all: shown as stored
+    context = {
+        **admin.site.each_context(request),
+        "title": f"{artifact_name(artifact)} ({artifact.kind})",
+        "job": job, "artifact": artifact, "text": text, "problem": problem,
+        "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
+        "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]),
+    }
+    return TemplateResponse(request, "admin/accs/artifact_preview.html", context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,7 +498,10 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
     artifact = (Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no, kind=ArtifactKind.LOG)
                 .order_by("-created_at").first())
     problem, log = "", None
-    if artifact is None:
+    running = attempt.status == AttemptStatus.RUNNING
+    if artifact is None and running:
+        log = timeline_log(attempt, min_level=level, tail=tail)
+    elif artifact is None:
         problem = ("This attempt has no log artifact: agents store one when an attempt ends and artifact "
                    "storage is configured. The attempt's output tails are on the job page.")
     else:
@@ -343,8 +519,12 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
     level_links = [{"label": "all", "url": f"{page}?{urlencode(others)}" if others else page, "active": not level}]
     level_links += [{"label": f"≥ {lv}", "value": lv, "url": f"{page}?{urlencode({**others, 'level': lv})}",
                      "active": level == lv} for lv in LEVELS[1:]]
+    live = artifact is None and running
     context = {
         **admin.site.each_context(request),
+        "live": live,
+        "live_url": f"{page}?{urlencode({**request.GET.dict(), 'format': 'json'})}",
+        "refresh_seconds": refresh_seconds(request, REFRESH_SECONDS),
         "title": f"Log of {attempt.task.task_key}, attempt {attempt.attempt_no}",
         "job": job,
         "attempt": attempt,
@@ -357,10 +537,28 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
         "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
         "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]) if artifact else "",
     }
+    if request.GET.get("format") == "json":
+        html = render_to_string("admin/accs/_attempt_log_lines.html", context, request=request)
+        return JsonResponse({"html": html, "active": live, "status": attempt.status,
+                             "generated_at": timezone.now().isoformat()})
     return TemplateResponse(request, "admin/accs/attempt_log.html", context)
 
 
+def timeline_log(attempt: Attempt, *, min_level: str = "", tail: int = DEFAULT_TAIL) -> LogTail:
+    """Return a running attempt's last log lines from the timeline (its log artifact comes when it ends).
+
+    Agents write each line the command prints to the timeline as a ``log`` event of the task and
+    attempt, so the running attempt's page tails those (event_task_ts_idx, newest first).
+    """
+    lines = Event.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no, type=EventType.LOG)
+    matched = lines.filter(level__in=levels_from(min_level)) if min_level else lines
+    newest = list(matched.order_by("-ts", "-id").values_list("ts", "level", "message")[:tail])
+    return LogTail(lines=[LogLine(ts=ts, level=LOG_LEVEL_ALIASES.get(lv, lv), message=msg)
+                          for ts, lv, msg in reversed(newest)],
+                   total=lines.count(), matched=matched.count())
+
+
 __all__ = [
-    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "attempt_log_view", "job_data_view",
+    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view", "attempt_log_view", "job_data_view",
     "job_page_context", "parse_log_line", "tail_log", "visible_job",
 ]

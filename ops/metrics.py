@@ -30,6 +30,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
@@ -209,7 +210,7 @@ class AccsCollector:
         tenants, services = queue_depth(now=now)
         tasks = GaugeMetricFamily("accs_tasks", "Tasks by status (waiting, queued, starting, running) right now.",
                                   labels=["tenant", "service", "status"])
-        dead = GaugeMetricFamily("accs_tasks_dead_letter", "Tasks failed for good, in jobs still in error.",
+        dead = GaugeMetricFamily("accs_tasks_dead_letter", "Tasks failed for good (dead letters).",
                                  labels=["tenant", "service"])
         retrying = GaugeMetricFamily("accs_tasks_retrying", "Queued tasks waiting for another attempt.",
                                      labels=["tenant", "service"])
@@ -303,17 +304,21 @@ def collector() -> AccsCollector:
 def _authorized(request: HttpRequest) -> bool:
     token = accs.metrics_token
     if not token:
-        return True
+        # Tenant names and queue depths are not for everyone: without a token, only a development
+        # site (DEBUG) or a superuser's session may read them.
+        user = getattr(request, "user", None)
+        return settings.DEBUG or bool(user and user.is_active and user.is_superuser)
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """Serve the metrics in the Prometheus text format (token-protected when ACC_METRICS_TOKEN is set)."""
+    """Serve the metrics in the Prometheus text format (token-protected; open without a token only with DEBUG)."""
     if not _authorized(request):
-        response = HttpResponse("metrics need 'Authorization: Bearer <ACC_METRICS_TOKEN>'\n", status=401,
-                                content_type="text/plain")
+        need = ("metrics need 'Authorization: Bearer <ACC_METRICS_TOKEN>'" if accs.metrics_token else
+                "metrics are closed: set ACC_METRICS_TOKEN and scrape with 'Authorization: Bearer <token>'")
+        response = HttpResponse(need + "\n", status=401, content_type="text/plain")
         response["WWW-Authenticate"] = 'Bearer realm="accs-metrics"'
         return response
     collector()

@@ -90,22 +90,22 @@ SELECT j.tenant_id, count(*), count(*) FILTER (WHERE j.approval_state = 'pending
  GROUP BY 1
 """
 
-ERROR_JOBS_SQL = """
--- Jobs in error, per tenant (job_tenant_status_created_idx: tenant, status, created_at DESC), and
--- the dead letters inside them: tasks that failed for good (task_job_status_idx). Bounded by the
--- jobs in error, not by the jobs table.
-SELECT j.tenant_id,
-       count(DISTINCT j.id) FILTER (WHERE j.finished_at >= %(since)s),
-       count(t.id)
-  FROM accs_job j LEFT JOIN accs_task t ON t.job_id = j.id AND t.status = 'error'
- WHERE j.tenant_id = ANY(%(ids)s::uuid[]) AND j.status = 'error'
+FAILED_JOBS_SQL = """
+-- Jobs that ended in error inside the window, per tenant: the partial index on (tenant,
+-- finished_at) of jobs in error, so older failures are not read.
+SELECT j.tenant_id, count(*)
+  FROM accs_job j
+ WHERE j.tenant_id = ANY(%(ids)s::uuid[]) AND j.status = 'error' AND j.finished_at >= %(since)s
  GROUP BY 1
 """
 
-DEAD_LETTER_BY_SERVICE_SQL = """
+DEAD_LETTER_SQL = """
+-- Dead letters: tasks in final error (their attempts used up), whatever their job became since (a
+-- job that continues past a failed step ends partial and keeps them), as the tasks list and the
+-- redrive count them. task_dead_letter_idx holds exactly those rows.
 SELECT t.tenant_id, t.service_id, count(*)
-  FROM accs_job j JOIN accs_task t ON t.job_id = j.id AND t.status = 'error'
- WHERE j.tenant_id = ANY(%(ids)s::uuid[]) AND j.status = 'error'
+  FROM accs_task t
+ WHERE t.tenant_id = ANY(%(ids)s::uuid[]) AND t.status = 'error'
  GROUP BY 1, 2
 """
 
@@ -205,12 +205,13 @@ def queue_depth(*, tenant_ids: set[UUID] | None = None, now: datetime | None = N
                 card.oldest_queued_age = _max_age(card.oldest_queued_age,
                                                   (now - oldest_due).total_seconds() if oldest_due else None)
         ids = [str(t) for t in tenants]
-        cur.execute(ERROR_JOBS_SQL, {"since": now - FAILED_WINDOW, "ids": ids})
-        for tenant_id, failed, dead in cur.fetchall():
-            per_tenant[tenant_id].failed_24h, per_tenant[tenant_id].dead_letter = failed, dead
-        cur.execute(DEAD_LETTER_BY_SERVICE_SQL, {"ids": ids})
+        cur.execute(FAILED_JOBS_SQL, {"since": now - FAILED_WINDOW, "ids": ids})
+        for tenant_id, failed in cur.fetchall():
+            per_tenant[tenant_id].failed_24h = failed
+        cur.execute(DEAD_LETTER_SQL, {"ids": ids})
         for tenant_id, service_id, n in cur.fetchall():
             svc(tenant_id, service_id).dead_letter = n
+            per_tenant[tenant_id].dead_letter += n
     rows = sorted(per_service.values(), key=lambda r: (r.tenant, r.service))
     return list(per_tenant.values()), rows
 
@@ -552,9 +553,19 @@ class FlowLimit:
     by_tenant: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def flow_limits(*, tenant_ids: set[UUID] | None = None) -> list[FlowLimit]:
-    """Return the flow-control state of every service that has a rate limit or a per-key cap."""
-    where, params = _tenant_filter("t.tenant_id", tenant_ids)
+def _task_filter(tenant_ids: set[UUID] | None, job_id: UUID | None) -> tuple[str, dict[str, Any]]:
+    """Return the SQL condition on queued tasks ``t``: one job's (its page), or the viewer's tenants'."""
+    if job_id is not None:
+        return "t.job_id = %(job)s", {"job": str(job_id)}  # task_job_status_idx
+    return _tenant_filter("t.tenant_id", tenant_ids)
+
+
+def flow_limits(*, tenant_ids: set[UUID] | None = None, job_id: UUID | None = None) -> list[FlowLimit]:
+    """Return the flow-control state of every service that has a rate limit or a per-key cap.
+
+    The queued tasks counted are the viewer's tenants' (``tenant_ids``), or one job's (``job_id``).
+    """
+    where, params = _task_filter(tenant_ids, job_id)
     with connection.cursor() as cur:
         cur.execute("SELECT id, slug FROM accs_tenant")
         slugs = dict(cur.fetchall())
@@ -590,6 +601,11 @@ class Stuck:
     RATE_LIMIT = "rate_limit"  # the service used every start its rate limit allows in the window
     KEY_RATE_LIMIT = "key_rate_limit"  # their key used every start its per-key rate limit allows
     KEY_CAP = "key_cap"  # their key holds as many tasks as the per-key cap allows
+    # Reasons of one job (its page), beside the tasks' reasons above:
+    APPROVAL = "approval"  # the job waits for approval
+    SCHEDULED = "scheduled"  # the job is due later
+    ADMISSION = "admission"  # the job is due and waits for admission (a cap, or the builder)
+    BACKOFF = "backoff"  # a task waits out its backoff before its next attempt
 
 
 @dataclass
@@ -622,18 +638,20 @@ def _node_words(node: NodeHealth) -> str:
 
 
 def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenant_ids: set[UUID] | None = None,
-                  show_nodes: bool = True, flow: list[FlowLimit] | None = None) -> list[StuckReason]:
+                  show_nodes: bool = True, flow: list[FlowLimit] | None = None,
+                  job_id: UUID | None = None) -> list[StuckReason]:
     """Return why queued tasks are not claimed: per service, each reason with the tasks it holds back.
 
     A service is served live by a node that is online and active and lists it among its services.
     ``show_nodes`` False leaves node names out of the details (viewers without infrastructure rights).
+    With ``job_id`` the tasks are that job's only (the job and task pages ask this way).
     """
     with connection.cursor() as cur:
         cur.execute("SELECT id, slug FROM accs_tenant")
         slugs = dict(cur.fetchall())
         cur.execute("SELECT id, key, max_concurrent, block_during, required_labels FROM accs_service")
         services = {r[0]: r[1:] for r in cur.fetchall()}
-        where, params = _tenant_filter("t.tenant_id", tenant_ids)
+        where, params = _task_filter(tenant_ids, job_id)
         cur.execute(STUCK_QUEUED_SQL.format(tenants=where), params)
         queued_rows = cur.fetchall()
         held: dict[int, int] = {}
@@ -694,8 +712,71 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
                 "{tasks} queued for '{key}' bound to quarantined hosts",
                 f"clear the quarantine of {', '.join(hosts)}" + (" …" if len(hosts) >= 5 else "")
                 + " (admin: Hosts)")
-    out += _flow_reasons(flow if flow is not None else flow_limits(tenant_ids=tenant_ids))
+    out += _flow_reasons(flow if flow is not None else flow_limits(tenant_ids=tenant_ids, job_id=job_id))
     return sorted(out, key=lambda r: (r.service, r.reason, r.tenant))
+
+
+def job_stuck_reasons(job: Any, *, show_nodes: bool = True, now: datetime | None = None) -> list[StuckReason]:
+    """Return why a job, or its queued tasks, are not moving, each with what to do about it.
+
+    The tasks' reasons are the dashboard's (:func:`stuck_reasons`, for this job's tasks only);
+    before the job has tasks, the reason is its approval, its schedule or its admission cap.
+    """
+    now = now or timezone.now()
+    target = job.target_name
+    if job.status == "queued":
+        return _job_queued_reasons(job, target=target, now=now)
+    if job.status not in ("waiting", "running"):
+        return []
+    if not job.tasks.filter(status__in=("queued", "scheduled")).exists():  # task_job_status_idx
+        return []  # nothing queued: a running job's page asks this on every refresh
+    reasons = stuck_reasons(nodes=node_health(now=now), conditions=governor_conditions(now=now), job_id=job.pk,
+                            show_nodes=show_nodes)
+    backoff = list(job.tasks.filter(status="scheduled").order_by("next_attempt_at")
+                   .values_list("task_key", "next_attempt_at", "attempt")[:5])
+    for key, due, attempt in backoff:
+        wait = (due - now).total_seconds()
+        reasons.append(StuckReason(service=target, tenant="", reason=Stuck.BACKOFF, count=1,
+                                   message=f"task {key} waits out its backoff after attempt {attempt} failed",
+                                   detail=(f"it is due again in {human_age(wait)}" if wait > 0 else
+                                           "it is due now; an agent serving it claims it at its next poll")
+                                   + "; Retry on the task starts it at once"))
+    return reasons
+
+
+def _job_queued_reasons(job: Any, *, target: str, now: datetime) -> list[StuckReason]:
+    """Why a job has no tasks yet: approval, a later schedule, or an admission cap that is full."""
+    def reason(kind: str, message: str, detail: str) -> StuckReason:
+        return StuckReason(service=target, tenant="", reason=kind, count=1, message=message, detail=detail)
+
+    if job.approval_state == "pending":
+        return [reason(Stuck.APPROVAL, "the job waits for approval",
+                       "approve or reject it with the buttons above (a tenant admin or superuser)")]
+    if job.scheduled_at and job.scheduled_at > now:
+        when = f"{timezone.localtime(job.scheduled_at):%Y-%m-%d %H:%M}"
+        return [reason(Stuck.SCHEDULED, f"the job is scheduled for {when}",
+                       f"it starts in {human_age((job.scheduled_at - now).total_seconds())}")]
+    out = []
+    workflow = job.workflow if job.workflow_id else None
+    if workflow is not None and workflow.max_active_jobs:
+        active = type(job).objects.filter(workflow_id=workflow.pk, status__in=("waiting", "running")).count()
+        if active >= workflow.max_active_jobs:
+            out.append(reason(Stuck.ADMISSION, f"workflow {workflow} is at its cap ({active}/{workflow.max_active_jobs}"
+                                               " jobs active)",
+                              "it starts, oldest first, as active jobs of the workflow finish; the cap is the "
+                              "workflow's max_active_jobs"))
+    cap = job.tenant.max_in_flight
+    if cap:
+        active = type(job).objects.filter(tenant_id=job.tenant_id, status__in=("waiting", "running")).count()
+        if active >= cap:
+            out.append(reason(Stuck.ADMISSION, f"tenant {job.tenant.slug} is at its cap ({active}/{cap} jobs running)",
+                              "it starts, oldest first, as the tenant's jobs finish; the cap is the tenant's "
+                              "max_in_flight"))
+    if not out:
+        out.append(reason(Stuck.ADMISSION, "the job is due and waits for a builder to start it",
+                          "a running builder (manage.py runbuilder) starts due jobs within seconds; if it stays, "
+                          "check that one runs"))
+    return out
 
 
 def _flow_reasons(flow: list[FlowLimit]) -> list[StuckReason]:

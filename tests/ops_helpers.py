@@ -101,10 +101,12 @@ def pipeline_scene(tenants: Tenants) -> Scene:
     failed.refresh_from_db()
     assert failed.status == "error", failed.status
     # Traffic in both tenants: some done, some queued, one running.
-    for tenant in (tenants.acme, tenants.globex):
-        for _ in range(3):
-            api.start_service("notify", tenant=tenant)
+    # (Acme's claimed before Globex's are queued: tenants take turns in a claim.)
+    for _ in range(3):
+        api.start_service("notify", tenant=tenants.acme)
     run_ok(claim_for(svc["notify"], n=2))
+    for _ in range(3):
+        api.start_service("notify", tenant=tenants.globex)
     running = api.start_service("package", tenant=tenants.acme)
     claim_for(svc["package"])
     other = failed_service_job(tenants.globex, key="globex-sync")

@@ -67,7 +67,8 @@ def test_retry_button_requeues_the_failed_task_through_the_transition(client, ro
     job = failed_service_job(tenants.acme)
     response = client.post(reverse("admin:jobs_job_act", args=[job.pk, "retry"]), follow=True)
     assert response.status_code == 200
-    assert any("Retry: job back to waiting; 1 task(s) reset" in m for m in messages_of(response))
+    short = str(job.pk)[:8]
+    assert f"Retry: job {short} (service flaky): job back to waiting; 1 task(s) reset" in messages_of(response)
     task = Task.objects.get(job=job)
     # The retry renews the budget; attempt numbers never go back (old attempts stay fenced).
     assert task.status == "queued" and task.max_attempts - task.attempt == task.service.max_attempts
@@ -93,7 +94,8 @@ def test_task_button_retries_one_task_and_returns_to_the_job_page(client, root, 
     assert response.status_code == 302 and response["Location"] == job_url(job)
     task.refresh_from_db()
     assert task.status == "queued"
-    evil = client.post(reverse("admin:jobs_task_act", args=[task.pk, "cancel"]), {"next": "https://evil.example/"})
+    evil = client.post(reverse("admin:jobs_task_act", args=[task.pk, "cancel"]),
+                       {"next": "https://evil.example/", "confirm": "yes"})
     assert evil["Location"] == job_url(job), "an off-site next is ignored"
 
 
@@ -101,9 +103,9 @@ def test_task_button_retries_one_task_and_returns_to_the_job_page(client, root, 
 # Bulk actions on the list
 # --------------------------------------------------------------------------------------------
 
-def _bulk(client, model: str, action: str, ids) -> list[str]:
-    response = client.post(reverse(f"admin:jobs_{model}_changelist"),
-                           {"action": action, "_selected_action": [str(i) for i in ids]}, follow=True)
+def _bulk(client, model: str, action: str, ids, *, confirm: bool = False) -> list[str]:
+    data = {"action": action, "_selected_action": [str(i) for i in ids], **({"confirm": "yes"} if confirm else {})}
+    response = client.post(reverse(f"admin:jobs_{model}_changelist"), data, follow=True)
     assert response.status_code == 200
     return messages_of(response)
 
@@ -112,17 +114,20 @@ def test_bulk_retry_reports_changed_and_unchanged_with_reasons(client, root, ten
     failed = failed_service_job(tenants.acme)
     queued = api.start_service("flaky", tenant=tenants.acme)
     msgs = _bulk(client, "job", "retry_jobs", [failed.pk, queued.pk])
-    assert msgs == ["Retry: job back to waiting; 1 task(s) reset; "
-                    "unchanged: job is waiting; only failed, partial or canceled jobs can be retried"]
+    assert msgs == [f"Retry: job {str(failed.pk)[:8]} (service flaky): job back to waiting; 1 task(s) reset; "
+                    f"unchanged: job {str(queued.pk)[:8]} (service flaky): job is waiting; only failed, partial or "
+                    "canceled jobs can be retried"]
     assert Task.objects.get(job=failed).status == "queued"
 
 
 def test_bulk_approve_and_reject(client, root, tenants, make_service):
     make_service("gated", requires_approval=True)
     a, b = (api.start_service("gated", tenant=tenants.acme) for _ in range(2))
-    assert _bulk(client, "job", "approve_jobs", [a.pk]) == ["Approve: job approved"]
-    assert _bulk(client, "job", "reject_jobs", [a.pk, b.pk]) == [
-        "Reject: job rejected and canceled; unchanged: job is not waiting for approval"]
+    assert _bulk(client, "job", "approve_jobs", [a.pk]) == [
+        f"Approve: job {str(a.pk)[:8]} (service gated): job approved"]
+    assert _bulk(client, "job", "reject_jobs", [a.pk, b.pk], confirm=True) == [
+        f"Reject: job {str(b.pk)[:8]} (service gated): job rejected and canceled; "
+        f"unchanged: job {str(a.pk)[:8]} (service gated): job is not waiting for approval"]
     a.refresh_from_db(), b.refresh_from_db()
     assert (a.approval_state, b.approval_state, b.status) == ("approved", "rejected", "canceled")
 
@@ -131,8 +136,8 @@ def test_bulk_cancel_and_cancel_task(client, root, tenants, make_service):
     svc = make_service("work")
     jobs = [api.start_service("work", tenant=tenants.acme) for _ in range(3)]
     claim_for(svc, n=1)  # the first job's task is held by an agent
-    msgs = _bulk(client, "job", "cancel_jobs", [j.pk for j in jobs])
-    assert msgs == ["Cancel: 3 changed"]
+    msgs = _bulk(client, "job", "cancel_jobs", [j.pk for j in jobs], confirm=True)
+    assert msgs[0].startswith("Cancel: 3 changed (job "), msgs
     held = Task.objects.get(job=jobs[0])
     assert held.status == "starting" and held.cancel_requested_at is not None, "a held task is told to stop"
     assert Task.objects.filter(job__in=jobs[1:], status="canceled").count() == 2
@@ -405,7 +410,7 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
     """With many finished tasks and attempts, the dashboard's queries avoid scanning them."""
     from django.db import connection
 
-    from ops import overview
+    from ops import charts, overview
 
     svc = make_service("hist")
     job = api.start_service("hist", tenant=tenants.acme)
@@ -421,15 +426,19 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
         for name, sql, params in (
             ("active", overview.ACTIVE_TASKS_SQL.format(tenants="TRUE"), {"now": job.created_at}),
             ("waiting", overview.WAITING_TASKS_SQL.format(tenants="TRUE"), {}),
-            ("errors", overview.ERROR_JOBS_SQL, {"since": job.created_at, "ids": [str(tenants.acme.pk)]}),
+            ("failed", overview.FAILED_JOBS_SQL, {"since": job.created_at, "ids": [str(tenants.acme.pk)]}),
+            ("dead", overview.DEAD_LETTER_SQL, {"ids": [str(tenants.acme.pk)]}),
             ("recent", overview.RECENT_STATS_SQL.format(tenants="TRUE"), {"sample": 1000, "since": job.created_at}),
             ("failures", overview.RECENT_FAILURES_SQL.format(tenants="TRUE"), {"sample": 1000, "limit": 10}),
+            ("charts", charts.CHART_SQL.format(tenants="TRUE"), {"sample": 1000, "since": job.created_at,
+                                                                   "bucket": 600}),
         ):
             cur.execute("EXPLAIN " + sql, params)
             plans[name] = "\n".join(r[0] for r in cur.fetchall())
     for name, plan in plans.items():
         assert "Seq Scan on accs_task " not in plan and "Seq Scan on accs_attempt" not in plan, f"{name}:\n{plan}"
     assert "accs_attempt_pkey" in plans["recent"], plans["recent"]
+    assert "accs_attempt_pkey" in plans["charts"], plans["charts"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,13 +52,26 @@ def test_operator_opens_dashboard_then_failed_job_and_retries_it(browser, live_s
     # Retry from the page: the failed task is queued again.
     css(browser, "#accs-job-retry")[0].click()
     wait(browser, lambda d: css(d, ".messagelist .success"), "the retry's success message")
-    assert "Retry: job back to waiting" in css(browser, ".messagelist .success")[0].text
+    assert f"Retry: job {str(scene.failed.pk)[:8]} (publish v1): job back to waiting" in css(
+        browser, ".messagelist .success")[0].text
     row = css(browser, f'tr.accs-task[data-task-key="{failed_task.task_key}"]')[0]
     assert row.get_attribute("data-status") == "queued"
     failed_task.refresh_from_db()
     assert failed_task.status == "queued"
     assert failed_task.max_attempts - failed_task.attempt == failed_task.service.max_attempts, "budget renewed"
     assert not css(browser, "#accs-job-retry"), "a running job offers no retry"
+
+    # Cancel asks first (a page saying what it does), then acts and names the job.
+    css(browser, "#accs-job-cancel")[0].click()
+    wait(browser, lambda d: css(d, "#accs-confirm"), "the cancel confirmation")
+    assert "running tasks are told to stop" in css(browser, "#accs-confirm-note")[0].text
+    scene.failed.refresh_from_db()
+    assert scene.failed.status != "canceled", "nothing happens before the confirmation"
+    css(browser, "#accs-confirm")[0].click()
+    wait(browser, lambda d: css(d, ".messagelist .success"), "the cancel's success message")
+    assert css(browser, ".messagelist .success")[0].text.startswith(f"Cancel: job {str(scene.failed.pk)[:8]}")
+    scene.failed.refresh_from_db()
+    assert scene.failed.status == "canceled"
 
 
 def test_tenant_admin_cannot_reach_another_tenants_job_by_url(browser, live_server):

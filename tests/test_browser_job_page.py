@@ -60,7 +60,7 @@ def test_job_page_progress_moves_without_reload_and_the_download_link_downloads(
     browser.get(f"{base}{reverse('admin:jobs_job_change', args=[scene.running.pk])}?refresh=1")
     wait(browser, lambda d: progress_of(d, task.task_key) == "0.350", "the task's progress bar at 35 %")
     row = task_row(browser, task.task_key)
-    assert row["attempt"] == f"{task.attempt}/{task.max_attempts}" and row["node"] == "node-t"
+    assert row["attempt"] == f"attempt {task.attempt} (first of {task.max_attempts})" and row["node"] == "node-t"
     assert row["elapsed"] not in ("", "—"), row
     browser.execute_script("window.accsNotReloaded = true")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from jobs import api, transitions, triggers
@@ -122,3 +123,47 @@ def test_approved_job_is_started_by_the_builder_and_runs(reboot, admin):
     run_ok(claim_for(reboot))
     job.refresh_from_db()
     assert (job.status, job.approved_by) == ("done", "root")
+
+
+def test_the_user_who_started_a_job_may_not_approve_it_another_approver_may(reboot, default_tenant):
+    starter, starter_token = user_with_token("alice", tenants={default_tenant: "admin"})
+    _, other_token = user_with_token("bob", tenants={default_tenant: "admin"})
+    starter_http, other_http = client_for(starter_token), client_for(other_token)
+    created = starter_http.post("/api/v1/jobs", {"service": "reboot"}, content_type="application/json")
+    assert created.status_code == 201, created.content
+    job = Job.objects.get(pk=created.json()["id"])
+    assert job.created_by == starter
+
+    # Every path names its operator: the HTTP API (403, saying why), the Python API, the admin.
+    refused = starter_http.post(f"/api/v1/jobs/{job.id}/approve")
+    assert refused.status_code == 403, refused.content
+    assert "alice started this job and may not approve it" in refused.json()["detail"]
+    result = api.approve(job.id, by="alice")
+    assert (result.changed, result.forbidden) == (False, True)
+    starter.is_staff = True
+    starter.save()
+    admin_client = Client()
+    admin_client.force_login(starter)
+    admin_client.post(f"/admin/jobs/job/{job.id}/act/approve/")
+    job.refresh_from_db()
+    assert job.approval_state == "pending" and transitions.start_due_jobs() == []
+
+    approved = other_http.post(f"/api/v1/jobs/{job.id}/approve")
+    assert approved.status_code == 200, approved.content
+    job.refresh_from_db()
+    assert (job.approval_state, job.approved_by) == ("approved", "bob")
+
+
+def test_a_site_may_let_creators_approve_their_own_jobs(reboot, default_tenant, monkeypatch):
+    from accs_site.conf import reload
+
+    _, token = user_with_token("carol", tenants={default_tenant: "admin"})
+    http = client_for(token)
+    job_id = http.post("/api/v1/jobs", {"service": "reboot"}, content_type="application/json").json()["id"]
+    monkeypatch.setenv("ACC_ALLOW_SELF_APPROVAL", "true")
+    reload()
+    try:
+        assert http.post(f"/api/v1/jobs/{job_id}/approve").status_code == 200
+    finally:
+        monkeypatch.delenv("ACC_ALLOW_SELF_APPROVAL")
+        reload()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import configparser
 import importlib.util
+import os
 import re
+import secrets
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +156,66 @@ def test_the_agent_hands_tasks_back_before_its_supervisor_kills_it():
     comment = (DEPLOY / "systemd" / "accs-agent.service").read_text()
     assert "A second SIGTERM hands them back at once" in comment
     assert "one SIGTERM hands" not in comment.lower()
+
+def _deploy_check(env_values: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``manage.py check --deploy`` with only the given variables (and what a shell needs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACC_", "DJANGO_"))}
+    env.update(env_values, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "manage.py"), "check", "--deploy", "--fail-level", "WARNING"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _web_env() -> dict[str, str]:
+    """The web unit's environment as deploy/ documents it (accs.env, then web.env)."""
+    return {**env_file_values(ENV_FILES["accs.env"]), **env_file_values(ENV_FILES["web.env"])}
+
+
+def test_check_deploy_reports_nothing_with_the_documented_production_env_once_its_secrets_are_set():
+    values = _web_env()
+    # What docs/deploy.md tells the operator to do: replace every change-me with a generated value.
+    filled = {k: (secrets.token_urlsafe(50) if "change-me" in v and k != "ACC_DB_URL" else v)
+              for k, v in values.items()}
+    done = _deploy_check(filled)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "System check identified no issues (0 silenced)." in done.stdout, done.stdout + done.stderr
+
+
+def test_check_deploy_refuses_the_placeholder_secret_key_and_metrics_token_when_debug_is_off():
+    done = _deploy_check(_web_env())
+    assert done.returncode != 0
+    assert "accs.E010" in done.stderr and "Set ACC_SECRET_KEY to 50 or more random characters" in done.stderr
+    assert "accs.E011" in done.stderr
+    unset = {k: v for k, v in _web_env().items() if k not in ("ACC_SECRET_KEY", "ACC_METRICS_TOKEN")}
+    done = _deploy_check(unset)
+    assert "accs.E010" in done.stderr and "accs.E011" in done.stderr, "the development key is refused too"
+    # An agent's plain `check` needs neither.
+    agent = {**env_file_values(ENV_FILES["accs.env"]), **env_file_values(ENV_FILES["agent.env"])}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACC_", "DJANGO_"))}
+    plain = subprocess.run([sys.executable, str(ROOT / "manage.py"), "check"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**env, **agent, "PYTHONPATH": str(ROOT)})
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert "ACC_SECRET_KEY" not in agent and "ACC_METRICS_TOKEN" not in agent
+
+
+def test_the_image_leaves_local_secrets_and_state_out():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for entry in (".env", ".local/", ".venv", ".git/"):
+        assert entry in ignored, f".dockerignore must keep {entry} out of the image"
+
+
+def test_deploy_docs_install_the_env_files_readable_by_the_service_only():
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    assert "install -m 0640 -g accs deploy/env/*.env /etc/accs/" in text
+    assert "cp deploy/env/*.env" not in text
+
+
+def test_production_settings_name_a_malformed_value():
+    from accs_site.conf import SettingError, proxy_ssl_header, trusted_origins
+
+    assert proxy_ssl_header("ACC_PROXY_SSL_HEADER", "X-Forwarded-Proto: https") == ("HTTP_X_FORWARDED_PROTO", "https")
+    assert proxy_ssl_header("ACC_PROXY_SSL_HEADER", "") is None
+    with pytest.raises(SettingError, match="ACC_PROXY_SSL_HEADER: expected 'Header-Name: value'"):
+        proxy_ssl_header("ACC_PROXY_SSL_HEADER", "X-Forwarded-Proto")
+    assert trusted_origins("ACC_CSRF_TRUSTED_ORIGINS", ["https://a.example.com"]) == ["https://a.example.com"]
+    with pytest.raises(SettingError, match="ACC_CSRF_TRUSTED_ORIGINS: expected origins"):
+        trusted_origins("ACC_CSRF_TRUSTED_ORIGINS", ["a.example.com"])

@@ -129,8 +129,9 @@ def site_server(site_env, tmp_path):
 @pytest.mark.browser
 def test_admin_job_page_dashboard_api_and_metrics_answer_in_the_site(site_env, site_server, browser):  # noqa: F811
     base = site_server
-    assert urllib.request.urlopen(f"{base}/metrics", timeout=10).status == 200
-    assert b"accs_" in urllib.request.urlopen(f"{base}/metrics", timeout=10).read()
+    scrape = urllib.request.Request(f"{base}/metrics", headers={"Authorization": "Bearer shop-scrape-token"})
+    assert urllib.request.urlopen(scrape, timeout=10).status == 200
+    assert b"accs_" in urllib.request.urlopen(scrape, timeout=10).read()
     openapi = urllib.request.urlopen(f"{base}/api/v1/openapi.json", timeout=10)
     assert openapi.status == 200 and b"/api/v1/jobs" in openapi.read()
     if not query(site_env, "SELECT 1 FROM accs_job LIMIT 1"):

@@ -63,6 +63,27 @@ def test_requests_without_a_valid_token_are_401_json(world, client):
     assert client.get("/api/v1/health").json() == {"status": "ok"}
 
 
+def test_each_token_is_throttled_to_its_rate_with_429_and_retry_after(world, monkeypatch):
+    from accs_site.conf import reload
+
+    monkeypatch.setenv("ACC_API_RATE_LIMIT", "5")
+    monkeypatch.setenv("ACC_API_RATE_WINDOW_SEC", "3600")
+    reload()
+    try:
+        answers = [world["alice"].get("/api/v1/jobs").status_code for _ in range(7)]
+        assert answers == [200] * 5 + [429] * 2
+        refused = world["alice"].get("/api/v1/jobs")
+        assert "too many requests with this token: at most 5 per 3600 s" in refused.json()["detail"]
+        assert 1 <= int(refused["Retry-After"]) <= 3600
+        # Another token has a count of its own; the liveness probe needs none.
+        assert world["bob"].get("/api/v1/jobs").status_code == 200
+        assert world["alice"].get("/api/v1/health").status_code == 200
+    finally:
+        monkeypatch.delenv("ACC_API_RATE_LIMIT")
+        monkeypatch.delenv("ACC_API_RATE_WINDOW_SEC")
+        reload()
+
+
 def test_only_the_digest_is_stored_and_revoked_tokens_stop_working(world):
     raw = world["tokens"]["alice"]
     token = ApiToken.objects.get(user__username="alice")

@@ -111,7 +111,7 @@ def test_task_row_shows_progress_attempt_node_and_elapsed_time(client, root, ten
     Task.objects.filter(pk=task.pk).update(started_at=db_now() - timedelta(seconds=42))
     row = task_row(client.get(job_url(job)).content.decode(), task.task_key)
     assert 'data-progress="0.250"' in row and "25 %" in row
-    assert '<td class="num accs-attempt-no">1/3</td>' in row
+    assert '<td class="num accs-attempt-no" title="1/3 attempts">attempt 1 (first of 3)</td>' in row
     assert '<td class="accs-node">node-t</td>' in row
     elapsed = re.search(r'class="num accs-elapsed"[^>]*>([^<]+)<', row).group(1)
     assert elapsed in ("42 s", "43 s"), elapsed
@@ -126,7 +126,7 @@ def test_finished_task_shows_its_duration_and_a_full_bar(client, root, tenants):
     assert re.search(r'class="num accs-elapsed"[^>]*>7 min<', row), row
     assert 'data-progress="1.000"' in row, "a done task is drawn full"
     failed = task_row(body, Task.objects.get(job=job, status="error").task_key)
-    assert '<td class="num accs-attempt-no">2/2</td>' in failed
+    assert '<td class="num accs-attempt-no" title="2/2 attempts">attempt 2 (retry 1 of 1)</td>' in failed
 
 
 # --------------------------------------------------------------------------------------------

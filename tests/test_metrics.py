@@ -1,4 +1,4 @@
-"""The Prometheus endpoint: open or token-protected, gauges from the live queue, counters and
+"""The Prometheus endpoint: token-protected (open only with DEBUG), gauges from the live queue, counters and
 histograms from the timeline (correct whichever process made the change), moving under real agents."""
 
 from __future__ import annotations
@@ -31,9 +31,22 @@ def fresh_collector(monkeypatch):
     return collector
 
 
+SCRAPE_TOKEN = "test-scrape-token"
+
+
+@pytest.fixture(autouse=True)
+def scrape_token(monkeypatch):
+    """The token Prometheus is given, as in production."""
+    monkeypatch.setenv("ACC_METRICS_TOKEN", SCRAPE_TOKEN)
+    conf.reload()
+    yield SCRAPE_TOKEN
+    monkeypatch.delenv("ACC_METRICS_TOKEN", raising=False)
+    conf.reload()
+
+
 def scrape(client, **headers) -> dict[tuple[str, tuple], float]:
     """Return ``{(sample name, sorted labels): value}`` from /metrics."""
-    response = client.get("/metrics", **headers)
+    response = client.get("/metrics", **{"HTTP_AUTHORIZATION": f"Bearer {SCRAPE_TOKEN}", **headers})
     assert response.status_code == 200, response.content[:500]
     assert response["Content-Type"].startswith("text/plain")
     out = {}
@@ -48,19 +61,25 @@ def value(samples, metric: str, /, **labels) -> float:
 
 
 @pytest.mark.django_db
-def test_metrics_are_open_by_default_and_need_the_bearer_token_when_set(client, monkeypatch, fresh_collector):
-    assert client.get("/metrics").status_code == 200
-    monkeypatch.setenv("ACC_METRICS_TOKEN", "s3cret-token")
+def test_metrics_need_the_bearer_token_and_are_closed_without_one_unless_debug(client, monkeypatch, settings,
+                                                                             fresh_collector):
+    denied = client.get("/metrics")
+    assert denied.status_code == 401 and denied["WWW-Authenticate"].startswith("Bearer")
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Basic test-scrape-token").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer test-scrape-token").status_code == 200
+    monkeypatch.delenv("ACC_METRICS_TOKEN")
     conf.reload()
-    try:
-        denied = client.get("/metrics")
-        assert denied.status_code == 401 and denied["WWW-Authenticate"].startswith("Bearer")
-        assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
-        assert client.get("/metrics", HTTP_AUTHORIZATION="Basic s3cret-token").status_code == 401
-        assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer s3cret-token").status_code == 200
-    finally:
-        monkeypatch.delenv("ACC_METRICS_TOKEN")
-        conf.reload()
+    # No token set: tenant names and queue depths are not for anyone who asks.
+    closed = client.get("/metrics")
+    assert closed.status_code == 401 and b"set ACC_METRICS_TOKEN" in closed.content
+    settings.DEBUG = True
+    assert client.get("/metrics").status_code == 200, "a development site is open"
+    settings.DEBUG = False
+    from django.contrib.auth import get_user_model
+
+    client.force_login(get_user_model().objects.create_superuser("root-metrics", "r@example.test", None))
+    assert client.get("/metrics").status_code == 200, "a superuser's session may read them"
 
 
 @pytest.mark.django_db

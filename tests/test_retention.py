@@ -390,3 +390,31 @@ def test_a_job_that_ended_while_a_task_still_runs_is_kept_until_that_task_finish
     _move_back("accs_task", job.id, 1000)
     assert prune_finished_jobs(limit=10).job_ids == [job.id]
     assert rows_of([job.id]) == dict.fromkeys(["jobs", "tasks", "attempts", "steps", "artifacts"], 0)
+
+def test_event_receipts_older_than_their_retention_are_pruned_by_a_duty(default_tenant, monkeypatch):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from accs_site.conf import reload
+    from jobs.duties import all_duties
+    from jobs.receipts import EventReceipt
+
+    def receipt(event_id: str, age: timedelta) -> None:
+        EventReceipt.objects.create(tenant=default_tenant, event_id=event_id, name="e", body_digest="0" * 64,
+                                    created_at=timezone.now() - age)
+
+    monkeypatch.setenv("ACC_EVENT_RECEIPT_RETENTION_HOURS", "24")
+    reload()
+    try:
+        receipt("old-1", timedelta(hours=25))
+        receipt("old-2", timedelta(days=30))
+        receipt("fresh", timedelta(hours=23))
+        [duty] = [d for d in all_duties(batch=100) if d.name == "prune_event_receipts"]
+        assert duty.run(1) == 1, "a bounded batch"
+        assert duty.run(100) == 1
+        assert duty.run(100) == 0
+        assert list(EventReceipt.objects.values_list("event_id", flat=True)) == ["fresh"]
+    finally:
+        monkeypatch.delenv("ACC_EVENT_RECEIPT_RETENTION_HOURS")
+        reload()

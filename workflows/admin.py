@@ -8,12 +8,15 @@ form, which raises a new condition), never by editing their timestamps.
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
 from django import forms
 from django.contrib import admin
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
+from django.db import connection
+from django.http import QueryDict
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -21,8 +24,10 @@ from django.utils.safestring import mark_safe
 
 from ops.dag import render_svg, steps_from
 from jobs import api
-from accs_site.admin_kit import actor, report
+from accs_site.admin_kit import actor, perform
 from jobs.transitions import ActionResult
+from workflows.api import next_version, steps_frozen_reason
+from workflows.diff import steps_diff
 from workflows.models import GovernorCondition, Service, Workflow
 from workflows.validation import DefinitionError
 
@@ -100,21 +105,105 @@ class ServiceAdmin(DefinitionAdmin):
     )
 
 
+#: The fields a version that jobs use keeps: jobs name the version, and it names the steps they ran.
+FROZEN_WHEN_USED = ("name", "version", "steps")
+
+
+class IndentedJSONField(forms.JSONField):
+    """A JSON field shown indented, one step per block, instead of one long line."""
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, forms.fields.InvalidJSONInput):
+            return value  # what the operator typed, to correct it
+        return json.dumps(value, ensure_ascii=False, indent=2, cls=self.encoder)
+
+
 class WorkflowForm(ProblemsByFieldForm):
+    """Refuse to change the steps, name or version of a version that jobs use (as the HTTP API does)."""
+
+    #: Set by :meth:`clean` when the edit was refused because jobs use the version.
+    frozen_reason: str | None = None
+    #: The refused edit's steps (a refused field leaves ``cleaned_data``, so they are kept here for the diff).
+    refused_steps: Any = None
+
     class Meta:
         model = Workflow
         fields = "__all__"
-        widgets = {"steps": forms.Textarea(attrs={"rows": 16, "cols": 100, "style": "font-family: monospace"})}
+        field_classes = {"steps": IndentedJSONField}
+        widgets = {"steps": forms.Textarea(attrs={"rows": 24, "cols": 100, "style": "font-family: monospace"})}
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if self.instance._state.adding:  # a new version (ids are set before the first save)
+            return data
+        stored = Workflow.objects.all()
+        if connection.in_atomic_block:  # the admin's save runs in one; see steps_frozen_reason
+            stored = stored.select_for_update()
+        stored = stored.get(pk=self.instance.pk)
+        changed = [name for name in FROZEN_WHEN_USED if name in data and data[name] != getattr(stored, name)]
+        reason = steps_frozen_reason(stored) if changed else None
+        if reason:
+            self.frozen_reason, self.refused_steps = reason, data.get("steps", stored.steps)
+            for name in changed:
+                self.add_error(name, f"{reason}, so its {name} cannot change in place; "
+                                     "use \"Save as a new version\" to keep this edit as the next version")
+        return data
 
 
 @admin.register(Workflow)
 class WorkflowAdmin(DefinitionAdmin):
+    """Workflow versions: a version that jobs use keeps its steps; an edit becomes the next version.
+
+    "Save as a new version" (Django's save-as) stores the form as the next free version number
+    when the one in the form is taken. The page shows the steps' changes against the previous
+    version, and, when an edit is refused, the edit's changes against the stored version.
+    """
+
     form = WorkflowForm
+    save_as = True
     list_display = ("name", "version", "is_active", "max_active_jobs", "step_count", "updated_at")
     list_filter = ("is_active",)
     search_fields = ("name", "description")
     readonly_fields = ("picture",)
     fields = ("name", "version", "description", "is_active", "max_active_jobs", "steps", "picture")
+    change_form_template = "admin/workflows/workflow/change_form.html"
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        if request.method == "POST" and "_saveasnew" in request.POST:
+            request.POST = self._as_next_version(request.POST)
+        response = super().changeform_view(request, object_id, form_url, extra_context)
+        form = getattr(getattr(response, "context_data", {}).get("adminform"), "form", None)
+        if form is not None and form.frozen_reason:
+            response.status_code = 409  # the same answer as PATCH /workflows/{name}/{version}
+        return response
+
+    @staticmethod
+    def _as_next_version(post: QueryDict) -> QueryDict:
+        """Give the posted version the next free number when the posted one exists already."""
+        name, version = post.get("name", ""), post.get("version", "")
+        if name and Workflow.objects.filter(name=name, version=int(version) if version.isdigit() else 0).exists():
+            post = post.copy()
+            post["version"] = str(next_version(name))
+        return post
+
+    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        if obj is not None and not obj._state.adding:
+            context.update(self._version_context(obj, context["adminform"].form))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def _version_context(self, obj: Workflow, form: WorkflowForm) -> dict[str, Any]:
+        """The stored version, its predecessor and the step changes the page shows."""
+        stored = Workflow.objects.get(pk=obj.pk)  # obj carries the posted values after a refused edit
+        previous = (Workflow.objects.filter(name=stored.name, version__lt=stored.version)
+                    .order_by("-version").first())
+        context: dict[str, Any] = {
+            "stored_version": stored, "previous_version": previous,
+            "jobs_use_version": steps_frozen_reason(stored) is not None,
+            "diff_previous": steps_diff(previous.steps, stored.steps) if previous else None,
+        }
+        if form.is_bound and form.frozen_reason:
+            context["diff_edit"] = steps_diff(stored.steps, form.refused_steps)
+        return context
 
     @admin.display(description="steps")
     def step_count(self, obj: Workflow) -> int:
@@ -210,9 +299,8 @@ class GovernorConditionAdmin(admin.ModelAdmin):
         if "apply" in request.POST and form.is_valid():
             minutes = form.cleaned_data["minutes"]
             expires = timezone.now() + timedelta(minutes=minutes) if minutes else None
-            report(request, self, "Raise", [
-                _raise(c.name, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request))
-                for c in queryset])
+            perform(request, self, "Raise", list(queryset), lambda c: _raise(
+                c.name, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request)))
             return None
         context: dict[str, Any] = {
             **self.admin_site.each_context(request), "title": "Raise governor conditions", "form": form,
@@ -222,7 +310,10 @@ class GovernorConditionAdmin(admin.ModelAdmin):
 
     @admin.action(description="Clear selected conditions", permissions=["operate"])
     def clear_conditions(self, request, queryset):
-        report(request, self, "Clear", [_clear(c.name, by=actor(request)) for c in queryset])
+        perform(request, self, "Clear", list(queryset), lambda c: _clear(c.name, by=actor(request)))
+
+    def action_subject(self, obj: GovernorCondition) -> str:
+        return obj.name
 
 
 __all__ = ["GovernorConditionAdmin", "ProblemsByFieldForm", "ServiceAdmin", "WorkflowAdmin"]

@@ -39,7 +39,7 @@ def create_workflow(*, name: str, steps: list[dict[str, Any]], version: int | No
     """Validate and save a workflow; ``version`` defaults to the next free number for ``name``."""
     with transaction.atomic():
         if version is None:
-            version = (Workflow.objects.filter(name=name).aggregate(v=Max("version"))["v"] or 0) + 1
+            version = next_version(name)
         workflow = Workflow(name=name, version=version, steps=steps, description=description,
                             max_active_jobs=max_active_jobs, is_active=is_active)
         validate_workflow(workflow)  # raises DefinitionError naming each problem
@@ -47,6 +47,24 @@ def create_workflow(*, name: str, steps: list[dict[str, Any]], version: int | No
             raise DefinitionError([Problem("version", f"workflow {name!r} already has version {version}")])
         workflow.save()
         return workflow
+
+
+def steps_frozen_reason(workflow: Workflow) -> str | None:
+    """Return why this stored version's steps may not change in place (jobs use it), or None.
+
+    A job records the version it ran, so changing that version's steps would rewrite what the
+    job claims to have run; a changed definition is the next version instead. Call it inside the
+    transaction that saves, after locking the workflow row FOR UPDATE: inserting a job takes a
+    key-share lock on that row, so no job can start using the version between check and save.
+    """
+    if workflow.pk is None or not workflow.jobs.exists():
+        return None
+    return f"workflow {workflow.name!r} version {workflow.version} has jobs"
+
+
+def next_version(name: str) -> int:
+    """Return the next free version number of the workflow ``name`` (1 for a new name)."""
+    return (Workflow.objects.filter(name=name).aggregate(v=Max("version"))["v"] or 0) + 1
 
 
 def import_definitions(data: dict[str, Any]) -> tuple[list[Service], list[Workflow]]:

@@ -17,7 +17,7 @@ from ninja.errors import HttpError
 from pydantic import StrictBool
 
 from accs_site.http import INT32, In, require_scope, require_superuser, responses
-from workflows.api import create_workflow, save_service
+from workflows.api import create_workflow, save_service, steps_frozen_reason
 from workflows.models import Executor, Service, Workflow
 from workflows.validation import DefinitionError, Problem, validate_workflow
 
@@ -284,9 +284,9 @@ def update_workflow(request: HttpRequest, body: WorkflowPatch,
         if workflow is None:
             raise HttpError(404, f"no workflow {name!r} version {version}")
         if "steps" in changes:
-            if workflow.jobs.exists():
-                return Status(409, {"detail": f"workflow {name!r} version {version} has jobs; POST /workflows "
-                                              "with the new steps to create the next version"})
+            if reason := steps_frozen_reason(workflow):
+                return Status(409, {"detail": f"{reason}; POST /workflows with the new steps to create the next "
+                                              "version"})
             workflow.steps = _steps(body.steps)
         for field in ("description", "is_active", "max_active_jobs"):
             if field in changes:

@@ -1,6 +1,6 @@
-"""Retention: prune finished jobs past their tenant's retention, and sweep orphan artifact objects.
+"""Retention: prune finished jobs past their tenant's retention, old event receipts, and orphan artifact objects.
 
-Two duties of one concern. Pruning runs often in small batches, so a steady stream of finished
+Three duties of one concern. Pruning runs often in small batches, so a steady stream of finished
 jobs leaves as steadily as it arrives. The sweep lists one page of artifact keys per pass and
 deletes the objects no row records (uploads whose database write failed, deletions that failed
 after a prune); it remembers where it stopped, so a large bucket is covered over several passes.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from accs_site.conf import accs
 from jobs.duties import Duty
+from jobs.receipts import prune_receipts as prune_old_receipts
 
 SWEEP_PAGE = 1000
 
@@ -20,6 +21,10 @@ def prune(limit: int) -> int:
     from jobs.retention import prune_finished_jobs
 
     return prune_finished_jobs(limit=limit).jobs
+
+
+def prune_receipts(limit: int) -> int:
+    return prune_old_receipts(limit=limit, hours=accs.event_receipt_retention_hours)
 
 
 class OrphanSweep:
@@ -40,4 +45,5 @@ def duties() -> list[Duty]:
     # Up to ten batches every few seconds keeps pace with millions of jobs an hour; when nothing
     # is due a pass is one index probe per tenant.
     return [Duty("prune_finished_jobs", every=5.0, limit=accs.retention_batch, run=prune, max_batches=10),
+            Duty("prune_event_receipts", every=60.0, limit=5000, run=prune_receipts, max_batches=10),
             Duty("sweep_orphan_objects", every=600.0, limit=SWEEP_PAGE, run=OrphanSweep())]

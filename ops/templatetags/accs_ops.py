@@ -70,7 +70,8 @@ def figure(n: int, url: str) -> str:
 
 STUCK_LABELS = {"no_agent": "no agent", "draining": "draining", "labels": "labels", "governor": "governor",
                 "at_cap": "at cap", "quarantined_host": "quarantine", "rate_limit": "rate limit",
-                "key_rate_limit": "key rate", "key_cap": "key cap"}
+                "key_rate_limit": "key rate", "key_cap": "key cap", "approval": "approval", "scheduled": "scheduled",
+                "admission": "admission", "backoff": "backoff"}
 
 
 @register.filter

@@ -60,7 +60,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 
 # ACCS reads ACC_* from the environment first, then from this dict.
-ACCS = {"ACC_POLL_INTERVAL_SEC": "0.5", "ACC_NODE_LABELS": "site=shop"}
+ACCS = {"ACC_POLL_INTERVAL_SEC": "0.5", "ACC_NODE_LABELS": "site=shop", "ACC_METRICS_TOKEN": "shop-scrape-token"}
 
 # Django's Tasks API on ACCS agents.
 TASKS = {"default": {"BACKEND": "jobs.tasks_backend.AccsTaskBackend", "OPTIONS": {"TENANT": "default"}}}

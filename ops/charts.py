@@ -1,0 +1,154 @@
+"""Small time-series charts for the dashboard: throughput, failures and queue latency over the last
+hours, overall and per service, drawn as inline SVG (no script, no CDN).
+
+The figures come from the newest attempts by primary key (as the dashboard's timings do), so the
+read is bounded whatever the size of the history; a busy site whose sample does not reach back the
+whole span says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from django.db import connection
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
+
+from ops.overview import _tenant_filter, human_age
+
+#: How far back the charts reach, and the width of one bar.
+CHART_SPAN, CHART_BUCKET = timedelta(hours=6), timedelta(minutes=10)
+#: Attempts read at most (the newest by primary key).
+CHART_SAMPLE = 50_000
+#: Services drawn one by one (the busiest); the rest are in the overall charts.
+CHART_SERVICES = 8
+
+CHART_SQL = """
+-- The newest attempts by primary key, then those started inside the span, counted per bar (and
+-- per service): attempts started, those that failed or timed out, and the median queue latency of
+-- tasks' current attempts (claim time − the time the task became claimable).
+-- The sample is read twice (inlined: a materialized copy would hide its size from the planner,
+-- which then hashes the whole task table instead of looking each task up by its key).
+WITH recent AS NOT MATERIALIZED (
+    SELECT a.task_id, a.attempt_no, a.status, a.started_at
+      FROM accs_attempt a ORDER BY a.id DESC LIMIT %(sample)s
+), r AS (
+    SELECT t.service_id, r.status,
+           floor(extract(epoch FROM r.started_at - %(since)s) / %(bucket)s)::int AS bar,
+           CASE WHEN r.attempt_no = t.attempt AND t.next_attempt_at <= r.started_at
+                THEN extract(epoch FROM r.started_at - t.next_attempt_at) END AS latency
+      FROM recent r JOIN accs_task t ON t.id = r.task_id
+     WHERE r.started_at >= %(since)s AND {tenants}
+)
+SELECT service_id, bar, count(*), count(*) FILTER (WHERE status IN ('failed', 'timeout')),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY latency), min(bar) OVER (), (SELECT count(*) FROM recent)
+  FROM r GROUP BY GROUPING SETS ((bar), (service_id, bar))
+"""
+
+
+@dataclass
+class Series:
+    """One service's (or, with ``service`` empty, every service's) figures per bar, oldest first."""
+
+    service: str
+    started: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    latency: list[float | None] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.started)
+
+
+@dataclass
+class Charts:
+    """The dashboard's charts: the overall series, the busiest services', and the bars' times."""
+
+    since: datetime
+    bucket_seconds: int
+    bars: int
+    overall: Series
+    services: list[Series]
+    partial: bool  # the sample did not reach back to the start of the span
+
+    @property
+    def span_seconds(self) -> int:
+        return self.bars * self.bucket_seconds
+
+
+def chart_data(*, tenant_ids: set[UUID] | None = None, now: datetime | None = None,
+               span: timedelta = CHART_SPAN, bucket: timedelta = CHART_BUCKET, sample: int = CHART_SAMPLE) -> Charts:
+    """Count attempts, failures and queue latency per bar over ``span``, overall and per service."""
+    now = now or timezone.now()
+    bars = int(span / bucket)
+    since = now - bars * bucket
+    where, params = _tenant_filter("t.tenant_id", tenant_ids)
+    with connection.cursor() as cur:
+        cur.execute("SELECT id, key FROM accs_service")
+        names = dict(cur.fetchall())
+        cur.execute(CHART_SQL.format(tenants=where),
+                    {"sample": sample, "since": since, "bucket": bucket.total_seconds(), **params})
+        rows = cur.fetchall()
+    series: dict[int | None, Series] = {}
+    first_bar, full_sample = bars, False
+    for service_id, bar, started, failed, latency, earliest, read in rows:
+        full_sample = read >= sample
+        if not 0 <= bar < bars:
+            continue
+        first_bar = min(first_bar, earliest if earliest is not None else bars)
+        s = series.setdefault(service_id, Series(service=names.get(service_id, "") if service_id else "",
+                                                 started=[0] * bars, failed=[0] * bars, latency=[None] * bars))
+        s.started[bar], s.failed[bar], s.latency[bar] = started, failed, latency
+    overall = series.pop(None, Series(service="", started=[0] * bars, failed=[0] * bars, latency=[None] * bars))
+    busiest = sorted(series.values(), key=lambda s: (-s.total, s.service))[:CHART_SERVICES]
+    return Charts(since=since, bucket_seconds=int(bucket.total_seconds()), bars=bars, overall=overall,
+                  services=sorted(busiest, key=lambda s: s.service), partial=bool(full_sample and first_bar > 0))
+
+
+def bars_svg(values: list[float | None], *, since: datetime, bucket_seconds: int, colour: str, unit: str,
+             width: int = 288, height: int = 44, label: str = "") -> SafeString:
+    """Draw values as bars (oldest left), each with a tooltip naming its time and value."""
+    top = max((v for v in values if v), default=0) or 1
+    step = width / max(len(values), 1)
+
+    def text(v: float | None) -> str:
+        if v is None:
+            return "—"
+        return human_age(v) if unit == "s" else f"{v:.0f} {unit}"
+
+    def bar(i: int, v: float | None) -> tuple[str, ...]:
+        tall = (v or 0) / top * (height - 2)
+        at = timezone.localtime(since + timedelta(seconds=i * bucket_seconds)).strftime("%H:%M")
+        return (f"{i * step:.1f}", f"{height - tall:.1f}", f"{max(step - 1, 1):.1f}", f"{tall:.1f}", colour, at,
+                text(v))
+
+    rects = format_html_join(
+        "", '<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{} {}</title></rect>',
+        (bar(i, v) for i, v in enumerate(values)))
+    return format_html('<svg xmlns="http://www.w3.org/2000/svg" class="accs-chart" width="{}" height="{}" '
+                       'viewBox="0 0 {} {}" role="img" aria-label="{}"><rect width="{}" height="{}" fill="#f8fafc"/>'
+                       '{}</svg>', width, height, width, height, label, width, height, mark_safe(rects))
+
+
+def chart_rows(charts: Charts) -> list[dict[str, object]]:
+    """Return one row per series (every service first) with its three charts drawn, for the template."""
+    def draw(values: list, colour: str, unit: str, label: str) -> SafeString:
+        return bars_svg(values, since=charts.since, bucket_seconds=charts.bucket_seconds, colour=colour, unit=unit,
+                        label=label)
+
+    rows = []
+    for s in [charts.overall, *charts.services]:
+        name = s.service or "every service"
+        rows.append({
+            "service": name, "started": s.total, "failed": sum(s.failed),
+            "throughput": draw(s.started, "#2563eb", "attempts", f"attempts started per bar, {name}"),
+            "failures": draw(s.failed, "#dc2626", "failed", f"attempts failed per bar, {name}"),
+            "latency": draw(s.latency, "#d97706", "s", f"median queue latency per bar, {name}"),
+        })
+    return rows
+
+
+__all__ = ["Charts", "Series", "bars_svg", "chart_data", "chart_rows"]
