@@ -424,8 +424,7 @@ def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candida
     svc = make_service("keyed-once", **fields, **KEYED)
     # Two keys own the head of the backlog: 200 tasks a claim passes over once they are at their limit.
     enqueue("keyed-once", ["c0"] * 100 + ["c1"] * 100 + [f"x{i}" for i in range(50)])
-    assert customers_of(claim(svc, 2)) == {"c0": 1}
-    assert customers_of(claim(svc, 2)) == {"c1": 1}, "c0 is at its limit (held, and started in the window)"
+    assert customers_of(claim(svc, 2)) == {"c0": 1, "c1": 1}, "each key's room (1), then the next key"
     with connection.cursor() as cur:
         cur.execute("ANALYZE accs_task")
         cur.execute("ANALYZE accs_rate_start")
@@ -444,8 +443,8 @@ def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candida
     ctes = [(n["CTE Name"], n["Actual Loops"]) for n in nodes if n.get("CTE Name") in ("cused", "rused")]
     assert all(loops <= 1 for loops in starts), starts
     assert ctes and all(loops <= 4 * 10 + 16 for _, loops in ctes), ctes
-    scan = next(n for n in nodes if n.get("Index Name") == "task_claim_idx")
-    assert scan["Rows Removed by Filter"] == 198, "the scan passed over the full keys' tasks"
+    passed = sum(n.get("Rows Removed by Filter", 0) for n in nodes if n.get("Index Name") == "task_claim_idx")
+    assert passed == 198, "the scan passed over the full keys' tasks once"
 
 
 def _plan_nodes(node: dict):
