@@ -447,6 +447,35 @@ def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candida
     assert passed == 198, "the scan passed over the full keys' tasks once"
 
 
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("limit", ["concurrency", "rate"])
+def test_a_keyed_claim_fills_its_room_from_as_many_keys_as_it_needs_over_a_grouped_backlog(make_service, limit):
+    """Each key's tasks in one run: the claim takes each key's room (2) and moves on to the next key."""
+    fields = ({"concurrency_key": "customer", "concurrency_key_limit": 2} if limit == "concurrency"
+              else {"rate_key": "customer", "rate_key_limit": 2})
+    svc = make_service("grouped", **fields, **KEYED)
+    # A key's run (30) is longer than a scan window of the claim's room (4 * 10 + 16) can cross twice.
+    enqueue("grouped", [f"k{i}" for i in range(8) for _ in range(30)])
+    got = claim(svc, 10)
+    assert customers_of(got) == {f"k{i}": 2 for i in range(5)}, "10 free slots: 5 keys with room for 2 each"
+    seq = dict(Task.objects.values_list("id", "order_seq"))
+    assert [seq[t.id] for t in got] == sorted(seq[t.id] for t in got), "claimed in the global order"
+    assert customers_of(claim(svc, 10)) == {"k5": 2, "k6": 2, "k7": 2}, "the next claim goes on to the keys left"
+    assert claim(svc, 10) == [], "every key is at its limit"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_keyed_claim_walks_down_the_priorities_and_keeps_each_keys_room_for_its_first_tasks(make_service):
+    """Across priorities: the highest first, a key's room to its tasks first in the order."""
+    svc = make_service("prio", concurrency_key="customer", concurrency_key_limit=2, **KEYED)
+    api.start_many([api.JobSpec(service="prio", params={"customer": c}, priority=p)
+                    for c, p in [("a", 0)] * 3 + [("b", 0)] * 3 + [("b", 5), ("c", 9), ("a", 5), ("c", 9)]])
+    transitions.start_due_jobs(limit=100)
+    got = claim(svc, 5)
+    prio = dict(Task.objects.values_list("id", "priority"))
+    assert [(t.params["customer"], prio[t.id]) for t in got] == [("c", 9), ("c", 9), ("b", 5), ("a", 5), ("a", 0)]
+
 def _plan_nodes(node: dict):
     yield node
     for child in node.get("Plans", []):
