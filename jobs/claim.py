@@ -298,27 +298,31 @@ def _key_cols(kinds: str) -> str:
     return "".join(f",\n               {cols[k]} AS {k}key" for k in "rc")
 
 
-def _key_filter(kinds: str, *, walked: bool) -> str:
+def _key_filter(kinds: str, *, walked: bool, single: bool) -> str:
     """SQL that passes over a task whose key is at its limit (or, ``walked``, filled by this walk).
 
-    A hashed subplan: one lookup per task, however many keys are full.
+    A hashed subplan: one lookup per task, however many keys are full. ``single``: one service of
+    the claim has per-key limits, so its full keys are the only ones and the lookup is by key alone.
     """
     parts = []
     for k in kinds:
         key = params_key_sql("t", _PATH[k])
-        sat = f"\n                AND {key} <> ALL(w.{k}sat)" if walked else ""
-        full = f"(t.service_id, {key}) NOT IN (SELECT * FROM {k}full)"
+        full = (f"{key} NOT IN (SELECT key FROM {k}full)" if single
+                else f"(t.service_id, {key}) NOT IN (SELECT * FROM {k}full)")
+        # (The key is read from the params once per task while no key is filled: the common case.)
+        sat = f"\n                AND (cardinality(w.{k}sat) = 0 OR {key} <> ALL(w.{k}sat))" if walked else ""
         parts.append(f"\n           AND ({_LIMIT[k]} = 0 OR ({full}{sat}))")
     return "".join(parts)
 
 
-def _walk_step(kinds: str, *, where: str, order: str) -> str:
+def _walk_step(kinds: str, *, where: str, order: str, single: bool) -> str:
     """Return the walk's scan for a service's next task of a tenant: one index descent, LIMIT 1."""
+    key_filter = _key_filter(kinds, walked=True, single=single)
     return f"""SELECT t.id, t.priority, t.order_seq, t.created_at{_key_cols(kinds)}
           FROM accs_task t
          WHERE t.service_id = svc.id AND t.tenant_id = w.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
            AND {where}
-           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){_key_filter(kinds, walked=True)}
+           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
          ORDER BY {order} LIMIT 1"""
 
 
@@ -333,7 +337,7 @@ def _saturated(kinds: str, kind: str) -> str:
                THEN ARRAY[f.{kind}key] ELSE '{{}}'::text[] END"""
 
 
-def _free_walk(kinds: str) -> str:
+def _free_walk(kinds: str, *, single: bool) -> str:
     """Return the CTEs that find and lock the host-free candidates of services with per-key limits.
 
     A walk down each tenant's queue (task_claim_idx) that takes no more of a key than the key has
@@ -357,10 +361,11 @@ def _free_walk(kinds: str) -> str:
       FROM walk w JOIN svc ON svc.id = w.service_id CROSS JOIN LATERAL (
         -- The next task after the last one: later in the same priority, else the first of a lower one.
         ({_walk_step(kinds, where='t.priority = w.priority AND (t.order_seq, t.created_at, t.id) > '
-                                  '(w.order_seq, w.created_at, w.id)', order='t.order_seq, t.created_at, t.id')})
+                                  '(w.order_seq, w.created_at, w.id)', order='t.order_seq, t.created_at, t.id',
+                            single=single)})
         UNION ALL
         ({_walk_step(kinds, where='t.priority < w.priority',
-                     order='t.priority DESC, t.order_seq, t.created_at, t.id')})
+                     order='t.priority DESC, t.order_seq, t.created_at, t.id', single=single)})
         LIMIT 1) f
      WHERE w.n < svc.room
 ), free AS (
@@ -411,10 +416,11 @@ _RECORD_STARTS = f""", starts AS (
 )"""
 
 
-def claim_sql(*, kinds: str = "", rated: bool) -> str:
+def claim_sql(*, kinds: str = "", rated: bool, single: bool = False) -> str:
     """Return the claim statement for services with the per-key limits ``kinds`` ('c' a cap, 'r' a rate).
 
     ``kinds`` empty: no per-key limit (the plain statement). ``rated``: starts are recorded.
+    ``single``: only one of the claim's services has per-key limits.
     """
     if set(kinds) - set("cr"):
         raise ValueError(f"unknown kind of key limit in {kinds!r}: 'c' (cap) and 'r' (rate) exist")
@@ -424,8 +430,9 @@ def claim_sql(*, kinds: str = "", rated: bool) -> str:
                                   free=", free AS (\n" + _FREE_SCAN.format(stamp=STAMP_SQL), stamp=STAMP_SQL)
     return _CLAIM_HEAD.format(
         keyed_ctes="".join(_USED[k] for k in "cr" if k in kinds), bound_key_cols=_key_cols(kinds),
-        bound_key_filter=_key_filter(kinds, walked=False), keyed_pick=_keyed_pick(kinds), source="keyed_cand",
-        record_starts=_RECORD_STARTS if rated else "", free=_free_walk(kinds), stamp=STAMP_SQL)
+        bound_key_filter=_key_filter(kinds, walked=False, single=single), keyed_pick=_keyed_pick(kinds),
+        source="keyed_cand",
+        record_starts=_RECORD_STARTS if rated else "", free=_free_walk(kinds, single=single), stamp=STAMP_SQL)
 
 
 def _kinds(specs: Sequence[ServiceSpec]) -> str:
@@ -435,14 +442,15 @@ def _kinds(specs: Sequence[ServiceSpec]) -> str:
 
 
 CLAIM_SQL = claim_sql(rated=False)
-_CLAIM_VARIANTS = {(k, r): claim_sql(kinds=k, rated=r) for k in ("", "c", "r", "cr") for r in (False, True)}
+_CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
+                   for k in ("", "c", "r", "cr") for r in (False, True) for one in (False, True)}
 
 
 def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
                     adjust: Mapping[int, int]) -> tuple[str, dict[str, Any]]:
     """Return the claim statement these services need and its per-service parameters."""
     specs = [s for s, _ in rooms]
-    sql = _CLAIM_VARIANTS[(_kinds(specs), any(s.rated for s in specs))]
+    sql = _CLAIM_VARIANTS[(_kinds(specs), any(s.rated for s in specs), sum(s.keyed for s in specs) == 1)]
     return sql, {
         "svc_ids": [s.id for s in specs], "rooms": [n for _, n in rooms],
         "weights": [max(s.cpu_weight, 1) for s in specs], "adjust": [adjust.get(s.id, 0) for s in specs],
@@ -586,11 +594,12 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
             rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
             return slots, cpu, [(s, n) for s, n in rooms if n > 0]
 
-        if any(s.fleet_limited for s in services):
-            # A service's global cap, rate limit or per-key cap is a lock every claimer in the
-            # fleet shares. Look first without it: a limit full now stays full for this claim
-            # (claims only fill it; a finish or the passing window frees room for the next claim),
-            # so a claimer that finds no room does not queue behind all the others for the lock.
+        if any(s.max_concurrent > 0 or s.rate_limit > 0 for s in services):
+            # A service's global cap or rate limit is a lock every claimer in the fleet shares.
+            # Look first without it: a limit full now stays full for this claim (claims only fill
+            # it; a finish or the passing window frees room for the next claim), so a claimer that
+            # finds no room does not queue behind all the others for the lock. (Per-key limits are
+            # not in this look: whether a key has room is for the claim statement to find.)
             slots, cpu, rooms = rooms_now()
             if slots <= 0 or not rooms:
                 return []

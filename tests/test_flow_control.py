@@ -476,6 +476,20 @@ def test_a_keyed_claim_walks_down_the_priorities_and_keeps_each_keys_room_for_it
     prio = dict(Task.objects.values_list("id", "priority"))
     assert [(t.params["customer"], prio[t.id]) for t in got] == [("c", 9), ("c", 9), ("b", 5), ("a", 5), ("a", 0)]
 
+
+@pytest.mark.django_db(transaction=True)
+def test_two_keyed_services_claimed_together_count_each_ones_keys_apart(make_service):
+    """The same key name in two services: full in one, it still has room in the other."""
+    one = make_service("keyed-one", concurrency_key="customer", concurrency_key_limit=1, **KEYED)
+    two = make_service("keyed-two", rate_key="customer", rate_key_limit=2, **KEYED)
+    enqueue("keyed-one", ["a"] * 5 + ["b"])
+    enqueue("keyed-two", ["a"] * 5 + ["b"])
+    assert customers_of(claim(one, 1)) == {"a": 1}, "a is at its cap in keyed-one"
+    got = claim_many([service_spec(one), service_spec(two)], NODE, agent_id="agent-fc", free_slots=10,
+                     lease_seconds=60)
+    assert sorted((t.service_key, t.params["customer"]) for t in got) == [
+        ("keyed-one", "b"), ("keyed-two", "a"), ("keyed-two", "a"), ("keyed-two", "b")]
+
 def _plan_nodes(node: dict):
     yield node
     for child in node.get("Plans", []):
