@@ -382,28 +382,25 @@ def _free_walk(kinds: str, *, single: bool) -> str:
 def _keyed_pick(kinds: str) -> str:
     """Return the CTEs that keep, per key, no more candidates than the key has room for.
 
-    Its rate or its cap, whichever is nearer; then per service no more than the service's room.
-    Ranks count the candidates of a key in the global order, so a key's room goes to its most
-    important tasks. (The walk already keeps to this; host-bound candidates need it.)
+    Its rate or its cap, whichever is nearer. Ranks count the candidates of a key in the global
+    order, so a key's room goes to its most important tasks. (Each walk keeps to this for its
+    tenant; candidates of several tenants and host-bound ones need it.) The service's room is kept
+    by the fair order below.
     """
-    left = {k: (f"{_LIMIT[k]} - coalesce({k}u.used, 0)" if k in kinds else "0") for k in "rc"}
+    ranks = "".join(f""",
+           {_LIMIT[k]} - coalesce({k}u.used, 0) AS {k}left,
+           row_number() OVER (PARTITION BY cand.service_id, cand.{k}key
+                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS {k}rank"""
+                    for k in kinds)
     joins = "".join(f"""
       LEFT JOIN {k}used {k}u ON {k}u.service_id = cand.service_id AND {k}u.key = cand.{k}key""" for k in kinds)
+    allowed = " AND ".join(f"({k}key IS NULL OR {k}rank <= {k}left)" for k in kinds)
     return f""", keyed AS (
-    SELECT cand.*, svc.room, {left['r']} AS rleft, {left['c']} AS cleft,
-           row_number() OVER (PARTITION BY cand.service_id, cand.rkey
-                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS rrank,
-           row_number() OVER (PARTITION BY cand.service_id, cand.ckey
-                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS crank
+    SELECT cand.*{ranks}
       FROM cand JOIN svc ON svc.id = cand.service_id{joins}
-), allowed AS (
-    SELECT keyed.*, row_number() OVER (PARTITION BY service_id ORDER BY eff_priority DESC, order_seq, created_at, id)
-                    AS srank
-      FROM keyed
-     WHERE (rkey IS NULL OR rrank <= rleft) AND (ckey IS NULL OR crank <= cleft)
 ), keyed_cand AS (
     SELECT id, service_id, host_id, exclusive, tenant_id, priority, order_seq, created_at, weight, eff_priority
-      FROM allowed WHERE srank <= room
+      FROM keyed WHERE {allowed}
 )"""
 
 
