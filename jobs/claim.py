@@ -124,7 +124,9 @@ STAMP_SQL = "coalesce(%(now)s::timestamptz, statement_timestamp())"
 
 _CLAIM_HEAD = """
 WITH RECURSIVE svc AS (
-    SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[],
+    -- (A key path as an array once, not once per task a scan passes over.)
+    SELECT s.*, string_to_array(s.rpath, '.') AS rparts, string_to_array(s.cpath, '.') AS cparts
+      FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[],
                          %(scans)s::int[], %(rpaths)s::text[], %(rlimits)s::int[], %(cpaths)s::text[],
                          %(climits)s::int[], %(periods)s::int[], %(rated)s::bool[])
              AS s(id, room, weight, adjust, scan, rpath, rlimit, cpath, climit, period, rated)
@@ -252,7 +254,12 @@ def params_key_sql(alias: str, path: str) -> str:
 
     The claim and every reader of the limits use this one expression, so they agree on a key.
     """
-    return f"coalesce({alias}.params #>> string_to_array({path}, '.'), '')"
+    return params_key_at(alias, f"string_to_array({path}, '.')")
+
+
+def params_key_at(alias: str, parts: str) -> str:
+    """SQL for a task's key at a path already split into its parts (see :func:`params_key_sql`)."""
+    return f"coalesce({alias}.params #>> {parts}, '')"
 
 
 # Per-key limits. The keys at their limit are read once per claim, per service (cfull: held tasks
@@ -288,12 +295,12 @@ _USED = {
 )""",
 }
 _LIMIT = {"c": "svc.climit", "r": "svc.rlimit"}
-_PATH = {"c": "svc.cpath", "r": "svc.rpath"}
+_PARTS = {"c": "svc.cparts", "r": "svc.rparts"}
 
 
 def _key_cols(kinds: str) -> str:
     """SQL for a candidate's two keys (NULL for a kind of limit the claim's services do not have)."""
-    cols = {k: (f"CASE WHEN {_LIMIT[k]} > 0 THEN {params_key_sql('t', _PATH[k])} END" if k in kinds else "NULL::text")
+    cols = {k: (f"CASE WHEN {_LIMIT[k]} > 0 THEN {params_key_at('t', _PARTS[k])} END" if k in kinds else "NULL::text")
             for k in "rc"}
     return "".join(f",\n               {cols[k]} AS {k}key" for k in "rc")
 
@@ -306,7 +313,7 @@ def _key_filter(kinds: str, *, walked: bool, single: bool) -> str:
     """
     parts = []
     for k in kinds:
-        key = params_key_sql("t", _PATH[k])
+        key = params_key_at("t", _PARTS[k])
         full = (f"{key} NOT IN (SELECT key FROM {k}full)" if single
                 else f"(t.service_id, {key}) NOT IN (SELECT * FROM {k}full)")
         # (The key is read from the params once per task while no key is filled: the common case.)
