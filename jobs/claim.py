@@ -124,7 +124,9 @@ STAMP_SQL = "coalesce(%(now)s::timestamptz, statement_timestamp())"
 
 _CLAIM_HEAD = """
 WITH RECURSIVE svc AS (
-    SELECT * FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[],
+    -- (A key path as an array once, not once per task a scan passes over.)
+    SELECT s.*, string_to_array(s.rpath, '.') AS rparts, string_to_array(s.cpath, '.') AS cparts
+      FROM unnest(%(svc_ids)s::bigint[], %(rooms)s::int[], %(weights)s::int[], %(adjust)s::int[],
                          %(scans)s::int[], %(rpaths)s::text[], %(rlimits)s::int[], %(cpaths)s::text[],
                          %(climits)s::int[], %(periods)s::int[], %(rated)s::bool[])
              AS s(id, room, weight, adjust, scan, rpath, rlimit, cpath, climit, period, rated)
@@ -142,33 +144,17 @@ WITH RECURSIVE svc AS (
                              AND t.tenant_id > q.tenant_id
                            ORDER BY t.tenant_id LIMIT 1)
       FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
-), free AS (
-    -- Tasks bound to no host, per service and tenant: served by task_claim_idx (service_id,
-    -- tenant_id, priority DESC, order_seq, created_at, id) WHERE queued AND no host; each scan stops
-    -- after the service's room. SKIP LOCKED: concurrent claimers never wait for each other nor
-    -- take the same row.
-    SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
-      FROM queued_tenants q JOIN {services} ON svc.id = q.service_id CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq, t.created_at{key_cols}
-          FROM accs_task t
-         WHERE t.service_id = svc.id AND t.tenant_id = q.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
-           AND t.next_attempt_at <= {stamp}
-           -- Tasks this agent still runs (an older attempt it has not finished) are never
-           -- claimed by it again: its own late finish would otherwise race the new attempt.
-           AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
-         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
-         LIMIT svc.scan
-           FOR UPDATE OF t SKIP LOCKED) c
-), bound AS (
+){free}), bound AS (
     -- Tasks bound to this node's eligible hosts, per host and service: task_claim_host_idx. Other
     -- nodes' host-bound work is never scanned.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
-      FROM {services} CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
-        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq, t.created_at{key_cols}
+      FROM svc CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq,
+               t.created_at{bound_key_cols}
           FROM accs_task t
          WHERE t.host_id = h.id AND t.service_id = svc.id AND t.status = 'queued'
            AND t.next_attempt_at <= {stamp}
-           AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
+           AND t.id <> ALL(%(exclude)s::uuid[]){bound_key_filter}
            -- Exclusive work: not while another exclusive task is held on the host (served by
            -- the partial unique index task_one_held_per_exclusive_host).
            AND NOT (t.exclusive AND EXISTS (SELECT 1 FROM accs_task x WHERE x.host_id = t.host_id AND x.exclusive
@@ -243,74 +229,187 @@ SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_se
 """
 
 
+# Tasks bound to no host, the plain scan (services without per-key limits).
+_FREE_SCAN = """    -- Tasks bound to no host, per service and tenant: served by task_claim_idx (service_id,
+    -- tenant_id, priority DESC, order_seq, created_at, id) WHERE queued AND no host; each scan stops
+    -- after the service's room. SKIP LOCKED: concurrent claimers never wait for each other nor
+    -- take the same row.
+    SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
+      FROM queued_tenants q JOIN svc ON svc.id = q.service_id CROSS JOIN LATERAL (
+        SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq, t.created_at
+          FROM accs_task t
+         WHERE t.service_id = svc.id AND t.tenant_id = q.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
+           AND t.next_attempt_at <= {stamp}
+           -- Tasks this agent still runs (an older attempt it has not finished) are never
+           -- claimed by it again: its own late finish would otherwise race the new attempt.
+           AND t.id <> ALL(%(exclude)s::uuid[])
+         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
+         LIMIT svc.scan
+           FOR UPDATE OF t SKIP LOCKED) c
+"""
+
+
 def params_key_sql(alias: str, path: str) -> str:
     """SQL for a task's key: the params value at a dotted path ('' when the params lack it).
 
     The claim and every reader of the limits use this one expression, so they agree on a key.
     """
-    return f"coalesce({alias}.params #>> string_to_array({path}, '.'), '')"
+    return params_key_at(alias, f"string_to_array({path}, '.')")
 
 
-# Per-key limits. The keys at their limit are read once per claim, per service, into two small
-# arrays (cfull: held tasks at the key cap; rfull: starts in the window at the key rate), and the
-# scan passes over a task whose key is in them with an in-memory comparison. So the cost of a
-# full key does not grow with the backlog behind it nor with the key's limit, and a keyed claim
-# costs about what an unkeyed one does (bench/keyed_claim.py).
+def params_key_at(alias: str, parts: str) -> str:
+    """SQL for a task's key at a path already split into its parts (see :func:`params_key_sql`)."""
+    return f"coalesce({alias}.params #>> {parts}, '')"
+
+
+# Per-key limits. The keys at their limit are read once per claim, per service (cfull: held tasks
+# at the key cap; rfull: starts in the window at the key rate), and the walk below passes over a
+# task whose key is among them with one lookup in a hash table built once per claim. So the cost
+# of a full key does not grow with its limit, and a keyed claim costs about what an unkeyed one
+# does (bench/keyed_claim.py). The parts of a kind of key (c: a cap, r: a rate) are left out of
+# the statement when no service of the claim has that kind: each costs planning and scan time.
 #
 # cused: held tasks per key of the services with a per-key cap (task_held_service_idx: the held
 # tasks of those services only, so the cost follows the running work).
 # rused: starts in the window per key of the services with a per-key rate (rate_start_service_at_idx;
 # the window's starts only: older ones are forgotten by the forget_old_rate_starts duty).
-_KEYED_CTES = f"""
+_USED = {
+    "c": f"""
 , cused AS MATERIALIZED (
     SELECT h.service_id, {params_key_sql('h', 'svc.cpath')} AS key, count(*) AS used
       FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
      WHERE svc.climit > 0
      GROUP BY 1, 2
-), rused AS MATERIALIZED (
+), cfull AS MATERIALIZED (
+    SELECT u.service_id, u.key FROM cused u JOIN svc ON svc.id = u.service_id WHERE u.used >= svc.climit
+)""",
+    "r": f"""
+, rused AS MATERIALIZED (
     SELECT r.service_id, r.key, count(*) AS used
       FROM svc JOIN accs_rate_start r ON r.service_id = svc.id
                                      AND r.at > {STAMP_SQL} - make_interval(secs => svc.period)
      WHERE svc.rlimit > 0 AND r.key IS NOT NULL
      GROUP BY 1, 2
-), ksvc AS (
-    SELECT svc.*,
-           ARRAY(SELECT u.key FROM cused u WHERE u.service_id = svc.id AND u.used >= svc.climit) AS cfull,
-           ARRAY(SELECT u.key FROM rused u WHERE u.service_id = svc.id AND u.used >= svc.rlimit) AS rfull
-      FROM svc
-)"""
+), rfull AS MATERIALIZED (
+    SELECT u.service_id, u.key FROM rused u JOIN svc ON svc.id = u.service_id WHERE u.used >= svc.rlimit
+)""",
+}
+_LIMIT = {"c": "svc.climit", "r": "svc.rlimit"}
+_PARTS = {"c": "svc.cparts", "r": "svc.rparts"}
 
-_KEY_COLS = f""",
-               CASE WHEN svc.rlimit > 0 THEN {params_key_sql('t', 'svc.rpath')} END AS rkey,
-               CASE WHEN svc.climit > 0 THEN {params_key_sql('t', 'svc.cpath')} END AS ckey"""
 
-# A key already at its limit is passed over in the scan itself, so one busy key cannot fill the
-# scan window and hide the tasks of other keys behind it.
-_KEY_FILTER = f"""
-           AND (svc.climit = 0 OR {params_key_sql('t', 'svc.cpath')} <> ALL(svc.cfull))
-           AND (svc.rlimit = 0 OR {params_key_sql('t', 'svc.rpath')} <> ALL(svc.rfull))"""
+def _key_cols(kinds: str) -> str:
+    """SQL for a candidate's two keys (NULL for a kind of limit the claim's services do not have)."""
+    cols = {k: (f"CASE WHEN {_LIMIT[k]} > 0 THEN {params_key_at('t', _PARTS[k])} END" if k in kinds else "NULL::text")
+            for k in "rc"}
+    return "".join(f",\n               {cols[k]} AS {k}key" for k in "rc")
 
-# Per key, no more tasks than the key has room for (its rate or its cap, whichever is nearer);
-# then per service no more than the service's room. Ranks count the candidates of a key in the
-# global order, so a key's room goes to its most important tasks.
-_KEYED_PICK = """, keyed AS (
-    SELECT cand.*, svc.room, svc.rlimit - coalesce(ru.used, 0) AS rleft, svc.climit - coalesce(cu.used, 0) AS cleft,
-           row_number() OVER (PARTITION BY cand.service_id, cand.rkey
-                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS rrank,
-           row_number() OVER (PARTITION BY cand.service_id, cand.ckey
-                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS crank
-      FROM cand JOIN svc ON svc.id = cand.service_id
-      LEFT JOIN rused ru ON ru.service_id = cand.service_id AND ru.key = cand.rkey
-      LEFT JOIN cused cu ON cu.service_id = cand.service_id AND cu.key = cand.ckey
-), allowed AS (
-    SELECT keyed.*, row_number() OVER (PARTITION BY service_id ORDER BY eff_priority DESC, order_seq, created_at, id)
-                    AS srank
-      FROM keyed
-     WHERE (rkey IS NULL OR rrank <= rleft) AND (ckey IS NULL OR crank <= cleft)
+
+def _key_filter(kinds: str, *, walked: bool, single: bool) -> str:
+    """SQL that passes over a task whose key is at its limit (or, ``walked``, filled by this walk).
+
+    A hashed subplan: one lookup per task, however many keys are full. ``single``: one service of
+    the claim has per-key limits, so its full keys are the only ones and the lookup is by key alone.
+    """
+    parts = []
+    for k in kinds:
+        key = params_key_at("t", _PARTS[k])
+        full = (f"{key} NOT IN (SELECT key FROM {k}full)" if single
+                else f"(t.service_id, {key}) NOT IN (SELECT * FROM {k}full)")
+        # (The key is read from the params once per task while no key is filled: the common case.)
+        sat = f"\n                AND (cardinality(w.{k}sat) = 0 OR {key} <> ALL(w.{k}sat))" if walked else ""
+        parts.append(f"\n           AND ({_LIMIT[k]} = 0 OR ({full}{sat}))")
+    return "".join(parts)
+
+
+def _walk_step(kinds: str, *, where: str, order: str, single: bool) -> str:
+    """Return the walk's scan for a service's next task of a tenant: one index descent, LIMIT 1."""
+    key_filter = _key_filter(kinds, walked=True, single=single)
+    return f"""SELECT t.id, t.priority, t.order_seq, t.created_at{_key_cols(kinds)}
+          FROM accs_task t
+         WHERE t.service_id = svc.id AND t.tenant_id = w.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
+           AND {where}
+           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
+         ORDER BY {order} LIMIT 1"""
+
+
+def _saturated(kinds: str, kind: str) -> str:
+    """SQL for the walk's keys of one kind filled once the found task is taken."""
+    if kind not in kinds:
+        return f"w.{kind}sat"
+    return f"""w.{kind}sat || CASE
+               WHEN f.{kind}key IS NOT NULL AND cardinality(array_positions(w.{kind}ks || f.{kind}key, f.{kind}key))
+                    >= {_LIMIT[kind]} - coalesce((SELECT u.used FROM {kind}used u
+                                                  WHERE u.service_id = svc.id AND u.key = f.{kind}key), 0)
+               THEN ARRAY[f.{kind}key] ELSE '{{}}'::text[] END"""
+
+
+def _free_walk(kinds: str, *, single: bool) -> str:
+    """Return the CTEs that find and lock the host-free candidates of services with per-key limits.
+
+    A walk down each tenant's queue (task_claim_idx) that takes no more of a key than the key has
+    room for. Each step is one index descent to the next task in the order whose key is neither at
+    its limit (cfull, rfull) nor filled by the tasks the walk already took (csat, rsat): a key with
+    a long run of tasks at the head yields its room and the walk moves on, so a claim fills its room
+    from as many keys as it needs. The walk reads without locks (a locking clause is not allowed in
+    a recursive query); its tasks are then locked by id with SKIP LOCKED and must still be queued.
+    Claimers of a keyed service hold its lock, so no other claimer takes a task from under a walk.
+    """
+    return f"""
+, walk AS (
+    -- Each tenant's walk starts above every priority (a bigint: no int is as high).
+    SELECT q.service_id, q.tenant_id, NULL::uuid AS id, 2147483648::bigint AS priority, 0::bigint AS order_seq,
+           NULL::timestamptz AS created_at, '{{}}'::text[] AS cks, '{{}}'::text[] AS rks, '{{}}'::text[] AS csat,
+           '{{}}'::text[] AS rsat, 0 AS n
+      FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
+    UNION ALL
+    SELECT w.service_id, w.tenant_id, f.id, f.priority, f.order_seq, f.created_at, w.cks || f.ckey,
+           w.rks || f.rkey, {_saturated(kinds, 'c')}, {_saturated(kinds, 'r')}, w.n + 1
+      FROM walk w JOIN svc ON svc.id = w.service_id CROSS JOIN LATERAL (
+        -- The next task after the last one: later in the same priority, else the first of a lower one.
+        ({_walk_step(kinds, where='t.priority = w.priority AND (t.order_seq, t.created_at, t.id) > '
+                                  '(w.order_seq, w.created_at, w.id)', order='t.order_seq, t.created_at, t.id',
+                            single=single)})
+        UNION ALL
+        ({_walk_step(kinds, where='t.priority < w.priority',
+                     order='t.priority DESC, t.order_seq, t.created_at, t.id', single=single)})
+        LIMIT 1) f
+     WHERE w.n < svc.room
+), free AS (
+    SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
+      FROM (SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq,
+                   t.created_at{_key_cols(kinds)}
+              FROM accs_task t JOIN svc ON svc.id = t.service_id
+             WHERE t.id = ANY(ARRAY(SELECT id FROM walk WHERE n > 0)) AND t.status = 'queued' AND t.host_id IS NULL
+             ORDER BY t.id
+               FOR UPDATE OF t SKIP LOCKED) c JOIN svc ON svc.id = c.service_id
+"""
+
+
+def _keyed_pick(kinds: str) -> str:
+    """Return the CTEs that keep, per key, no more candidates than the key has room for.
+
+    Its rate or its cap, whichever is nearer. Ranks count the candidates of a key in the global
+    order, so a key's room goes to its most important tasks. (Each walk keeps to this for its
+    tenant; candidates of several tenants and host-bound ones need it.) The service's room is kept
+    by the fair order below.
+    """
+    ranks = "".join(f""",
+           {_LIMIT[k]} - coalesce({k}u.used, 0) AS {k}left,
+           row_number() OVER (PARTITION BY cand.service_id, cand.{k}key
+                              ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS {k}rank"""
+                    for k in kinds)
+    joins = "".join(f"""
+      LEFT JOIN {k}used {k}u ON {k}u.service_id = cand.service_id AND {k}u.key = cand.{k}key""" for k in kinds)
+    allowed = " AND ".join(f"({k}key IS NULL OR {k}rank <= {k}left)" for k in kinds)
+    return f""", keyed AS (
+    SELECT cand.*{ranks}
+      FROM cand JOIN svc ON svc.id = cand.service_id{joins}
 ), keyed_cand AS (
     SELECT id, service_id, host_id, exclusive, tenant_id, priority, order_seq, created_at, weight, eff_priority
-      FROM allowed WHERE srank <= room
+      FROM keyed WHERE {allowed}
 )"""
+
 
 # Every start of a rate-limited service is recorded (with its key), in the claim's own statement.
 _RECORD_STARTS = f""", starts AS (
@@ -321,34 +420,52 @@ _RECORD_STARTS = f""", starts AS (
 )"""
 
 
-def claim_sql(*, keyed: bool, rated: bool) -> str:
-    """Return the claim statement for services with (or without) per-key limits and rate limits."""
+def claim_sql(*, kinds: str = "", rated: bool, single: bool = False) -> str:
+    """Return the claim statement for services with the per-key limits ``kinds`` ('c' a cap, 'r' a rate).
+
+    ``kinds`` empty: no per-key limit (the plain statement). ``rated``: starts are recorded.
+    ``single``: only one of the claim's services has per-key limits.
+    """
+    if set(kinds) - set("cr"):
+        raise ValueError(f"unknown kind of key limit in {kinds!r}: 'c' (cap) and 'r' (rate) exist")
+    if not kinds:
+        return _CLAIM_HEAD.format(keyed_ctes="", bound_key_cols="", bound_key_filter="", keyed_pick="",
+                                  source="cand", record_starts=_RECORD_STARTS if rated else "",
+                                  free=", free AS (\n" + _FREE_SCAN.format(stamp=STAMP_SQL), stamp=STAMP_SQL)
     return _CLAIM_HEAD.format(
-        keyed_ctes=_KEYED_CTES if keyed else "", key_cols=_KEY_COLS if keyed else "",
-        key_filter=_KEY_FILTER if keyed else "", keyed_pick=_KEYED_PICK if keyed else "",
-        source="keyed_cand" if keyed else "cand", record_starts=_RECORD_STARTS if rated else "",
-        services="ksvc svc" if keyed else "svc", stamp=STAMP_SQL)
+        keyed_ctes="".join(_USED[k] for k in "cr" if k in kinds), bound_key_cols=_key_cols(kinds),
+        bound_key_filter=_key_filter(kinds, walked=False, single=single), keyed_pick=_keyed_pick(kinds),
+        source="keyed_cand",
+        record_starts=_RECORD_STARTS if rated else "", free=_free_walk(kinds, single=single), stamp=STAMP_SQL)
 
 
-CLAIM_SQL = claim_sql(keyed=False, rated=False)
-_CLAIM_VARIANTS = {(k, r): claim_sql(keyed=k, rated=r) for k in (False, True) for r in (False, True)}
+def _kinds(specs: Sequence[ServiceSpec]) -> str:
+    """Return the kinds of per-key limit among ``specs``: 'c' for a cap, 'r' for a rate."""
+    return ("c" if any(s.concurrency_key_limit > 0 for s in specs) else "") + (
+        "r" if any(s.rate_key_limit > 0 for s in specs) else "")
+
+
+CLAIM_SQL = claim_sql(rated=False)
+_CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
+                   for k in ("", "c", "r", "cr") for r in (False, True) for one in (False, True)}
 
 
 def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
                     adjust: Mapping[int, int]) -> tuple[str, dict[str, Any]]:
     """Return the claim statement these services need and its per-service parameters."""
     specs = [s for s, _ in rooms]
-    sql = _CLAIM_VARIANTS[(any(s.keyed for s in specs), any(s.rated for s in specs))]
+    sql = _CLAIM_VARIANTS[(_kinds(specs), any(s.rated for s in specs), sum(s.keyed for s in specs) == 1)]
     return sql, {
         "svc_ids": [s.id for s in specs], "rooms": [n for _, n in rooms],
         "weights": [max(s.cpu_weight, 1) for s in specs], "adjust": [adjust.get(s.id, 0) for s in specs],
-        # A service with a per-key limit scans past its room: some candidates may belong to keys
-        # with less room left than the service has.
+        # Host-bound candidates of a service with a per-key limit are scanned past its room: some
+        # may belong to keys with less room left than the service has.
         "scans": [min(n * 4 + 16, 1000) if s.keyed else n for s, n in rooms],
         "rpaths": [s.rate_key for s in specs], "rlimits": [s.rate_key_limit for s in specs],
         "cpaths": [s.concurrency_key for s in specs], "climits": [s.concurrency_key_limit for s in specs],
         "periods": [s.rate_period for s in specs], "rated": [s.rated for s in specs],
     }
+
 
 HELD_SQL = """
 -- Held tasks on this node (task_held_node_idx) and of the capped services (task_held_service_idx):
@@ -481,11 +598,12 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
             rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
             return slots, cpu, [(s, n) for s, n in rooms if n > 0]
 
-        if any(s.fleet_limited for s in services):
-            # A service's global cap, rate limit or per-key cap is a lock every claimer in the
-            # fleet shares. Look first without it: a limit full now stays full for this claim
-            # (claims only fill it; a finish or the passing window frees room for the next claim),
-            # so a claimer that finds no room does not queue behind all the others for the lock.
+        if any(s.max_concurrent > 0 or s.rate_limit > 0 for s in services):
+            # A service's global cap or rate limit is a lock every claimer in the fleet shares.
+            # Look first without it: a limit full now stays full for this claim (claims only fill
+            # it; a finish or the passing window frees room for the next claim), so a claimer that
+            # finds no room does not queue behind all the others for the lock. (Per-key limits are
+            # not in this look: whether a key has room is for the claim statement to find.)
             slots, cpu, rooms = rooms_now()
             if slots <= 0 or not rooms:
                 return []

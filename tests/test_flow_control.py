@@ -424,8 +424,7 @@ def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candida
     svc = make_service("keyed-once", **fields, **KEYED)
     # Two keys own the head of the backlog: 200 tasks a claim passes over once they are at their limit.
     enqueue("keyed-once", ["c0"] * 100 + ["c1"] * 100 + [f"x{i}" for i in range(50)])
-    assert customers_of(claim(svc, 2)) == {"c0": 1}
-    assert customers_of(claim(svc, 2)) == {"c1": 1}, "c0 is at its limit (held, and started in the window)"
+    assert customers_of(claim(svc, 2)) == {"c0": 1, "c1": 1}, "each key's room (1), then the next key"
     with connection.cursor() as cur:
         cur.execute("ANALYZE accs_task")
         cur.execute("ANALYZE accs_rate_start")
@@ -444,9 +443,52 @@ def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candida
     ctes = [(n["CTE Name"], n["Actual Loops"]) for n in nodes if n.get("CTE Name") in ("cused", "rused")]
     assert all(loops <= 1 for loops in starts), starts
     assert ctes and all(loops <= 4 * 10 + 16 for _, loops in ctes), ctes
-    scan = next(n for n in nodes if n.get("Index Name") == "task_claim_idx")
-    assert scan["Rows Removed by Filter"] == 198, "the scan passed over the full keys' tasks"
+    passed = sum(n.get("Rows Removed by Filter", 0) for n in nodes if n.get("Index Name") == "task_claim_idx")
+    assert passed == 198, "the scan passed over the full keys' tasks once"
 
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("limit", ["concurrency", "rate"])
+def test_a_keyed_claim_fills_its_room_from_as_many_keys_as_it_needs_over_a_grouped_backlog(make_service, limit):
+    """Each key's tasks in one run: the claim takes each key's room (2) and moves on to the next key."""
+    fields = ({"concurrency_key": "customer", "concurrency_key_limit": 2} if limit == "concurrency"
+              else {"rate_key": "customer", "rate_key_limit": 2})
+    svc = make_service("grouped", **fields, **KEYED)
+    # A key's run (30) is longer than a scan window of the claim's room (4 * 10 + 16) can cross twice.
+    enqueue("grouped", [f"k{i}" for i in range(8) for _ in range(30)])
+    got = claim(svc, 10)
+    assert customers_of(got) == {f"k{i}": 2 for i in range(5)}, "10 free slots: 5 keys with room for 2 each"
+    seq = dict(Task.objects.values_list("id", "order_seq"))
+    assert [seq[t.id] for t in got] == sorted(seq[t.id] for t in got), "claimed in the global order"
+    assert customers_of(claim(svc, 10)) == {"k5": 2, "k6": 2, "k7": 2}, "the next claim goes on to the keys left"
+    assert claim(svc, 10) == [], "every key is at its limit"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_keyed_claim_walks_down_the_priorities_and_keeps_each_keys_room_for_its_first_tasks(make_service):
+    """Across priorities: the highest first, a key's room to its tasks first in the order."""
+    svc = make_service("prio", concurrency_key="customer", concurrency_key_limit=2, **KEYED)
+    api.start_many([api.JobSpec(service="prio", params={"customer": c}, priority=p)
+                    for c, p in [("a", 0)] * 3 + [("b", 0)] * 3 + [("b", 5), ("c", 9), ("a", 5), ("c", 9)]])
+    transitions.start_due_jobs(limit=100)
+    got = claim(svc, 5)
+    prio = dict(Task.objects.values_list("id", "priority"))
+    assert [(t.params["customer"], prio[t.id]) for t in got] == [("c", 9), ("c", 9), ("b", 5), ("a", 5), ("a", 0)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_keyed_services_claimed_together_count_each_ones_keys_apart(make_service):
+    """The same key name in two services: full in one, it still has room in the other."""
+    one = make_service("keyed-one", concurrency_key="customer", concurrency_key_limit=1, **KEYED)
+    two = make_service("keyed-two", rate_key="customer", rate_key_limit=2, **KEYED)
+    enqueue("keyed-one", ["a"] * 5 + ["b"])
+    enqueue("keyed-two", ["a"] * 5 + ["b"])
+    assert customers_of(claim(one, 1)) == {"a": 1}, "a is at its cap in keyed-one"
+    got = claim_many([service_spec(one), service_spec(two)], NODE, agent_id="agent-fc", free_slots=10,
+                     lease_seconds=60)
+    assert sorted((t.service_key, t.params["customer"]) for t in got) == [
+        ("keyed-one", "b"), ("keyed-two", "a"), ("keyed-two", "a"), ("keyed-two", "b")]
 
 def _plan_nodes(node: dict):
     yield node
