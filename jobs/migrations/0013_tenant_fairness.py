@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0014_leader_lease'),
+        ('jobs', '0012_leader_lease'),
         ('nodes', '0002_node_presence'),
         ('workflows', '0003_step_failure_policy'),
     ]

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0012_token_scopes'),
+        ('jobs', '0011_token_scopes'),
     ]
 
     operations = [
