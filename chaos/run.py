@@ -128,8 +128,12 @@ def _daemon_env(url: str, run_id: str, ledger: Path) -> dict[str, str]:
             "CHAOS_LEDGER": str(ledger), "ACC_BACKOFF_BASE_SEC": "0.5"}
 
 
-def _setup(url: str, tasks: int, rng: random.Random) -> None:
-    """Migrate the private database, define the service and start the jobs (bulk, as a builder would see them)."""
+def _setup(url: str, tasks: int, rng: random.Random, *, ledger: Path, run_id: str) -> None:
+    """Migrate the private database, define the service and start the jobs (bulk, as a builder would see them).
+
+    Tasks get only what their service grants, not the agent's environment: the service passes the
+    ledger's path and the run's marker (which the orphan count looks for) in its ``env``.
+    """
     env = {**os.environ, "ACC_DB_URL": url, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, str(ROOT / "manage.py"), "migrate", "--noinput", "-v0"], cwd=ROOT, env=env,
                    check=True)
@@ -137,7 +141,9 @@ def _setup(url: str, tasks: int, rng: random.Random) -> None:
 import random
 from jobs import api
 from workflows.api import save_service
-save_service(key="chaos-work", executor="command", executor_config={{"argv": ["python", "chaos/work.py", "{{seconds}}"]}},
+save_service(key="chaos-work", executor="command", executor_config={{"argv": ["python", "chaos/work.py", "{{seconds}}"],
+                                                                  "env": {{"CHAOS_LEDGER": {str(ledger)!r},
+                                                                          "CHAOS_RUN_ID": {run_id!r}}}}},
              params_schema={{"type": "object", "properties": {{"seconds": {{"type": "number"}}}}, "required": ["seconds"]}},
              max_attempts=25, backoff_base_seconds=0.5, backoff_cap_seconds=2, timeout_seconds=120)
 rng = random.Random({rng.randrange(1 << 30)})
@@ -181,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     try:
         cluster.start()
-        _setup(cluster.url, sc.tasks, sc.rng)
+        _setup(cluster.url, sc.tasks, sc.rng, ledger=ledger, run_id=run_id)
         proxy = TcpProxy(0, "127.0.0.1", cluster.port)
         env = _daemon_env(cluster.url, run_id, ledger)
         cut_env = {**env, "ACC_DB_URL": f"postgres://postgres@127.0.0.1:{proxy.port}/chaos"}
