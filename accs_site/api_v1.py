@@ -15,10 +15,11 @@ from __future__ import annotations
 from django.core.exceptions import PermissionDenied, ValidationError as DjangoValidationError
 from django.db import DataError, IntegrityError, OperationalError
 from django.http import HttpRequest, HttpResponse
-from ninja import NinjaAPI, Swagger
+from ninja import Field, NinjaAPI, Schema, Status, Swagger
 from ninja.errors import Throttled, ValidationError as NinjaValidationError
 
 from accs_site.conf import accs
+from accs_site.daemon import database_not_ready
 from accs_site.middleware import transient_reason
 from jobs.api import JobConflict, NotFound
 from jobs.auth import BearerToken
@@ -37,6 +38,25 @@ api = NinjaAPI(title="ACCS API", version="1.0.0", urls_namespace="api-v1", auth=
 @api.get("/health", auth=None, summary="Liveness probe")
 def health(request) -> dict:
     return {"status": "ok"}
+
+
+class Readiness(Schema):
+    status: str = Field(description='"ready", or "not ready" with the reason in detail')
+    detail: str | None = None
+
+
+@api.get("/ready", auth=None, response={200: Readiness, 503: Readiness},
+         summary="Readiness probe: the database answers and has every migration")
+def ready(request, response: HttpResponse):
+    """Answer 200 when this process can serve (PostgreSQL answers, no ACCS migration missing), else 503 saying why.
+
+    ``/health`` says the process is alive; a load balancer sends traffic only where ``/ready`` is 200.
+    """
+    problem = database_not_ready()
+    if problem is not None:
+        response["Retry-After"] = "5"
+        return Status(503, Readiness(status="not ready", detail=problem))
+    return Status(200, Readiness(status="ready"))
 
 
 api.add_router("/jobs", jobs_router)

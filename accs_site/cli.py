@@ -4,8 +4,9 @@ Exit codes of ``runagent``, ``runbuilder`` and ``accs_status`` (docs/operators.m
 
 * 0 — stopped cleanly (a signal, or ``--once`` found no work left), or printed;
 * 2 — the command line or the configuration is wrong (a bad option, a malformed ``ACC_*``
-  variable, an unknown service or tenant), or ``accs_status`` cannot reach the database: one
-  line on stderr, nothing started;
+  variable, an unknown service or tenant), or an operator's command (``accs_status``,
+  ``accs_redrive``, ``demo``) finds the database down or missing a migration: one line on
+  stderr, nothing started;
 * 1 — anything unexpected (a bug): Django's usual report.
 
 For a daemon, a database that is down at start is not an error: it says so in one line and waits.
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser, SystemCheckError
+
+from accs_site.daemon import database_not_ready
 
 EXIT_USAGE = 2
 
@@ -68,6 +71,18 @@ class OperatorCommand(BaseCommand):
     over several lines; an operator reading a unit's journal wants the one line that says what
     to fix.
     """
+
+    #: Check before running that PostgreSQL answers and has every ACCS migration, and stop with one
+    #: line (exit code 2) if not, instead of a traceback from the first query. The daemons wait for
+    #: the database themselves and leave this off.
+    needs_ready_database = False
+
+    def execute(self, *args, **options):
+        if self.needs_ready_database:
+            problem = database_not_ready()
+            if problem is not None:
+                raise usage_error(problem)
+        return super().execute(*args, **options)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)

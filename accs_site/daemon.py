@@ -470,6 +470,33 @@ def check_schema() -> None:
                            "apply them with `manage.py migrate`, then start again")
 
 
+# Once every migration was found applied, a process need not read the migration graph again: a
+# schema does not go back behind the code that runs on it.
+_schema_seen_current = False
+
+
+def database_not_ready() -> str | None:
+    """Return one line saying why the database cannot serve ACCS now (down, or missing a migration); None if it can.
+
+    For the operators' commands and the readiness probe: they answer at once instead of waiting.
+    """
+    global _schema_seen_current
+    from django.db import connection
+
+    try:
+        with connection.cursor() as cur:
+            cur.execute("SELECT 1")
+        if not _schema_seen_current:
+            check_schema()
+            _schema_seen_current = True
+    except DatabaseNotReady as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure to reach or read the database is the answer
+        close_django_connection()
+        return f"database unreachable at {database_address()}: {first_line(exc)}"
+    return None
+
+
 def ready_to_start(logger: logging.Logger, *, stopping: Callable[[], bool] = lambda: False,
                    extra: dict[str, Any] | None = None, wait_seconds: float | None = None) -> int | None:
     """Wait for PostgreSQL and check its schema; return None to start, else the exit code to stop with.

@@ -59,7 +59,7 @@ SECURE_HSTS_SECONDS = env.int("ACC_HSTS_SECONDS", default=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("ACC_HSTS_INCLUDE_SUBDOMAINS", default=False)
 SECURE_HSTS_PRELOAD = env.bool("ACC_HSTS_PRELOAD", default=False)
 SECURE_SSL_REDIRECT = env.bool("ACC_SSL_REDIRECT", default=False)
-SECURE_REDIRECT_EXEMPT = [r"^api/v1/health$", r"^metrics$"]
+SECURE_REDIRECT_EXEMPT = [r"^api/v1/health$", r"^api/v1/ready$", r"^metrics$"]
 
 INSTALLED_APPS = [
     # Above the admin, so its admin/base_site.html override adds the Dashboard link and styles everywhere.

@@ -234,3 +234,35 @@ def test_text_formatter_writes_one_readable_line_with_context():
     line = TextFormatter().format(record)
     assert "\n" not in line and " WARNING accs.agent: claimed 3  [job_id=j-1 node=n1]" in line
     assert json.loads(JsonFormatter().format(record))["node"] == "n1"
+
+
+OPERATOR_COMMANDS = [("accs_status",), ("accs_redrive", "--dry-run"), ("demo",)]
+
+
+@pytest.mark.parametrize("argv", OPERATOR_COMMANDS, ids=lambda argv: argv[0])
+def test_operator_commands_with_the_database_down_say_so_in_one_line(argv):
+    env = env_with_database_down()
+    address = env["ACC_DB_URL"].split("@", 1)[1].split("/", 1)[0]
+    result = run_command(*argv, env=env)
+    assert_one_line_refusal(result, f"database unreachable at {address}")
+    assert result.stdout == "", "nothing half-printed"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("argv", OPERATOR_COMMANDS, ids=lambda argv: argv[0])
+def test_operator_commands_on_an_unmigrated_database_name_the_missing_migration(argv, db_url):
+    import uuid
+
+    import psycopg
+
+    name = f"accs_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        env = env_with_database_down(ACC_DB_URL=f"{db_url.rsplit('/', 1)[0]}/{name}")
+        result = run_command(*argv, env=env)
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    assert_one_line_refusal(result, "is missing migration ")
+    assert "apply them with `manage.py migrate`" in result.stderr

@@ -374,7 +374,7 @@ def test_openapi_document_is_valid_and_documents_every_error(client):
     assert document["components"]["securitySchemes"] == {"BearerToken": {"type": "http", "scheme": "bearer"}}
     for path, operations in document["paths"].items():
         for method, operation in operations.items():
-            if path.endswith("/health"):
+            if path.endswith(("/health", "/ready")):  # the probes take no token and no input
                 continue
             assert {"401", "403", "404", "422"} <= set(operation["responses"]), (method, path)
 
@@ -418,3 +418,24 @@ def test_property_based_run_finds_no_server_errors(make_service, default_tenant)
             except Exception as exc:  # noqa: BLE001 - collected so every operation is exercised
                 failures.append(f"{operation.label} ({mode.value}): {str(exc)[:1500]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_ready_says_whether_the_database_can_serve_and_names_a_missing_migration(db, client, monkeypatch):
+    from django.db import connection
+    from django.db.migrations.loader import MigrationLoader
+
+    from accs_site import daemon
+
+    monkeypatch.setattr(daemon, "_schema_seen_current", False)
+    ok = client.get("/api/v1/ready")
+    assert ok.status_code == 200 and ok.json()["status"] == "ready", ok.content
+
+    app, name = max(node for node in MigrationLoader(connection).graph.leaf_nodes() if node[0] == "jobs")
+    with connection.cursor() as cur:  # undone with the test's transaction
+        cur.execute("DELETE FROM django_migrations WHERE app = %s AND name = %s", [app, name])
+    monkeypatch.setattr(daemon, "_schema_seen_current", False)  # a process that never saw the schema current
+    behind = client.get("/api/v1/ready")
+    assert behind.status_code == 503 and behind["Retry-After"] == "5", behind.content
+    body = behind.json()
+    assert body["status"] == "not ready" and f"is missing migration {app}.{name}" in body["detail"], body
+    assert client.get("/api/v1/health").status_code == 200, "liveness is not readiness"

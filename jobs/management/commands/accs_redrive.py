@@ -32,6 +32,7 @@ def iso_time(text: str) -> datetime:
 class Command(OperatorCommand):
     help = ("Retry every dead-lettered task (or, with --jobs, failed job) matching the filter, in batches; "
             "prints the count first. --dry-run only counts.")
+    needs_ready_database = True
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--service", help="Only this service (key).")

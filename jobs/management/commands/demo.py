@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
-
+from accs_site.cli import OperatorCommand
 from jobs.demo import Demo
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = "Run the end-to-end demo (builder + two agents as processes) and print a summary."
+    needs_ready_database = True
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--timeout", type=float, default=180.0, help="Seconds to wait for the demo jobs.")

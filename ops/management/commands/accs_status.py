@@ -48,6 +48,7 @@ def _secs(value: float | None) -> str:
 
 class Command(OperatorCommand):
     help = "Show queues, nodes and recent failures as tables (the admin dashboard's figures)."
+    needs_ready_database = True
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--tenant", action="append", default=[], help="Only this tenant (slug); repeatable.")
