@@ -151,8 +151,12 @@ class ApiTokenAdmin(admin.ModelAdmin):
 FULL_UUID = re.compile(r"\b([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
 
 
-def error_cell(message: str, *, code: str = "") -> str:
-    """Render an error for a list row: ids shortened to 8 characters, cut at 80; the whole text as its title."""
+def error_cell(row: Job | Task) -> str:
+    """Render a job's or task's error for a list row: ids shortened to 8 characters, cut at 80; the whole
+    text as its title; nothing when it has no error."""
+    message, code = row.error_message, row.error_code
+    if not message:
+        return ""
     whole = f"{code}: {message}" if code else message
     return format_html('<span class="accs-error-text" title="{}">{}</span>', whole,
                        Truncator(FULL_UUID.sub(r"\1", message)).chars(80))
@@ -381,9 +385,7 @@ class JobAdmin(RedriveAdmin):
     @admin.display(description="error")
     def last_error(self, obj: Job) -> str:
         """The job's error, shortened (the full text is its title and on the job page)."""
-        if not obj.error_message:
-            return ""
-        return error_cell(obj.error_message, code=obj.error_code)
+        return error_cell(obj)
 
     @admin.display(description="progress")
     def progress_pct(self, obj: Job) -> str:
@@ -497,9 +499,7 @@ class TaskAdmin(RedriveAdmin):
     @admin.display(description="error")
     def last_error(self, obj: Task) -> str:
         """The task's last error, shortened (the full text is its title and on the task page)."""
-        if not obj.error_message:
-            return ""
-        return error_cell(obj.error_message, code=obj.error_code)
+        return error_cell(obj)
 
     @admin.display(description="attempt")
     def attempts(self, obj: Task) -> str:

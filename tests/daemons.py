@@ -119,6 +119,17 @@ def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, interval: f
 wait_until = wait_for
 
 
+def wait_for_result(result, *, timeout: float = 30.0):
+    """Refresh a Django Tasks ``result`` until it is finished (bounded); return it."""
+
+    def finished() -> bool:
+        result.refresh()
+        return result.is_finished
+
+    wait_for(finished, timeout=timeout, message=f"task result {result.id} ({result.task.name}) to finish")
+    return result
+
+
 def stop_process(proc: subprocess.Popen, *, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
     """Send ``sig`` to a process that still runs; kill it if it has not exited after ``timeout`` seconds."""
     if proc.poll() is None:

@@ -22,6 +22,7 @@ from jobs.tasks_backend import (
 from workflows.models import Service
 from tests import task_funcs
 from tests.conftest import wait_for
+from tests.daemons import wait_for_result
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,14 +34,6 @@ def _services(*tasks) -> str:
     """Create the tasks' services up front (agents load their services at start) and return their keys."""
     return ",".join(task_backends["default"].ensure_service(t).key for t in tasks)
 
-
-def _finished(result, *, timeout: float = 30.0):
-    def done():
-        result.refresh()
-        return result.is_finished
-
-    wait_for(done, timeout=timeout, message=f"task result {result.id} to finish")
-    return result
 
 
 def test_backend_declares_what_it_supports():
@@ -98,22 +91,22 @@ def test_tasks_run_on_real_agents_with_results_errors_context_and_async(default_
 
     from_async = asyncio.run(enqueue_from_async_code())
 
-    assert _finished(ok).status == TaskResultStatus.SUCCESSFUL
+    assert wait_for_result(ok).status == TaskResultStatus.SUCCESSFUL
     assert ok.return_value == 5 and ok.attempts == 1 and ok.errors == []
     assert ok.started_at and ok.finished_at and ok.finished_at >= ok.started_at >= ok.enqueued_at
     assert len(ok.worker_ids) == 1 and ok.worker_ids[0], "the agent that ran it"
 
-    assert _finished(failed).status == TaskResultStatus.FAILED
+    assert wait_for_result(failed).status == TaskResultStatus.FAILED
     (error,) = failed.errors
     assert error.exception_class is ValueError
     assert "the disk is full" in error.traceback and "Traceback" in error.traceback
     with pytest.raises(ValueError, match="failed"):
         failed.return_value  # noqa: B018 - the property raises for a failed task
 
-    assert _finished(ctx).return_value == {"tag": "t1", "attempt": 1, "id": ctx.id}
-    assert _finished(awaited).return_value == 42
-    assert _finished(from_async).return_value == 42
-    assert _finished(bad_return).status == TaskResultStatus.FAILED
+    assert wait_for_result(ctx).return_value == {"tag": "t1", "attempt": 1, "id": ctx.id}
+    assert wait_for_result(awaited).return_value == 42
+    assert wait_for_result(from_async).return_value == 42
+    assert wait_for_result(bad_return).status == TaskResultStatus.FAILED
     assert bad_return.errors[0].exception_class is TypeError
     assert task_funcs.add.get_result(ok.id).return_value == 5
 
@@ -132,7 +125,7 @@ def test_higher_priority_runs_first_and_deferred_task_waits_for_run_after(defaul
     daemons.agent("tasks-prio", keys, "--max-concurrent", "1")
     daemons.builder()
     for result in (high, middle, low, deferred):
-        _finished(result)
+        wait_for_result(result)
     labels = [json.loads(line) for line in order.read_text().splitlines()]
     assert [label for label in labels if label != "deferred"] == ["high", "middle", "low"]
     assert "deferred" in labels and deferred.started_at >= soon
@@ -160,11 +153,11 @@ def test_system_exit_and_other_base_exceptions_fail_the_attempt_and_the_agent_go
     generator_exit = task_funcs.raises.enqueue("base", "closed")
     after = task_funcs.add.enqueue(1, 1)
 
-    assert _finished(exited).status == TaskResultStatus.FAILED
+    assert wait_for_result(exited).status == TaskResultStatus.FAILED
     assert exited.errors[0].exception_class is SystemExit
-    assert _finished(generator_exit).status == TaskResultStatus.FAILED
+    assert wait_for_result(generator_exit).status == TaskResultStatus.FAILED
     assert generator_exit.errors[0].exception_class is GeneratorExit
-    assert _finished(after).return_value == 2, "the agent's worker survived and ran the next task"
+    assert wait_for_result(after).return_value == 2, "the agent's worker survived and ran the next task"
 
 
 @pytest.mark.parametrize("isolation", ["thread", "process"])
@@ -174,11 +167,11 @@ def test_error_names_the_raised_class_even_for_site_nested_and_multi_line_except
     shop = task_funcs.raises.enqueue("shop", "out of stock")
     nested = task_funcs.raises.enqueue("nested", "deep")
     multi = task_funcs.raises.enqueue("value", "a\nb: c")
-    assert _finished(shop).errors[0].exception_class is task_funcs.ShopError
+    assert wait_for_result(shop).errors[0].exception_class is task_funcs.ShopError
     assert "out of stock" in shop.errors[0].traceback
     # The path of a nested class, as Django's own backends record it (import_string reads one attribute).
-    assert _finished(nested).errors[0].exception_class_path == "tests.task_funcs.ShopError.Nested"
-    assert _finished(multi).errors[0].exception_class is ValueError
+    assert wait_for_result(nested).errors[0].exception_class_path == "tests.task_funcs.ShopError.Nested"
+    assert wait_for_result(multi).errors[0].exception_class is ValueError
     assert "b: c" in multi.errors[0].traceback
 
 
@@ -188,8 +181,8 @@ def test_engine_outcomes_name_importable_accs_exception_classes(default_tenant, 
     daemons.agent("tasks-engine", keys)
     timed_out = task_funcs.hold.enqueue(str(tmp_path / "never-released"), 30)
     nan = task_funcs.returns_nan.enqueue()
-    assert _finished(timed_out).errors[0].exception_class is TaskTimedOut
-    assert _finished(nan).errors[0].exception_class is BadTaskOutput
+    assert wait_for_result(timed_out).errors[0].exception_class is TaskTimedOut
+    assert wait_for_result(nan).errors[0].exception_class is BadTaskOutput
     for status, text, kind in [(AttemptStatus.FAILED, "lease_expired: no heartbeat", LeaseExpired),
                                (AttemptStatus.CANCELED, "canceled: process group killed", TaskCanceled),
                                (AttemptStatus.FAILED, "bad output: results are not a JSON object", BadTaskOutput)]:
@@ -206,7 +199,7 @@ def test_canceled_running_task_says_finished_only_once_its_attempt_ended_and_nev
     result.refresh()
     assert result.status == TaskResultStatus.RUNNING and result.finished_at is None, \
         "the job is canceled but its attempt still runs"
-    _finished(result)
+    wait_for_result(result)
     attempt = Attempt.objects.get(task__job_id=result.id)
     assert attempt.finished_at is not None and result.finished_at >= attempt.finished_at
     assert result.status == TaskResultStatus.FAILED and result.errors[0].exception_class is TaskCanceled
@@ -219,7 +212,7 @@ def test_signals_started_and_finished_are_sent_by_the_agent_with_the_result(defa
     daemons.agent("tasks-signals", _services(task_funcs.add, task_funcs.boom), env={"ACCS_TEST_SIGNAL_LOG": str(log)})
     ok = task_funcs.add.enqueue(2, 3)
     failed = task_funcs.boom.enqueue("no")
-    _finished(ok), _finished(failed)
+    wait_for_result(ok), wait_for_result(failed)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     by = {(r["id"], r["signal"]): r for r in records}
     started, finished = by[(ok.id, "task_started")], by[(ok.id, "task_finished")]
@@ -239,8 +232,8 @@ def test_queue_names_differing_in_punctuation_get_their_own_services(default_ten
     assert len({service_key(task_funcs.add.using(queue_name=q)) for q in ("a_b", "a-b", "a.b", "a b")}) == 4
     daemons.agent("tasks-queues", _services(one, dot))
     first, second = one.enqueue(), dot.enqueue()
-    assert _finished(first).return_value == "q-one"
-    assert _finished(second).return_value == "q.one"
+    assert wait_for_result(first).return_value == "q-one"
+    assert wait_for_result(second).return_value == "q.one"
 
 
 def test_a_service_key_held_by_another_task_is_refused(default_tenant):
@@ -316,11 +309,11 @@ def test_retries_with_backoff_and_a_per_task_timeout_on_real_agents(default_tena
     daemons.agent("tasks-options", _services(task_funcs.flaky, task_funcs.slow))
     retried = task_funcs.flaky.enqueue(str(tmp_path / "count"), customer="acme", fail_times=1)
     timed_out = task_funcs.slow.enqueue(30)
-    assert _finished(retried).status == TaskResultStatus.SUCCESSFUL
+    assert wait_for_result(retried).status == TaskResultStatus.SUCCESSFUL
     assert retried.return_value == 2 and retried.attempts == 2
     (first,) = retried.errors
     assert first.exception_class is ConnectionError
-    assert _finished(timed_out).status == TaskResultStatus.FAILED
+    assert wait_for_result(timed_out).status == TaskResultStatus.FAILED
     assert timed_out.errors[0].exception_class is TaskTimedOut and timed_out.attempts == 1
 
 
@@ -328,7 +321,7 @@ def test_result_links_to_its_job_page_which_shows_path_args_and_return_value(def
     daemons.agent("tasks-page", _services(task_funcs.add))
     result = task_funcs.add.enqueue(20, b=22)
     assert result.accs_url == f"/admin/jobs/job/{result.id}/change/"
-    assert _finished(result).return_value == 42
+    assert wait_for_result(result).return_value == 42
     assert task_backends["default"].get_result(result.id).accs_url == result.accs_url
     page = admin_client.get(result.accs_url)
     assert page.status_code == 200

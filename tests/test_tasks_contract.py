@@ -23,7 +23,7 @@ from jobs.tasks_backend import (
     default_task_backend, task, task_backends,
 )
 from tests import contract_tasks as tasks
-from tests.daemons import wait_for
+from tests.daemons import wait_for_result
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,14 +32,6 @@ def _agent(daemons, name: str, *task_objects: Task) -> None:
     keys = ",".join(task_backends["default"].ensure_service(t).key for t in task_objects)
     daemons.agent(name, keys)
 
-
-def _finished(result, *, timeout: float = 30.0):
-    def done():
-        result.refresh()
-        return result.is_finished
-
-    wait_for(done, timeout=timeout, message=f"task result {result.id} ({result.task.name}) to finish")
-    return result
 
 
 def _assert_ran(result, task_obj: Task, *, args: list, kwargs: dict) -> None:
@@ -211,12 +203,12 @@ def test_enqueued_tasks_run_on_an_agent_and_report_like_django_backends(default_
                                            (coroutine, tasks.noop_task_async, [1], {"two": 3}),
                                            (from_async[0], tasks.noop_task, [], {}),
                                            (from_async[1], tasks.noop_task_async, [], {})]:
-        assert _finished(result).status == TaskResultStatus.SUCCESSFUL
+        assert wait_for_result(result).status == TaskResultStatus.SUCCESSFUL
         assert result.return_value is None
         _assert_ran(result, task_obj, args=args, kwargs=kwargs)
-    assert _finished(meaning).return_value == 42
-    assert _finished(own_id).return_value == own_id.id
-    assert _finished(context).status == TaskResultStatus.SUCCESSFUL
+    assert wait_for_result(meaning).return_value == 42
+    assert wait_for_result(own_id).return_value == own_id.id
+    assert wait_for_result(context).status == TaskResultStatus.SUCCESSFUL
 
 
 def test_failing_tasks_report_their_exception_and_traceback(default_tenant, daemons):
@@ -230,20 +222,20 @@ def test_failing_tasks_report_their_exception_and_traceback(default_tenant, daem
     exited = tasks.exit_task.enqueue()
 
     for result, task_obj, exception, message in results:
-        assert _finished(result).status == TaskResultStatus.FAILED
+        assert wait_for_result(result).status == TaskResultStatus.FAILED
         with pytest.raises(ValueError, match="Task failed"):
             result.return_value  # noqa: B018 - the property raises
         _assert_ran(result, task_obj, args=[], kwargs={})
         assert result.errors[0].exception_class is exception
         assert result.errors[0].traceback.endswith(f"{exception.__name__}: {message}\n"), result.errors[0].traceback
 
-    assert _finished(complex_exception).status == TaskResultStatus.FAILED
+    assert wait_for_result(complex_exception).status == TaskResultStatus.FAILED
     assert complex_exception.errors[0].exception_class is ValueError
     assert 'ValueError(ValueError("This task failed"))' in complex_exception.errors[0].traceback
-    assert _finished(complex_return).status == TaskResultStatus.FAILED
+    assert wait_for_result(complex_return).status == TaskResultStatus.FAILED
     assert complex_return.errors[0].exception_class is TypeError
     assert "Unsupported type" in complex_return.errors[0].traceback
-    assert _finished(exited).status == TaskResultStatus.FAILED
+    assert wait_for_result(exited).status == TaskResultStatus.FAILED
     assert exited.errors[0].exception_class is SystemExit
 
 
@@ -253,5 +245,5 @@ def test_deferred_task_runs_after_run_after(default_tenant, daemons):
     after = timezone.now() + timedelta(seconds=1)
     result = tasks.calculate_meaning_of_life.using(run_after=after).enqueue()
     assert result.task.run_after == after
-    assert _finished(result).return_value == 42
+    assert wait_for_result(result).return_value == 42
     assert result.started_at >= after
