@@ -80,7 +80,14 @@ def is_transient(exc: BaseException) -> bool:
     connection, a server shutting down: the transaction rolled back and nothing was written.
     """
     transient, _ = _error_classes()
-    return isinstance(exc, transient)
+    return isinstance(exc, transient) or _lost_mid_command(exc)
+
+
+def _lost_mid_command(exc: BaseException) -> bool:
+    """Return whether psycopg got a garbled answer to a command, as when the server (or the pooler's
+    server connection) went away while answering it, during a PostgreSQL restart behind PgBouncer."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.InternalError) else exc
+    return isinstance(cause, psycopg.InternalError) and " results from command " in str(cause)
 
 
 def is_data_error(exc: BaseException) -> bool:

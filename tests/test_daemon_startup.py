@@ -97,3 +97,18 @@ def test_a_database_lost_between_the_wait_and_the_schema_check_is_waited_for_aga
     monkeypatch.setattr(daemon, "check_schema", restarted_once)
     assert daemon.ready_to_start(logging.getLogger("accs.test"), wait_seconds=10) is None
     assert len(calls) == 2 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_garbled_answer_to_a_command_counts_as_a_lost_connection_not_a_bug():
+    """Behind PgBouncer, a PostgreSQL restart can cut a server connection while it answers COMMIT:
+    psycopg then reports two results for one command. That is an outage (logged once, retried),
+    not an unexpected error; other internal errors stay unexpected."""
+    from django.db import utils as dj
+
+    from accs_site.daemon import is_transient
+
+    garbled = psycopg.InternalError("received 2 results from command 'COMMIT'")
+    wrapped = dj.InternalError(str(garbled))
+    wrapped.__cause__ = garbled
+    assert is_transient(garbled) and is_transient(wrapped)
+    assert not is_transient(psycopg.InternalError("could not read block 7 in file base/1/2"))
