@@ -92,7 +92,7 @@ def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
     ``subjects`` names the object of each result (in order); without them the message gives
     counts and reasons only.
     """
-    named = list(zip(subjects, results)) if subjects else [("", r) for r in results]
+    named = list(zip(subjects, results, strict=True)) if subjects else [("", r) for r in results]
     changed = [(s, r) for s, r in named if r.changed]
     unchanged: dict[str, list[str]] = {}
     for subject, result in named:

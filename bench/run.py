@@ -197,7 +197,7 @@ def pickup() -> tuple[float, float]:
                                                      "--max-concurrent", "4", env={"ACC_POLL_INTERVAL_SEC": "5"})]
     time.sleep(3)
     try:
-        for i in range(LAT_JOBS):
+        for _ in range(LAT_JOBS):
             api.start_service("bench-stamp", params={"t0": time.time()})
             time.sleep(LAT_GAP)
         progress_wait("pick-up", LAT_JOBS, "SELECT count(*) FROM accs_job WHERE status = 'done'")

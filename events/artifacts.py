@@ -37,7 +37,6 @@ from django.db.models import Q
 
 from accs_site.clock import db_now
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
-from jobs.models import Job, Task
 from events.storage import (
     CHUNK_SIZE,
     KIND_PREFIXES,
@@ -50,6 +49,7 @@ from events.storage import (
     sha256_of,
     validate_key,
 )
+from jobs.models import Job, Task
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,20 @@ from pydantic import AwareDatetime, field_validator
 
 from accs_site.http import INT32, In, require_scope, responses, username, utc
 from jobs import api, redrive, triggers
+from jobs.idempotency import differences
 from jobs.models import (
-    TASK_HELD, ApprovalState, Attempt, Job, JobSource, JobStatus, MissedRunPolicy, Task, Tenant, Trigger,
+    TASK_HELD,
+    ApprovalState,
+    Attempt,
+    Job,
+    JobSource,
+    JobStatus,
+    MissedRunPolicy,
+    Task,
+    Tenant,
+    Trigger,
     TriggerType,
 )
-from jobs.idempotency import differences
 from jobs.scoping import can_act, scope, tenant_ids_for
 from workflows.validation import DefinitionError, Problem
 

@@ -28,7 +28,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -41,6 +41,9 @@ from events.timeline import EventRow, write_events
 from jobs.models import Job, JobSource, MissedRunPolicy, Tenant, Trigger, TriggerType
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
+
+if TYPE_CHECKING:
+    from jobs.verbs import ActionResult
 
 # --------------------------------------------------------------------------------------------
 # Payload templates
@@ -695,7 +698,7 @@ def _fire_schedule(trigger: Trigger, *, now: datetime) -> int:
     return 1
 
 
-def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> "ActionResult":
+def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Start a schedule trigger's job now, as if it were due now (an operator's "run now").
 
     The job is the trigger's like its scheduled ones (``source_ref`` ``trigger:<id>``), with its own

@@ -17,16 +17,15 @@ from uuid import UUID
 from django.contrib.auth import get_user_model
 from django.db import connection, transaction
 
+from accs_site.clock import db_now
+from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from jobs.admission import readmit, tenant_lock_key, workflow_lock_key
 from jobs.finalize import JOB_FAILED_REASON, finalize_jobs, reset_step_flags, rewait_always, skip_unstarted
 from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
-from accs_site.clock import db_now
-from accs_site.conf import accs
-from jobs.states import (JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, TASK_HELD, TASK_RETRYABLE, TASK_UNSTARTED,
-                         sql_in)
+from jobs.states import JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, TASK_HELD, TASK_RETRYABLE, TASK_UNSTARTED, sql_in
 
 
 @dataclass
@@ -389,7 +388,7 @@ def _host_blocked(cur, task_ids: Sequence[UUID]) -> dict[UUID, str]:
     return dict(cur.fetchall())
 
 
-SKIPPED_BY_SQL = f"""
+SKIPPED_BY_SQL = """
 -- The skipped tasks a retry of these tasks re-admits: the tasks of every step that depends on
 -- theirs, transitively (including the other tasks of their own steps), and the tasks skipped when
 -- the job failed once no task of a fail_job step is failed any more. A task skipped because

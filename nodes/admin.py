@@ -15,13 +15,12 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
-from ops.nodepage import node_page_context
-from ops.overview import human_age, stale_after_seconds
+from accs_site.admin_kit import ActionTable, EstimatedCountPaginator, PageActionsMixin, actor, perform, status_pill
 from nodes import verbs
 from nodes.api import retire_nodes
-from accs_site.admin_kit import ActionTable, EstimatedCountPaginator, PageActionsMixin, actor, perform, status_pill
 from nodes.models import DiskSample, Host, HostBlock, Node
-
+from ops.nodepage import node_page_context
+from ops.overview import human_age, stale_after_seconds
 
 NODE_ACTIONS: ActionTable = {
     "drain": ("Drain", verbs.drain_node),

@@ -9,10 +9,8 @@ import uuid
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models.functions import Now
 
 from accs_site.clock import db_now
-
 from events.timeline import EventRow, write_events
 from nodes.models import AwakeState, Node, Presence
 

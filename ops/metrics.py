@@ -100,7 +100,7 @@ class _Histogram:
     def add(self, count: int, total: float, buckets: tuple[int, ...]) -> None:
         self.count += count
         self.total += float(total)
-        self.buckets = [a + b for a, b in zip(self.buckets, buckets)]
+        self.buckets = [a + b for a, b in zip(self.buckets, buckets, strict=True)]
 
 
 @dataclass
@@ -191,7 +191,7 @@ class TimelineCounters:
 def _histogram(name: str, doc: str, per_service: dict[str, _Histogram], bounds: tuple[float, ...]) -> Metric:
     family = HistogramMetricFamily(name, doc, labels=["service"])
     for service, hist in sorted(per_service.items()):
-        buckets = [(repr(float(b)), c) for b, c in zip(bounds, hist.buckets)] + [("+Inf", hist.count)]
+        buckets = [(repr(float(b)), c) for b, c in zip(bounds, hist.buckets, strict=True)] + [("+Inf", hist.count)]
         family.add_metric([service], buckets, hist.total)
     return family
 

@@ -674,7 +674,7 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
         key, cap, block_during, required = services.get(service_id, (str(service_id), 0, [], {}))
         required = _json(required) or {}
 
-        def add(reason: str, counts: dict[str, int], message: str, detail: str) -> None:
+        def add(reason: str, counts: dict[str, int], message: str, detail: str, key: str = key) -> None:
             out.append(_reason(key, reason, counts, message, detail))
 
         serving = [n for n in nodes if key in n.services]

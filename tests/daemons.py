@@ -77,7 +77,7 @@ class Sampler:
             while not self._stop.is_set():
                 row = conn.execute(self.sql, self.params).fetchone()
                 values = [int(v or 0) for v in row]
-                self.maxima = [max(a, b) for a, b in zip(self.maxima, values)] if self.maxima else values
+                self.maxima = [max(a, b) for a, b in zip(self.maxima, values, strict=True)] if self.maxima else values
                 self.samples += 1
                 time.sleep(0.01)
 

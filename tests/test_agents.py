@@ -7,7 +7,6 @@ import signal
 import time
 from collections import defaultdict
 
-import psycopg
 import pytest
 
 from events.models import Event

@@ -114,7 +114,7 @@ def _task_rows_read_by_one_report(svc: Service, task) -> int:
 @pytest.mark.parametrize("size", [1000])
 def test_a_report_reads_as_many_task_rows_in_a_large_fan_out_as_in_a_small_one(make_service, size):
     """Defect 10: each report used to re-aggregate every task of the job under its lock."""
-    a, b = make_service("fa"), make_service("fb")
+    a, _b = make_service("fa"), make_service("fb")
     create_workflow(name="ff", steps=[
         {"key": "a", "service": "fa", "depends_on": [], "fan_out": "hosts"},
         {"key": "b", "service": "fb", "depends_on": ["a"], "fan_out": "hosts"},
@@ -159,7 +159,7 @@ def test_finishing_a_fan_out_promotes_the_next_fan_out_once(make_service):
 
 
 def test_a_failed_step_skips_its_dependents_transitively(make_service):
-    a, b, c = make_service("sa", max_attempts=1), make_service("sb"), make_service("sc")
+    a, _b, _c = make_service("sa", max_attempts=1), make_service("sb"), make_service("sc")
     create_workflow(name="sk", steps=[
         {"key": "a", "service": "sa", "depends_on": []},
         {"key": "b", "service": "sb", "depends_on": ["a"]},

@@ -273,7 +273,7 @@ def test_archive_events_command_dry_run_changes_nothing_then_run_archives(s3, mo
     call_command("archive_events", "--retention-months", "12")
     out = capsys.readouterr().out
     assert "2019-05: exporting accs_event_2019_05" in out
-    assert f"2019-05: archived 3 rows" in out and f"to s3://{s3.bucket}/archive/events/2019_05.jsonl; partition dropped" in out
+    assert "2019-05: archived 3 rows" in out and f"to s3://{s3.bucket}/archive/events/2019_05.jsonl; partition dropped" in out
     assert not _exists(name)
     call_command("archive_events", "--retention-months", "12")
     assert "nothing to archive" in capsys.readouterr().out

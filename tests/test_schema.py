@@ -48,7 +48,7 @@ def test_order_seq_strictly_increases_across_four_concurrent_connections(db_url,
         t.join()
     for seqs in results:
         assert len(seqs) == 250
-        assert all(a < b for a, b in zip(seqs, seqs[1:])), "each connection sees strictly increasing order_seq"
+        assert all(a < b for a, b in zip(seqs, seqs[1:], strict=False)), "each connection sees strictly increasing order_seq"
     everything = [s for seqs in results for s in seqs]
     assert len(set(everything)) == 1000, "no order_seq is handed out twice"
     stored = list(Job.objects.order_by("created_at", "order_seq").values_list("order_seq", flat=True))

@@ -118,7 +118,7 @@ def test_simulate_executor_is_deterministic_per_seed_task_and_attempt(make_servi
 
     config = {"seed": 3, "error_rate": 0.5, "timeout_rate": 0.1, "min_delay_ms": 0, "max_delay_ms": 1}
     outcomes = []
-    for run in range(2):
+    for _ in range(2):
         row = []
         for i in range(40):
             task = ClaimedTask(id=f"00000000-0000-0000-0000-{i:012d}", job_id="j", task_key="t", attempt=1,

@@ -7,7 +7,7 @@ import importlib
 from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.tasks_backend import service_key, tasks_in
+from jobs.tasks_backend import tasks_in
 
 
 class Command(BaseCommand):
