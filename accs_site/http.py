@@ -1,4 +1,4 @@
-"""Shared pieces of the HTTP API (CTL5): input base schema, error shape, small helpers.
+"""Shared pieces of the HTTP API: input base schema, error shape, small helpers.
 
 Endpoint modules live in their apps (``jobs/http.py``, ``workflows/http.py``); the NinjaAPI instance
 and the exception handlers that turn domain errors into JSON live in :mod:`accs_site.api_v1`.

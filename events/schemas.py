@@ -1,4 +1,4 @@
-"""Wire/JSON shapes of the timeline and artifacts (seed 000's TaskEvent and TaskArtifact)."""
+"""Wire/JSON shapes of the timeline and artifacts."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Object storage (S3 / MinIO): key conventions and the storage backend.
 
-Keys follow seed 000::
+Keys name the job and the task's key, so one job's objects share a prefix::
 
     inputs/{job_id}/{task_key}/{name}
     outputs/{job_id}/{task_key}/{name}.{ext}
@@ -79,7 +79,7 @@ def build_key(
     ext: str | None = None,
     name: str | None = None,
 ) -> str:
-    """Return the object key of an artifact, following seed 000's convention.
+    """Return the object key of an artifact, following the layout in the module docstring.
 
     ``kind`` is ``input``, ``output`` or ``log``. ``name`` may contain ``/`` (an output's path
     inside the task's work directory); when omitted, a fresh unique name is used. ``ext`` is

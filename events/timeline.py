@@ -57,6 +57,6 @@ def write_events(rows: Sequence[EventRow], *, cursor=None) -> None:
 
 def log_event(level: str, type: str, message: str, data: dict[str, Any] | None = None, *,
               job_id=None, job_task_id=None, attempt: int | None = None, source: str = "system") -> None:
-    """Append one event (seed 000's ``log_event``)."""
+    """Append one event (one row of :func:`write_events`)."""
     write_events([EventRow(type=type, message=message, job_id=job_id, task_id=job_task_id, attempt=attempt,
                            source=source, level=level, data=data or {})])

@@ -1,4 +1,4 @@
-"""Admin for tenants, jobs, tasks, attempts and triggers: the operator's cockpit (OPS1).
+"""Admin for tenants, jobs, tasks, attempts and triggers: the operator's cockpit.
 
 State-holding models (jobs, tasks, attempts) are read-only. Operators change state with admin
 actions and with the buttons on the job page; both call :mod:`jobs.transitions` (the same functions

@@ -1,4 +1,4 @@
-"""Bearer tokens for the HTTP API (CTL5). Only a token's SHA-256 digest is stored.
+"""Bearer tokens for the HTTP API. Only a token's SHA-256 digest is stored.
 
 A token is shown once, when it is created (``manage.py create_api_token USER NAME``); it reads
 ``accs_<random>`` and its first characters are kept as ``prefix`` so operators can recognise it.

@@ -1,4 +1,4 @@
-"""HTTP endpoints for jobs and triggers under /api/v1/jobs (CTL5, seed 003's API contract).
+"""HTTP endpoints for jobs and triggers under /api/v1/jobs, token-authenticated and tenant-scoped.
 
 Every endpoint is tenant-scoped through :mod:`jobs.scoping`: a tenant admin sees and acts only in
 their tenants (a job of another tenant is "not found"), a viewer only reads, a superuser sees all.

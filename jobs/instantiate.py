@@ -1,4 +1,4 @@
-"""Turning a job into tasks: one task per workflow step, one per host for a fan-out step (WF4).
+"""Turning a job into tasks: one task per workflow step, one per host for a fan-out step.
 
 Pure construction; :mod:`jobs.admission` decides which jobs and writes the rows.
 """

@@ -2,7 +2,7 @@
 
 Every function here is fenced by the attempt number: a report from an attempt that is no longer
 current changes nothing and is recorded as a ``fenced`` event. Times come from PostgreSQL's
-clock (:func:`jobs.sql.db_now`), never from the agent's. Locks follow :mod:`jobs.locks`: the
+clock (:func:`accs_site.clock.db_now`), never from the agent's. Locks follow :mod:`jobs.locks`: the
 jobs of the reported tasks, then the tasks, each sorted by id.
 """
 

@@ -1,4 +1,4 @@
-"""Wire/JSON shapes of jobs and tasks (seed 000's Job and JobTask, with ACCS's additions)."""
+"""Wire/JSON shapes of jobs and tasks (the job and task fields clients read, with ACCS's additions)."""
 
 from __future__ import annotations
 

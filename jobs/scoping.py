@@ -1,4 +1,4 @@
-"""Tenant scoping (CTL6): which tenants a user may see and act in. The HTTP API and the admin both
+"""Tenant scoping: which tenants a user may see and act in. The HTTP API and the admin both
 filter through these functions, so isolation has one definition."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triggers (CTL4): application events and cron schedules that start jobs inside one tenant.
+"""Triggers: application events and cron schedules that start jobs inside one tenant.
 
 **Event triggers.** :func:`fire_event` (public as :func:`jobs.api.emit_event`) records the
 application event on the timeline and starts one job per enabled trigger of the tenant that names
@@ -388,7 +388,7 @@ def _apply(trigger: Trigger, fields: dict[str, Any]) -> list[Problem]:
     if trigger.trigger_type == TriggerType.EVENT:
         trigger.timezone = None  # meaningless for events; the CHECK constraint only allows it
     elif trigger.trigger_type == TriggerType.SCHEDULE and not trigger.timezone and trigger.tenant_id:
-        trigger.timezone = trigger.tenant.timezone  # seed 003: the tenant's time zone by default
+        trigger.timezone = trigger.tenant.timezone  # a schedule without a zone runs in its tenant's
     return problems
 
 

@@ -1,4 +1,4 @@
-"""Executors (AGT3, AGT5): how an agent runs one attempt of a task.
+"""Executors: how an agent runs one attempt of a task.
 
 Each executor's ``run(task, ctx)`` blocks in a worker thread and returns an Outcome. It reports
 start (pid), progress and log lines through ``ctx``; the agent batches those into the database.
@@ -859,7 +859,7 @@ class HttpExecutor:
 
 
 class SimulateExecutor:
-    """An unstable network (seed 004, AGT5): seeded random delay, error or timeout per attempt."""
+    """A simulated unstable network: seeded random delay, error or timeout per attempt."""
 
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config

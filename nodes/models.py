@@ -135,7 +135,7 @@ class HostBlock(models.Model):
 
 
 class DiskLevel(models.TextChoices):
-    """Disk use thresholds (seed 001)."""
+    """Disk use levels: the share of space in use at which agents warn and stop claiming."""
 
     OK = "ok", "OK (< 85 %)"
     WARNING = "warning", "Warning (≥ 85 %)"

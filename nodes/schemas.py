@@ -1,4 +1,4 @@
-"""Wire/JSON shape of a node (seed 000's Node)."""
+"""Wire/JSON shape of a node."""
 
 from __future__ import annotations
 

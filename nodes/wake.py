@@ -1,4 +1,4 @@
-"""Node wake (BLD3): the WakeProvider interface and its three implementations."""
+"""Node wake: the WakeProvider interface and its three implementations."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prometheus endpoint (OPS4): ``/metrics``, read from the database at scrape time.
+"""Prometheus endpoint: ``/metrics``, read from the database at scrape time.
 
 Agents and builders are separate processes (often on other machines), so counting in-process with
 prometheus_client counters would only see the web process. Instead a custom collector reads

@@ -1,4 +1,4 @@
-"""ART1/EVT2 through a real agent: inputs staged, outputs and the attempt's log stored in S3."""
+"""Artifacts and the attempt's log through a real agent: inputs staged, outputs and the attempt's log stored in S3."""
 
 from __future__ import annotations
 

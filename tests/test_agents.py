@@ -1,4 +1,4 @@
-"""Agents and builders as real processes: races, every CLM3/CLM4 limit, crashes, fencing, timeouts."""
+"""Agents and builders as real processes: races, every claim limit (per node, service, host, key), crashes, fencing, timeouts."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_four_agents_race_2000_tasks_each_done_exactly_once_in_order(make_servic
     for agent in agents_seen:
         mine = sorted((ts, sorted(s)) for (a, ts), s in batches.items() if a == agent)
         heads = [s[0] for _, s in mine]
-        assert heads == sorted(heads), f"{agent}: each claim batch starts after the previous one (CLM1)"
+        assert heads == sorted(heads), f"{agent}: each claim batch starts after the previous one (global order)"
     assert Job.objects.filter(status="done").count() == 2000
 
 

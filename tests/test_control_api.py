@@ -1,4 +1,4 @@
-"""The Python API (CTL1, CTL2, WF3): starting jobs inside the caller's transaction, idempotency,
+"""The Python API: starting jobs inside the caller's transaction, idempotency,
 dedupe keys, param overrides, validation that writes nothing."""
 
 from __future__ import annotations

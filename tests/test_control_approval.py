@@ -1,4 +1,4 @@
-"""Approval (CTL3): jobs of services that require approval wait; every path that could run or retry
+"""Approval: jobs of services that require approval wait; every path that could run or retry
 them before approval is tried and refused; approve makes them runnable; reject cancels them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DAG failure policies per step (BEY5): fail the job, continue independent branches, always-run steps.
+"""DAG failure policies per step: fail the job, continue independent branches, always-run steps.
 
 Driven through the engine's real claim and report path (no daemons), on a real PostgreSQL. Each
 step has its own service that gives up after one attempt, so one failed report is a final failure.

@@ -1,4 +1,4 @@
-"""Flow control in the claim: rate limits per service and per key, per-key concurrency caps (BEY4).
+"""Flow control in the claim: rate limits per service and per key, per-key concurrency caps.
 
 The in-process tests drive the real claim statement with PostgreSQL's clock shifted by an
 injected ``now``; the race tests run four real agent processes against one database and check

@@ -1,4 +1,4 @@
-"""Resource governor (WF5) and disk watch (AGT4): conditions with expiry, claim adjustments, disk levels."""
+"""Resource governor and disk watch: conditions with expiry, claim adjustments, disk levels."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The HTTP API (CTL5, CTL6): token auth, jobs, triggers, services and workflows, tenant isolation,
+"""The HTTP API: token auth, jobs, triggers, services and workflows, tenant isolation,
 a live-server race of identical webhooks, the OpenAPI document and a property-based run against it."""
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_summary_reports_oldest_due_queued_job_and_pending_approvals(world, make
 
 
 # --------------------------------------------------------------------------------------------
-# Tenant isolation (CTL6)
+# Tenant isolation
 # --------------------------------------------------------------------------------------------
 
 def test_tenant_admin_cannot_see_or_act_on_another_tenants_jobs(world, make_service):

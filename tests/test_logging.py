@@ -1,4 +1,4 @@
-"""EVT2: JSON logs on stdout, and records with job/task context on the timeline."""
+"""JSON logs on stdout, and records with job/task context on the timeline."""
 
 from __future__ import annotations
 

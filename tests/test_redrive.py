@@ -1,4 +1,4 @@
-"""Bulk redrive of dead letters and failed jobs (BEY6): the dry-run count, batches in their own
+"""Bulk redrive of dead letters and failed jobs: the dry-run count, batches in their own
 transactions, no task retried twice (also under racing redrives), tenant isolation in the HTTP
 API and the admin, the management command."""
 

@@ -1,4 +1,4 @@
-"""Triggers (CTL4): payload templates, cron in IANA zones across DST, event firing with a dedupe
+"""Triggers: payload templates, cron in IANA zones across DST, event firing with a dedupe
 window, schedule firing that stays once-per-due-time with several builders."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""WF1/WF2: every validation error names the problem, and nothing is written."""
+"""Every validation error names the problem, and nothing is written."""
 
 from __future__ import annotations
 

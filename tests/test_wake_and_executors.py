@@ -1,4 +1,4 @@
-"""BLD3 node wake (loopback only), BLD4 cheap ticks, and the http / simulate executors."""
+"""Node wake (loopback only), cheap builder ticks, and the http / simulate executors."""
 
 from __future__ import annotations
 

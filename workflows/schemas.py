@@ -1,4 +1,4 @@
-"""Wire/JSON shapes of workflows (seed 000): WorkflowStep, WorkflowDef."""
+"""Wire/JSON shapes of workflows: WorkflowStep, WorkflowDef."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Validation of services and workflows (WF1, WF2).
+"""Validation of services and workflows.
 
 One set of rules serves the admin form (``Model.clean``), the Python API (:mod:`workflows.api`)
 and imports. Every problem names where it is (which step, which field) and what is wrong; callers

@@ -1,4 +1,4 @@
-"""Sample services and workflows: seed 000's ingest → audio → render → upload, and a one-step CLI."""
+"""Sample services and workflows: a media pipeline (ingest → audio → render → upload), and a one-step CLI."""
 
 from __future__ import annotations
 
