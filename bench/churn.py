@@ -193,7 +193,8 @@ def churn() -> dict[str, object]:
 def show(results: dict) -> None:
     bench.say(f"  claim rate, first 10 %   {results['claim_rate_start']:>10,.1f} tasks/s")
     bench.say(f"  claim rate, last 10 %    {results['claim_rate_end']:>10,.1f} tasks/s")
-    bench.say(f"  overall (with enqueue)   {results['wall_rate']:>10,.1f} tasks/s over {results['wall_seconds']:,.0f} s")
+    bench.say(f"  overall (with enqueue)   {results['wall_rate']:>10,.1f} tasks/s"
+              f" over {results['wall_seconds']:,.0f} s")
     bench.say(f"  pruned                   {results['pruned']}")
     bench.say("  sizes MB (total / table / indexes), after the first 10 % → at the end:")
     for table in results["sizes_end"]:

@@ -377,7 +377,8 @@ def _store(
     key = build_key(job_id, task_key, kind, name=name)
     storage = get_storage(action=f"store {kind} artifact {key}")
     if content_type is None:
-        content_type = JSONL_CONTENT_TYPE if kind == ArtifactKind.LOG else (mimetypes.guess_type(key)[0] or DEFAULT_CONTENT_TYPE)
+        guessed = mimetypes.guess_type(key)[0] or DEFAULT_CONTENT_TYPE
+        content_type = JSONL_CONTENT_TYPE if kind == ArtifactKind.LOG else guessed
     with _seekable(data) as fileobj:
         fileobj.seek(0)  # S3Storage uploads from the start, so the checksum must cover the same bytes
         checksum, size = sha256_of(fileobj)

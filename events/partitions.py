@@ -321,7 +321,8 @@ def _verify(storage: Any, target: _Target, manifest: dict[str, Any]) -> None:
     partition = manifest["partition"]
     stored_manifest = json.loads(b"".join(iter_object(storage, target.manifest_key)))
     if stored_manifest != manifest:
-        raise ArchiveError(partition=partition, step="verify", problem="the stored manifest differs from the one written")
+        raise ArchiveError(partition=partition, step="verify",
+                           problem="the stored manifest differs from the one written")
     digest = hashlib.sha256()
     rows = size = 0
     for chunk in iter_object(storage, target.key):

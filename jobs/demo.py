@@ -90,7 +90,8 @@ class Demo:
 
         reload()
         if storage_env:
-            self.say(f"  artifact storage: {storage_env.get('ACC_MINIO_ENDPOINT')} bucket {storage_env.get('ACC_MINIO_BUCKET', 'accs')}")
+            self.say(f"  artifact storage: {storage_env.get('ACC_MINIO_ENDPOINT')}"
+                     f" bucket {storage_env.get('ACC_MINIO_BUCKET', 'accs')}")
         node_b, _ = Node.objects.get_or_create(name="demo-b")
         for name in HOSTS:
             Host.objects.update_or_create(name=name, defaults={"node": node_b})

@@ -166,9 +166,11 @@ SELECT json_build_object(
 """
 
 DELETE_SQL = (
-    ("attempts", "DELETE FROM accs_attempt WHERE task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]))"),
+    ("attempts", "DELETE FROM accs_attempt"
+                 " WHERE task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]))"),
     ("artifacts", "DELETE FROM accs_artifact WHERE job_id = ANY(%(ids)s::uuid[])"
-                  " OR task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[])) RETURNING bucket, key"),
+                  " OR task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]))"
+                  " RETURNING bucket, key"),
     ("steps", "DELETE FROM accs_job_step WHERE job_id = ANY(%(ids)s::uuid[])"),
     ("tasks", "DELETE FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[])"),
     ("jobs", "DELETE FROM accs_job WHERE id = ANY(%(ids)s::uuid[])"),

@@ -86,13 +86,16 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
         cur.execute("UPDATE accs_job SET status = 'canceled', finished_at = %s, updated_at = %s,"
                     " error_code = 'canceled', error_message = %s WHERE id = %s",
                     [now, now, f"canceled by {by or 'api'}", job_id])
-        _job_event(cur, job_id, f"job {row[0]} → canceled", by=by, level="warn", data={"from": row[0], "to": "canceled"})
+        _job_event(cur, job_id, f"job {row[0]} → canceled", by=by, level="warn",
+                   data={"from": row[0], "to": "canceled"})
         write_events(skip_unstarted(cur, [job_id], now=now, source=source, reason="job canceled", to="canceled"),
                      cursor=cur)
-        cur.execute("UPDATE accs_task SET cancel_requested_at = %s WHERE job_id = %s AND status IN ('starting', 'running')"
+        cur.execute("UPDATE accs_task SET cancel_requested_at = %s"
+                    " WHERE job_id = %s AND status IN ('starting', 'running')"
                     " AND cancel_requested_at IS NULL RETURNING id, attempt", [now, job_id])
         held = cur.fetchall()
-        write_events([EventRow(type="cancel", message="cancel requested; the agent stops the task at its next heartbeat",
+        write_events([EventRow(type="cancel",
+                               message="cancel requested; the agent stops the task at its next heartbeat",
                                job_id=job_id, task_id=t, attempt=a, source=source, level="warn")
                       for t, a in held], cursor=cur)
         finalize_jobs(cur, [job_id], now=now, source=source)
@@ -449,8 +452,8 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
             return ActionResult(False, f"job is not waiting for approval (approval is {approval})")
         if status != JobStatus.QUEUED:
             return ActionResult(False, f"job is {status}; retry it first, then approve it")
-        cur.execute("UPDATE accs_job SET approval_state = 'approved', approved_by = %s, approved_at = %s, updated_at = %s"
-                    " WHERE id = %s", [by, now, now, job_id])
+        cur.execute("UPDATE accs_job SET approval_state = 'approved', approved_by = %s, approved_at = %s,"
+                    " updated_at = %s WHERE id = %s", [by, now, now, job_id])
         write_events([EventRow(type="approval", message=f"job approved by {by or 'api'}", job_id=job_id,
                                source=_source(by), data={"from": "pending", "to": "approved"})], cursor=cur)
         notify(cur, [builder_channel()])
@@ -475,10 +478,12 @@ def reject(job_id: UUID, *, by: str = "", reason: str = "", now: datetime | None
                     " error_message = %s WHERE id = %s",
                     [by, now, to, now, now, reason or f"rejected by {by or 'api'}", job_id])
         write_events([EventRow(type="approval", message=f"job rejected by {by or 'api'}", job_id=job_id,
-                               source=source, level="warn", data={"from": "pending", "to": "rejected", "reason": reason})],
+                               source=source, level="warn",
+                               data={"from": "pending", "to": "rejected", "reason": reason})],
                      cursor=cur)
         if to != status:
-            _job_event(cur, job_id, f"job {status} → {to} (rejected)", by=by, level="warn", data={"from": status, "to": to})
+            _job_event(cur, job_id, f"job {status} → {to} (rejected)", by=by, level="warn",
+                       data={"from": status, "to": to})
         write_events(skip_unstarted(cur, [job_id], now=now, source=source, reason="job rejected", to="canceled"),
                      cursor=cur)
     return ActionResult(True, "job rejected and canceled")

@@ -47,7 +47,8 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
             node.max_concurrency = {**node.max_concurrency, **max_concurrency}
         node.save()
         if created or was != AwakeState.AWAKE:
-            write_events([EventRow(type="node", message=f"node {name} {was} → awake ({agent_id})", source=f"agent:{name}",
+            write_events([EventRow(type="node", message=f"node {name} {was} → awake ({agent_id})",
+                                   source=f"agent:{name}",
                                    data={"node": name, "from": was, "to": "awake", "services": services})])
         if not created and was_presence != Presence.ONLINE:
             write_events([_presence_event(name, was_presence, Presence.ONLINE, f"agent {agent_id} started")])

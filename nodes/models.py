@@ -63,7 +63,8 @@ class Node(models.Model):
     slot_cap = models.PositiveIntegerField(default=20)
     cpu_budget = models.PositiveIntegerField(default=8)
     version = models.CharField(max_length=50, blank=True, default="")
-    agent_id = models.CharField(max_length=300, blank=True, default="", help_text="hostname:pid:boot-id of the last agent.")
+    agent_id = models.CharField(max_length=300, blank=True, default="",
+                                help_text="hostname:pid:boot-id of the last agent.")
     services = models.JSONField(default=list, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
     last_wake_at = models.DateTimeField(null=True, blank=True)

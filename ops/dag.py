@@ -142,7 +142,8 @@ def _status_line(step: StepState) -> str:
 def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#step-") -> str:
     """Return an inline SVG document of the DAG (safe to embed: every text is escaped)."""
     if not steps:
-        return '<svg xmlns="http://www.w3.org/2000/svg" width="240" height="40" role="img"><text x="8" y="24">no steps</text></svg>'
+        return ('<svg xmlns="http://www.w3.org/2000/svg" width="240" height="40" role="img">'
+                '<text x="8" y="24">no steps</text></svg>')
     pos = _layout(steps)
     cols = max(c for c, _ in pos.values()) + 1
     rows = max(r for _, r in pos.values()) + 1

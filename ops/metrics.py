@@ -64,7 +64,8 @@ WITH e AS (
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' = 'queued'
                   AND e.data->>'to' IN ('waiting', 'running') THEN 'job_started'
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL
-                  AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected') THEN 'job_' || (e.data->>'to')
+                  AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected')
+             THEN 'job_' || (e.data->>'to')
            END AS kind
       FROM accs_event e
      WHERE e.id > %(lo)s AND e.id <= %(hi)s
@@ -150,7 +151,8 @@ class TimelineCounters:
             counts = dict(self.counts)
             latency = {k: _Histogram(list(v.buckets), v.count, v.total) for k, v in self.latency.items()}
             run_time = {k: _Histogram(list(v.buckets), v.count, v.total) for k, v in self.run_time.items()}
-        claims = CounterMetricFamily("accs_task_claims", "Tasks claimed by agents (attempts started).", labels=["service"])
+        claims = CounterMetricFamily("accs_task_claims", "Tasks claimed by agents (attempts started).",
+                                     labels=["service"])
         finished = CounterMetricFamily("accs_task_attempts_finished",
                                        "Attempts that ended, by outcome (done, retry, dead_letter, canceled).",
                                        labels=["service", "outcome"])
@@ -160,7 +162,8 @@ class TimelineCounters:
                                    labels=["service"])
         fenced = CounterMetricFamily("accs_task_fenced_reports", "Late reports rejected by attempt fencing.",
                                      labels=["service"])
-        jobs_started = CounterMetricFamily("accs_jobs_started", "Jobs instantiated (queued → waiting, their tasks created).",
+        jobs_started = CounterMetricFamily("accs_jobs_started",
+                                           "Jobs instantiated (queued → waiting, their tasks created).",
                                            labels=["tenant"])
         jobs_finished = CounterMetricFamily("accs_jobs_finished", "Jobs that ended, by final status.",
                                             labels=["tenant", "status"])
@@ -236,7 +239,8 @@ class AccsCollector:
 
         up = GaugeMetricFamily("accs_node_up", "1 when the node is online and heartbeated within 3 × TTL/3.",
                                labels=["node"])
-        seen = GaugeMetricFamily("accs_node_last_seen_timestamp_seconds", "Last heartbeat (Unix time).", labels=["node"])
+        seen = GaugeMetricFamily("accs_node_last_seen_timestamp_seconds", "Last heartbeat (Unix time).",
+                                 labels=["node"])
         draining = GaugeMetricFamily("accs_node_draining", "1 when the node claims nothing new.", labels=["node"])
         running = GaugeMetricFamily("accs_node_running_tasks", "Tasks held by the node.", labels=["node"])
         disk = GaugeMetricFamily("accs_node_disk_used_ratio", "Disk use from the latest sample (0..1).",

@@ -33,7 +33,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: froze
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+        padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        return "  ".join(padded).rstrip()
 
     return [line(headers), line(["─" * w for w in widths]), *[line(r) for r in rows]]
 
