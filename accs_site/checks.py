@@ -6,14 +6,14 @@ start without the secret key and the metrics token.
 """
 
 from django.conf import settings
-from django.core.checks import Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from accs_site.conf import ANY, SettingError, accs, is_placeholder, is_weak_secret_key
 
 
 @register()
-def check_accs_settings(app_configs=None, **kwargs) -> list[Error]:
-    errors: list[Error] = []
+def check_accs_settings(app_configs=None, **kwargs) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
     for name in accs.all_properties():
         try:
             getattr(accs, name)

@@ -264,7 +264,7 @@ def close_shared_pool() -> None:
 
     try:
         connection.close()
-        connection.close_pool()
+        connection.close_pool()  # type: ignore[attr-defined]  # the PostgreSQL backend's, Django 5.1 and later
     except Exception:  # noqa: BLE001 - closing at exit must not fail the exit
         pass
 

@@ -38,6 +38,14 @@ MAX_KEY_LENGTH = 1000  # Artifact.key's column; S3 itself allows 1024 bytes
 CHUNK_SIZE = 1024 * 1024
 
 
+class Upload(File):
+    """A file to store, with the Content-Type S3Storage gives the object."""
+
+    def __init__(self, file: Any, *, name: str, content_type: str) -> None:
+        super().__init__(file, name=name)
+        self.content_type = content_type
+
+
 class StorageNotConfigured(ImproperlyConfigured):
     """Artifact storage was needed but ACC_MINIO_ENDPOINT/ACCESS_KEY/SECRET_KEY are not set."""
 
@@ -231,8 +239,7 @@ def save_verified(storage: S3Storage, key: str, body: bytes, *, content_type: st
 
     Raise OSError when the stored bytes differ (and whatever the storage raises when it fails).
     """
-    upload = File(io.BytesIO(body), name=validate_key(key))
-    upload.content_type = content_type  # read by S3Storage for the object's Content-Type
+    upload = Upload(io.BytesIO(body), name=validate_key(key), content_type=content_type)
     saved = storage.save(key, upload)
     if saved != key:
         raise OSError(f"storage renamed {key!r} to {saved!r}")

@@ -38,7 +38,7 @@ def write_events(rows: Sequence[EventRow], *, cursor=None) -> None:
     """Insert events in one statement, on ``cursor`` (default: Django's connection)."""
     if not rows:
         return
-    params = [
+    params: list[list[Any]] = [
         [str(r.job_id) if r.job_id else None for r in rows],
         [str(r.task_id) if r.task_id else None for r in rows],
         [r.attempt for r in rows],

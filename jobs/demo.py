@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
 
+from django.core.management.base import OutputWrapper
 from django.db.models import Count, Max, Sum
 from django.utils import timezone
 
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOSTS = [f"host-{i}" for i in range(1, 6)]
 
 
-def _start_storage(out: TextIO) -> dict[str, str]:
+def _start_storage(out: TextIO | OutputWrapper) -> dict[str, str]:
     """Start the local S3-compatible server; return the ACC_MINIO_* variables (empty if unavailable)."""
     script = ROOT / "scripts" / "s3_local.sh"
     if not script.exists():
@@ -52,7 +53,7 @@ def _start_storage(out: TextIO) -> dict[str, str]:
 class Demo:
     """Run the demo; every process it starts is stopped on the way out."""
 
-    def __init__(self, *, out: TextIO, timeout: float = 180.0) -> None:
+    def __init__(self, *, out: TextIO | OutputWrapper, timeout: float = 180.0) -> None:
         self.out = out
         self.timeout = timeout
         self.procs: list[subprocess.Popen] = []

@@ -38,6 +38,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from django.db import connection, transaction
@@ -206,7 +207,8 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
     objects: list[tuple[str, str]] = []
     with transaction.atomic(), connection.cursor() as cur:
         now = now or db_now(cur)
-        params = {"now": now, "days": accs.retention_days, "dead_days": accs.retention_dead_days, "limit": limit}
+        params: dict[str, Any] = {"now": now, "days": accs.retention_days, "dead_days": accs.retention_dead_days,
+                                  "limit": limit}
         kept = _kept_clause(cur)
         cur.execute(CANDIDATES_SQL.format(kept=kept, settled_done=_settled(_DONE_CUTOFF),
                                           settled_dead=_settled(_DEAD_CUTOFF)), params)

@@ -215,7 +215,7 @@ def _back_to_work(cur, job_id: UUID, job: tuple, *, by: str, now: datetime, why:
     return new_status
 
 
-def _locked_jobs(cur, job_ids: Iterable[UUID]) -> dict[UUID, tuple[Any, ...]]:
+def _locked_jobs(cur, job_ids: Iterable[UUID | str]) -> dict[UUID, tuple[Any, ...]]:
     """Lock jobs and all their tasks in the engine's order; return each existing job's state.
 
     The state is (status, approval, instantiated, tenant id, workflow id, finished_at).
@@ -344,7 +344,7 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
         now = now or db_now(cur)
         stopping = _stopping(cur, jobs)
         for task_id in ids:
-            job = jobs.get(job_of.get(task_id))
+            job = jobs.get(job_of[task_id]) if task_id in job_of else None
             if job is None:
                 out[task_id] = ActionResult(False, "no such task")
             elif job[1] in (ApprovalState.PENDING, ApprovalState.REJECTED):

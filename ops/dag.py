@@ -240,7 +240,7 @@ def job_dag_svg(job) -> str:
             .values("step_key", "status", "service__key", "depends_on")
             .annotate(n=Count("id"), attempt=Max("attempt"), max_attempts=Max("max_attempts"), hosted=Count("host_id"))
             .order_by())
-    task_rows = [{**r, "service": r.pop("service__key")} for r in rows]
+    task_rows = [{**r, "service": r["service__key"]} for r in rows]
     if job.workflow_id:
         definition = job.workflow.steps
     else:

@@ -287,7 +287,7 @@ def update_workflow(request: HttpRequest, body: WorkflowPatch,
             if reason := steps_frozen_reason(workflow):
                 return Status(409, {"detail": f"{reason}; POST /workflows with the new steps to create the next "
                                               "version"})
-            workflow.steps = _steps(body.steps)
+            workflow.steps = _steps(body.steps or [])
         for field in ("description", "is_active", "max_active_jobs"):
             if field in changes:
                 setattr(workflow, field, changes[field])

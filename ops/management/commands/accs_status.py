@@ -152,12 +152,12 @@ class Command(OperatorCommand):
         timing = {x.service: x for x in data.stats.services}
         names = sorted({r.service for r in data.services} | set(timing))
         depth: dict[str, list[int]] = {}
-        for r in data.services:
-            d = depth.setdefault(r.service, [0, 0, 0, 0])
-            d[0] += r.queued
-            d[1] += r.starting + r.running
-            d[2] += r.retrying
-            d[3] += r.dead_letter
+        for queue in data.services:
+            d = depth.setdefault(queue.service, [0, 0, 0, 0])
+            d[0] += queue.queued
+            d[1] += queue.starting + queue.running
+            d[2] += queue.retrying
+            d[3] += queue.dead_letter
         rows = []
         for name in names:
             d, x = depth.get(name, [0, 0, 0, 0]), timing.get(name)
