@@ -13,6 +13,7 @@ class JobsConfig(AccsAppConfig):
 
     def ready(self) -> None:
         super().ready()
+        # apps.py loads before the models whose saves clear the cache.
         from jobs.definitions import connect_invalidation
 
         connect_invalidation()

@@ -13,6 +13,11 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from django.db.models.signals import post_delete, post_save
+
+from jobs.models import Tenant
+from workflows.models import Service, Workflow
+
 TTL = 10.0
 MAX_ENTRIES = 10_000
 
@@ -51,11 +56,6 @@ definitions = DefinitionCache()
 
 def connect_invalidation() -> None:
     """Clear the cache whenever this process changes a tenant, workflow or service."""
-    from django.db.models.signals import post_delete, post_save
-
-    from jobs.models import Tenant
-    from workflows.models import Service, Workflow
-
     for model in (Tenant, Workflow, Service):
         post_save.connect(definitions.clear, sender=model, dispatch_uid=f"accs-definitions-{model.__name__}-save")
         post_delete.connect(definitions.clear, sender=model, dispatch_uid=f"accs-definitions-{model.__name__}-delete")

@@ -21,6 +21,8 @@ from django.core.management.base import OutputWrapper
 from django.db.models import Count, Max, Sum
 from django.utils import timezone
 
+from accs_site.conf import reload
+from events.models import Artifact
 from jobs import api
 from jobs.models import JOB_ACTIVE, Job
 from nodes.models import Host, Node
@@ -87,8 +89,6 @@ class Demo:
         self.say(f"  loaded {len(services)} services and {len(workflows)} workflows")
         storage_env = _start_storage(self.out)
         os.environ.update(storage_env)
-        from accs_site.conf import reload
-
         reload()
         if storage_env:
             self.say(f"  artifact storage: {storage_env.get('ACC_MINIO_ENDPOINT')}"
@@ -149,8 +149,6 @@ class Demo:
             time.sleep(0.5)
 
     def summary(self, jobs: list[Job], since) -> None:
-        from events.models import Artifact
-
         self.say("")
         self.say(f"{'job':<10}{'target':<22}{'status':<9}{'tasks':>6}{'attempts':>10}{'duration':>10}{'artifacts':>11}")
         for job in Job.objects.filter(id__in=[j.id for j in jobs]).order_by("order_seq"):

@@ -11,6 +11,7 @@ from typing import Any
 from django.db import connection, transaction
 
 from accs_site.clock import db_now
+from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from nodes.models import AwakeState, Node, Presence
 
@@ -29,7 +30,6 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
     with transaction.atomic():
         with connection.cursor() as cur:
             now = db_now(cur)
-        from accs_site.conf import accs
 
         # A new node takes its limits from ACC_SLOT_CAP / ACC_CPU_BUDGET; afterwards the row (admin) rules.
         node, created = Node.objects.select_for_update().get_or_create(

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from django.db.models import Count, Max
+
+from jobs.models import Task
+
 # fill, stroke, text for each task status; "pending" = the job has no tasks yet.
 STATUS_COLOURS: dict[str, tuple[str, str]] = {
     "pending": ("#ffffff", "#94a3b8"),
@@ -232,10 +236,6 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
 
 def job_dag_svg(job) -> str:
     """Render the DAG of one job from its workflow steps and a per-step aggregate of its tasks."""
-    from django.db.models import Count, Max
-
-    from jobs.models import Task
-
     rows = (Task.objects.filter(job_id=job.pk)
             .values("step_key", "status", "service__key", "depends_on")
             .annotate(n=Count("id"), attempt=Max("attempt"), max_attempts=Max("max_attempts"), hosted=Count("host_id"))

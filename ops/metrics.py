@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from accs_site.conf import accs
+from ops.overview import flow_limits, governor_conditions, node_health, queue_depth
 
 #: Histogram buckets (seconds) for queue latency and run time.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
@@ -206,8 +207,6 @@ class AccsCollector:
         self.counters = counters or TimelineCounters()
 
     def collect(self) -> Iterator[Metric]:
-        from ops.overview import governor_conditions, node_health, queue_depth
-
         started = time.monotonic()
         now = timezone.now()
         tenants, services = queue_depth(now=now)
@@ -267,7 +266,6 @@ class AccsCollector:
 
 def _flow_metrics() -> Iterator[Metric]:
     """Rate limits and per-key caps: starts left in the window, keys at a limit, tasks held back."""
-    from ops.overview import flow_limits
 
     left = GaugeMetricFamily("accs_rate_limit_starts_left", "Starts the service's rate limit still allows in its"
                              " window.", labels=["service"])

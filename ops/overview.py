@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from accs_site.conf import accs
 from jobs.claim import params_key_sql
+from workflows.models import GovernorCondition
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
 ATTEMPT_SAMPLE = 20_000
@@ -398,8 +399,6 @@ class Condition:
 
 def governor_conditions(*, now: datetime | None = None) -> list[Condition]:
     """Return the governor conditions, those holding first."""
-    from workflows.models import GovernorCondition
-
     now = now or timezone.now()
     out = [Condition(name=c.name, holds=c.holds(now), reason=c.reason, raised_at=c.raised_at, expires_at=c.expires_at,
                      cleared_at=c.cleared_at, raised_by=c.raised_by) for c in GovernorCondition.objects.all()]

@@ -319,9 +319,6 @@ def test_a_pragma_alone_is_not_a_reason():
 
 # --- today's violations (issue 19 removes them; the lead empties these lists after merging) ----------------
 
-#: The note of a lazy import that no piece of this round restructures.
-NO_PIECE = "no piece this round: say why, or import at the top once the circles are gone"
-
 UP_IMPORTS_TODAY: dict[tuple[str, str], str] = {
     ("accs_site.admin_kit", "jobs.models"): "tenancy: Tenant moves to tenants/",
     ("accs_site.admin_kit", "jobs.scoping"): "tenancy: scoping moves to tenants/",
@@ -361,18 +358,11 @@ CIRCLES_TODAY: dict[tuple[str, ...], str] = {
 }
 
 UNCOMMENTED_FUNCTION_IMPORTS_TODAY: dict[tuple[str, str], str] = {
-    ("accs_site.daemon", "accs_site.conf"): NO_PIECE,
-    ("events.apps", "events.logging"): NO_PIECE,
     ("events.logging", "accs_site.conf"): "failure: restructured this round",
     ("events.logging", "events.timeline"): "failure: restructured this round",
     ("jobs.admin", "ops.jobpage"): "admins: restructured this round",
     ("jobs.api", "jobs.triggers"): "enqueue: restructured this round",
     ("jobs.api", "workflows.governor"): "enqueue: restructured this round",
-    ("jobs.apps", "jobs.definitions"): NO_PIECE,
-    ("jobs.definitions", "jobs.models"): NO_PIECE,
-    ("jobs.definitions", "workflows.models"): NO_PIECE,
-    ("jobs.demo", "accs_site.conf"): NO_PIECE,
-    ("jobs.demo", "events.models"): NO_PIECE,
     ("jobs.duties", "jobs.duties.archive"): "admins: restructured this round",
     ("jobs.duties", "jobs.duties.cron"): "admins: restructured this round",
     ("jobs.duties", "jobs.duties.governor"): "admins: restructured this round",
@@ -384,8 +374,6 @@ UNCOMMENTED_FUNCTION_IMPORTS_TODAY: dict[tuple[str, str], str] = {
     ("jobs.duties", "jobs.duties.scheduled"): "admins: restructured this round",
     ("jobs.duties", "jobs.duties.wake"): "admins: restructured this round",
     ("jobs.duties.presence", "nodes.api"): "admins: restructured this round",
-    ("jobs.duties.prune", "events.artifacts"): NO_PIECE,
-    ("jobs.duties.prune", "jobs.retention"): NO_PIECE,
     ("jobs.duties.wake", "nodes.wake"): "admins: restructured this round",
     ("jobs.triggers", "jobs.api"): "enqueue: restructured this round",
     ("jobs.triggers", "jobs.verbs"): "enqueue: restructured this round",
@@ -393,13 +381,9 @@ UNCOMMENTED_FUNCTION_IMPORTS_TODAY: dict[tuple[str, str], str] = {
     ("nodes.agent", "nodes.disk"): "failure/admins: restructured this round",
     ("nodes.agent", "workflows.governor"): "failure/admins: restructured this round",
     ("nodes.agent", "workflows.models"): "failure/admins: restructured this round",
-    ("nodes.api", "accs_site.conf"): NO_PIECE,
-    ("ops.dag", "jobs.models"): NO_PIECE,
     ("ops.jobpage", "events.artifacts"): "admins: restructured this round",
     ("ops.jobpage", "jobs.admin"): "admins: restructured this round",
     ("ops.jobpage", "ops.dag"): "admins: restructured this round",
-    ("ops.metrics", "ops.overview"): NO_PIECE,
-    ("ops.overview", "workflows.models"): NO_PIECE,
     ("workflows.models", "workflows.validation"): "tenancy: restructured this round",
     ("workflows.validation", "jobs.models"): "tenancy: restructured this round",
     ("workflows.validation", "workflows.models"): "tenancy: restructured this round",
