@@ -559,6 +559,7 @@ def timeline_log(attempt: Attempt, *, min_level: str = "", tail: int = DEFAULT_T
 
 
 __all__ = [
-    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view", "attempt_log_view", "job_data_view",
+    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view",
+    "attempt_log_view", "job_data_view",
     "job_page_context", "parse_log_line", "tail_log", "visible_job",
 ]
