@@ -53,7 +53,7 @@ def connect_invalidation() -> None:
     """Clear the cache whenever this process changes a tenant, workflow or service."""
     from django.db.models.signals import post_delete, post_save
 
-    from jobs.models import Tenant
+    from tenants.models import Tenant
     from workflows.models import Service, Workflow
 
     for model in (Tenant, Workflow, Service):
