@@ -21,6 +21,9 @@ class JobsConfig(AccsAppConfig):
 
     def ready(self) -> None:
         super().ready()
-        from jobs.definitions import connect_invalidation
+        # Imported here, not at the top: models may be imported only once every app is loaded.
+        from jobs.definitions import connect_invalidation, jobs_naming_service
+        from workflows.validation import register_service_users
 
         connect_invalidation()
+        register_service_users(jobs_naming_service)
