@@ -34,7 +34,7 @@ from django.utils.text import Truncator
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
     bulk_actions, safe_next,
-    actor, log_bulk, perform, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
+    actor, log_bulk, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import redrive, transitions, triggers
 from jobs.models import JOB_ACTIVE, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Trigger, TriggerType
@@ -45,7 +45,6 @@ from ops.overview import human_age
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.models import Service, Workflow
-from jobs.transitions import ActionResult
 from workflows.validation import DefinitionError
 
 

@@ -5,13 +5,15 @@ accs_api_token, accs_api_throttle) and their rows stay as they are, so nothing i
 locked. ``jobs`` 0014 then drops the models from its own picture and points its foreign keys here.
 """
 
+import uuid
+
 import django.contrib.postgres.fields
 import django.db.models.deletion
 import django.utils.timezone
-import tenants.models
-import uuid
 from django.conf import settings
 from django.db import migrations, models
+
+import tenants.models
 
 
 class Migration(migrations.Migration):
