@@ -7,6 +7,7 @@ Every status below is declared once as ``TextChoices`` and held by a CHECK const
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
@@ -25,7 +26,9 @@ MOVED_TO_TENANTS = frozenset({
     "DEFAULT_TENANT_SLUG", "ApiThrottle", "ApiToken", "Tenant", "TenantMembership", "TenantRole", "TokenScope",
     "default_max_in_flight", "default_token_scopes",
 })
-__getattr__ = forward_names("jobs.models", "tenants.models", MOVED_TO_TENANTS)
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which would otherwise accept any name imported from this module.
+    __getattr__ = forward_names("jobs.models", "tenants.models", MOVED_TO_TENANTS)
 
 
 def _choices_check(field: str, choices: type[models.TextChoices], name: str) -> models.CheckConstraint:
