@@ -47,8 +47,8 @@ from accs_site.conf import accs  # noqa: E402
 from bench import run as bench  # noqa: E402  (sets Django up)
 from jobs import api, transitions  # noqa: E402
 from jobs.claim import NodeLimits, ServiceSpec, claim_many  # noqa: E402
-from jobs.models import Tenant  # noqa: E402
 from jobs.retention import prune_finished_jobs  # noqa: E402
+from tenants.models import Tenant  # noqa: E402
 from workflows.models import Service  # noqa: E402
 
 SHORT = os.environ.get("CHURN_SHORT") == "1"

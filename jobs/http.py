@@ -1,6 +1,6 @@
 """HTTP endpoints for jobs and triggers under /api/v1/jobs, token-authenticated and tenant-scoped.
 
-Every endpoint is tenant-scoped through :mod:`jobs.scoping`: a tenant admin sees and acts only in
+Every endpoint is tenant-scoped through :mod:`tenants.scoping`: a tenant admin sees and acts only in
 their tenants (a job of another tenant is "not found"), a viewer only reads, a superuser sees all.
 State changes go through :mod:`jobs.api` / :mod:`jobs.transitions`; a transition that no longer
 applies answers 409 with its reason.
@@ -31,11 +31,11 @@ from jobs.models import (
     JobStatus,
     MissedRunPolicy,
     Task,
-    Tenant,
     Trigger,
     TriggerType,
 )
-from jobs.scoping import can_act, scope, tenant_ids_for
+from tenants.models import Tenant
+from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.validation import DefinitionError, Problem
 
 router = Router(tags=["jobs"])

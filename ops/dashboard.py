@@ -18,9 +18,9 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.http import urlencode
 
-from jobs.scoping import tenant_ids_for
 from ops.charts import chart_data, chart_rows
 from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
+from tenants.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.
 REFRESH_SECONDS = 5
