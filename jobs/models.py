@@ -200,7 +200,8 @@ class Task(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="tasks", db_index=False)
     # Task FKs carry no index of their own: the engine reads tasks through the partial indexes in
     # Meta, and every extra index is paid on each claim and report.
-    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+", db_index=False, help_text="Copied from the job.")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+", db_index=False,
+                               help_text="Copied from the job.")
     task_key = models.CharField(max_length=200)
     step_key = models.CharField(max_length=100, help_text="The workflow step; equals task_key unless fanned out.")
     service = models.ForeignKey("workflows.Service", on_delete=models.PROTECT, related_name="tasks", db_index=False)
