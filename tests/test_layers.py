@@ -11,7 +11,8 @@ three rules are checked:
    (module level and inside function bodies; ``if TYPE_CHECKING:`` blocks never run and are left out),
    since HOUSE.md says no two modules import each other and an import moved into a function only hides
    the circle.
-3. Every import inside a function body carries a comment saying why (on its line or the line above).
+3. Every import inside a function body carries a comment saying why, on its line or the line above (one
+   comment above a run of imports covers the run).
 
 The allowlists at the bottom hold the violations the restructuring of issue 19 is removing; each
 entry names the piece that removes it. A new violation fails; so does an entry that no longer matches
