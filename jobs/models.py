@@ -638,3 +638,28 @@ class LeaderTerm(models.Model):
 
     def __str__(self) -> str:
         return f"term {self.fence} of {self.holder}"
+
+
+class RetentionMark(models.Model):
+    """What retention last pruned, and how much since the row began: one row per kind of pruning.
+
+    Written by each batch that deleted something (:func:`jobs.retention.prune_finished_jobs`), in
+    the batch's transaction; the dashboard reads it instead of searching the timeline for events.
+    """
+
+    name = models.TextField(primary_key=True, help_text="What is pruned ('finished_jobs').")
+    last_pruned_at = models.DateTimeField(help_text="When the last batch that deleted something committed "
+                                                    "(PostgreSQL's clock).")
+    jobs = models.BigIntegerField(help_text="Jobs the last batch deleted.")
+    tasks = models.BigIntegerField(help_text="Tasks the last batch deleted.")
+    artifacts = models.BigIntegerField(help_text="Artifact rows the last batch deleted.")
+    export_key = models.TextField(blank=True, default="", help_text="Where the last batch was exported, if it was.")
+    total_jobs = models.BigIntegerField(help_text="Jobs deleted since ``since``.")
+    total_tasks = models.BigIntegerField(help_text="Tasks deleted since ``since``.")
+    since = models.DateTimeField(help_text="The first batch this row counts.")
+
+    class Meta:
+        db_table = "accs_retention_mark"
+
+    def __str__(self) -> str:
+        return f"{self.name}: last pruned {self.last_pruned_at:%Y-%m-%d %H:%M} ({self.jobs} jobs)"
