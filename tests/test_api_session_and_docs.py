@@ -76,3 +76,12 @@ def test_the_api_description_is_markdown_without_sphinx_markup(client):
     start = schema["paths"][JOBS]["post"]["description"]
     assert "`external_id`" in start, start
     assert set(schema["components"]["securitySchemes"]) == {"BearerToken", "StaffSession"}
+
+
+def test_every_admin_page_links_swagger_which_a_signed_in_admin_can_use(tenants):
+    browser = signed_in(make_user("ann", tenants={tenants.acme: "admin"}))
+    page = browser.get("/admin/jobs/job/").content.decode()
+    assert '<a href="/api/v1/docs" id="accs-api-link"' in page, "in the user tools, on every admin page"
+    docs = browser.get("/api/v1/docs")
+    assert docs.status_code == 200 and b"swagger" in docs.content.lower()
+    assert browser.get(JOBS).status_code == 200, "what Swagger's 'Try it out' sends, with the session"
