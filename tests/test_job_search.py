@@ -9,6 +9,7 @@ from django.contrib import admin
 from django.db import connection
 from django.test import RequestFactory
 
+from jobs.admin import ERROR_SEARCH_LIMIT, jobs_with_error
 from jobs.models import Job, Task
 from tests.ops_helpers import failed_service_job, make_user, root, tenants  # noqa: F401  (fixtures)
 
@@ -62,10 +63,27 @@ def test_error_search_reads_the_trigram_indexes_not_every_job_or_task(tenants):
             " now(), now() FROM accs_job j, generate_series(1, 2) k WHERE j.id <> %s",
             [acme.pk])
         cur.execute("ANALYZE accs_job; ANALYZE accs_task")
+    lookup = jobs_with_error("disk full")[:ERROR_SEARCH_LIMIT + 1].explain()
+    assert "job_error_trgm_idx" in lookup and "task_error_trgm_idx" in lookup, lookup
+    assert "Seq Scan" not in lookup, lookup
     request = RequestFactory().get(JOBS)
     request.user = make_user("root", superuser=True)
     queryset, _ = admin.site._registry[Job].get_search_results(request, Job.objects.all(), "disk full")
     plan = queryset.order_by("-created_at")[:100].explain()
-    assert "job_error_trgm_idx" in plan and "task_error_trgm_idx" in plan, plan
     assert "Seq Scan on accs_job" not in plan and "Seq Scan on accs_task" not in plan, plan
+    for index in ("job_external_id_idx", "job_dedupe_key_idx", "job_correlation_id_idx", "accs_job_pkey"):
+        assert index in plan, f"{index} not in\n{plan}"
     assert set(queryset.values_list("pk", flat=True)) == {acme.pk}
+
+
+def test_a_text_in_more_errors_than_the_limit_lists_some_and_says_to_search_a_longer_part(
+        client, root, tenants, monkeypatch):
+    from jobs import admin as jobs_admin
+
+    failed = [failed_service_job(tenants.acme, key=f"svc-{n}") for n in range(3)]
+    monkeypatch.setattr(jobs_admin, "ERROR_SEARCH_LIMIT", 2)
+    response = client.get(JOBS, {"q": "disk full"})
+    assert 0 < len(response.context["cl"].result_list) <= 2
+    shown = [str(m) for m in response.context["messages"]]
+    assert any("'disk full' is in the errors of more than 2 jobs or tasks" in m for m in shown), shown
+    assert len(failed) == 3
