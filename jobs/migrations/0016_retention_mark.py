@@ -4,27 +4,37 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0015_error_search'),
+        ("jobs", "0015_error_search"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='RetentionMark',
+            name="RetentionMark",
             fields=[
-                ('name', models.TextField(help_text="What is pruned ('finished_jobs').", primary_key=True, serialize=False)),
-                ('last_pruned_at', models.DateTimeField(help_text="When the last batch that deleted something committed (PostgreSQL's clock).")),
-                ('jobs', models.BigIntegerField(help_text='Jobs the last batch deleted.')),
-                ('tasks', models.BigIntegerField(help_text='Tasks the last batch deleted.')),
-                ('artifacts', models.BigIntegerField(help_text='Artifact rows the last batch deleted.')),
-                ('export_key', models.TextField(blank=True, default='', help_text='Where the last batch was exported, if it was.')),
-                ('total_jobs', models.BigIntegerField(help_text='Jobs deleted since ``since``.')),
-                ('total_tasks', models.BigIntegerField(help_text='Tasks deleted since ``since``.')),
-                ('since', models.DateTimeField(help_text='The first batch this row counts.')),
+                (
+                    "name",
+                    models.TextField(help_text="What is pruned ('finished_jobs').", primary_key=True, serialize=False),
+                ),
+                (
+                    "last_pruned_at",
+                    models.DateTimeField(
+                        help_text="When the last batch that deleted something committed (PostgreSQL's clock)."
+                    ),
+                ),
+                ("jobs", models.BigIntegerField(help_text="Jobs the last batch deleted.")),
+                ("tasks", models.BigIntegerField(help_text="Tasks the last batch deleted.")),
+                ("artifacts", models.BigIntegerField(help_text="Artifact rows the last batch deleted.")),
+                (
+                    "export_key",
+                    models.TextField(blank=True, default="", help_text="Where the last batch was exported, if it was."),
+                ),
+                ("total_jobs", models.BigIntegerField(help_text="Jobs deleted since ``since``.")),
+                ("total_tasks", models.BigIntegerField(help_text="Tasks deleted since ``since``.")),
+                ("since", models.DateTimeField(help_text="The first batch this row counts.")),
             ],
             options={
-                'db_table': 'accs_retention_mark',
+                "db_table": "accs_retention_mark",
             },
         ),
     ]
