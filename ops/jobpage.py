@@ -542,7 +542,12 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
     level_links += [{"label": f"≥ {lv}", "value": lv, "url": f"{page}?{urlencode({**others, 'level': lv})}",
                      "active": level == lv} for lv in LEVELS[1:]]
     live = artifact is None and running
+    files = list(Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no)
+                 .exclude(kind=ArtifactKind.LOG).order_by("kind", "key")[:JOB_PAGE_ARTIFACTS])
+    for file in files:
+        file.name, file.previewable = artifact_name(file), previewable(file)
     context = {
+        "files": files,
         **admin.site.each_context(request),
         "live": live,
         "live_url": f"{page}?{urlencode({**request.GET.dict(), 'format': 'json'})}",
