@@ -25,6 +25,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError, ProgrammingError
 from django.http import HttpRequest, HttpResponse
+from django.template import TemplateDoesNotExist
 from django.template.loader import render_to_string
 
 log = logging.getLogger("accs.http")
@@ -63,12 +64,15 @@ def unavailable_page(*, detail: str, what_to_do: str) -> HttpResponse:
     """
     from django.contrib import admin
 
-    html = render_to_string("accs_site/unavailable.html", {
-        "title": "The database cannot answer", "detail": detail, "what_to_do": what_to_do,
-        "retry_after": UNAVAILABLE_RETRY_AFTER, "site_header": admin.site.site_header,
-        "site_title": admin.site.site_title,
-    })
-    response = HttpResponse(html, status=503, content_type="text/html; charset=utf-8")
+    try:
+        html = render_to_string("accs_site/unavailable.html", {
+            "title": "The database cannot answer", "detail": detail, "what_to_do": what_to_do,
+            "retry_after": UNAVAILABLE_RETRY_AFTER, "site_header": admin.site.site_header,
+            "site_title": admin.site.site_title,
+        })
+        response = HttpResponse(html, status=503, content_type="text/html; charset=utf-8")
+    except TemplateDoesNotExist:  # a site that uses this middleware without installing the accs_site app
+        response = HttpResponse(f"{detail}\n{what_to_do}\n", status=503, content_type="text/plain; charset=utf-8")
     response["Retry-After"] = str(UNAVAILABLE_RETRY_AFTER)
     return response
 
