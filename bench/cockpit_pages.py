@@ -88,7 +88,6 @@ def _pages(ids: dict[str, str]) -> list[tuple[str, str, str]]:
         ("API jobs summary", "/api/v1/jobs/summary", "api"),
         ("API job", f"/api/v1/jobs/{ids['job']}", "api"),
         ("API job attempts", f"/api/v1/jobs/{ids['job']}/attempts", "api"),
-        ("API events of job", f"/api/v1/events?job_id={ids['job']}", "api"),
         ("API services", "/api/v1/services", "api"),
         ("API workflows", "/api/v1/workflows", "api"),
         ("API triggers", "/api/v1/jobs/triggers", "api"),
