@@ -148,8 +148,8 @@ SELECT job_id, step_key, k - 1, 1, (status = 'done')::int, (status = 'error')::i
 INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
 SELECT e.ts, bj.id, NULL, NULL, e.source, e.level, 'status', e.msg, e.data
   FROM bj CROSS JOIN LATERAL (VALUES
-    (bj.ts, 'api', 'info', 'job created queued', '{"from": "created", "to": "queued", "approval": "not_required"}'::jsonb,
-     true),
+    (bj.ts, 'api', 'info', 'job created queued',
+     '{"from": "created", "to": "queued", "approval": "not_required"}'::jsonb, true),
     (bj.ts + interval '1 s', 'builder', 'info', 'job queued → waiting', '{"from": "queued", "to": "waiting"}'::jsonb,
      bj.fate <> 'queued'),
     (bj.ts + interval '2 s', 'agent', 'info', 'job waiting → running', '{"from": "waiting", "to": "running"}'::jsonb,

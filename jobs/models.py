@@ -389,6 +389,10 @@ class Task(models.Model):
             models.Index(fields=["job", "status"], name="task_job_status_idx"),
             # Bulk redrive (jobs.redrive): dead letters in id order, few among many finished tasks.
             models.Index(fields=["id"], condition=Q(status=TaskStatus.ERROR), name="task_dead_letter_idx"),
+            # The dashboard's and the metrics' dead-letter count per tenant and service
+            # (ops.overview.DEAD_LETTER_SQL): an index-only scan, not a heap read of every dead letter.
+            models.Index(fields=["tenant", "service"], condition=Q(status=TaskStatus.ERROR),
+                         name="task_dead_letter_count_idx"),
         ]
 
     def __str__(self) -> str:

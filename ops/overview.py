@@ -52,14 +52,27 @@ def _tenant_filter(column: str, tenant_ids: set[UUID] | None) -> tuple[str, dict
 # --------------------------------------------------------------------------------------------
 
 ACTIVE_TASKS_SQL = """
--- Only queued/starting/running rows: a BitmapOr over the partial indexes task_claim_idx (queued)
--- and task_lease_idx / task_held_service_idx (held), so the cost follows the live queue.
--- Retries waiting out their backoff (scheduled) count as queued and retrying.
-SELECT t.tenant_id, t.service_id, CASE WHEN t.status = 'scheduled' THEN 'queued' ELSE t.status END, count(*),
-       count(*) FILTER (WHERE t.status IN ('queued', 'scheduled') AND t.attempt > 0),
-       min(t.next_attempt_at) FILTER (WHERE t.status = 'queued' AND t.next_attempt_at <= %(now)s)
-  FROM accs_task t
- WHERE t.status IN ('queued', 'scheduled', 'starting', 'running') AND {tenants}
+-- Only queued/scheduled/starting/running rows, one branch per partial index, each branch's
+-- condition being exactly its index's (task_claim_idx, task_claim_host_idx, task_scheduled_idx,
+-- task_lease_idx): a single `status IN (...)` matches none of them, and the planner then reads
+-- the whole task table. Retries waiting out their backoff (scheduled) count as queued and retrying.
+WITH a AS (
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status = 'queued' AND t.host_id IS NULL AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status = 'queued' AND t.host_id IS NOT NULL AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status = 'scheduled' AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status IN ('starting', 'running') AND {tenants}
+)
+SELECT a.tenant_id, a.service_id, CASE WHEN a.status = 'scheduled' THEN 'queued' ELSE a.status END, count(*),
+       count(*) FILTER (WHERE a.status IN ('queued', 'scheduled') AND a.attempt > 0),
+       min(a.next_attempt_at) FILTER (WHERE a.status = 'queued' AND a.next_attempt_at <= %(now)s)
+  FROM a
  GROUP BY 1, 2, 3
 """
 
@@ -102,7 +115,8 @@ SELECT j.tenant_id, count(*)
 DEAD_LETTER_SQL = """
 -- Dead letters: tasks in final error (their attempts used up), whatever their job became since (a
 -- job that continues past a failed step ends partial and keeps them), as the tasks list and the
--- redrive count them. task_dead_letter_idx holds exactly those rows.
+-- redrive count them. task_dead_letter_count_idx holds exactly those rows with the columns
+-- counted, so the count is an index-only scan of the dead letters, not a heap read of each.
 SELECT t.tenant_id, t.service_id, count(*)
   FROM accs_task t
  WHERE t.tenant_id = ANY(%(ids)s::uuid[]) AND t.status = 'error'
