@@ -10,15 +10,17 @@ from django.db.models import QuerySet
 EXACT_COUNT_LIMIT = 10_000
 
 
-def estimated_count(queryset: QuerySet, *, exact_up_to: int = EXACT_COUNT_LIMIT) -> tuple[int, bool]:
-    """Return ``(count, estimated)``: the exact count when it is at most ``exact_up_to``, else the
-    planner's row estimate (never below the rows already counted) and True.
+def estimated_count(queryset: QuerySet, *, exact_up_to: int | None = None) -> tuple[int, bool]:
+    """Return ``(count, estimated)``: the exact count when it is at most ``exact_up_to`` (default
+    :data:`EXACT_COUNT_LIMIT`), else the planner's row estimate (never below the rows already
+    counted) and True.
 
     An exact ``COUNT(*)`` of a million rows costs more than the page that shows it; counting stops
     at ``exact_up_to + 1`` rows, which an index or the first heap pages answer.
     """
-    capped = queryset.order_by()[: exact_up_to + 1].count()
-    if capped <= exact_up_to:
+    limit = EXACT_COUNT_LIMIT if exact_up_to is None else exact_up_to
+    capped = queryset.order_by()[: limit + 1].count()
+    if capped <= limit:
         return capped, False
     try:
         plan = json.loads(queryset.order_by().explain(format="json"))

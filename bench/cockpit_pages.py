@@ -116,9 +116,9 @@ def _start_web(db_url: str, port: int, env_extra: dict[str, str]) -> subprocess.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            requests.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=2)
+            requests.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=10)
             return proc
-        except requests.ConnectionError:
+        except requests.RequestException:
             if proc.poll() is not None:
                 raise SystemExit("cockpit_pages: the web process died; see /tmp/cockpit_pages_web.log")
             time.sleep(0.2)
