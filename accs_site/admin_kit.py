@@ -6,7 +6,7 @@ Every operator action goes through :func:`perform`: it names each object in the 
 Django's admin log entry for each change (the object's History, the index's "Recent actions").
 Destructive actions (:data:`DESTRUCTIVE`) answer first with a confirmation page (:func:`confirm_page`).
 
-Tenant isolation has one definition, :mod:`jobs.scoping`: every tenant-owned list is filtered
+Tenant isolation has one definition, :mod:`tenants.scoping`: every tenant-owned list is filtered
 through it, objects of other tenants do not exist for a tenant admin (their URLs redirect like a
 deleted object's), and actions only touch objects the user may act on.
 """
@@ -32,9 +32,9 @@ from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
 from accs_site.counting import estimated_count
-from jobs.models import Tenant
-from jobs.scoping import can_act, scope, tenant_ids_for
 from jobs.transitions import ActionResult
+from tenants.models import Tenant
+from tenants.scoping import can_act, scope, tenant_ids_for
 
 #: Up to this many rows a list page counts exactly; beyond, it shows the planner's estimate.
 EXACT_COUNT_LIMIT = 10_000
@@ -216,7 +216,7 @@ class TenantListFilter(admin.SimpleListFilter):
 
 
 class TenantScopedAdmin(admin.ModelAdmin):
-    """Admin for a tenant-owned model: lists, pages and actions follow :mod:`jobs.scoping`.
+    """Admin for a tenant-owned model: lists, pages and actions follow :mod:`tenants.scoping`.
 
     Members of a tenant (non-superuser staff with a TenantMembership) may view these models
     without Django model permissions; acting needs the tenant-admin role. Superusers see all.

@@ -239,7 +239,7 @@ def _reference_rows() -> dict:
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
-    from jobs.models import Tenant
+    from tenants.models import Tenant
     from nodes.models import Node
     from workflows.api import create_workflow, save_service
     from workflows.models import Service, Workflow

@@ -99,7 +99,7 @@ def _token(db_url: str) -> str:
     """Make an API token for the bench user (through the project's own function) and return it."""
     out = subprocess.run(
         [sys.executable, "-c", "import django; django.setup();"
-         "from django.contrib.auth import get_user_model; from jobs.auth import create_token;"
+         "from django.contrib.auth import get_user_model; from tenants.auth import create_token;"
          "print(create_token(get_user_model().objects.get(username='bench'), 'cockpit-pages')[1])"],
         cwd=ROOT, env={**os.environ, "ACC_DB_URL": db_url, "DJANGO_SETTINGS_MODULE": "accs_site.settings"},
         check=True, capture_output=True, text=True)

@@ -122,7 +122,7 @@ def test_the_engine_never_reads_the_replica(replica):
     def view(request):
         chosen["page"] = router.db_for_read(Job)
         chosen["raw"] = dbrouter.read_connection().alias
-        from jobs.models import ApiToken
+        from tenants.models import ApiToken
         chosen["token"] = router.db_for_read(ApiToken)
         with transaction.atomic():
             chosen["in_transaction"] = router.db_for_read(Job)

@@ -4,7 +4,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("jobs", "0013_tenant_fairness")]
+    dependencies = [("jobs", "0014_move_tenancy_to_tenants")]
 
     operations = [
         # ops.overview.DEAD_LETTER_SQL: dead letters counted per tenant and service, index-only.

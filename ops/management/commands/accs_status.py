@@ -21,8 +21,8 @@ from django.utils import timezone
 
 from accs_site.cli import OperatorCommand, bounded, usage_error
 from accs_site.daemon import close_django_connection, database_address, first_line
-from jobs.models import Tenant
 from ops.overview import Overview, human_age, overview, recent_failures
+from tenants.models import Tenant
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: frozenset[int] | set[int] = frozenset()
