@@ -239,8 +239,8 @@ def _reference_rows() -> dict:
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
-    from tenants.models import Tenant
     from nodes.models import Node
+    from tenants.models import Tenant
     from workflows.api import create_workflow, save_service
     from workflows.models import Service, Workflow
 

@@ -97,22 +97,27 @@ def _pages(ids: dict[str, str]) -> list[tuple[str, str, str]]:
 
 def _token(db_url: str) -> str:
     """Make an API token for the bench user (through the project's own function) and return it."""
+    code = ("import django; django.setup();"
+            "from django.contrib.auth import get_user_model; from tenants.auth import create_token;"
+            "print(create_token(get_user_model().objects.get(username='bench'), 'cockpit-pages')[1])")
     out = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup();"
-         "from django.contrib.auth import get_user_model; from tenants.auth import create_token;"
-         "print(create_token(get_user_model().objects.get(username='bench'), 'cockpit-pages')[1])"],
+        [sys.executable, "-c", code],
         cwd=ROOT, env={**os.environ, "ACC_DB_URL": db_url, "DJANGO_SETTINGS_MODULE": "accs_site.settings"},
         check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
 
 
+WEB_LOG = Path("/tmp/cockpit_pages_web.log")
+
+
 def _start_web(db_url: str, port: int, env_extra: dict[str, str]) -> subprocess.Popen:
+    """Start gunicorn (one worker, one thread) on ``port``; its errors go to :data:`WEB_LOG`."""
     env = {**os.environ, "ACC_DB_URL": db_url, "ACC_METRICS_TOKEN": "bench-metrics", "ACCS_WEB_PORT": str(port),
            "ACCS_WEB_WORKERS": "1", "ACCS_WEB_THREADS": "1", **env_extra}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "accs_site.wsgi:application", "--bind", f"127.0.0.1:{port}",
          "--workers", "1", "--threads", "1", "--timeout", "300"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open("/tmp/cockpit_pages_web.log", "w"))
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=WEB_LOG.open("w"))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -120,7 +125,7 @@ def _start_web(db_url: str, port: int, env_extra: dict[str, str]) -> subprocess.
             return proc
         except requests.RequestException:
             if proc.poll() is not None:
-                raise SystemExit("cockpit_pages: the web process died; see /tmp/cockpit_pages_web.log")
+                raise SystemExit(f"cockpit_pages: the web process died; see {WEB_LOG}")
             time.sleep(0.2)
     proc.kill()
     raise SystemExit("cockpit_pages: the web process did not answer within 60 s")
