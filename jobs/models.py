@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
+from django.contrib.postgres.indexes import GinIndex, OpClass
 from django.db import models
 from django.db.models import F, Func, Q, Value
+from django.db.models.functions import Upper
 from django.utils.timezone import now
 
 from events._moved import forward_names
@@ -56,6 +58,24 @@ JOB_FAILED = (JobStatus.ERROR, JobStatus.PARTIAL, JobStatus.CANCELED)
 # Finished jobs pruned after the tenant's retention; jobs that ended in error (dead letters) have
 # a retention of their own.
 JOB_PRUNABLE = (JobStatus.DONE, JobStatus.PARTIAL, JobStatus.CANCELED)
+
+
+def error_search_index(table: str) -> GinIndex:
+    """A trigram index on the upper-cased error text of the rows that have one (pg_trgm).
+
+    It serves Django's ``error_message__icontains`` (``UPPER(error_message) LIKE UPPER('%…%')``)
+    for terms of three characters or more; rows without an error stay out of it.
+    """
+    return GinIndex(OpClass(Upper("error_message"), name="gin_trgm_ops"), condition=~Q(error_message=""),
+                    name=f"{table}_error_trgm_idx")
+
+
+def search_indexes(table: str, *exact: str) -> list[models.Index]:
+    """The error text index plus one partial btree per exactly-matched reference (set rows only)."""
+    partial = {"correlation_id": ~Q(correlation_id="")}
+    return [error_search_index(table), *(
+        models.Index(fields=[name], condition=partial.get(name, Q(**{f"{name}__isnull": False})),
+                     name=f"{table}_{name}_idx") for name in exact)]
 
 
 class JobSource(models.TextChoices):
@@ -163,6 +183,9 @@ class Job(models.Model):
                          name="job_prune_idx"),
             models.Index(fields=["tenant", "finished_at"], condition=Q(status=JobStatus.ERROR),
                          name="job_prune_dead_idx"),
+            # The admin's job search (JobAdmin.get_search_results): every arm of its OR has an index,
+            # so a text term is a bitmap OR of index scans, never a read of every job.
+            *search_indexes("job", "external_id", "dedupe_key", "correlation_id"),
         ]
 
     def __str__(self) -> str:
@@ -281,6 +304,12 @@ class Task(models.Model):
             models.Index(fields=["job", "status"], name="task_job_status_idx"),
             # Bulk redrive (jobs.redrive): dead letters in id order, few among many finished tasks.
             models.Index(fields=["id"], condition=Q(status=TaskStatus.ERROR), name="task_dead_letter_idx"),
+            # The admin's job search by a task's last error (JobAdmin.get_search_results).
+            error_search_index("task"),
+            # The dashboard's and the metrics' dead-letter count per tenant and service
+            # (ops.overview.DEAD_LETTER_SQL): an index-only scan, not a heap read of every dead letter.
+            models.Index(fields=["tenant", "service"], condition=Q(status=TaskStatus.ERROR),
+                         name="task_dead_letter_count_idx"),
         ]
 
     def __str__(self) -> str:
@@ -514,3 +543,28 @@ class LeaderTerm(models.Model):
 
     def __str__(self) -> str:
         return f"term {self.fence} of {self.holder}"
+
+
+class RetentionMark(models.Model):
+    """What retention last pruned, and how much since the row began: one row per kind of pruning.
+
+    Written by each batch that deleted something (:func:`jobs.retention.prune_finished_jobs`), in
+    the batch's transaction; the dashboard reads it instead of searching the timeline for events.
+    """
+
+    name = models.TextField(primary_key=True, help_text="What is pruned ('finished_jobs').")
+    last_pruned_at = models.DateTimeField(help_text="When the last batch that deleted something committed "
+                                                    "(PostgreSQL's clock).")
+    jobs = models.BigIntegerField(help_text="Jobs the last batch deleted.")
+    tasks = models.BigIntegerField(help_text="Tasks the last batch deleted.")
+    artifacts = models.BigIntegerField(help_text="Artifact rows the last batch deleted.")
+    export_key = models.TextField(blank=True, default="", help_text="Where the last batch was exported, if it was.")
+    total_jobs = models.BigIntegerField(help_text="Jobs deleted since ``since``.")
+    total_tasks = models.BigIntegerField(help_text="Tasks deleted since ``since``.")
+    since = models.DateTimeField(help_text="The first batch this row counts.")
+
+    class Meta:
+        db_table = "accs_retention_mark"
+
+    def __str__(self) -> str:
+        return f"{self.name}: last pruned {self.last_pruned_at:%Y-%m-%d %H:%M} ({self.jobs} jobs)"

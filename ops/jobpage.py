@@ -24,6 +24,7 @@ from django.contrib import admin
 from django.db.models import Avg, Case, F, FloatField, OuterRef, Q, Subquery, Value, When
 from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.template.defaultfilters import filesizeformat
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -352,34 +353,55 @@ def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int)
     return response
 
 
-#: Artifacts up to this size are shown inline when they are text or JSON (read whole, so checked).
+#: Text and JSON artifacts are shown inline up to this size, read whole and so checked against their
+#: checksum; of a bigger one, the first this many bytes (a part, which no checksum covers).
 PREVIEW_MAX_BYTES = 512 * 1024
 PREVIEW_SUFFIXES = (".txt", ".log", ".csv", ".tsv", ".json", ".jsonl", ".md", ".yaml", ".yml", ".xml", ".html")
 
 
 def previewable(artifact: Artifact) -> bool:
-    """Whether an artifact is small text or JSON the page can show inline."""
+    """Whether an artifact is text or JSON the page can show inline (whole, or its first part)."""
     kind = (artifact.content_type or "").split(";")[0].strip().lower()
     texty = kind.startswith("text/") or kind.endswith(("/json", "+json", "/x-ndjson", "/xml", "/yaml"))
-    return artifact.size_bytes <= PREVIEW_MAX_BYTES and (texty or artifact_name(artifact).lower().endswith(
-        PREVIEW_SUFFIXES))
+    return texty or artifact_name(artifact).lower().endswith(PREVIEW_SUFFIXES)
+
+
+def read_first(artifact: Artifact, limit: int) -> bytes:
+    """Return the first ``limit`` bytes of an artifact, reading no further (the object is closed after)."""
+    from events.artifacts import open_artifact  # as the views below: storage's modules load when a page reads it
+
+    chunks, kept = open_artifact(artifact), bytearray()
+    try:
+        for chunk in chunks:
+            kept += chunk
+            if len(kept) >= limit:
+                break
+    finally:
+        chunks.close()  # stops the download; the checksum, which needs every byte, is not checked
+    return bytes(kept[:limit])
 
 
 def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
-    """Show a small text or JSON artifact inline (JSON indented), checked against its checksum."""
+    """Show a text or JSON artifact inline, escaped: whole (JSON indented) and checked against its checksum up
+    to :data:`PREVIEW_MAX_BYTES`, else its first :data:`PREVIEW_MAX_BYTES`, said to be a part."""
     from events.artifacts import ChecksumMismatch, StorageNotConfigured, read_artifact
 
     job = visible_job(request, job_id)
     artifact = Artifact.objects.filter(pk=artifact_id, job_id=job.pk).select_related("task").first()
     if artifact is None:
         raise Http404("no such artifact")
-    text, problem = "", ""
+    text, problem, part = "", "", ""
+    whole = artifact.size_bytes <= PREVIEW_MAX_BYTES
     if not previewable(artifact):
-        problem = (f"Only text and JSON up to {PREVIEW_MAX_BYTES // 1024} KB are shown here; download this one "
+        problem = (f"Only text and JSON are shown here; download this one "
                    f"({artifact.content_type}, {artifact.size_bytes} bytes).")
     else:
         try:
-            text = read_artifact(artifact).decode("utf-8", errors="replace")
+            raw = read_artifact(artifact) if whole else read_first(artifact, PREVIEW_MAX_BYTES)
+            text = raw.decode("utf-8", errors="replace")
+            if not whole:
+                part = (f"The first {PREVIEW_MAX_BYTES // 1024} KB of {filesizeformat(artifact.size_bytes)} are shown; "
+                        "download the file for the rest (a part is not checked against the recorded checksum).")
         except StorageNotConfigured as exc:
             problem = str(exc)
         except FileNotFoundError:
@@ -387,7 +409,7 @@ def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) 
         except ChecksumMismatch as exc:
             problem = f"The artifact was changed after it was stored and is not shown: {exc}"
     is_json = artifact_name(artifact).lower().endswith(".json") or "/json" in (artifact.content_type or "")
-    if text and is_json:
+    if text and is_json and whole:
         try:
             text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
         except ValueError:
@@ -395,7 +417,7 @@ def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) 
     context = {
         **admin.site.each_context(request),
         "title": f"{artifact_name(artifact)} ({artifact.kind})",
-        "job": job, "artifact": artifact, "text": text, "problem": problem,
+        "job": job, "artifact": artifact, "text": text, "problem": problem, "part": part,
         "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
         "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]),
     }
@@ -520,7 +542,12 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
     level_links += [{"label": f"≥ {lv}", "value": lv, "url": f"{page}?{urlencode({**others, 'level': lv})}",
                      "active": level == lv} for lv in LEVELS[1:]]
     live = artifact is None and running
+    files = list(Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no)
+                 .exclude(kind=ArtifactKind.LOG).order_by("kind", "key")[:JOB_PAGE_ARTIFACTS])
+    for file in files:
+        file.name, file.previewable = artifact_name(file), previewable(file)
     context = {
+        "files": files,
         **admin.site.each_context(request),
         "live": live,
         "live_url": f"{page}?{urlencode({**request.GET.dict(), 'format': 'json'})}",

@@ -4,6 +4,10 @@ A token is shown once, when it is created (``manage.py create_api_token USER NAM
 ``accs_<random>`` and its first characters are kept as ``prefix`` so operators can recognise it.
 Each token has scopes (:class:`tenants.models.TokenScope`): an endpoint needs its scope on top of
 what the token's user may do; ``definitions`` is never given unless asked for.
+
+A staff user signed in to the admin may use the API from the same browser (:class:`StaffSession`,
+the session cookie plus Django's CSRF token on every unsafe request). Scoping is the user's own,
+as with a token: their tenant memberships, or everything for a superuser.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Q
 from django.http import HttpRequest
 from django.utils import timezone
-from ninja.security import HttpBearer
+from ninja.security import APIKeyCookie, HttpBearer
 
 from tenants.models import ApiToken, TokenScope, default_token_scopes
 
@@ -93,3 +98,19 @@ class BearerToken(HttpBearer):
         # Read by accs_site.http.require_scope, which every endpoint calls.
         request.token_scopes = frozenset(found.scopes)
         return found.user
+
+
+class StaffSession(APIKeyCookie):
+    """The admin's session cookie: an active staff user signed in to the admin becomes ``request.user``.
+
+    Unsafe methods need Django's CSRF token (``X-CSRFToken``), as the admin's own forms do; a
+    session has no token scopes, so the user's tenant memberships alone decide (as in the admin).
+    """
+
+    param_name = settings.SESSION_COOKIE_NAME
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> Any | None:
+        user = getattr(request, "user", None)
+        if user is not None and user.is_authenticated and user.is_active and user.is_staff:
+            return user
+        return None

@@ -445,7 +445,7 @@ def test_a_transient_error_raised_outside_a_view_is_a_503_too(rf):
     """A middleware that cannot reach the database (sessions, auth) gets the same answer as a view."""
     from accs_site.middleware import server_error
 
-    for path, kind in (("/api/v1/jobs", "application/json"), ("/admin/", "text/plain")):
+    for path, kind in (("/api/v1/jobs", "application/json"), ("/admin/", "text/html")):  # the styled 503 page
         try:
             raise OperationalError("server closed the connection unexpectedly")
         except OperationalError:

@@ -372,7 +372,10 @@ def test_openapi_document_is_valid_and_documents_every_error(client):
 
     document = client.get("/api/v1/openapi.json").json()
     validate(document)
-    assert document["components"]["securitySchemes"] == {"BearerToken": {"type": "http", "scheme": "bearer"}}
+    assert document["components"]["securitySchemes"] == {
+        "BearerToken": {"type": "http", "scheme": "bearer"},
+        "StaffSession": {"type": "apiKey", "in": "cookie", "name": "sessionid"},  # the admin's session, beside tokens
+    }
     for path, operations in document["paths"].items():
         for method, operation in operations.items():
             if path.endswith(("/health", "/ready")):  # the probes take no token and no input

@@ -540,7 +540,7 @@ def test_workflow_steps_are_edited_as_indented_json(client, root, make_service):
     assert form["steps"].value() == '[\n  {\n    "key": "one",\n    "service": "a"\n  }\n]'
     broken = client.post(reverse("admin:workflows_workflow_change", args=[wf.pk]),
                          workflow_post(wf, steps='[{"key": "one",'))
-    assert "Enter a valid JSON." in str(broken.context["adminform"].form.errors["steps"])
+    assert "not valid JSON at line 1" in str(broken.context["adminform"].form.errors["steps"])
     assert '[{&quot;key&quot;: &quot;one&quot;,' in broken.content.decode(), "what was typed stays to correct"
 
 

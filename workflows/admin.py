@@ -9,6 +9,7 @@ form, which raises a new condition), never by editing their timestamps.
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -109,8 +110,28 @@ class ServiceAdmin(DefinitionAdmin):
 FROZEN_WHEN_USED = ("name", "version", "steps")
 
 
+#: The last step key typed before a place in the steps' text, to name the step a JSON error is in.
+STEP_KEY = re.compile(r'"key"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def json_error_where(text: str, exc: json.JSONDecodeError) -> str:
+    """Say where typed JSON is broken: line, column and the step being written there, if any."""
+    keys = STEP_KEY.findall(text[:exc.pos])
+    step = f" (in or just after step {keys[-1]!r})" if keys else ""
+    return f"not valid JSON at line {exc.lineno}, column {exc.colno}{step}: {exc.msg}"
+
+
 class IndentedJSONField(forms.JSONField):
-    """A JSON field shown indented, one step per block, instead of one long line."""
+    """A JSON field shown indented, one step per block, instead of one long line; text that is not
+    JSON is refused naming the line, column and step where it breaks."""
+
+    def to_python(self, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() and not self.disabled:
+            try:
+                json.loads(value, cls=self.decoder)
+            except json.JSONDecodeError as exc:
+                raise ValidationError(json_error_where(value, exc), code="invalid") from None
+        return super().to_python(value)
 
     def prepare_value(self, value: Any) -> Any:
         if isinstance(value, forms.fields.InvalidJSONInput):
@@ -131,6 +152,16 @@ class WorkflowForm(ProblemsByFieldForm):
         fields = "__all__"
         field_classes = {"steps": IndentedJSONField}
         widgets = {"steps": forms.Textarea(attrs={"rows": 24, "cols": 100, "style": "font-family: monospace"})}
+
+    def _update_errors(self, errors: ValidationError) -> None:
+        if "steps" in self._errors and hasattr(errors, "error_dict"):
+            # Steps that are not JSON were refused already; "no steps" after that says nothing new.
+            kept = {name: [m for m in msgs if not m.startswith("steps:")] for name, msgs in errors.message_dict.items()}
+            kept = {name: msgs for name, msgs in kept.items() if msgs}
+            if not kept:
+                return
+            errors = ValidationError(kept)
+        super()._update_errors(errors)
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
