@@ -5,3 +5,11 @@ class NodesConfig(AccsAppConfig):
     default = True  # apps.py also imports the base class; this one is the app\'s config
     name = "nodes"
     verbose_name = "Nodes and hosts"
+
+    def ready(self) -> None:
+        super().ready()
+        # The builder takes the fleet's duties (presence, wake) from its registry, never by import.
+        from jobs.duties import register_duties
+        from nodes.duties import duties
+
+        register_duties("nodes", duties)
