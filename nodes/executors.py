@@ -4,8 +4,9 @@ Each executor's ``run(task, ctx)`` blocks in a worker thread and returns an Outc
 start (pid), progress and log lines through ``ctx``; the agent batches those into the database.
 
 * ``command``: argv from the service template (params rendered as separate arguments, never a
-  shell) in its own process group. stdout → JSON results, stderr lines → log events
-  (``::progress:: 0.5`` lines → progress), exit code 0 = success. Timeout and cancel kill the
+  shell) in its own process group. stdout → JSON results, stderr lines → log events at level
+  warn, or at the level a line names first (``ERROR: disk full`` → error, :func:`stderr_level`;
+  ``::progress:: 0.5`` lines → progress), exit code 0 = success. Timeout and cancel kill the
   whole process group.
 * ``python``: a dotted callable ``fn(params, ctx)`` returning a JSON-able dict, run in the
   worker thread; its timeout and cancel are enforced by raising an exception inside that thread
@@ -58,6 +59,16 @@ from workflows.validation import argv_fields, not_allowed_problems
 
 TAIL_CHARS = 4000
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")
+#: A line of stderr that names no level is stored at this one: stderr is where programs complain,
+#: so an operator's "≥ warn" filter keeps it (at info, "ERROR: disk full" hid among chatter).
+STDERR_LEVEL = "warn"
+#: Level words a stderr line may start with, and the timeline level each means.
+STDERR_LEVELS = {"debug": "debug", "info": "info", "warn": "warn", "warning": "warn", "err": "error",
+                 "error": "error", "critical": "error", "fatal": "error"}
+#: A level prefix: ``[error] …`` or ``ERROR: …`` in any case, or a bare upper-case ``WARNING …``.
+LEVEL_PREFIX_RE = re.compile(r"^\s*(?:\[\s*([A-Za-z]+)\s*\]|([A-Za-z]+)\s*:|([A-Z]+)\s)")
+#: How the python executor's child process hands over a ``ctx.log`` line with its level.
+LOG_MARK_RE = re.compile(r"^::log::(debug|info|warn|error)::(.*)$", re.S)
 SECRET_KEY_RE = re.compile(r"(pass(word)?|secret|token|api[_-]?key|credential)", re.I)
 KILL_GRACE_SECONDS = 3.0
 # Results are one JSON document in a jsonb column; a task that needs more stores an artifact.
@@ -429,6 +440,21 @@ def task_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
     return env
 
 
+def stderr_level(line: str) -> str:
+    """Return the timeline level of a line a task wrote to stderr: the level it starts with, else warn."""
+    match = LEVEL_PREFIX_RE.match(line)
+    word = next((g for g in match.groups() if g), "") if match else ""
+    return STDERR_LEVELS.get(word.lower(), STDERR_LEVEL)
+
+
+def _stderr_line(line: str) -> tuple[str, str]:
+    """Return a stderr line's level and its text (a python child's ``ctx.log`` line without its mark)."""
+    marked = LOG_MARK_RE.match(line)
+    if marked:
+        return marked.group(1), marked.group(2)
+    return stderr_level(line), line
+
+
 def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dict[str, str] | None = None) -> Outcome:
     """Run ``argv`` as the attempt: stdout → results, stderr → log lines, exit code → status.
 
@@ -456,8 +482,9 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dic
             if match:
                 ctx.progress(float(match.group(1)))
                 continue
+            level, line = _stderr_line(line)
             stderr_tail.append(line)
-            ctx.log(line, level="info")
+            ctx.log(line, level=level)
 
     readers = [threading.Thread(target=read_stdout, daemon=True), threading.Thread(target=read_stderr, daemon=True)]
     for reader in readers:
@@ -668,8 +695,10 @@ class Ctx:
     def progress(self, value):
         print("::progress:: %f" % float(value), file=sys.stderr, flush=True)
     def log(self, message, *, level="info"):
+        level = {"warning": "warn", "critical": "error"}.get(level, level)
+        level = level if level in ("debug", "info", "warn", "error") else "info"
         for line in str(message).splitlines() or [""]:
-            print(line, file=sys.stderr, flush=True)
+            print("::log::%s::%s" % (level, line), file=sys.stderr, flush=True)
 
 path = sys.argv[1]
 module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
