@@ -45,7 +45,7 @@ from jobs import redrive, transitions, triggers
 from jobs.accounts import revoke_tokens
 from jobs.auth import create_token
 from jobs.models import (
-    ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, TokenScope,
+    ApiToken, ApprovalState, Attempt, Job, Task, TaskStatus, Tenant, TenantMembership, TokenScope,
     Trigger, TriggerType, default_token_scopes,
 )
 from jobs.scoping import can_act, scope, tenant_ids_for

@@ -28,7 +28,6 @@ from django.db import connection
 from django.utils import timezone
 
 from accs_site.admin_kit import human_age
-from accs_site.conf import accs
 from jobs.claim import params_key_sql
 from nodes.api import stale_after_seconds
 
