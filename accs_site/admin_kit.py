@@ -7,7 +7,7 @@ and every action the cockpit offers goes through :func:`perform`: it names each 
 Django's admin log entry for each change (the object's History, the index's "Recent actions").
 Destructive actions (:data:`DESTRUCTIVE`) answer first with a confirmation page (:func:`confirm_page`).
 
-Tenant isolation has one definition, :mod:`jobs.scoping`: every tenant-owned list is filtered
+Tenant isolation has one definition, :mod:`tenants.scoping`: every tenant-owned list is filtered
 through it, objects of other tenants do not exist for a tenant admin (their URLs redirect like a
 deleted object's), and actions only touch objects the user may act on.
 """
@@ -34,8 +34,9 @@ from django.urls import path
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from jobs.models import Tenant
-from jobs.scoping import can_act, scope, tenant_ids_for
+from tenants.models import Tenant
+from tenants.scoping import can_act, scope, tenant_ids_for
+
 
 @dataclass
 class ActionResult:
@@ -232,7 +233,7 @@ class TenantListFilter(admin.SimpleListFilter):
 
 
 class TenantScopedAdmin(admin.ModelAdmin):
-    """Admin for a tenant-owned model: lists, pages and actions follow :mod:`jobs.scoping`.
+    """Admin for a tenant-owned model: lists, pages and actions follow :mod:`tenants.scoping`.
 
     Members of a tenant (non-superuser staff with a TenantMembership) may view these models
     without Django model permissions; acting needs the tenant-admin role. Superusers see all.

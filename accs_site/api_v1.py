@@ -1,6 +1,6 @@
 """The HTTP API under /api/v1/ (django-ninja; OpenAPI at /api/v1/openapi.json).
 
-Every endpoint needs ``Authorization: Bearer <token>`` (see :mod:`jobs.auth`) unless it says
+Every endpoint needs ``Authorization: Bearer <token>`` (see :mod:`tenants.auth`) unless it says
 ``auth=None``. Errors are JSON ``{"detail": ..., "problems": [...]}`` with 400 (unreadable or
 unstorable input), 401 (no or bad token), 403 (not allowed), 404 (not found or not visible to
 you), 405 (method not allowed), 409 (conflict: state or dedupe key), 413 (body over the size
@@ -22,10 +22,10 @@ from accs_site.conf import accs
 from accs_site.daemon import database_not_ready
 from accs_site.middleware import transient_reason
 from jobs.api import JobConflict, NotFound
-from jobs.auth import BearerToken
 from jobs.http import router as jobs_router
 from jobs.http_events import router as events_router
-from jobs.throttle import TokenThrottle
+from tenants.auth import BearerToken
+from tenants.throttle import TokenThrottle
 from workflows.http import router as workflows_router
 from workflows.validation import DefinitionError
 

@@ -76,6 +76,7 @@ INSTALLED_APPS = [
     # django-ninja's templates and static files: Swagger UI at /api/v1/docs from local assets.
     "ninja",
     "accs_site",
+    "tenants",
     "workflows",
     "jobs",
     "nodes",

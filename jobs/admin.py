@@ -1,4 +1,4 @@
-"""Admin for tenants, jobs, tasks, attempts and triggers: the operator's cockpit.
+"""Admin for jobs, tasks, attempts and triggers: the operator's cockpit.
 
 State-holding models (jobs, tasks, attempts) are read-only. Operators change state with admin
 actions and with the buttons on the job page; both call :mod:`jobs.transitions` (the same functions
@@ -37,113 +37,18 @@ from django.utils.safestring import mark_safe
 from django.utils.text import Truncator
 
 from accs_site.admin_kit import (
-    ActionResult, ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter,
-    TenantScopedAdmin, actor, bulk_actions, human_age, log_bulk, perform, run_interval, safe_next, status_pill,
-    uuid_or_none, uuid_prefix_range,
+    ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
+    actor, bulk_actions, human_age, log_bulk, run_interval, safe_next, status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import redrive, transitions, triggers
-from jobs.accounts import revoke_tokens
-from jobs.auth import create_token
-from jobs.models import (
-    ApiToken, ApprovalState, Attempt, Job, Task, TaskStatus, Tenant, TenantMembership, TokenScope,
-    Trigger, TriggerType, default_token_scopes,
-)
-from jobs.scoping import can_act, scope, tenant_ids_for
-from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
+from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
 from jobs.progress import attempt_text, job_progress, job_progress_subquery
+from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
+from tenants.models import Tenant
+from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError
 
-
-
-# --------------------------------------------------------------------------------------------
-# Tenants, memberships, tokens
-# --------------------------------------------------------------------------------------------
-
-@admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
-    list_display = ("slug", "name", "timezone", "max_in_flight", "min_priority", "max_priority", "retention_days",
-                    "retention_dead_days", "created_at")
-    search_fields = ("slug", "name")
-
-    def get_queryset(self, request):
-        return scope(super().get_queryset(request), request.user, field="id")
-
-
-@admin.register(TenantMembership)
-class TenantMembershipAdmin(admin.ModelAdmin):
-    list_display = ("user", "tenant", "role")
-    list_filter = ("role", "tenant")
-    search_fields = ("user__username", "tenant__slug")
-
-
-class TokenAddForm(forms.ModelForm):
-    """What creating a token asks: whose, its name, what it may do and when it expires (the secret is
-    generated)."""
-
-    scopes = forms.MultipleChoiceField(choices=TokenScope.choices, widget=forms.CheckboxSelectMultiple,
-                                       initial=default_token_scopes, help_text="What the token may do.")
-
-    class Meta:
-        model = ApiToken
-        fields = ("user", "name", "scopes", "expires_at")
-
-    def clean(self) -> dict[str, Any]:
-        data = super().clean()
-        user, expires = data.get("user"), data.get("expires_at")
-        if user is not None and not user.is_active:
-            self.add_error("user", "this user is not active; a token of theirs would be refused")
-        if expires is not None and expires <= timezone.now():
-            self.add_error("expires_at", "must be in the future (leave empty for no expiry)")
-        return data
-
-
-def _revoke(token: ApiToken) -> ActionResult:
-    if token.revoked_at is not None:
-        return ActionResult(False, "already revoked")
-    revoke_tokens(prefix=token.prefix, username=token.user.get_username(), name=token.name)
-    return ActionResult(True, "revoked; the API refuses it from now on")
-
-
-@admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
-    """API tokens: created here (the secret is shown once) or with ``manage.py accs_token``, revoked
-    with the action; both are recorded in the admin's history."""
-
-    list_display = ("name", "user", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
-    search_fields = ("name", "user__username", "prefix")
-    actions = ("revoke_selected",)
-
-    def get_form(self, request, obj=None, change=False, **kwargs):
-        if obj is None:
-            kwargs["form"] = TokenAddForm
-        return super().get_form(request, obj, change=change, **kwargs)
-
-    def get_fields(self, request, obj=None):
-        if obj is None:
-            return ("user", "name", "scopes", "expires_at")
-        return ("user", "name", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
-
-    def get_readonly_fields(self, request, obj=None):
-        return () if obj is None else self.get_fields(request, obj)
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False  # a token's secret and state change by creating and revoking, never by editing
-
-    def action_subject(self, obj: ApiToken) -> str:
-        return f"token {obj}"
-
-    def save_model(self, request, obj, form, change) -> None:
-        """Create the token the way ``accs_token`` does; show the secret this once."""
-        token, raw = create_token(obj.user, obj.name.strip(), expires_at=obj.expires_at, scopes=list(obj.scopes))
-        obj.pk, obj.prefix, obj.digest, obj.created_at = token.pk, token.prefix, token.digest, token.created_at
-        obj._state.adding = False
-        self.message_user(request, f"The token {obj.name!r} is {raw} — copy it now: it is not shown again.",
-                          messages.WARNING)
-
-    @admin.action(description="Revoke selected tokens", permissions=["delete"])
-    def revoke_selected(self, request, queryset):
-        perform(request, self, "Revoke", list(queryset.select_related("user")), _revoke)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """HTTP endpoints for jobs and triggers under /api/v1/jobs (CTL5, seed 003's API contract).
 
-Every endpoint is tenant-scoped through :mod:`jobs.scoping`: a tenant admin sees and acts only in
+Every endpoint is tenant-scoped through :mod:`tenants.scoping`: a tenant admin sees and acts only in
 their tenants (a job of another tenant is "not found"), a viewer only reads, a superuser sees all.
 State changes go through :mod:`jobs.api` / :mod:`jobs.transitions`; a transition that no longer
 applies answers 409 with its reason.
@@ -22,11 +22,11 @@ from pydantic import AwareDatetime, field_validator
 from accs_site.http import INT32, In, require_scope, responses, username, utc
 from jobs import api, redrive, triggers
 from jobs.models import (
-    TASK_HELD, ApprovalState, Attempt, Job, JobSource, JobStatus, MissedRunPolicy, Task, Tenant, Trigger,
-    TriggerType,
+    TASK_HELD, ApprovalState, Attempt, Job, JobSource, JobStatus, MissedRunPolicy, Task, Trigger, TriggerType,
 )
 from jobs.idempotency import differences
-from jobs.scoping import can_act, scope, tenant_ids_for
+from tenants.models import Tenant
+from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.validation import DefinitionError, Problem
 
 router = Router(tags=["jobs"])

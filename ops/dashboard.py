@@ -20,7 +20,7 @@ from django.utils.http import urlencode
 
 from ops.charts import chart_data, chart_rows
 from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
-from jobs.scoping import tenant_ids_for
+from tenants.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.
 REFRESH_SECONDS = 5

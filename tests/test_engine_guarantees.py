@@ -19,9 +19,10 @@ from accs_site.conf import accs
 from events.models import Event
 from jobs import api, transitions
 from jobs.claim import claim_many
-from jobs.models import Attempt, Job, JobStep, Task, Tenant
+from jobs.models import Attempt, Job, JobStep, Task
 from jobs.notify import notify, service_channel
 from nodes.models import Host, HostBlock, Node
+from tenants.models import Tenant
 from tests.engine_helpers import NODE, claim_for, run_fail, run_ok, spec
 from workflows.api import create_workflow
 from workflows.models import Service

@@ -15,8 +15,9 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from jobs import api
-from jobs.auth import digest
-from jobs.models import ApiToken, Job, Task, Tenant, Trigger
+from jobs.models import Job, Task, Trigger
+from tenants.auth import digest
+from tenants.models import ApiToken, Tenant
 from tests.api_helpers import client_for, user_with_token
 from tests.conftest import ROOT
 from tests.daemons import free_port, http_server

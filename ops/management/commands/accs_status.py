@@ -19,9 +19,9 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 
 from accs_site.cli import OperatorCommand, bounded, usage_error
 from accs_site.daemon import close_django_connection, database_address, first_line
-from jobs.models import Tenant
 from ops.overview import Overview, overview, recent_failures
 from ops.status import database_label, status_lines
+from tenants.models import Tenant
 
 
 def _unreachable(exc: BaseException) -> str:
