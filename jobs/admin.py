@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 from uuid import UUID
 
 from django import forms
@@ -316,7 +316,7 @@ TASK_ACTIONS: ActionTable = {
 class TaskAdmin(RedriveAdmin):
     list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "node", "host",
                     "finished_at", "last_error")
-    list_filter = ("status", "service", TenantListFilter)  # and by node: ops.admin adds the fleet's filter
+    list_filter: ClassVar[tuple[Any, ...]] = ("status", "service", TenantListFilter)  # by node: ops.admin
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
                         "exact task key or service key.")

@@ -9,6 +9,7 @@ class NodesConfig(AccsAppConfig):
     def ready(self) -> None:
         super().ready()
         # The builder takes the fleet's duties (presence, wake) from its registry, never by import.
+        # Imported here, not at the top: nodes.duties loads models, which apps.py may not do.
         from jobs.duties import register_duties
         from nodes.duties import duties
 

@@ -9,7 +9,11 @@ from ``ops``. The other operators' pages are wired in :mod:`ops.urls`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
 
 from jobs.admin import JobAdmin, TaskAdmin
 from jobs.models import Job, Task
@@ -23,7 +27,9 @@ admin.site.site_title = "ACCS"
 admin.site.index_title = "Jobs, workflows, nodes and timeline"
 
 
-def _with_page(view, request, object_id, form_url, extra_context, obj, page) -> object:
+def _with_page(view: Callable[..., HttpResponse], request: HttpRequest, object_id: str, form_url: str,
+               extra_context: dict[str, Any] | None, obj: Any, page: Callable[[Any], dict[str, Any]]) -> HttpResponse:
+    """Render the admin's change view with the page's sections (when the object exists)."""
     extra = dict(extra_context or {})
     if obj is not None:
         extra.update(page(obj))
