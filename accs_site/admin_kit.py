@@ -2,7 +2,8 @@
 page buttons and bulk actions from one table, a list paginator that does not count millions of rows,
 and the status pill.
 
-Every operator action goes through :func:`perform`: it names each object in the message, and writes
+Every operator action (the engine's verbs, the fleet's, the governor's) answers an :class:`ActionResult`,
+and every action the cockpit offers goes through :func:`perform`: it names each object in the message, and writes
 Django's admin log entry for each change (the object's History, the index's "Recent actions").
 Destructive actions (:data:`DESTRUCTIVE`) answer first with a confirmation page (:func:`confirm_page`).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -32,9 +34,37 @@ from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
 from accs_site.counting import estimated_count
-from jobs.transitions import ActionResult
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
+
+
+@dataclass
+class ActionResult:
+    """Outcome of an operator action: ``changed`` False means it no longer applied (and why)."""
+
+    changed: bool
+    message: str
+    # The caller may not do this at all (not merely "no longer applies"): the HTTP API answers 403.
+    forbidden: bool = False
+
+
+def human_age(seconds: float | None) -> str:
+    """Format a duration for people: ``42 s``, ``7 min``, ``3 h 5 min``, ``2 d 4 h``."""
+    if seconds is None:
+        return "—"
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 90:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    minutes = seconds / 60
+    if minutes < 90:
+        return f"{minutes:.0f} min"
+    hours = int(minutes // 60)
+    if hours < 48:
+        return f"{hours} h {int(minutes % 60)} min"
+    return f"{hours // 24} d {hours % 24} h"
+
 
 #: Up to this many rows a list page counts exactly; beyond, it shows the planner's estimate.
 EXACT_COUNT_LIMIT = 10_000

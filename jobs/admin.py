@@ -7,6 +7,11 @@ the API uses) and report the outcome with ``message_user``.
 Tenant isolation, the page buttons and the bulk actions come from :mod:`accs_site.admin_kit`; the
 list's bulk actions are built from the same action tables as the job and task pages' buttons. The
 task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, over :mod:`jobs.redrive`).
+Which buttons a job or task offers comes from :mod:`jobs.states` (where each verb applies).
+
+The job and task *pages* (picture, tasks, timeline, why it is stuck) are what operators read, so
+they live in :mod:`ops.admin`, which registers these admins with those pages added; this module
+imports nothing above ``jobs``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 from uuid import UUID
 
 from django import forms
@@ -33,15 +38,12 @@ from django.utils.text import Truncator
 
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
-    bulk_actions, safe_next,
-    actor, log_bulk, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
+    actor, bulk_actions, human_age, log_bulk, run_interval, safe_next, status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import redrive, transitions, triggers
-from jobs.models import JOB_ACTIVE, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Trigger, TriggerType
+from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
+from jobs.progress import attempt_text, job_progress, job_progress_subquery
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
-from nodes.models import Node
-from ops.jobpage import attempt_text, job_progress, job_progress_subquery
-from ops.overview import human_age
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.models import Service, Workflow
@@ -168,33 +170,6 @@ JOB_ACTIONS: ActionTable = {
 }
 
 
-def job_actions_for(job: Job, *, tasks_stopping: int = 0) -> list[str]:
-    """Return the actions that apply to a job in its current state (buttons on its page).
-
-    Retry waits until every task has stopped (``tasks_stopping``: tasks of the finished job an
-    agent still holds, told to stop), so a retried job never runs beside its own last attempt.
-    """
-    out = []
-    if job.approval_state == ApprovalState.PENDING and job.status == JobStatus.QUEUED:
-        out += ["approve", "reject"]
-    if job.status in (JobStatus.ERROR, JobStatus.CANCELED) and job.approval_state not in (
-            ApprovalState.PENDING, ApprovalState.REJECTED) and not tasks_stopping:
-        out.append("retry")
-    if job.status in JOB_ACTIVE:
-        out.append("cancel")
-    return out
-
-
-def task_actions_for(task: Task) -> list[str]:
-    """Return the actions that apply to a task in its current state."""
-    if task.status in (TaskStatus.ERROR, TaskStatus.SKIPPED, TaskStatus.CANCELED, TaskStatus.BLOCKED):
-        return ["retry"]
-    if task.status in (TaskStatus.WAITING, TaskStatus.QUEUED) or (
-            task.status in (TaskStatus.STARTING, TaskStatus.RUNNING) and not task.cancel_requested_at):
-        return ["cancel"]
-    return []
-
-
 #: A trigram index finds a part of a text of three characters or more; shorter terms match exactly only.
 ERROR_SEARCH_MIN_CHARS = 3
 #: The most errors one search looks at (a common text costs no more than a rare one).
@@ -227,7 +202,6 @@ class JobAdmin(RedriveAdmin):
     ordering = ("-created_at",)  # job_created_idx
     actions = bulk_actions(JOB_ACTIONS, "jobs")
     redrive_jobs = True
-    change_form_template = "admin/jobs/job/change_form.html"
     fieldsets = (
         (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress", "current_task_key",
                            "priority", "order_seq", "scheduled_at")}),
@@ -357,32 +331,10 @@ class JobAdmin(RedriveAdmin):
     def after_action_url(self, request: HttpRequest, obj: Job) -> str:
         return reverse("admin:jobs_job_change", args=[obj.pk])
 
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        from ops.jobpage import job_page_context
-
-        job = self.get_object(request, object_id)
-        extra = dict(extra_context or {})
-        if job is not None:
-            extra.update(job_page_context(request, job))
-        return super().change_view(request, object_id, form_url, extra_context=extra)
-
 
 # --------------------------------------------------------------------------------------------
 # Tasks and attempts
 # --------------------------------------------------------------------------------------------
-
-class NodeListFilter(admin.SimpleListFilter):
-    """Filter tasks by the node that holds or last held them (the nodes are few; tasks are many)."""
-
-    title = "node"
-    parameter_name = "node"
-
-    def lookups(self, request, model_admin):
-        return [(name, name) for name in Node.objects.order_by("name").values_list("name", flat=True)]
-
-    def queryset(self, request, queryset):
-        return queryset.filter(node=self.value()) if self.value() else queryset
-
 
 TASK_ACTIONS: ActionTable = {
     "retry": ("Retry", transitions.retry_task),
@@ -394,7 +346,7 @@ TASK_ACTIONS: ActionTable = {
 class TaskAdmin(RedriveAdmin):
     list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "node", "host",
                     "finished_at", "last_error")
-    list_filter = ("status", "service", NodeListFilter, TenantListFilter)
+    list_filter: ClassVar[tuple[Any, ...]] = ("status", "service", TenantListFilter)  # by node: ops.admin
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
                         "exact task key or service key.")
@@ -451,16 +403,6 @@ class TaskAdmin(RedriveAdmin):
     def after_action_url(self, request: HttpRequest, obj: Task) -> str:
         return safe_next(request, reverse("admin:jobs_job_change", args=[obj.job_id]))
 
-    change_form_template = "admin/jobs/task/change_form.html"
-
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        from ops.jobpage import task_page_context
-
-        task = self.get_object(request, object_id)
-        extra = dict(extra_context or {})
-        if task is not None:
-            extra.update(task_page_context(request, task))
-        return super().change_view(request, object_id, form_url, extra_context=extra)
 
 
 @admin.register(Attempt)

@@ -114,6 +114,11 @@ SELECT name, extract(epoch FROM now() - last_seen) FROM lost
 """
 
 
+def stale_after_seconds() -> float:
+    """Return how old a heartbeat may be before a node is flagged late: one heartbeat TTL (three missed beats)."""
+    return float(accs.heartbeat_ttl_sec)
+
+
 def mark_lost(*, after_seconds: float, limit: int = 1000) -> list[str]:
     """Mark online nodes without a heartbeat for ``after_seconds`` lost, with events; return their names."""
     with transaction.atomic(), connection.cursor() as cur:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from django.db import connection, transaction
 
+from accs_site.admin_kit import ActionResult
 from events.timeline import EventRow, write_events
 from jobs.notify import notify, service_channel
-from jobs.verbs import ActionResult
 
 
 def _source(by: str) -> str:

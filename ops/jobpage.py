@@ -1,7 +1,7 @@
 """The job page's read side: its live sections, the data.json it refreshes from, artifact downloads
 and attempt logs.
 
-The page itself is the admin's change view of a job (:class:`jobs.admin.JobAdmin`), which asks
+The page itself is the admin's change view of a job (:class:`ops.admin.JobPageAdmin`), which asks
 :func:`job_page_context` for everything above the job's fields. While the job is active the page
 fetches ``job/<id>/data.json`` every few seconds and swaps in the sections it returns, the way the
 dashboard does; once the job is final the answer says so and the page stops asking.
@@ -21,8 +21,7 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib import admin
-from django.db.models import Avg, Case, F, FloatField, OuterRef, Q, Subquery, Value, When
-from django.db.models.functions import Coalesce
+from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.template.defaultfilters import filesizeformat
 from django.template.loader import render_to_string
@@ -34,6 +33,9 @@ from django.utils.http import content_disposition_header, urlencode
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from accs_site.admin_kit import run_interval
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
+from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery, shown_progress
+from jobs.states import job_actions_for, task_actions_for
+from ops.dag import job_dag_svg
 from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
 from ops.overview import human_age, job_stuck_reasons
 from tenants.scoping import can_act, scope
@@ -84,8 +86,6 @@ def may_act(request: HttpRequest, job: Job) -> bool:
 
 def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     """Collect the job page's picture, tasks, attempts, artifacts and timeline (each bounded)."""
-    from jobs.admin import job_actions_for, task_actions_for
-    from ops.dag import job_dag_svg
 
     level = request.GET.get("level", "")
     level = level if level in LEVELS else ""
@@ -94,9 +94,9 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     can = may_act(request, job)
 
     tasks = _tasks(job)
-    for task in tasks:
-        task.ops = task_actions_for(task) if can else []
     stopping = tasks_stopping(job)
+    for task in tasks:
+        task.ops = task_actions_for(task, approval=job.approval_state, tasks_stopping=stopping) if can else []
     progress = job_progress_of(job)
     task_keys = {t.pk: t.task_key for t in tasks}
     attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
@@ -154,8 +154,6 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
 def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
     """Collect the task page's summary, buttons, attempts and why it is not moving (its job's reasons
     that concern this task: its service's, or its own backoff)."""
-    from jobs.admin import task_actions_for
-
     job = task.job
     reasons = [r for r in job_stuck_reasons(job, show_nodes=sees_infrastructure(request.user))
                if (r.reason == "backoff" and r.message.startswith(f"task {task.task_key} "))
@@ -167,7 +165,8 @@ def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
     attempts = list(Attempt.objects.filter(task_id=task.pk).order_by("-attempt_no")[:JOB_PAGE_ATTEMPTS])
     return {
         "task_stuck": reasons,
-        "task_ops": task_actions_for(task) if may_act(request, job) else [],
+        "task_ops": task_actions_for(task, approval=job.approval_state, tasks_stopping=tasks_stopping(job))
+        if may_act(request, job) else [],
         "task_attempt_text": attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
                                           budget=task.service.max_attempts),
         "task_elapsed": elapsed_text(task),
@@ -213,66 +212,6 @@ def next_attempt_text(task: Task, *, now: datetime) -> str:
         return ""
     ahead = (task.next_attempt_at - now).total_seconds()
     return f"in {human_age(ahead)}" if ahead > 1 else "due now"
-
-
-def _task_share() -> Case:
-    """A task's part of its job's progress: 1 when done, its reported progress while held, else 0."""
-    return Case(When(status=TaskStatus.DONE, then=Value(1.0)),
-                When(status__in=TASK_HELD, then=Coalesce(F("progress"), Value(0.0))),
-                default=Value(0.0), output_field=FloatField())
-
-
-def job_progress_subquery() -> Subquery:
-    """The mean of a job's tasks' shares, per job row (the jobs list annotates its page with it).
-
-    The stored ``Job.progress`` is the share of *finished* tasks (failed ones too), so it reads
-    100 % for a failed job and 0 % for a job whose only task is half done; operators see this.
-    """
-    tasks = (Task.objects.filter(job_id=OuterRef("pk")).order_by().values("job_id")
-             .annotate(share=Avg(_task_share())).values("share"))  # task_job_status_idx
-    return Subquery(tasks, output_field=FloatField())
-
-
-def job_progress(job: Job, tasks_share: float | None) -> float:
-    """Return the progress to show for a job: full once done, else the mean of its tasks' shares."""
-    if job.status == JobStatus.DONE:
-        return 1.0
-    return max(0.0, min(1.0, tasks_share or 0.0))
-
-
-def job_progress_of(job: Job) -> float:
-    """Return :func:`job_progress` for one job, reading its tasks' shares in one query."""
-    share = Task.objects.filter(job_id=job.pk).aggregate(share=Avg(_task_share()))["share"]
-    return job_progress(job, share)
-
-
-def attempt_text(*, attempt: int, max_attempts: int, budget: int) -> str:
-    """Describe a task's attempt against its retry budget: ``attempt 2 (retry 1 of 2)``.
-
-    ``budget`` is the service's attempts per run. An operator's retry renews the budget on top of
-    the attempts already used (``max_attempts`` = used + budget), so numbering goes on (attempt 4)
-    while the retries count from the renewal.
-    """
-    if attempt <= 0:
-        return f"not started (up to {max_attempts} attempt{'s' if max_attempts != 1 else ''})"
-    base = max_attempts - budget
-    if budget < 1 or base < 0 or attempt <= base:
-        return f"attempt {attempt} of {max_attempts}"  # the service's budget changed since: plain numbers
-    retry = attempt - base - 1
-    if budget == 1:
-        return f"attempt {attempt} (no retries)"
-    if retry == 0:
-        return f"attempt {attempt} (first of {budget})"
-    return f"attempt {attempt} (retry {retry} of {budget - 1})"
-
-
-def shown_progress(task: Task) -> float | None:
-    """Return the 0..1 progress to draw for a task: its reported progress, full once done."""
-    if task.status == TaskStatus.DONE:
-        return 1.0
-    if task.progress is None:
-        return None if task.status not in TASK_HELD else 0.0
-    return max(0.0, min(1.0, task.progress))
 
 
 def elapsed_text(task: Task) -> str:
@@ -334,6 +273,7 @@ def job_data_view(request: HttpRequest, job_id: UUID) -> JsonResponse:
 
 def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
     """Stream one of the job's artifacts from object storage as an attachment."""
+    # Storage's modules (boto3) load only when a page reads a file.
     from events.artifacts import StorageNotConfigured, open_artifact
 
     job = visible_job(request, job_id)
@@ -384,6 +324,7 @@ def read_first(artifact: Artifact, limit: int) -> bytes:
 def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
     """Show a text or JSON artifact inline, escaped: whole (JSON indented) and checked against its checksum up
     to :data:`PREVIEW_MAX_BYTES`, else its first :data:`PREVIEW_MAX_BYTES`, said to be a part."""
+    # Storage's modules (boto3) load only when a page reads a file.
     from events.artifacts import ChecksumMismatch, StorageNotConfigured, read_artifact
 
     job = visible_job(request, job_id)
@@ -508,6 +449,7 @@ def tail_size(request: HttpRequest) -> int:
 
 def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> HttpResponse:
     """Show an attempt's log (its ``.jsonl`` log artifact) as a table, filtered and tailed."""
+    # Storage's modules (boto3) load only when a page reads a file.
     from events.artifacts import ChecksumMismatch, StorageNotConfigured, open_artifact
 
     job = visible_job(request, job_id)
@@ -589,4 +531,6 @@ __all__ = [
     "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view",
     "attempt_log_view", "job_data_view",
     "job_page_context", "parse_log_line", "tail_log", "visible_job",
+    # Moved to jobs.progress (the jobs list reads them too); still importable from here.
+    "attempt_text", "job_progress", "job_progress_of", "job_progress_subquery", "shown_progress",
 ]

@@ -26,9 +26,10 @@ from uuid import UUID
 
 from django.utils import timezone
 
-from accs_site.conf import accs
+from accs_site.admin_kit import human_age
 from accs_site.dbrouter import read_connection, replica_lag
 from jobs.claim import params_key_sql
+from nodes.api import stale_after_seconds
 from workflows.models import GovernorCondition
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
@@ -361,11 +362,6 @@ class NodeHealth:
     def live(self) -> bool:
         """Whether an agent on this node claims work now: online and active."""
         return self.presence == "online" and self.state == "active"
-
-
-def stale_after_seconds() -> float:
-    """Return how old a heartbeat may be before a node is flagged: three missed beats (TTL/3 each)."""
-    return 3 * accs.heartbeat_ttl_sec / 3
 
 
 def node_health(*, now: datetime | None = None) -> list[NodeHealth]:
@@ -889,24 +885,6 @@ def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
         flow=flow,
         replica=replica_lag() if include_infra else None,
     )
-
-
-def human_age(seconds: float | None) -> str:
-    """Format a duration for people: ``42 s``, ``7 min``, ``3 h 5 min``, ``2 d 4 h``."""
-    if seconds is None:
-        return "—"
-    seconds = max(0.0, seconds)
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 90:
-        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-    minutes = seconds / 60
-    if minutes < 90:
-        return f"{minutes:.0f} min"
-    hours = int(minutes // 60)
-    if hours < 48:
-        return f"{hours} h {int(minutes % 60)} min"
-    return f"{hours // 24} d {hours % 24} h"
 
 
 def group_by_tenant(rows: list[ServiceQueue]) -> dict[str, list[ServiceQueue]]:

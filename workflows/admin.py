@@ -2,8 +2,8 @@
 
 Saving a service or workflow runs the full validation (``Model.clean`` → :mod:`workflows.validation`)
 and shows each problem next to the field it is about. Governor conditions are raised and cleared
-through :func:`jobs.api.raise_condition` / :func:`jobs.api.clear_condition` (actions, and the add
-form, which raises a new condition), never by editing their timestamps.
+through :mod:`workflows.governor` (actions, and the add form, which raises a new condition), never
+by editing their timestamps.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
-from ops.dag import render_svg, steps_from
-from jobs import api
-from accs_site.admin_kit import actor, perform
-from jobs.transitions import ActionResult
+from accs_site.admin_kit import ActionResult, actor, perform
+from workflows import governor
 from workflows.api import next_version, steps_frozen_reason
+from workflows.dag import render_svg, steps_from
 from workflows.diff import steps_diff
 from workflows.models import GovernorCondition, Service, Workflow
 from workflows.validation import DefinitionError
@@ -275,7 +274,7 @@ class AddConditionForm(forms.ModelForm):
 
 def _raise(name: str, *, reason: str, expires_at, by: str) -> ActionResult:
     try:
-        api.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
+        governor.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
     except DefinitionError as exc:
         return ActionResult(False, "; ".join(str(p) for p in exc.problems))
     until = f"until {timezone.localtime(expires_at):%Y-%m-%d %H:%M}" if expires_at else "until cleared"
@@ -283,7 +282,7 @@ def _raise(name: str, *, reason: str, expires_at, by: str) -> ActionResult:
 
 
 def _clear(name: str, *, by: str) -> ActionResult:
-    if api.clear_condition(name, by):
+    if governor.clear_condition(name, by):
         return ActionResult(True, f"{name} cleared")
     return ActionResult(False, f"{name} does not hold")
 
@@ -319,7 +318,7 @@ class GovernorConditionAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change) -> None:
         """Raise the new condition through the governor (it writes the row and its event)."""
-        raised = api.raise_condition(obj.name, reason=obj.reason, expires_at=obj.expires_at, by=actor(request))
+        raised = governor.raise_condition(obj.name, reason=obj.reason, expires_at=obj.expires_at, by=actor(request))
         obj.pk = raised.pk
         obj.raised_at, obj.raised_by = raised.raised_at, raised.raised_by
 
