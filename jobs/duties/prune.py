@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from accs_site.conf import accs
 from events.artifacts import sweep_orphan_objects
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 from jobs.receipts import prune_receipts as prune_old_receipts
 from jobs.retention import prune_finished_jobs
 

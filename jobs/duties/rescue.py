@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobs import transitions
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 
 
 def rescue(limit: int) -> int:

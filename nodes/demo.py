@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TextIO
 
@@ -148,7 +148,7 @@ class Demo:
                     raise RuntimeError(f"a demo process exited early (code {proc.returncode}); see {self.log_dir}")
             time.sleep(0.5)
 
-    def summary(self, jobs: list[Job], since) -> None:
+    def summary(self, jobs: list[Job], since: datetime) -> None:
         self.say("")
         self.say(f"{'job':<10}{'target':<22}{'status':<9}{'tasks':>6}{'attempts':>10}{'duration':>10}{'artifacts':>11}")
         for job in Job.objects.filter(id__in=[j.id for j in jobs]).order_by("order_seq"):
