@@ -7,6 +7,7 @@ import time
 
 import psycopg
 import pytest
+from django.db.models.functions import Now
 
 from jobs import api
 from jobs.claim import claim
@@ -97,7 +98,8 @@ def test_a_large_due_backlog_does_not_starve_lease_rescue(make_service, daemons,
     make_service("bulk")
     api.start_many([api.JobSpec(service="bulk", params={}) for _ in range(20_000)])
     _job, task = _expired_task(make_service, "stranded", lease=0.1)
-    time.sleep(0.2)  # the lease has ended before the builder starts
+    wait_until(lambda: Task.objects.filter(pk=task.id, lease_expires_at__lt=Now()).exists(), timeout=10,
+               message="the lease has ended (by PostgreSQL's clock) before the builder starts")
     builder = daemons.builder("--batch", "50", name="builder")
     started = time.monotonic()
     wait_until(lambda: _rescued(task), timeout=30, message="rescue runs while the backlog is being instantiated")

@@ -272,7 +272,8 @@ def test_second_sigterm_interrupts_running_tasks_and_they_are_retried(make_servi
     agent = daemons.agent("n1", "long")
     wait_until(lambda: Task.objects.filter(job=job, status="running").exists(), timeout=20, message="running")
     agent.send_signal(signal.SIGTERM)
-    time.sleep(0.3)  # two separate signals, as an operator's second Ctrl-C
+    # Two separate signals, as an operator's second Ctrl-C: the second once the first is handled.
+    wait_until(lambda: "no new claims, draining" in _log(agent), timeout=10, message="the agent took the first SIGTERM")
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=20) == 0, _log(agent)[-3000:]
     attempt = Attempt.objects.get(task__job=job, attempt_no=1)
@@ -472,7 +473,7 @@ def test_sigterms_during_the_agents_last_moments_still_exit_0(make_service, daem
                message="the agent's last log line")
     while agent.poll() is None:  # a systemd stop and an impatient operator: SIGTERMs until it is gone
         agent.send_signal(signal.SIGTERM)
-        time.sleep(0.002)
+        time.sleep(0.002)  # paces the signals under test; it waits for nothing
     assert agent.returncode == 0, _log(agent)[-2000:]
 
 

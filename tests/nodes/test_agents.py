@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import defaultdict
 
 import psycopg
@@ -180,7 +179,11 @@ def test_quarantined_host_gets_no_work_until_cleared(make_service, daemons, db_u
     api.start_workflow("fleet", options={"hosts": ["h1", "h2"]})
     daemons.agent("n1", "slow", "--poll-interval", "0.2")
     wait_until(lambda: Task.objects.filter(task_key="op@h2", status="done").exists(), timeout=30, message="h2 done")
-    time.sleep(0.6)  # three poll periods: the quarantined host's task must still wait
+    # A later job on h2, run to its end: the agent claimed again after h1's task was queued (and h1's
+    # task comes first in order), so it had its chance at h1's task and passed it over.
+    later = api.start_workflow("fleet", options={"hosts": ["h2"]})
+    wait_until(lambda: Job.objects.filter(pk=later.pk, status="done").exists(), timeout=30,
+               message="the later h2 job done")
     assert Task.objects.get(task_key="op@h1").status == "queued"
     assert node_verbs.clear_quarantine(bad.id, by="test").changed
     wait_all_final(db_url, timeout=30)
@@ -277,11 +280,21 @@ def test_task_over_its_timeout_is_killed_with_its_children_and_retried(make_serv
     assert job.status == "error"
 
 
+LISTENING_SQL = ("SELECT count(*) FROM pg_stat_activity"
+                 " WHERE application_name = %s AND query LIKE 'LISTEN%%' AND state = 'idle'")
+
+
+def _listening(db_url: str, node: str) -> bool:
+    """True once the agent's LISTEN connection has run its LISTEN and sits idle (a NOTIFY now reaches it)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        return conn.execute(LISTENING_SQL, (f"accs agent {node} listen",)).fetchone()[0] > 0
+
+
 def test_notify_wakes_idle_agent_long_before_its_poll(make_service, daemons, db_url):
     make_service("quick")
     daemons.agent("n1", "quick", "--poll-interval", "30")
-    wait_until(lambda: Node.objects.filter(name="n1").exists(), timeout=20, message="agent registered")
-    time.sleep(0.5)  # let it reach its wait
+    wait_until(lambda: _listening(db_url, "n1"), timeout=20,
+               message="the agent LISTENs (it opens LISTEN as it first waits)")
     job = api.start_service("quick")
     wait_until(lambda: Job.objects.filter(pk=job.pk, status="done").exists(), timeout=5,
                message="done within 5 s although the agent polls every 30 s")

@@ -87,7 +87,7 @@ def _query(url: str, sql: str, params=()):
         except psycopg.OperationalError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+            time.sleep(0.2)  # the pause between tries of a bounded retry, not a wait for another process
 
 
 def _done(url: str) -> int:
@@ -138,7 +138,7 @@ def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_ser
 
     wait_for(lambda: _done(db_url) >= JOBS // 2, timeout=90, interval=0.2, message="half of the jobs done")
     subprocess.run([str(ROOT / "scripts" / "pg_local.sh"), "stop"], check=True, capture_output=True)
-    time.sleep(1)  # an outage a little longer than a blink: the daemons see their connections fail
+    time.sleep(1)  # the outage under test, a little longer than a blink: the daemons see their connections fail
     subprocess.run([str(ROOT / "scripts" / "pg_local.sh"), "start"], check=True, capture_output=True)
     connections.close_all()  # this test's own connection died with the server
 
@@ -206,7 +206,10 @@ def _pickup_p50_ms(make_service, daemons, *, key: str, env: dict[str, str], jobs
     svc = make_service(key)
     agent = daemons.agent(f"pickup-{key}", key, env=env)
     wait_for(lambda: "started on node" in agent.log_path.read_text(), timeout=60, message="the agent is up")
-    time.sleep(1)  # let its LISTEN connection open after start-up
+    wait_for(lambda: _query(daemons.env["ACC_DB_URL"], "SELECT count(*) FROM pg_stat_activity"
+                            " WHERE application_name = %s AND query LIKE 'LISTEN%%' AND state = 'idle'",
+                            (f"accs agent pickup-{key} listen",))[0][0],
+             timeout=30, message="the agent's LISTEN connection is open (it opens it as it first waits)")
     ids = []
     for _ in range(jobs):
         ids.append(str(api.start_service(svc).id))
