@@ -1,91 +1,143 @@
-"""Contract: the Pydantic wire schemas agree with the Django models (names, nullability, enums)."""
+"""Contract: the schemas the HTTP API serves (its OpenAPI document) agree with the Django models (names,
+nullability, enums), and real responses match them."""
 
 from __future__ import annotations
 
-import types
-import typing
-from enum import Enum
+from typing import Any
 
 import pytest
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
+from jsonschema import Draft202012Validator
 
-from events import schemas as event_schemas
-from jobs import schemas as job_schemas
-from nodes import schemas as node_schemas
-from workflows import schemas as workflow_schemas
+from jobs import api
+from tests.api_helpers import client_for, user_with_token
+from tests.engine_helpers import claim_for, run_fail
 
+# Each response shape of the API and the model whose rows it shows.
 PAIRS = [
-    (job_schemas.Job, "jobs.Job"),
-    (job_schemas.JobTask, "jobs.Task"),
-    (event_schemas.TaskEvent, "events.Event"),
-    (event_schemas.TaskArtifact, "events.Artifact"),
-    (node_schemas.Node, "nodes.Node"),
-    (workflow_schemas.WorkflowDef, "workflows.Workflow"),
+    ("JobOut", "jobs.Job"),
+    ("TaskOut", "jobs.Task"),
+    ("TriggerOut", "jobs.Trigger"),
+    ("ServiceOut", "workflows.Service"),
+    ("WorkflowOut", "workflows.Workflow"),
 ]
 
-PY_TYPES = {
-    ArrayField: "json",
-    models.UUIDField: "UUID", models.CharField: "str", models.TextField: "str", models.SlugField: "str",
-    models.IntegerField: "int", models.BigIntegerField: "int", models.PositiveIntegerField: "int",
-    models.PositiveSmallIntegerField: "int", models.BigAutoField: "int", models.AutoField: "int",
-    models.FloatField: "float", models.DateTimeField: "datetime", models.BooleanField: "bool",
-    models.JSONField: "json",
-}
+# A column's type in JSON Schema: (type, format); "json" for JSON and array columns.
+JSON_TYPES: list[tuple[type[models.Field], tuple[str, str | None] | str]] = [
+    (ArrayField, "json"), (models.JSONField, "json"),
+    (models.UUIDField, ("string", "uuid")), (models.DateTimeField, ("string", "date-time")),
+    (models.CharField, ("string", None)), (models.TextField, ("string", None)),
+    (models.BooleanField, ("boolean", None)), (models.FloatField, ("number", None)),
+    (models.IntegerField, ("integer", None)), (models.BigIntegerField, ("integer", None)),
+    (models.PositiveIntegerField, ("integer", None)), (models.PositiveSmallIntegerField, ("integer", None)),
+    (models.BigAutoField, ("integer", None)), (models.AutoField, ("integer", None)),
+]
+# A related row is shown by the field that names it (a tenant's slug, a service's key, ...).
+NAMING_FIELDS = ("slug", "key", "name")
+# Fields the API reads from a related row rather than a column of its own: name -> (relation, field).
+DERIVED = {"workflow_version": ("workflow", "version")}
 
 
-def _model_field(model, name):
+@pytest.fixture
+def document(client) -> dict[str, Any]:
+    """The OpenAPI document as the API serves it."""
+    response = client.get("/api/v1/openapi.json")
+    assert response.status_code == 200, response.content
+    return response.json()
+
+
+def _model_field(model, name: str) -> models.Field | None:
     for field in model._meta.concrete_fields:
         if name in (field.name, field.attname):
             return field
     return None
 
 
-def _annotation_parts(annotation) -> tuple[set[str], bool]:
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
-    names, nullable = set(), False
-    for arg in args:
-        if arg is type(None):
+def _json_type(field: models.Field) -> tuple[str, str | None] | str:
+    return next(kind for cls, kind in JSON_TYPES if isinstance(field, cls))
+
+
+def _property_parts(prop: dict[str, Any], components: dict[str, Any]) -> tuple[set, bool, list | None]:
+    """Return the (type, format) pairs a property allows, whether it allows null, and its enum if any."""
+    options = prop.get("anyOf", [prop])
+    kinds, nullable, enum = set(), False, None
+    for option in options:
+        if "$ref" in option:
+            option = components[option["$ref"].rsplit("/", 1)[1]]
+        if option.get("type") == "null":
             nullable = True
-        elif isinstance(arg, type) and issubclass(arg, Enum):
-            names.add("str")
-        elif typing.get_origin(arg) in (dict, list) or arg in (dict, list):
-            names.add("json")
-        elif typing.get_origin(arg) is typing.Literal:
-            names.add("str")
+        elif option.get("type") in ("object", "array") or "type" not in option:
+            kinds.add("json")
         else:
-            names.add(getattr(arg, "__name__", str(arg)))
-    return names, nullable
+            kinds.add((option["type"], option.get("format")))
+        enum = option.get("enum", enum)
+    return kinds, nullable, enum
 
 
-@pytest.mark.parametrize(("schema", "model_label"), PAIRS, ids=[p[1] for p in PAIRS])
-def test_schema_fields_exist_on_the_model_with_matching_types(schema, model_label):
+@pytest.mark.parametrize(("schema_name", "model_label"), PAIRS, ids=[p[1] for p in PAIRS])
+def test_served_schema_fields_exist_on_the_model_with_matching_types(document, schema_name, model_label):
     from django.apps import apps
 
     model = apps.get_model(model_label)
-    for name, info in schema.model_fields.items():
-        field = _model_field(model, name)
-        assert field is not None, f"{schema.__name__}.{name} has no column on {model_label}"
-        kinds, nullable = _annotation_parts(info.annotation)
-        if name == "steps":
-            continue  # list[WorkflowStep] is the structured view of the JSON column
-        target = field.target_field if field.is_relation else field
-        expected = next(v for k, v in PY_TYPES.items() if isinstance(target, k))
-        assert expected in kinds, f"{schema.__name__}.{name}: schema {kinds} vs model {expected}"
+    components = document["components"]["schemas"]
+    schema = components[schema_name]
+    for name, prop in schema["properties"].items():
+        kinds, nullable, enum = _property_parts(prop, components)
+        where = f"{schema_name}.{name}"
+        if name in DERIVED:
+            relation, source = DERIVED[name]
+            link = _model_field(model, relation)
+            field = link.related_model._meta.get_field(source)
+            assert nullable == (link.null or field.null), f"{where}: nullable only where {relation} may be null"
+        else:
+            field = _model_field(model, name)
+            assert field is not None, f"{where} has no column on {model_label}"
+        expected = _json_type(field.target_field if field.is_relation else field)
+        if field.is_relation and kinds == {("string", None)}:
+            named = [n for n in NAMING_FIELDS if _has_field(field.related_model, n)]
+            assert named, f"{where} shows a {field.related_model.__name__} by a name it does not have"
+        else:
+            assert expected in kinds, f"{where}: the schema says {kinds}, the column {expected}"
         if field.null and expected != "json":
-            assert nullable, f"{schema.__name__}.{name} must be Optional: the column is nullable"
-        if not field.null and nullable and info.is_required():
-            pytest.fail(f"{schema.__name__}.{name} is Optional but {model_label}.{name} is NOT NULL")
-        if getattr(field, "choices", None) and isinstance(next(iter(kinds)), str):
-            enum_types = [a for a in typing.get_args(info.annotation) or (info.annotation,) if isinstance(a, type) and issubclass(a, Enum)]
-            for enum in enum_types:
-                assert {e.value for e in enum} == {c[0] for c in field.choices}, f"{schema.__name__}.{name} enum drifted"
+            assert nullable, f"{where} must allow null: the column is nullable"
+        if not field.null and name not in DERIVED:
+            assert not nullable, f"{where} allows null but {model_label}.{name} is NOT NULL"
+        if enum is not None and field.choices:
+            assert set(enum) == {c[0] for c in field.choices}, f"{where}: the enum drifted from the choices"
 
 
-def test_seed_000_workflow_example_parses_and_validates(make_service, db):
-    from workflows.api import create_workflow
-    from workflows.schemas import WorkflowDef
+def _has_field(model, name: str) -> bool:
+    return any(f.name == name for f in model._meta.concrete_fields)
 
+
+def _validator(document: dict[str, Any], path: str, method: str, status: str) -> Draft202012Validator:
+    """Return a validator for the response body ``method path`` answers with ``status``, as the document says."""
+    body = document["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]
+    return Draft202012Validator({**body, "components": document["components"]})
+
+
+def _assert_valid(validator: Draft202012Validator, body: Any, what: str) -> None:
+    problems = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(body)]
+    assert problems == [], f"{what} does not match the API's own schema: {problems[:5]}"
+
+
+@pytest.mark.django_db
+def test_a_job_with_a_failed_task_matches_the_served_schema(document, make_service, default_tenant):
+    """A job whose task failed once (error text, retry time set) is answered as documented."""
+    svc = make_service("flaky", max_attempts=2)
+    job = api.start_service(svc, tenant=default_tenant)
+    run_fail(claim_for(svc), error="boom")
+    _, token = user_with_token("root", superuser=True)
+    response = client_for(token).get(f"/api/v1/jobs/{job.id}")
+    assert response.status_code == 200, response.content
+    body = response.json()
+    _assert_valid(_validator(document, "/api/v1/jobs/{job_id}", "get", "200"), body, "GET /api/v1/jobs/{id}")
+    assert [(t["status"], t["error_message"]) for t in body["tasks"]] == [("scheduled", "boom")], "waiting for its retry"
+
+
+@pytest.mark.django_db
+def test_the_example_workflow_posts_and_reads_back_in_the_apis_own_schema(document, make_service):
     steps = [
         {"key": "ingest", "service": "ingest", "depends_on": [], "default_params": {"source": "s3://bucket/in.wav"}},
         {"key": "audio", "service": "audio-norm", "depends_on": ["ingest"], "default_params": {"lufs": -16}},
@@ -94,6 +146,14 @@ def test_seed_000_workflow_example_parses_and_validates(make_service, db):
     ]
     for key in ("ingest", "audio-norm", "renderer", "yt-upload"):
         make_service(key)
-    definition = WorkflowDef(name="publish", version=1, steps=steps)
-    workflow = create_workflow(name=definition.name, steps=[s.model_dump(exclude_none=True) for s in definition.steps])
-    assert WorkflowDef.model_validate(workflow).steps[3].depends_on == ["render"]
+    _, token = user_with_token("root", superuser=True)
+    client = client_for(token)
+    created = client.post("/api/v1/workflows", {"name": "publish", "version": 1, "steps": steps},
+                          content_type="application/json")
+    assert created.status_code == 201, created.content
+    _assert_valid(_validator(document, "/api/v1/workflows", "post", "201"), created.json(), "POST /api/v1/workflows")
+    read = client.get("/api/v1/workflows/publish/1")
+    assert read.status_code == 200, read.content
+    _assert_valid(_validator(document, "/api/v1/workflows/{name}/{version}", "get", "200"), read.json(),
+                  "GET /api/v1/workflows/{name}/{version}")
+    assert read.json()["steps"][3]["depends_on"] == ["render"]
