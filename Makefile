@@ -58,7 +58,7 @@ DJ61_VENV ?= .venv-dj61
 DJ61_DJANGO ?= 6.1.3
 DJ61_PY := $(DJ61_VENV)/bin/python
 DJ61_STAMP := $(DJ61_VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)-$(DJ61_DJANGO)
-DJ61_TESTS ?= tests/test_tasks_backend.py tests/test_tasks_contract.py tests/test_embedded_site.py
+DJ61_TESTS ?= tests/jobs/test_tasks_backend.py tests/jobs/test_tasks_contract.py tests/system/test_embedded_site.py
 
 $(DJ61_STAMP): requirements.txt
 	@test -x $(DJ61_PY) || { \

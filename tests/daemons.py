@@ -55,13 +55,6 @@ class Daemons:
                 proc.wait()
 
 
-@pytest.fixture
-def daemons(subprocess_env, tmp_path):
-    d = Daemons(subprocess_env, tmp_path)
-    yield d
-    d.stop_all()
-
-
 class Sampler:
     """Poll a SQL query on its own connection in a thread; keep the maximum of each column."""
 
