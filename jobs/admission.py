@@ -10,6 +10,8 @@ Exactness under several builders: admission takes the advisory locks of every te
 workflow whose cap it counts (sorted, see :mod:`jobs.locks`), counts their admitted jobs, and
 admits job by job in order, adding each admitted job to the counts before looking at the next.
 A job retried by an operator comes back through the same door (:func:`readmit`).
+
+The job row itself is inserted by :mod:`jobs.enqueue`, the one place a job is created.
 """
 
 from __future__ import annotations
