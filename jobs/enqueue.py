@@ -330,17 +330,17 @@ JOB_FIELDS: dict[str, str] = {
 }
 
 
-def insert_job_sql(field: Callable[[str], str], **fixed: str) -> str:
+def insert_job_sql(read: Callable[[str], str], **fixed: str) -> str:
     """Return ``INSERT INTO accs_job (<every column>) SELECT <their values>`` for one insert path.
 
-    ``field(name)`` says how the path reads a field of the row (``r.tenant``, ``%(tenant)s::uuid``);
+    ``read(name)`` says how the path reads a field of the row (``r.tenant``, ``%(tenant)s::uuid``);
     ``fixed`` gives a column SQL of the path's own instead (the one-statement start writes its job
     already ``waiting``, with its first task named).
     """
     unknown = sorted(set(fixed) - {column for column, _ in JOB_COLUMNS})
     if unknown:
         raise ValueError(f"no job column {unknown}")
-    fields = {name: field(name) for name in JOB_FIELDS}
+    fields = {name: read(name) for name in JOB_FIELDS}
     columns = ", ".join(column for column, _ in JOB_COLUMNS)
     values = ", ".join(fixed.get(column, value.format(**fields)) for column, value in JOB_COLUMNS)
     return f"{_wrap(f'INSERT INTO accs_job ({columns})', 22)}\n{_wrap(f'SELECT {values}', 7)}"
