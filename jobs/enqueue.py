@@ -352,15 +352,28 @@ def _wrap(sql: str, indent: int) -> str:
                          break_on_hyphens=False)
 
 
-def _job_fields(plan: _Plan, jid: UUID) -> dict[str, Any]:
-    """Return the fields of a new job's row (the ``{name}`` values of :data:`JOB_COLUMNS`)."""
+def _job_fields(plan: _Plan, jid: UUID, *, for_json: bool) -> dict[str, Any]:
+    """Return the fields of a new job's row (the ``{name}`` values of :data:`JOB_COLUMNS`).
+
+    ``for_json``: for the batch insert's JSON document (ids as hex, options as objects), built
+    directly in that shape because bulk starts encode thousands; otherwise bound parameters of
+    the one-statement start (ids as UUIDs, options as JSON text).
+    """
     spec = plan.spec
+    wf = plan.workflow.id if plan.workflow else None
+    if for_json:
+        ids = (jid.hex, plan.tenant.id.hex, wf.hex if wf else None)
+        opts, sp = spec.options or {}, plan.step_params
+        sched: Any = spec.scheduled_at.isoformat() if spec.scheduled_at else None
+    else:
+        ids = (jid, plan.tenant.id, wf)
+        opts, sp = json.dumps(spec.options or {}), json.dumps(plan.step_params)
+        sched = spec.scheduled_at
     return {
-        "id": jid, "tenant": plan.tenant.id, "wf": plan.workflow.id if plan.workflow else None,
-        "svc": plan.service.id if plan.service else None, "prio": plan.priority, "opts": spec.options or {},
-        "sp": plan.step_params, "sched": spec.scheduled_at, "src": str(spec.source), "sref": spec.source_ref,
-        "ext": spec.external_id, "dk": spec.dedupe_key, "corr": spec.correlation_id, "appr": str(plan.approval),
-        "cby": getattr(spec.created_by, "pk", spec.created_by),
+        "id": ids[0], "tenant": ids[1], "wf": ids[2], "svc": plan.service.id if plan.service else None,
+        "prio": plan.priority, "opts": opts, "sp": sp, "sched": sched, "src": str(spec.source),
+        "sref": spec.source_ref, "ext": spec.external_id, "dk": spec.dedupe_key, "corr": spec.correlation_id,
+        "appr": str(plan.approval), "cby": getattr(spec.created_by, "pk", spec.created_by),
     }
 
 
@@ -394,7 +407,7 @@ def _insert(plans: Sequence[_Plan]) -> set[UUID]:
     rows = []
     for plan in plans:
         plan.spec._id = jid = uuid.uuid4()  # type: ignore[attr-defined]
-        rows.append(_job_fields(plan, jid))
+        rows.append(_job_fields(plan, jid, for_json=True))
     with connection.cursor() as cur:
         cur.execute(INSERT_JOBS_SQL, {"rows": json.dumps(rows, default=str)})
         return {r[0] for r in cur.fetchall()}
@@ -506,7 +519,7 @@ def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channe
                      source: str, event_source: str) -> tuple | None:
     """Insert and start one job in one statement; return (id, order_seq, created_at, scheduled_at).
 
-    ``job`` holds the fields of :func:`_job_fields` (``opts`` and ``sp`` as JSON text). None means
+    ``job`` holds the fields of :func:`_job_fields` (as bound parameters). None means
     the job's external_id or dedupe_key is taken: nothing was written. The caller checked that the
     job is due, needs no approval and is under no cap, and built its tasks with
     :func:`jobs.instantiate.build_task_rows` (no fan-out: hosts are resolved by the builder path).
@@ -548,8 +561,7 @@ def _start_now(plan: _Plan) -> Job | None:
         task["id"] = task["id"].hex
     channels = {service_channel(key) for key in services if any(
         t["status"] == TaskStatus.QUEUED and t["service_id"] == services[key].id for t in tasks)}
-    fields = _job_fields(plan, jid)
-    fields["opts"], fields["sp"] = json.dumps(fields["opts"]), json.dumps(fields["sp"])
+    fields = _job_fields(plan, jid, for_json=False)
     inserted = insert_and_start(job=fields, tasks=tasks, channels=sorted(channels), source=f"api:{spec.source}",
                                 event_source=f"api:{spec.source}")
     if inserted is None:
