@@ -36,7 +36,8 @@ from jobs import redrive as redrive_module
 from jobs import transitions, triggers
 from jobs.enqueue import (INSERT_ATTEMPTS, INSERT_JOBS_SQL, INT32, SOURCES, JobConflict, JobSpec, NoHostsError,
                           NotFound, resolve_service, resolve_tenant, resolve_workflow, start, start_many, validate)
-from jobs.models import Job, Tenant
+from jobs.models import Job
+from tenants.models import Tenant
 from workflows import governor
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem

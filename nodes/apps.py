@@ -5,3 +5,12 @@ class NodesConfig(AccsAppConfig):
     default = True  # apps.py also imports the base class; this one is the app\'s config
     name = "nodes"
     verbose_name = "Nodes and hosts"
+
+    def ready(self) -> None:
+        super().ready()
+        # The builder takes the fleet's duties (presence, wake) from its registry, never by import.
+        # Imported here, not at the top: nodes.duties loads models, which apps.py may not do.
+        from jobs.duties import register_duties
+        from nodes.duties import duties
+
+        register_duties("nodes", duties)

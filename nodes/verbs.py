@@ -10,7 +10,7 @@ from django.db import connection, transaction
 
 from events.timeline import EventRow, write_events
 from jobs.notify import notify, service_channel
-from jobs.verbs import ActionResult
+from accs_site.admin_kit import ActionResult
 
 
 def _source(by: str) -> str:

@@ -10,10 +10,11 @@ from django.db import transaction
 from django.utils import timezone as djtz
 
 from jobs import enqueue
-from jobs.models import JobSource, MissedRunPolicy, Tenant, Trigger, TriggerType
+from jobs.models import JobSource, MissedRunPolicy, Trigger, TriggerType
 from jobs.triggers.context import job_spec, schedule_context, workflow_for
 from jobs.triggers.schedule import Schedule, ScheduleError
 from jobs.triggers.templates import TemplateError, render, template_problems
+from tenants.models import Tenant
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
 

@@ -14,13 +14,14 @@ from uuid import UUID
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone as djtz
 
+from accs_site.admin_kit import ActionResult
 from events.timeline import EventRow, write_events
 from jobs import enqueue
-from jobs.models import Job, JobSource, MissedRunPolicy, Tenant, Trigger, TriggerType
+from jobs.models import Job, JobSource, MissedRunPolicy, Trigger, TriggerType
 from jobs.triggers.context import base_context, job_spec, schedule_context
 from jobs.triggers.schedule import Schedule, ScheduleError
 from jobs.triggers.templates import TemplateError, payload_digest, render
-from jobs.verbs import ActionResult
+from tenants.models import Tenant
 from workflows.validation import DefinitionError, Problem
 
 
