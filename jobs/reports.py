@@ -233,24 +233,27 @@ def _record_fenced(cur, outcomes: Sequence[Outcome], *, source: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 HEARTBEAT_SQL = """
--- Locks taken in id order (see jobs.locks); the lease is measured on PostgreSQL's clock.
-WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS v(id, attempt)),
+-- Locks taken in id order (see jobs.locks); the lease is measured on PostgreSQL's clock. Each
+-- task is renewed for the lease it was granted (its service's, or the agent's).
+WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[], %(leases)s::float8[]) AS v(id, attempt, lease)),
 l AS (
-    SELECT t.id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
+    SELECT t.id, v.lease FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
      WHERE t.status IN ('starting', 'running') AND t.claimed_by = %(agent)s
      ORDER BY t.id FOR UPDATE OF t
 )
-UPDATE accs_task t SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease)s),
+UPDATE accs_task t SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => l.lease),
        heartbeat_at = coalesce(%(now)s::timestamptz, now())
   FROM l WHERE t.id = l.id
 RETURNING t.id, t.attempt, t.cancel_requested_at IS NOT NULL
 """
 
 
-def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str, lease_seconds: float,
+def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str,
+              lease_seconds: float | Mapping[tuple[UUID, int], float],
               now: datetime | None = None) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
     """Extend the leases of (task, attempt) pairs this agent holds. Return (lost, cancel_requested).
 
+    ``lease_seconds`` is one length for all, or each pair's own (the lease its claim granted).
     ``lost`` are attempts no longer held (rescued or canceled): the agent must stop them.
     ``cancel_requested`` are attempts an operator asked to cancel. Both hold (task_id, attempt)
     pairs, so an old attempt's answer never touches a newer one.
@@ -258,8 +261,10 @@ def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str, lease_seconds:
     if not held:
         return set(), set()
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        leases = [float(lease_seconds[(h[0], h[1])] if isinstance(lease_seconds, Mapping) else lease_seconds)
+                  for h in held]
         cur.execute(HEARTBEAT_SQL, {"ids": [h[0] for h in held], "attempts": [h[1] for h in held],
-                                    "lease": float(lease_seconds), "now": now, "agent": agent_id})
+                                    "leases": leases, "now": now, "agent": agent_id})
         rows = cur.fetchall()
     kept = {(r[0], r[1]) for r in rows}
     return {(h[0], h[1]) for h in held} - kept, {(r[0], r[1]) for r in rows if r[2]}
