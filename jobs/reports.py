@@ -343,3 +343,18 @@ def promote_scheduled(*, limit: int = 1000, now: datetime | None = None) -> int:
     """Make retries whose backoff is over claimable again (a builder duty). Return how many."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         return promote_scheduled_in(cur, limit=limit, now=now)
+
+
+def __getattr__(name: str):
+    """Keep ``jobs.reports.rescue_expired`` working for one release (it moved to :mod:`jobs.rescue`)."""
+    if name == "rescue_expired":
+        import warnings
+
+        # Imported here, not at the top: jobs.rescue builds on what this module's callers use, and
+        # only a site naming the old path should load it through here.
+        from jobs.rescue import rescue_expired
+
+        warnings.warn("jobs.reports.rescue_expired moved to jobs.rescue.rescue_expired (also jobs.transitions);"
+                      " the old name is removed in ACCS 0.3.0", DeprecationWarning, stacklevel=2)
+        return rescue_expired
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
