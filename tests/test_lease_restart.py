@@ -147,3 +147,20 @@ def test_the_timeline_log_handler_waits_then_drops_and_counts_while_the_database
     finally:
         logger.removeHandler(handler)
         logger.propagate = True
+
+
+def test_a_lease_lost_report_after_a_restart_since_the_last_renewal_is_an_outage(make_service):
+    # The agent could not tell the database was down (it reports lease_lost), but PostgreSQL
+    # started after the lease's last renewal: the outage stopped the work, not the task.
+    svc = make_service("svc", max_attempts=1)
+    job = api.start_service("svc")
+    (task,) = claim_for(svc)
+    started, now = _server_times()
+    Task.objects.filter(pk=task.id).update(heartbeat_at=started - timedelta(seconds=1))
+    lost = Outcome(task_id=task.id, attempt=1, status="failed", error_code="lease_lost",
+                   error="lease_lost: the agent could not renew the lease")
+    result = transitions.report([lost], started=[(task.id, 1, 123)], agent_id="agent-t", source="agent:test")
+    assert result.retried == [task.id] and result.failed == []
+    t = Task.objects.get(pk=task.id)
+    assert (t.status, t.max_attempts, t.error_code) == ("queued", 2, "outage")
+    assert Event.objects.filter(job_id=job.id, type="retry", message__contains="database outage").exists()

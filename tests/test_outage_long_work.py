@@ -79,7 +79,11 @@ def test_long_work_survives_a_postgresql_stop_with_its_services_lease(make_servi
           FROM accs_task t JOIN accs_attempt a ON a.task_id = t.id WHERE t.job_id = ANY(%s) GROUP BY t.job_id""",
         [list(jobs)])}
     assert attempts["long"] == (1, ["succeeded:"]), "the long lease carried the task across the stop"
-    assert attempts["short"] == (2, ["interrupted:outage", "succeeded:"]), "stopped by the outage, then run again"
+    # Stopped by the outage, then run again. The agent names it an outage when it saw the database
+    # unreachable before its lease deadline; else it reports lease_lost, and the restart since the
+    # lease's last renewal makes it one all the same.
+    assert attempts["short"][0] == 2, "stopped by the outage, then run again"
+    assert attempts["short"][1] in (["interrupted:outage", "succeeded:"], ["failed:lease_lost", "succeeded:"])
     budget = _rows(db_url, "SELECT max_attempts FROM accs_task WHERE job_id = %s", [short_job.id])[0][0]
     assert budget == 2, "the attempt the outage stopped did not use up the one-attempt budget"
     (why,) = _rows(db_url, "SELECT message FROM accs_event WHERE job_id = %s AND type = 'retry'", [short_job.id])

@@ -125,3 +125,12 @@ def test_an_outcome_of_an_older_attempt_gets_no_decision():
     old, current = failed(f, attempt=1), failed(f)
     assert decide([(f, old)], now=NOW, defaults=DEFAULTS) == []
     assert [d.task_id for d in decide([(f, current)], now=NOW, defaults=DEFAULTS)] == [f.task_id]
+
+
+def test_a_lease_lost_across_a_postgresql_restart_is_an_outage_and_does_not_count():
+    f = facts(attempt=1, max_attempts=1, held_across_restart=True)
+    d = one(f, failed(f, error_code="lease_lost", error="lease_lost: could not renew"))
+    assert (d.action, d.to, d.refund, d.error_code) == (Action.REQUEUE, "queued", True, "outage")
+    assert "database outage" in d.why
+    g = facts(attempt=1, max_attempts=1)  # no restart since the last renewal: a failure like any other
+    assert one(g, failed(g, error_code="lease_lost")).action is Action.DEAD_LETTER

@@ -53,7 +53,7 @@ def register_host_quarantine(fn: HostQuarantine) -> None:
 FACTS_SQL = """
 SELECT t.id, t.job_id, t.attempt, t.max_attempts, t.status, s.max_attempts, s.backoff_base_seconds,
        s.backoff_cap_seconds, t.host_id, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL,
-       t.step_key, js.on_failure
+       t.step_key, js.on_failure, coalesce(t.heartbeat_at < pg_postmaster_start_time(), false)
   FROM accs_task t JOIN accs_service s ON s.id = t.service_id
   LEFT JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key
  WHERE t.id = ANY(%s) AND t.status = ANY(%s)
@@ -68,7 +68,8 @@ def load_facts(cur, outcomes: Sequence[Outcome], *,
     cur.execute(FACTS_SQL, [list(by_id), list(from_statuses)])
     return [(TaskFacts(task_id=r[0], job_id=r[1], attempt=r[2], max_attempts=r[3], status=r[4], budget=r[5],
                        backoff_base=r[6], backoff_cap=r[7], host_id=r[8], quarantine_on_final_failure=r[9],
-                       cancel_requested=r[10], step_key=r[11], on_failure=r[12]), by_id[r[0]])
+                       cancel_requested=r[10], step_key=r[11], on_failure=r[12], held_across_restart=r[13]),
+             by_id[r[0]])
             for r in cur.fetchall()]
 
 

@@ -5,7 +5,8 @@ their tasks, :func:`decide` says, per task, one of:
 
 * **cancel**: the attempt was canceled, or an operator asked for a cancel: the task ends ``canceled``;
 * **requeue**: the attempt was interrupted (the agent shut down, or a database outage took its
-  lease): queued again at once, and the attempt does not use up the retry budget;
+  lease: the agent saw the database unreachable, or PostgreSQL restarted since the lease's last
+  renewal): queued again at once, and the attempt does not use up the retry budget;
 * **retry**: attempts are left: ``scheduled`` after an exponential backoff (``queued`` when the
   backoff is zero), counted from the start of the current budget;
 * **dead letter**: no attempt left, or the failure is not retryable: the task ends ``error``, the
@@ -32,6 +33,8 @@ from jobs.outcomes import INTERRUPTED_BY_OUTAGE, Outcome, attempt_ending
 # needs no model.
 FAIL_JOB = "fail_job"
 CONTINUE = "continue"
+# The error code of an attempt the agent stopped because it could not renew its lease.
+LEASE_LOST = "lease_lost"
 
 
 class Action(str, Enum):
@@ -56,6 +59,8 @@ class TaskFacts:
     host_id: int | None = None
     quarantine_on_final_failure: bool = False
     cancel_requested: bool = False
+    # Its lease was last renewed before PostgreSQL's last start: the server went away under it.
+    held_across_restart: bool = False
     step_key: str = ""
     on_failure: str | None = FAIL_JOB  # None: a job without step rows (older jobs): fail_job
 
@@ -93,7 +98,7 @@ class Decision:
     @property
     def why(self) -> str:
         """Why an interrupted attempt does not count, in words for its event."""
-        if self.outcome.error_code == INTERRUPTED_BY_OUTAGE:
+        if self.error_code == INTERRUPTED_BY_OUTAGE:
             return "stopped by a database outage (its lease could not be renewed)"
         return "interrupted by the agent's shutdown"
 
@@ -118,6 +123,11 @@ def decide_one(facts: TaskFacts, outcome: Outcome, *, now: datetime, defaults: R
         return Decision(**base, action=Action.CANCEL, to="canceled", error_code="canceled")
     if attempt_status == "interrupted":
         return Decision(**base, action=Action.REQUEUE, to="queued", error_code=outcome.error_code or "interrupted",
+                        next_attempt_at=now, refund=True)
+    if outcome.error_code == LEASE_LOST and facts.held_across_restart:
+        # The agent stopped the work because it could not renew the lease, and PostgreSQL restarted
+        # since the last renewal: the outage stopped it (whether or not the agent could tell).
+        return Decision(**base, action=Action.REQUEUE, to="queued", error_code=INTERRUPTED_BY_OUTAGE,
                         next_attempt_at=now, refund=True)
     if outcome.retryable and facts.attempt < facts.max_attempts:
         # Count the backoff from the start of the current budget (a retried task starts over).
