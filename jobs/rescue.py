@@ -18,6 +18,7 @@ renew first. The lease length is the one its holder was granted: every claim and
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django.db import connection, transaction
 
@@ -55,7 +56,7 @@ def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportRe
     result = ReportResult()
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         now = now or db_now(cur)
-        params = {"now": now, "limit": limit, "default_lease": float(accs.heartbeat_ttl_sec)}
+        params: dict[str, Any] = {"now": now, "limit": limit, "default_lease": float(accs.heartbeat_ttl_sec)}
         cur.execute(CANDIDATES_SQL, params)
         candidates = [r[0] for r in cur.fetchall()]
         if not candidates:

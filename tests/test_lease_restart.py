@@ -135,7 +135,8 @@ def test_the_timeline_log_handler_waits_then_drops_and_counts_while_the_database
             assert (len(handler.pending), handler.dropped) == (3, 2)
             monkeypatch.setattr(events.timeline, "write_events", real)
             logger.warning("back", extra={"job_id": job.id})
-        messages = list(Event.objects.filter(job_id=job.id, type="log").order_by("id").values_list("message", flat=True))
+        logged = Event.objects.filter(job_id=job.id, type="log").order_by("id")
+        messages = list(logged.values_list("message", flat=True))
         assert messages == ["line 0", "line 1", "line 2", "back"]
         report = Event.objects.get(type="log", job_id=None, data__dropped=2)
         assert "2 dropped" in report.message

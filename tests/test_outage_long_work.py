@@ -75,7 +75,8 @@ def test_long_work_survives_a_postgresql_stop_with_its_services_lease(make_servi
              and len(_statuses(db_url, jobs)) == 2, timeout=120, interval=0.5, message="both jobs final")
     assert _statuses(db_url, jobs) == {long_job.id: "done", short_job.id: "done"}
     attempts = {jobs[job_id]: (n, codes) for job_id, n, codes in _rows(db_url, """
-        SELECT t.job_id, count(a.*), array_agg(a.status || ':' || split_part(a.error_text, ':', 1) ORDER BY a.attempt_no)
+        SELECT t.job_id, count(a.*),
+               array_agg(a.status || ':' || split_part(a.error_text, ':', 1) ORDER BY a.attempt_no)
           FROM accs_task t JOIN accs_attempt a ON a.task_id = t.id WHERE t.job_id = ANY(%s) GROUP BY t.job_id""",
         [list(jobs)])}
     assert attempts["long"] == (1, ["succeeded:"]), "the long lease carried the task across the stop"

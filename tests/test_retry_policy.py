@@ -36,7 +36,7 @@ def one(f: TaskFacts, o: Outcome, *, rng: random.Random | None = None):
 
 
 def test_the_decision_module_touches_no_database():
-    tree = ast.parse(Path("jobs/failure/decide.py").read_text())
+    tree = ast.parse((Path(__file__).resolve().parent.parent / "jobs" / "failure" / "decide.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in imported if m and (m.startswith("django") or m in ("jobs.models", "jobs.failure.apply"))}

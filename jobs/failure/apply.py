@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from accs_site.conf import accs
@@ -177,7 +178,7 @@ def _move(cur, group: Sequence[Decision], *, to: str, now: datetime) -> set[UUID
 
 def _task_event(d: Decision, *, source: str) -> EventRow:
     f, was = d.facts, d.facts.status
-    common = dict(job_id=f.job_id, task_id=f.task_id, attempt=f.attempt, source=source)
+    common: dict[str, Any] = {"job_id": f.job_id, "task_id": f.task_id, "attempt": f.attempt, "source": source}
     if d.action is Action.CANCEL:
         return EventRow(type="status", message=f"task {was} → canceled", level="warn", **common,
                         data={"from": was, "to": "canceled"})

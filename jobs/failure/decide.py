@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
+from typing import Any
 from uuid import UUID
 
 from jobs.backoff import backoff_delay
@@ -118,16 +119,20 @@ def decide_one(facts: TaskFacts, outcome: Outcome, *, now: datetime, defaults: R
     """Decide what one badly ended attempt does to its task (see the module's docstring)."""
     attempt_status, error = attempt_ending(outcome)
     code = outcome.error_code or attempt_status
-    base = dict(facts=facts, outcome=outcome, attempt_status=attempt_status, error=error)
+
+    def made(action: Action, to: str, error_code: str, **more: Any) -> Decision:
+        return Decision(facts=facts, outcome=outcome, action=action, to=to, attempt_status=attempt_status,
+                        error=error, error_code=error_code, **more)
+
     if attempt_status == "canceled" or facts.cancel_requested:  # an operator's cancel stays a cancel
-        return Decision(**base, action=Action.CANCEL, to="canceled", error_code="canceled")
+        return made(Action.CANCEL, to="canceled", error_code="canceled")
     if attempt_status == "interrupted":
-        return Decision(**base, action=Action.REQUEUE, to="queued", error_code=outcome.error_code or "interrupted",
+        return made(Action.REQUEUE, to="queued", error_code=outcome.error_code or "interrupted",
                         next_attempt_at=now, refund=True)
     if outcome.error_code == LEASE_LOST and facts.held_across_restart:
         # The agent stopped the work because it could not renew the lease, and PostgreSQL restarted
         # since the last renewal: the outage stopped it (whether or not the agent could tell).
-        return Decision(**base, action=Action.REQUEUE, to="queued", error_code=INTERRUPTED_BY_OUTAGE,
+        return made(Action.REQUEUE, to="queued", error_code=INTERRUPTED_BY_OUTAGE,
                         next_attempt_at=now, refund=True)
     if outcome.retryable and facts.attempt < facts.max_attempts:
         # Count the backoff from the start of the current budget (a retried task starts over).
@@ -135,9 +140,9 @@ def decide_one(facts: TaskFacts, outcome: Outcome, *, now: datetime, defaults: R
         delay = backoff_delay(in_budget, base=defaults.base if facts.backoff_base is None else facts.backoff_base,
                               cap=min(facts.backoff_cap, defaults.cap), rng=rng)
         # A retry that must wait is "scheduled", out of the claim index, until its time comes.
-        return Decision(**base, action=Action.RETRY, to="scheduled" if delay > 0 else "queued", error_code=code,
+        return made(Action.RETRY, to="scheduled" if delay > 0 else "queued", error_code=code,
                         delay=delay, next_attempt_at=now + timedelta(seconds=delay))
     continues = facts.on_failure == CONTINUE
-    return Decision(**base, action=Action.DEAD_LETTER, to="error", error_code=code,
+    return made(Action.DEAD_LETTER, to="error", error_code=code,
                     quarantine_host=facts.quarantine_on_final_failure and facts.host_id is not None,
                     fail_job=not continues, continue_policy=continues)
