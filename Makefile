@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo serve test test-fast test-dj61 bench bench-churn bench-compare bench-keyed chaos stop check
+.PHONY: install db demo serve test test-fast test-dj61 bench bench-churn bench-compare bench-keyed bench-cockpit-data \
+	bench-cockpit-pages chaos stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,6 +81,15 @@ bench-churn: db
 # against the same service without keys: bench/results/keyed_claim.json (bench/keyed_claim.py).
 bench-keyed: db
 	@$(PY) bench/keyed_claim.py
+
+# The cockpit at scale (docs/performance.md): 1M jobs / 1.5M tasks / 10M events into the accs_scale database
+# (once, about 11 minutes on 2 cores; COCKPIT_ARGS="--jobs 200000 --events 2000000" for less), then every
+# admin page, the API and /metrics timed from a fresh web process (p50/p95 per page).
+bench-cockpit-data: db
+	@nice -n 10 $(PY) bench/cockpit_data.py $(COCKPIT_ARGS)
+
+bench-cockpit-pages: db
+	@$(PY) bench/cockpit_pages.py $(COCKPIT_PAGES_ARGS)
 
 # The peers (../shared/bench-peers, one repetition, on a copy) and ACCS in one session:
 # bench/results/compare.json and the README's benchmark table.

@@ -1,7 +1,9 @@
 """The HTTP API under /api/v1/ (django-ninja; OpenAPI at /api/v1/openapi.json).
 
-Every endpoint needs ``Authorization: Bearer <token>`` (see :mod:`jobs.auth`) unless it says
-``auth=None``. Errors are JSON ``{"detail": ..., "problems": [...]}`` with 400 (unreadable or
+Every endpoint needs ``Authorization: Bearer <token>`` (see :mod:`tenants.auth`) unless it says
+``auth=None``; a staff user signed in to the admin may instead use the API from that browser
+(the session cookie, and the ``X-CSRFToken`` header on POST, PATCH and DELETE), scoped to their
+tenants. Errors are JSON ``{"detail": ..., "problems": [...]}`` with 400 (unreadable or
 unstorable input), 401 (no or bad token), 403 (not allowed), 404 (not found or not visible to
 you), 405 (method not allowed), 409 (conflict: state or dedupe key), 413 (body over the size
 limit, which the message names), 422 (invalid fields, each named), 429 (too many requests with
@@ -22,17 +24,19 @@ from accs_site.conf import accs
 from accs_site.daemon import database_not_ready
 from accs_site.middleware import transient_reason
 from jobs.api import JobConflict, NotFound
-from jobs.auth import BearerToken
+from accs_site.http import MarkdownDescriptions
 from jobs.http import router as jobs_router
 from jobs.http_events import router as events_router
-from jobs.throttle import TokenThrottle
+from tenants.auth import BearerToken, StaffSession
+from tenants.throttle import TokenThrottle
 from workflows.http import router as workflows_router
 from workflows.validation import DefinitionError
 
 # Swagger UI at /api/v1/docs comes from django-ninja's bundled files (``ninja`` is an installed
 # app), so the page works without network access; no online validator badge calls out either.
-api = NinjaAPI(title="ACCS API", version="1.0.0", urls_namespace="api-v1", auth=BearerToken(), throttle=TokenThrottle(),
-               description=__doc__.split("\n\n", 1)[1], docs=Swagger(settings={"validatorUrl": None}))
+api = MarkdownDescriptions(title="ACCS API", version="1.0.0", urls_namespace="api-v1",
+                           auth=[BearerToken(), StaffSession()], throttle=TokenThrottle(),
+                           description=__doc__.split("\n\n", 1)[1], docs=Swagger(settings={"validatorUrl": None}))
 
 
 @api.get("/health", auth=None, summary="Liveness probe")

@@ -66,6 +66,7 @@ def _retention_problems() -> list[Error | Warning]:
 # The apps a site must install for ACCS, each with what it brings (for the error's words).
 REQUIRED_APPS = {
     "django.contrib.postgres": "PostgreSQL features the engine's models use",
+    "tenants": "tenants, memberships and API tokens (moved out of jobs in 0.2.0)",
     "workflows": "services and workflows",
     "jobs": "the engine",
     "nodes": "agents and hosts",

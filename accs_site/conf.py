@@ -292,6 +292,14 @@ class AccsSettings:
         return value
 
     @cached_property
+    def read_db_url(self) -> str | None:
+        """A streaming replica for the cockpit's and the API's read-only queries (accs_site.dbrouter), or None."""
+        value = _raw("ACC_READ_DB_URL")
+        if value and not value.startswith(("postgres://", "postgresql://")):
+            raise SettingError("ACC_READ_DB_URL", f"expected a postgres:// URL, got {value.split(':', 1)[0]}://")
+        return value
+
+    @cached_property
     def event_retention_months(self) -> int:
         return _int("ACC_EVENT_RETENTION_MONTHS", 12, minimum=1)
 

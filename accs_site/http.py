@@ -11,9 +11,11 @@ from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
+import re
+
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest
-from ninja import Schema
+from ninja import NinjaAPI, Schema
 from pydantic import ConfigDict, model_validator
 
 INT32 = 2**31 - 1
@@ -80,6 +82,41 @@ def utc(value: datetime | None, *, field: str) -> datetime | None:
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     except (OverflowError, ValueError):
         raise ValueError(f"{field}: date out of range") from None
+
+
+# Sphinx markup in docstrings, which the OpenAPI description shows as Markdown.
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:func|meth|mod|class|data|attr|exc|obj|ref|doc):`~?([^`]+)`")
+SPHINX_FIELD = re.compile(r"^(\s*):(param|parameter|arg|key|keyword)\s+(?:\w+\s+)?(\w+):", re.MULTILINE)
+SPHINX_RETURNS = re.compile(r"^(\s*):(returns?|rtype|raises?\s+\w+|raise\s+\w+):", re.MULTILINE)
+
+
+def sphinx_to_markdown(text: str) -> str:
+    """Rewrite a docstring's reStructuredText/Sphinx markup as Markdown: ``x`` and :mod:`x` become `x`,
+    ``:param name:`` a list item naming the parameter, ``:returns:`` / ``:raises X:`` a bold label."""
+    text = SPHINX_ROLE.sub(r"`\1`", text)
+    text = text.replace("``", "`")
+    text = SPHINX_FIELD.sub(r"\1- `\3`:", text)
+    return SPHINX_RETURNS.sub(lambda m: f"{m.group(1)}**{m.group(2)[:1].upper()}{m.group(2)[1:]}:**", text)
+
+
+def _markdown_descriptions(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: sphinx_to_markdown(value) if key == "description" and isinstance(value, str)
+                else _markdown_descriptions(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_markdown_descriptions(item) for item in node]
+    return node
+
+
+class MarkdownDescriptions(NinjaAPI):
+    """A NinjaAPI whose OpenAPI descriptions (from docstrings) are Markdown, not Sphinx markup."""
+
+    def get_openapi_schema(self, **kwargs: Any) -> Any:
+        schema = super().get_openapi_schema(**kwargs)
+        converted = _markdown_descriptions(dict(schema))
+        schema.clear()
+        schema.update(converted)
+        return schema
 
 
 def require_scope(request: HttpRequest, scope: str) -> None:

@@ -5,7 +5,10 @@ transaction rolled back) and is worth retrying; saying so (503 with ``Retry-Afte
 and load balancers do the right thing. A request body over ``DATA_UPLOAD_MAX_MEMORY_SIZE`` is a
 413 naming the limit, not Django's 400 page. API clients get every error as ``{"detail": ...}``,
 whoever produced it (an unknown URL, a method the endpoint does not take, a middleware's 400);
-every other path keeps Django's pages, or a short text page for the cases above.
+every other path keeps Django's pages, or a short text page for the cases above, except the 503:
+there, a page in the admin's look says what is wrong and what to do. A database that is reachable
+but misses a migration (a table or column that does not exist yet) is a 503 too, naming the
+migration, rather than a 500.
 
 The middleware answers for views and rewrites other error responses under ``/api/``;
 :func:`server_error` (the site's ``handler500``) answers for errors raised anywhere else, such as
@@ -20,8 +23,10 @@ import sys
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, ProgrammingError
 from django.http import HttpRequest, HttpResponse
+from django.template import TemplateDoesNotExist
+from django.template.loader import render_to_string
 
 log = logging.getLogger("accs.http")
 
@@ -47,11 +52,64 @@ def error_response(request: HttpRequest, status: int, detail: str) -> HttpRespon
     return HttpResponse(detail, status=status, content_type="text/plain; charset=utf-8")
 
 
+#: Seconds a client (and the 503 page, which reloads itself) waits before trying again.
+UNAVAILABLE_RETRY_AFTER = 5
+
+
+def unavailable_page(*, detail: str, what_to_do: str) -> HttpResponse:
+    """Return the 503 page in the admin's look: ``detail`` says what is wrong, ``what_to_do`` what to do.
+
+    Rendered without the request, so no context processor reads a user, session or message from the
+    database that just failed.
+    """
+    from django.contrib import admin
+
+    try:
+        html = render_to_string("accs_site/unavailable.html", {
+            "title": "The database cannot answer", "detail": detail, "what_to_do": what_to_do,
+            "retry_after": UNAVAILABLE_RETRY_AFTER, "site_header": admin.site.site_header,
+            "site_title": admin.site.site_title,
+        })
+        response = HttpResponse(html, status=503, content_type="text/html; charset=utf-8")
+    except TemplateDoesNotExist:  # a site that uses this middleware without installing the accs_site app
+        response = HttpResponse(f"{detail}\n{what_to_do}\n", status=503, content_type="text/plain; charset=utf-8")
+    response["Retry-After"] = str(UNAVAILABLE_RETRY_AFTER)
+    return response
+
+
 def _transient_response(request: HttpRequest, exc: BaseException) -> HttpResponse:
     reason = transient_reason(exc)
     log.warning("transient database error on %s: %s", request.path, reason)
+    if not is_api(request):
+        from accs_site.daemon import database_address
+
+        return unavailable_page(detail=f"PostgreSQL at {database_address()} could not answer: {reason}",
+                                what_to_do="Start PostgreSQL (or correct ACC_DB_URL) and reload; nothing was "
+                                           "changed by this request.")
     response = error_response(request, 503, f"database temporarily unavailable, retry: {reason}")
     response["Retry-After"] = "1"
+    return response
+
+
+def not_migrated_reason(exc: BaseException) -> str | None:
+    """Return why the database cannot serve ACCS when ``exc`` may come from a missing migration, else None.
+
+    A table or column that does not exist is either a database behind the code or a bug; the
+    schema check tells them apart (the migrations it finds unapplied).
+    """
+    if not isinstance(exc, ProgrammingError):
+        return None
+    from accs_site.daemon import database_not_ready
+
+    return database_not_ready()
+
+
+def _not_migrated_response(request: HttpRequest, reason: str) -> HttpResponse:
+    log.error("database not ready on %s: %s", request.path, reason)
+    if not is_api(request):
+        return unavailable_page(detail=reason, what_to_do="Run `manage.py migrate` on this database, then reload.")
+    response = error_response(request, 503, reason)
+    response["Retry-After"] = str(UNAVAILABLE_RETRY_AFTER)
     return response
 
 
@@ -86,6 +144,8 @@ def server_error(request: HttpRequest) -> HttpResponse:
     exc = sys.exc_info()[1]
     if isinstance(exc, (OperationalError, InterfaceError)):
         return _transient_response(request, exc)
+    if exc is not None and (reason := not_migrated_reason(exc)):
+        return _not_migrated_response(request, reason)
     if is_api(request):
         return error_response(request, 500, "internal error")
     from django.views.defaults import server_error as django_server_error
@@ -138,4 +198,6 @@ class ErrorResponseMiddleware:
             return _transient_response(request, exc)
         if isinstance(exc, RequestDataTooBig):
             return _too_big_response(request)
+        if reason := not_migrated_reason(exc):
+            return _not_migrated_response(request, reason)
         return None

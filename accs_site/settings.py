@@ -12,7 +12,7 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
-from accs_site.conf import DEV_SECRET_KEY, proxy_ssl_header, trusted_origins
+from accs_site.conf import DEV_SECRET_KEY, accs, proxy_ssl_header, trusted_origins
 from accs_site.daemon import connect_options
 from accs_site.localdb import local_pg_url
 
@@ -76,6 +76,7 @@ INSTALLED_APPS = [
     # django-ninja's templates and static files: Swagger UI at /api/v1/docs from local assets.
     "ninja",
     "accs_site",
+    "tenants",
     "workflows",
     "jobs",
     "nodes",
@@ -98,6 +99,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Marks GET/HEAD requests read-only for the replica router (no effect without ACC_READ_DB_URL).
+    "accs_site.dbrouter.ReadReplicaMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -139,6 +142,17 @@ if _pooler and _pooler != "none":
     _db["OPTIONS"]["prepare_threshold"] = None
     _db["DISABLE_SERVER_SIDE_CURSORS"] = True
 DATABASES = {"default": _db}
+# An optional streaming replica: the cockpit's and the API's read-only queries go there
+# (accs_site.dbrouter: safe-method requests, outside any transaction, ACCS's models only).
+if accs.read_db_url:
+    _replica = _database_from_url("ACC_READ_DB_URL", accs.read_db_url)
+    _replica["CONN_MAX_AGE"] = _db["CONN_MAX_AGE"]
+    _replica["CONN_HEALTH_CHECKS"] = True
+    _replica["OPTIONS"] = {**_db["OPTIONS"], **_replica.get("OPTIONS", {}), "application_name": "accs-read"}
+    # Tests make no test database on the replica: it streams the primary's.
+    _replica["TEST"] = {"MIRROR": "default"}
+    DATABASES["replica"] = _replica
+    DATABASE_ROUTERS = ["accs_site.dbrouter.ReadReplicaRouter"]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

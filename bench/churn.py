@@ -48,8 +48,8 @@ from accs_site.clock import db_now  # noqa: E402
 from accs_site.conf import accs  # noqa: E402
 from jobs import api, transitions  # noqa: E402
 from jobs.claim import NodeLimits, ServiceSpec, claim_many  # noqa: E402
-from jobs.models import Tenant  # noqa: E402
 from jobs.retention import prune_finished_jobs  # noqa: E402
+from tenants.models import Tenant  # noqa: E402
 from workflows.models import Service  # noqa: E402
 
 SHORT = os.environ.get("CHURN_SHORT") == "1"

@@ -292,33 +292,59 @@ def _inject(kind: str, elapsed: float, sc: Scenario, agents: list[Daemon], build
         conn = _reconnect(cluster.url)
     elif kind == "freeze_agent":
         victim = sc.rng.choice(agents[1:])
-        entry["held"] = _wait_holding(conn, victim)
+        held = _wait_holding(conn, victim)
         victim.signal(signal.SIGSTOP)
-        time.sleep(LEASE_SECONDS + 3)
+        frozen = _wait_rescued(conn, held, at_least=LEASE_SECONDS + 3)
         victim.signal(signal.SIGCONT)
-        entry.update(daemon=victim.name, frozen_s=LEASE_SECONDS + 3)
+        entry.update(daemon=victim.name, held=len(held), frozen_s=round(frozen, 1))
     elif kind == "cut_agent":
-        entry["held"] = _wait_holding(conn, agents[0])
+        held = _wait_holding(conn, agents[0])
         proxy.cut()
-        time.sleep(LEASE_SECONDS + 4)
+        cut = _wait_rescued(conn, held, at_least=LEASE_SECONDS + 4)
         proxy.restore()
-        entry.update(daemon=agents[0].name, cut_s=LEASE_SECONDS + 4)
+        entry.update(daemon=agents[0].name, held=len(held), cut_s=round(cut, 1))
     sc.faults.append(entry)
     return conn
 
 
-def _wait_holding(conn: psycopg.Connection, agent: Daemon, *, timeout: float = 8.0) -> int:
-    """Wait (bounded) until ``agent``'s node holds a task, so the fault hits running work; return how many."""
+def _wait_holding(conn: psycopg.Connection, agent: Daemon, *, timeout: float = 8.0) -> list[tuple[str, int]]:
+    """Wait (bounded) until ``agent``'s node holds a task, so the fault hits running work; return what it holds."""
     node = agent.args[agent.args.index("--node") + 1]
     deadline = time.monotonic() + timeout
     while True:
         try:
-            held = len(_held_by(conn, node))
+            held = _held_by(conn, node)
         except psycopg.Error:
-            held = 0
+            held = []
         if held or time.monotonic() > deadline:
             return held
         time.sleep(0.05)
+
+
+def _wait_rescued(conn: psycopg.Connection, held: list[tuple[str, int]], *, at_least: float,
+                  timeout: float = 45.0) -> float:
+    """Keep the fault on for ``at_least`` seconds and until a held attempt's lease has been rescued.
+
+    A fixed pause could end just before the builder's rescue (e.g. while a new leader takes over),
+    so the fault would cost no lease and the late report it exists to test would never be sent.
+    Returns how long the fault lasted; gives up after ``timeout`` seconds (the gates then tell).
+    """
+    started = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - started
+        if elapsed >= timeout or (elapsed >= at_least and (not held or _any_rescued(conn, held))):
+            return elapsed
+        time.sleep(0.1)
+
+
+def _any_rescued(conn: psycopg.Connection, held: list[tuple[str, int]]) -> bool:
+    try:
+        return bool(conn.execute(
+            "SELECT 1 FROM accs_task t JOIN unnest(%s::uuid[], %s::int[]) AS h(id, attempt) ON t.id = h.id"
+            " WHERE t.attempt > h.attempt OR t.status NOT IN ('starting', 'running') LIMIT 1",
+            [[t for t, _ in held], [a for _, a in held]]).fetchone())
+    except psycopg.Error:
+        return False
 
 
 def _watch(daemons: list[Daemon], sc: Scenario) -> None:

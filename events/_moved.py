@@ -1,8 +1,10 @@
-"""Old import paths of modules that moved out of ``events``, kept for one release.
+"""Old import paths of modules and names that moved, kept for one release.
 
-The read side (dashboard, overview, metrics, DAG pictures) moved to the ``ops`` app in 0.2.0. A
-site's settings or URLs that still name ``events.metrics`` (say) keep working until 0.3.0, with a
-``DeprecationWarning`` naming the new path. This module is the one place the old names live.
+In 0.2.0 the read side (dashboard, overview, metrics, DAG pictures) moved from ``events`` to the
+``ops`` app, and tenants, memberships, API tokens, scoping and authentication moved from ``jobs``
+to the ``tenants`` app. A site's settings, URLs or code that still name ``events.metrics`` or
+``jobs.models.Tenant`` (say) keep working until 0.3.0, with a ``DeprecationWarning`` naming the
+new path. This module is the one way the old paths are kept.
 """
 
 from __future__ import annotations
@@ -29,5 +31,23 @@ def forward(old: str, new: str) -> Callable[[str], Any]:
 
     def __getattr__(name: str) -> Any:
         return getattr(target, name)
+
+    return __getattr__
+
+
+def forward_names(old: str, new: str, names: frozenset[str]) -> Callable[[str], Any]:
+    """Return a module ``__getattr__`` for ``old`` that serves ``names`` from ``new``, warning at each use.
+
+    For a module of which only some names moved: the rest of ``old`` stays as it is, and an
+    unknown name is still an AttributeError.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        # stacklevel 2: the line that reads the old name, not this function.
+        warnings.warn(f"{old}.{name} moved to {new}; import it from {new} ({old}.{name} is removed in ACCS "
+                      f"{REMOVED_IN})", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), name)
 
     return __getattr__

@@ -37,7 +37,6 @@ from django.db.models import Q
 
 from accs_site.clock import db_now
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
-from jobs.models import Job, Task
 from events.storage import (
     CHUNK_SIZE,
     KIND_PREFIXES,
@@ -71,6 +70,11 @@ __all__ = [
     "sweep_orphan_objects",
     "upload_attempt_log",
 ]
+
+# Artifact rows name jobs and tasks by id; their tables are read by name, so events (the floor
+# below jobs) never imports the engine's models.
+JOB_EXISTS_SQL = "SELECT EXISTS (SELECT 1 FROM accs_job WHERE id = %s)"
+TASK_OF_SQL = "SELECT job_id, task_key FROM accs_task WHERE id = %s"
 
 # Only keys under these prefixes are artifacts; archives (archive/, retention/) are never swept.
 ARTIFACT_PREFIXES = tuple(sorted(f"{prefix}/" for prefix in KIND_PREFIXES.values()))
@@ -106,21 +110,36 @@ def record_artifact(
     """
     if kind not in KIND_PREFIXES:
         raise ValueError(f"artifact kind must be one of {sorted(KIND_PREFIXES)}, got {kind!r}")
-    if task_id is None:
-        if not Job.objects.filter(pk=job_id).exists():
-            raise ValueError(f"job {job_id} does not exist")
-        task_key = None
-    else:
-        row = Task.objects.filter(pk=task_id).values_list("job_id", "task_key").first()
-        if row is None:
-            raise ValueError(f"task {task_id} does not exist")
-        if str(row[0]) != str(job_id):
-            raise ValueError(f"task {task_id} belongs to job {row[0]}, not to job {job_id}")
-        task_key = row[1]
+    task_key = _task_key_of(job_id, task_id)
     return _store(
         job_id=job_id, task_id=task_id, task_key=task_key, attempt=attempt, kind=kind, name=name,
         data=data, content_type=content_type,
     )
+
+
+def _task_key_of(job_id: UUID | str, task_id: UUID | str | None) -> str | None:
+    """Return the key of the job's task ``task_id`` (None for the whole job); raise ValueError when
+    the job or the task does not exist, or the task is another job's."""
+    with connection.cursor() as cur:
+        if task_id is None:
+            cur.execute(JOB_EXISTS_SQL, [_as_uuid(job_id, what="job")])
+            if not cur.fetchone()[0]:
+                raise ValueError(f"job {job_id} does not exist")
+            return None
+        cur.execute(TASK_OF_SQL, [_as_uuid(task_id, what="task")])
+        row = cur.fetchone()
+    if row is None:
+        raise ValueError(f"task {task_id} does not exist")
+    if str(row[0]) != str(job_id):
+        raise ValueError(f"task {task_id} belongs to job {row[0]}, not to job {job_id}")
+    return row[1]
+
+
+def _as_uuid(value: UUID | str, *, what: str) -> UUID:
+    try:
+        return value if isinstance(value, UUID) else UUID(str(value))
+    except ValueError:
+        raise ValueError(f"{what} id {value!r} is not a UUID") from None
 
 
 def read_artifact(artifact: Artifact) -> bytes:

@@ -104,3 +104,24 @@ class Artifact(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.key}"
+
+
+class MetricTotals(models.Model):
+    """The Prometheus counters and histograms folded from the timeline, shared by every web process.
+
+    One row. A scrape folds the events after ``watermark`` into ``totals`` and moves the watermark
+    (``ops.metrics``), so no process ever recounts the history: a new web process reads the totals
+    as they stand, and several processes behind one scrape target report the same figures.
+    """
+
+    id = models.SmallIntegerField(primary_key=True, default=1)
+    watermark = models.BigIntegerField(default=0)
+    totals = models.JSONField(default=dict)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "accs_metric_totals"
+        constraints = [models.CheckConstraint(condition=Q(id=1), name="metric_totals_one_row")]
+
+    def __str__(self) -> str:
+        return f"metric totals up to event {self.watermark}"

@@ -1,4 +1,4 @@
-"""Admin for tenants, jobs, tasks, attempts and triggers: the operator's cockpit (OPS1).
+"""Admin for jobs, tasks, attempts and triggers: the operator's cockpit.
 
 State-holding models (jobs, tasks, attempts) are read-only. Operators change state with admin
 actions and with the buttons on the job page; both call :mod:`jobs.transitions` (the same functions
@@ -7,6 +7,11 @@ the API uses) and report the outcome with ``message_user``.
 Tenant isolation, the page buttons and the bulk actions come from :mod:`accs_site.admin_kit`; the
 list's bulk actions are built from the same action tables as the job and task pages' buttons. The
 task and job lists also offer "Redrive all matching…" (:class:`RedriveAdmin`, over :mod:`jobs.redrive`).
+Which buttons a job or task offers comes from :mod:`jobs.states` (where each verb applies).
+
+The job and task *pages* (picture, tasks, timeline, why it is stuck) are what operators read, so
+they live in :mod:`ops.admin`, which registers these admins with those pages added; this module
+imports nothing above ``jobs``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 from uuid import UUID
 
 from django import forms
@@ -33,115 +38,17 @@ from django.utils.text import Truncator
 
 from accs_site.admin_kit import (
     ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
-    bulk_actions, safe_next,
-    actor, log_bulk, perform, run_interval, status_pill, uuid_or_none, uuid_prefix_range,
+    actor, bulk_actions, human_age, log_bulk, run_interval, safe_next, status_pill, uuid_or_none, uuid_prefix_range,
 )
 from jobs import redrive, transitions, triggers
-from jobs.accounts import revoke_tokens
-from jobs.auth import create_token
-from jobs.models import (
-    JOB_ACTIVE, ApiToken, ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Tenant, TenantMembership, TokenScope,
-    Trigger, TriggerType, default_token_scopes,
-)
-from jobs.scoping import can_act, scope, tenant_ids_for
+from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
+from jobs.progress import attempt_text, job_progress, job_progress_subquery
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
-from nodes.models import Node
-from ops.jobpage import attempt_text, job_progress, job_progress_subquery
-from ops.overview import human_age
+from tenants.models import Tenant
+from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.models import Service, Workflow
-from jobs.transitions import ActionResult
 from workflows.validation import DefinitionError
 
-
-
-# --------------------------------------------------------------------------------------------
-# Tenants, memberships, tokens
-# --------------------------------------------------------------------------------------------
-
-@admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
-    list_display = ("slug", "name", "timezone", "max_in_flight", "min_priority", "max_priority", "retention_days",
-                    "retention_dead_days", "created_at")
-    search_fields = ("slug", "name")
-
-    def get_queryset(self, request):
-        return scope(super().get_queryset(request), request.user, field="id")
-
-
-@admin.register(TenantMembership)
-class TenantMembershipAdmin(admin.ModelAdmin):
-    list_display = ("user", "tenant", "role")
-    list_filter = ("role", "tenant")
-    search_fields = ("user__username", "tenant__slug")
-
-
-class TokenAddForm(forms.ModelForm):
-    """What creating a token asks: whose, its name, what it may do and when it expires (the secret is
-    generated)."""
-
-    scopes = forms.MultipleChoiceField(choices=TokenScope.choices, widget=forms.CheckboxSelectMultiple,
-                                       initial=default_token_scopes, help_text="What the token may do.")
-
-    class Meta:
-        model = ApiToken
-        fields = ("user", "name", "scopes", "expires_at")
-
-    def clean(self) -> dict[str, Any]:
-        data = super().clean()
-        user, expires = data.get("user"), data.get("expires_at")
-        if user is not None and not user.is_active:
-            self.add_error("user", "this user is not active; a token of theirs would be refused")
-        if expires is not None and expires <= timezone.now():
-            self.add_error("expires_at", "must be in the future (leave empty for no expiry)")
-        return data
-
-
-def _revoke(token: ApiToken) -> ActionResult:
-    if token.revoked_at is not None:
-        return ActionResult(False, "already revoked")
-    revoke_tokens(prefix=token.prefix, username=token.user.get_username(), name=token.name)
-    return ActionResult(True, "revoked; the API refuses it from now on")
-
-
-@admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
-    """API tokens: created here (the secret is shown once) or with ``manage.py accs_token``, revoked
-    with the action; both are recorded in the admin's history."""
-
-    list_display = ("name", "user", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
-    search_fields = ("name", "user__username", "prefix")
-    actions = ("revoke_selected",)
-
-    def get_form(self, request, obj=None, change=False, **kwargs):
-        if obj is None:
-            kwargs["form"] = TokenAddForm
-        return super().get_form(request, obj, change=change, **kwargs)
-
-    def get_fields(self, request, obj=None):
-        if obj is None:
-            return ("user", "name", "scopes", "expires_at")
-        return ("user", "name", "prefix", "scopes", "created_at", "last_used_at", "expires_at", "revoked_at")
-
-    def get_readonly_fields(self, request, obj=None):
-        return () if obj is None else self.get_fields(request, obj)
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False  # a token's secret and state change by creating and revoking, never by editing
-
-    def action_subject(self, obj: ApiToken) -> str:
-        return f"token {obj}"
-
-    def save_model(self, request, obj, form, change) -> None:
-        """Create the token the way ``accs_token`` does; show the secret this once."""
-        token, raw = create_token(obj.user, obj.name.strip(), expires_at=obj.expires_at, scopes=list(obj.scopes))
-        obj.pk, obj.prefix, obj.digest, obj.created_at = token.pk, token.prefix, token.digest, token.created_at
-        obj._state.adding = False
-        self.message_user(request, f"The token {obj.name!r} is {raw} — copy it now: it is not shown again.",
-                          messages.WARNING)
-
-    @admin.action(description="Revoke selected tokens", permissions=["delete"])
-    def revoke_selected(self, request, queryset):
-        perform(request, self, "Revoke", list(queryset.select_related("user")), _revoke)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,31 +169,21 @@ JOB_ACTIONS: ActionTable = {
 }
 
 
-def job_actions_for(job: Job, *, tasks_stopping: int = 0) -> list[str]:
-    """Return the actions that apply to a job in its current state (buttons on its page).
+#: A trigram index finds a part of a text of three characters or more; shorter terms match exactly only.
+ERROR_SEARCH_MIN_CHARS = 3
+#: The most errors one search looks at (a common text costs no more than a rare one).
+ERROR_SEARCH_LIMIT = 2000
 
-    Retry waits until every task has stopped (``tasks_stopping``: tasks of the finished job an
-    agent still holds, told to stop), so a retried job never runs beside its own last attempt.
+
+def jobs_with_error(term: str) -> QuerySet:
+    """Return the ids of the jobs whose error, or one of whose tasks' last error, contains ``term`` (any case).
+
+    Two scans of the trigram indexes of jobs.0015 (``UPPER(error_message)``, rows with an error only),
+    one after the other, so a LIMIT stops both early; a job may come twice.
     """
-    out = []
-    if job.approval_state == ApprovalState.PENDING and job.status == JobStatus.QUEUED:
-        out += ["approve", "reject"]
-    if job.status in (JobStatus.ERROR, JobStatus.CANCELED) and job.approval_state not in (
-            ApprovalState.PENDING, ApprovalState.REJECTED) and not tasks_stopping:
-        out.append("retry")
-    if job.status in JOB_ACTIVE:
-        out.append("cancel")
-    return out
-
-
-def task_actions_for(task: Task) -> list[str]:
-    """Return the actions that apply to a task in its current state."""
-    if task.status in (TaskStatus.ERROR, TaskStatus.SKIPPED, TaskStatus.CANCELED, TaskStatus.BLOCKED):
-        return ["retry"]
-    if task.status in (TaskStatus.WAITING, TaskStatus.QUEUED) or (
-            task.status in (TaskStatus.STARTING, TaskStatus.RUNNING) and not task.cancel_requested_at):
-        return ["cancel"]
-    return []
+    has_error = ~Q(error_message="") & Q(error_message__icontains=term)
+    return Job.objects.filter(has_error).order_by().values_list("id", flat=True).union(
+        Task.objects.filter(has_error).order_by().values_list("job_id", flat=True), all=True)
 
 
 @admin.register(Job)
@@ -298,13 +195,12 @@ class JobAdmin(RedriveAdmin):
     list_filter = ("status", "approval_state", "source", TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A job id or one of its tasks' ids, or a job id's first characters (4 or more hex digits), "
-                        "else an exact external id / "
-                        "dedupe key / correlation id, workflow name or service key.")
+                        "else an exact external id / dedupe key / correlation id, workflow name or service key, "
+                        "or a part (3+ characters, any case) of the job's or one of its tasks' errors.")
     list_select_related = ("tenant", "workflow", "service")
     ordering = ("-created_at",)  # job_created_idx
     actions = bulk_actions(JOB_ACTIONS, "jobs")
     redrive_jobs = True
-    change_form_template = "admin/jobs/job/change_form.html"
     fieldsets = (
         (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress", "current_task_key",
                            "priority", "order_seq", "scheduled_at")}),
@@ -366,7 +262,18 @@ class JobAdmin(RedriveAdmin):
             match |= Q(workflow_id__in=workflow_ids)
         if service_ids := list(Service.objects.filter(key=term).values_list("id", flat=True)):
             match |= Q(service_id__in=service_ids)
-        return queryset.filter(match), False
+        if len(term) < ERROR_SEARCH_MIN_CHARS:
+            return queryset.filter(match), False
+        # Else also a part of the job's error or of one of its tasks' last errors, in any case: the
+        # jobs are looked up first, at most ERROR_SEARCH_LIMIT of them, so the list's query stays a
+        # bitmap OR of index scans (an OR with a subquery would read every job, and a text that
+        # thousands of jobs share would fetch every one of them to show 100).
+        rows = list(jobs_with_error(term)[:ERROR_SEARCH_LIMIT + 1])
+        if len(rows) > ERROR_SEARCH_LIMIT:
+            messages.warning(request, f"{term!r} is in the errors of more than {ERROR_SEARCH_LIMIT:,} jobs or tasks: "
+                                      f"only the jobs of the first {ERROR_SEARCH_LIMIT:,} found are listed. "
+                                      "Search a longer part of the error to see them all.", fail_silently=True)
+        return queryset.filter(match | Q(pk__in=set(rows[:ERROR_SEARCH_LIMIT]))), False
 
     @admin.display(description="job", ordering="id")
     def short_id(self, obj: Job) -> str:
@@ -422,32 +329,10 @@ class JobAdmin(RedriveAdmin):
     def after_action_url(self, request: HttpRequest, obj: Job) -> str:
         return reverse("admin:jobs_job_change", args=[obj.pk])
 
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        from ops.jobpage import job_page_context
-
-        job = self.get_object(request, object_id)
-        extra = dict(extra_context or {})
-        if job is not None:
-            extra.update(job_page_context(request, job))
-        return super().change_view(request, object_id, form_url, extra_context=extra)
-
 
 # --------------------------------------------------------------------------------------------
 # Tasks and attempts
 # --------------------------------------------------------------------------------------------
-
-class NodeListFilter(admin.SimpleListFilter):
-    """Filter tasks by the node that holds or last held them (the nodes are few; tasks are many)."""
-
-    title = "node"
-    parameter_name = "node"
-
-    def lookups(self, request, model_admin):
-        return [(name, name) for name in Node.objects.order_by("name").values_list("name", flat=True)]
-
-    def queryset(self, request, queryset):
-        return queryset.filter(node=self.value()) if self.value() else queryset
-
 
 TASK_ACTIONS: ActionTable = {
     "retry": ("Retry", transitions.retry_task),
@@ -459,7 +344,7 @@ TASK_ACTIONS: ActionTable = {
 class TaskAdmin(RedriveAdmin):
     list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "node", "host",
                     "finished_at", "last_error")
-    list_filter = ("status", "service", NodeListFilter, TenantListFilter)
+    list_filter: ClassVar[tuple[Any, ...]] = ("status", "service", TenantListFilter)  # by node: ops.admin
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
                         "exact task key or service key.")
@@ -515,16 +400,6 @@ class TaskAdmin(RedriveAdmin):
     def after_action_url(self, request: HttpRequest, obj: Task) -> str:
         return safe_next(request, reverse("admin:jobs_job_change", args=[obj.job_id]))
 
-    change_form_template = "admin/jobs/task/change_form.html"
-
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        from ops.jobpage import task_page_context
-
-        task = self.get_object(request, object_id)
-        extra = dict(extra_context or {})
-        if task is not None:
-            extra.update(task_page_context(request, task))
-        return super().change_view(request, object_id, form_url, extra_context=extra)
 
 
 @admin.register(Attempt)

@@ -41,8 +41,9 @@ from jobs import admission, transitions
 from jobs import redrive as redrive_module
 from jobs.definitions import definitions
 from jobs.instantiate import InstantiationError, JobRow, ServiceInfo, build_task_rows, steps_for
-from jobs.models import DEFAULT_TENANT_SLUG, JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus, Tenant
+from jobs.models import JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus
 from jobs.notify import builder_channel, notify, service_channel
+from tenants.models import DEFAULT_TENANT_SLUG, Tenant
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
 

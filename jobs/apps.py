@@ -1,3 +1,5 @@
+from django.core.exceptions import ImproperlyConfigured
+
 from accs_site.appconfig import AccsAppConfig
 
 
@@ -7,12 +9,21 @@ class JobsConfig(AccsAppConfig):
     verbose_name = "Jobs and tasks"
 
     def import_models(self) -> None:
+        # Jobs and triggers belong to a tenants.Tenant; without that app Django would stop on an
+        # import error that does not say what to change.
+        if not self.apps.is_installed("tenants"):
+            raise ImproperlyConfigured(
+                "INSTALLED_APPS lacks 'tenants': tenants, memberships and API tokens moved out of 'jobs' in "
+                "ACCS 0.2.0; add 'tenants' to INSTALLED_APPS (docs/embedding.md shows the full list)")
         super().import_models()
         # The event receipts live in their own module; importing it here registers the model.
         from jobs import receipts  # noqa: F401
 
     def ready(self) -> None:
         super().ready()
-        from jobs.definitions import connect_invalidation
+        # Imported here, not at the top: models may be imported only once every app is loaded.
+        from jobs.definitions import connect_invalidation, jobs_naming_service
+        from workflows.validation import register_service_users
 
         connect_invalidation()
+        register_service_users(jobs_naming_service)

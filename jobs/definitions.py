@@ -13,6 +13,12 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from django.db.models.signals import post_delete, post_save
+
+from jobs.models import JOB_ACTIVE, Job, Trigger
+from tenants.models import Tenant
+from workflows.models import Service, Workflow
+
 TTL = 10.0
 MAX_ENTRIES = 10_000
 
@@ -49,13 +55,20 @@ class DefinitionCache:
 definitions = DefinitionCache()
 
 
+def jobs_naming_service(key: str) -> list[str]:
+    """Return the unfinished jobs and the triggers that name the service ``key`` (a rename would strand them).
+
+    Registered with :func:`workflows.validation.register_service_users` by :class:`jobs.apps.JobsConfig`.
+    """
+    users = []
+    active = Job.objects.filter(status__in=JOB_ACTIVE, service__key=key).count()
+    if active:
+        users.append(f"{active} unfinished job(s)")
+    return users + [f"trigger {t.label!r}" for t in Trigger.objects.filter(service__key=key)]
+
+
 def connect_invalidation() -> None:
     """Clear the cache whenever this process changes a tenant, workflow or service."""
-    from django.db.models.signals import post_delete, post_save
-
-    from jobs.models import Tenant
-    from workflows.models import Service, Workflow
-
     for model in (Tenant, Workflow, Service):
         post_save.connect(definitions.clear, sender=model, dispatch_uid=f"accs-definitions-{model.__name__}-save")
         post_delete.connect(definitions.clear, sender=model, dispatch_uid=f"accs-definitions-{model.__name__}-delete")

@@ -17,7 +17,7 @@ from django.utils.timezone import now
 class EventReceipt(models.Model):
     """One event accepted by ``POST /api/v1/events/{name}`` under a caller-chosen event id."""
 
-    tenant = models.ForeignKey("jobs.Tenant", on_delete=models.CASCADE, related_name="+")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
     event_id = models.CharField(max_length=200)
     name = models.CharField(max_length=200)
     body_digest = models.CharField(max_length=64, help_text="SHA-256 of the event's name and context.")

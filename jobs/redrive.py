@@ -26,8 +26,9 @@ from django.core.exceptions import PermissionDenied
 from django.db import connection, transaction
 
 from jobs import verbs
-from jobs.models import JobStatus, TaskStatus, Tenant
+from jobs.models import JobStatus, TaskStatus
 from jobs.states import sql_in
+from tenants.models import Tenant
 from workflows.models import Service
 from workflows.validation import DefinitionError, Problem
 

@@ -16,8 +16,8 @@ on PostgreSQL's clock.
    step counts and artifact rows) and read it back; a failure raises and deletes nothing. The
    locks taken above keep the exported rows exactly the rows deleted: no task, attempt or
    artifact row can be added to a locked job meanwhile;
-4. delete attempts, artifact rows, step counts, tasks and jobs, and write one ``retention``
-   event, then commit;
+4. delete attempts, artifact rows, step counts, tasks and jobs, write one ``retention``
+   event and update the retention mark (what the dashboard shows as the last prune), then commit;
 5. after the commit, delete the artifacts' objects from storage. An object whose deletion fails
    is left without a row and the orphan sweep deletes it later; no row ever names a missing object.
 
@@ -56,6 +56,20 @@ EVENT_TYPE = "retention"
 EXPORT_PREFIX = "retention"
 # The tables pruned here; a foreign key from any other table keeps the job it points at.
 OWNED_TABLES = ("accs_task", "accs_job_step", "accs_attempt", "accs_artifact")
+
+
+# The dashboard's "last pruned" (jobs.models.RetentionMark): one row, updated by every batch that
+# deleted something, in its transaction, so it never names a prune that rolled back.
+MARK_NAME = "finished_jobs"
+MARK_SQL = """
+INSERT INTO accs_retention_mark AS m (name, last_pruned_at, jobs, tasks, artifacts, export_key, total_jobs,
+                                      total_tasks, since)
+VALUES (%(name)s, now(), %(jobs)s, %(tasks)s, %(artifacts)s, %(export_key)s, %(jobs)s, %(tasks)s, now())
+ON CONFLICT (name) DO UPDATE
+   SET last_pruned_at = EXCLUDED.last_pruned_at, jobs = EXCLUDED.jobs, tasks = EXCLUDED.tasks,
+       artifacts = EXCLUDED.artifacts, export_key = EXCLUDED.export_key,
+       total_jobs = m.total_jobs + EXCLUDED.jobs, total_tasks = m.total_tasks + EXCLUDED.tasks
+"""
 
 
 class ExportFailed(Exception):
@@ -230,6 +244,8 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
             data={"jobs": result.jobs, "tasks": result.tasks, "attempts": result.attempts, "steps": result.steps,
                   "artifacts": result.artifacts, "export_key": result.export_key},
         )], cursor=cur)
+        cur.execute(MARK_SQL, {"name": MARK_NAME, "jobs": result.jobs, "tasks": result.tasks,
+                               "artifacts": result.artifacts, "export_key": result.export_key or ""})
     result.objects_deleted = delete_artifact_objects(objects)
     log.info("pruned %d job(s), %d task(s), %d attempt(s), %d artifact(s)",
              result.jobs, result.tasks, result.attempts, result.artifacts)

@@ -1,16 +1,20 @@
 """The transition table: which status may follow which, for tasks and jobs.
 
 Every verb that changes a status names its source and target states from these sets, and the
-test suite checks every status event it wrote against this table. SQL that needs a set of
+test suite checks every status event it wrote against this table. Where an operator's verb applies
+(:data:`JOB_VERBS`, :data:`TASK_VERBS`) is stated once, from the same sets: the verbs refuse
+elsewhere and the cockpit offers their buttons exactly there (:func:`job_actions_for`,
+:func:`task_actions_for`). SQL that needs a set of
 states takes it from here (:func:`sql_in`), so a state is never retyped as a literal list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from jobs import models
-from jobs.models import JobStatus, TaskStatus
+from jobs.models import ApprovalState, JobStatus, TaskStatus
 
 T = TaskStatus
 J = JobStatus
@@ -76,3 +80,66 @@ def job_may(frm: str, to: str) -> bool:
 def sql_in(states: Iterable[str]) -> str:
     """Render a state set as a SQL list literal, e.g. ``('done', 'error')``, in a stable order."""
     return "(" + ", ".join(f"'{str(s)}'" for s in sorted(str(s) for s in states)) + ")"
+
+
+A = ApprovalState
+APPROVALS: frozenset[str] = frozenset(A.values)
+
+
+@dataclass(frozen=True)
+class VerbRule:
+    """Where an operator's verb applies to a job or task.
+
+    ``statuses``: the states it acts on; ``approvals``: the job's approval states it allows;
+    ``while_stopping``: whether it applies while tasks that a cancel told to stop still run (a
+    retry then would run beside them); ``repeat_cancel``: whether it applies again to a held task
+    whose cancel was requested already.
+    """
+
+    statuses: frozenset[str]
+    approvals: frozenset[str] = APPROVALS
+    while_stopping: bool = True
+    repeat_cancel: bool = True
+
+    def applies(self, status: str, *, approval: str, stopping: int = 0, cancel_requested: bool = False) -> bool:
+        """Return whether the verb applies to something in ``status`` whose job's approval is ``approval``."""
+        return (status in self.statuses and approval in self.approvals
+                and (self.while_stopping or not stopping)
+                and (self.repeat_cancel or not cancel_requested))
+
+
+#: The operators' job verbs (:mod:`jobs.verbs`), in the order their buttons show.
+JOB_VERBS: dict[str, VerbRule] = {
+    "approve": VerbRule(frozenset({J.QUEUED}), approvals=frozenset({A.PENDING})),
+    # A job canceled while it waited for approval may still be rejected for good.
+    "reject": VerbRule(JOB_ACTIVE | JOB_FINAL, approvals=frozenset({A.PENDING})),
+    # A job canceled while it waited for approval goes back to waiting for approval.
+    "retry": VerbRule(JOB_RETRYABLE, approvals=APPROVALS - {A.REJECTED}, while_stopping=False),
+    "cancel": VerbRule(JOB_ACTIVE),
+}
+
+#: The operators' task verbs: retry waits for the job's approval; a held task is told to stop once.
+TASK_VERBS: dict[str, VerbRule] = {
+    "retry": VerbRule(TASK_RETRYABLE, approvals=APPROVALS - {A.PENDING, A.REJECTED}, while_stopping=False),
+    "cancel": VerbRule(TASK_UNSTARTED | frozenset(models.TASK_HELD), repeat_cancel=False),
+}
+
+
+def job_actions_for(job: models.Job, *, tasks_stopping: int = 0) -> list[str]:
+    """Return the verbs that apply to a job in its current state (the buttons on its page).
+
+    ``tasks_stopping``: tasks of the finished job an agent still holds, told to stop by its
+    cancel; retry waits until they have stopped, so a retried job never runs beside its last attempt.
+    """
+    return [name for name, rule in JOB_VERBS.items()
+            if rule.applies(job.status, approval=job.approval_state, stopping=tasks_stopping)]
+
+
+def task_actions_for(task: models.Task, *, approval: str, tasks_stopping: int = 0) -> list[str]:
+    """Return the verbs that apply to a task in its current state; ``approval`` is its job's approval state.
+
+    ``tasks_stopping`` is as for :func:`job_actions_for`, counted over the task's finished job.
+    """
+    return [name for name, rule in TASK_VERBS.items()
+            if rule.applies(task.status, approval=approval, stopping=tasks_stopping,
+                            cancel_requested=task.cancel_requested_at is not None)]

@@ -38,7 +38,8 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone as djtz
 
 from events.timeline import EventRow, write_events
-from jobs.models import Job, JobSource, MissedRunPolicy, Tenant, Trigger, TriggerType
+from jobs.models import Job, JobSource, MissedRunPolicy, Trigger, TriggerType
+from tenants.models import Tenant
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
 

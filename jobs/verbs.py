@@ -23,20 +23,12 @@ from jobs.finalize import JOB_FAILED_REASON, finalize_jobs, reset_step_flags, re
 from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
+from accs_site.admin_kit import ActionResult
 from accs_site.clock import db_now
 from accs_site.conf import accs
-from jobs.states import (JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, TASK_HELD, TASK_RETRYABLE, TASK_UNSTARTED,
-                         sql_in)
-
-
-@dataclass
-class ActionResult:
-    """Outcome of an operator action: ``changed`` False means it no longer applied (and why)."""
-
-    changed: bool
-    message: str
-    # The caller may not do this at all (not merely "no longer applies"): the HTTP API answers 403.
-    forbidden: bool = False
+from jobs.states import (
+    JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, JOB_VERBS, TASK_HELD, TASK_RETRYABLE, TASK_UNSTARTED, TASK_VERBS, sql_in,
+)
 
 
 @dataclass(frozen=True)
@@ -80,7 +72,8 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
             return ActionResult(False, "no such job")
         lock_tasks_of_jobs(cur, [job_id])
         now = now or db_now(cur)
-        cur.execute(f"SELECT status FROM accs_job WHERE id = %s AND status IN {sql_in(JOB_ACTIVE)}", [job_id])
+        cur.execute(f"SELECT status FROM accs_job WHERE id = %s AND status IN {sql_in(JOB_VERBS['cancel'].statuses)}",
+                    [job_id])
         row = cur.fetchone()
         if not row:
             return ActionResult(False, "job is not queued, waiting or running; nothing to cancel")
@@ -125,13 +118,17 @@ def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> 
                                    source=source, level="warn", data={"from": row[0], "to": "canceled"})], cursor=cur)
             finalize_jobs(cur, [job_id], now=now, source=source)
             return ActionResult(True, "task canceled")
-        cur.execute("UPDATE accs_task SET cancel_requested_at = %s WHERE id = %s AND status IN ('starting', 'running')"
-                    " RETURNING attempt", [now, task_id])
+        # A held task is told to stop once (TASK_VERBS): asking again would change nothing.
+        cur.execute(f"UPDATE accs_task SET cancel_requested_at = %s WHERE id = %s AND status IN {sql_in(TASK_HELD)}"
+                    " AND cancel_requested_at IS NULL RETURNING attempt", [now, task_id])
         row = cur.fetchone()
         if row:
             write_events([EventRow(type="cancel", message="cancel requested", job_id=job_id, task_id=task_id,
                                    attempt=row[0], source=source, level="warn")], cursor=cur)
             return ActionResult(True, "cancel requested; the agent stops the task at its next heartbeat")
+        cur.execute(f"SELECT 1 FROM accs_task WHERE id = %s AND status IN {sql_in(TASK_HELD)}", [task_id])
+        if cur.fetchone():
+            return ActionResult(False, "cancel already requested; the agent stops the task at its next heartbeat")
     return ActionResult(False, "task is already finished; nothing to cancel")
 
 
@@ -277,7 +274,8 @@ def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "
     it can be retried once they have stopped.
     """
     ids, seen = _ids(job_ids)
-    allowed = frozenset(statuses) & JOB_RETRYABLE
+    rule = JOB_VERBS["retry"]
+    allowed = frozenset(statuses) & rule.statuses
     source = _source(by)
     out: dict[UUID, ActionResult] = {}
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
@@ -288,13 +286,13 @@ def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "
             job = jobs.get(job_id)
             if job is None:
                 out[job_id] = ActionResult(False, "no such job")
-            elif job[1] == ApprovalState.REJECTED:
+            elif job[1] not in rule.approvals:
                 out[job_id] = ActionResult(False, "job was rejected; start a new job instead")
             elif job[0] not in allowed:
                 out[job_id] = ActionResult(False, f"job is {job[0]}; only {_listed(allowed)} jobs can be retried")
             elif seen is not None and job[5] != seen[job_id]:
                 out[job_id] = ActionResult(False, "job was retried and finished again since; left alone")
-            elif stopping.get(job_id):
+            elif stopping.get(job_id) and not rule.while_stopping:
                 out[job_id] = _still_stopping(stopping[job_id])
         todo = sorted((j for j in ids if j not in out), key=str)
         rows = _reset_tasks(cur, todo, now=now, source=source, why=why)
@@ -345,9 +343,9 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
             job = jobs.get(job_of.get(task_id))
             if job is None:
                 out[task_id] = ActionResult(False, "no such task")
-            elif job[1] in (ApprovalState.PENDING, ApprovalState.REJECTED):
+            elif job[1] not in TASK_VERBS["retry"].approvals:
                 out[task_id] = ActionResult(False, f"job approval is {job[1]}; approve it before it can run")
-            elif job[0] not in JOB_ACTIVE and stopping.get(job_of[task_id]):
+            elif job[0] not in JOB_ACTIVE and stopping.get(job_of[task_id]) and not TASK_VERBS["retry"].while_stopping:
                 out[task_id] = _still_stopping(stopping[job_of[task_id]])
         todo = [t for t in ids if t not in out]
         blocked = _host_blocked(cur, todo)
@@ -446,9 +444,9 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
         if _self_approval(by, creator_id):
             return ActionResult(False, f"{by} started this job and may not approve it: another approver must "
                                        "(ACC_ALLOW_SELF_APPROVAL allows it)", forbidden=True)
-        if approval != ApprovalState.PENDING:
+        if approval not in JOB_VERBS["approve"].approvals:
             return ActionResult(False, f"job is not waiting for approval (approval is {approval})")
-        if status != JobStatus.QUEUED:
+        if status not in JOB_VERBS["approve"].statuses:
             return ActionResult(False, f"job is {status}; retry it first, then approve it")
         cur.execute("UPDATE accs_job SET approval_state = 'approved', approved_by = %s, approved_at = %s, updated_at = %s"
                     " WHERE id = %s", [by, now, now, job_id])
@@ -468,7 +466,7 @@ def reject(job_id: UUID, *, by: str = "", reason: str = "", now: datetime | None
         now = now or db_now(cur)
         cur.execute("SELECT status, approval_state FROM accs_job WHERE id = %s", [job_id])
         status, approval = cur.fetchone()
-        if approval != ApprovalState.PENDING:
+        if approval not in JOB_VERBS["reject"].approvals or status not in JOB_VERBS["reject"].statuses:
             return ActionResult(False, "job is not waiting for approval")
         to = "canceled" if status in JOB_ACTIVE else status
         cur.execute("UPDATE accs_job SET approval_state = 'rejected', approved_by = %s, approved_at = %s,"

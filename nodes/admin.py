@@ -4,7 +4,7 @@ A node's configuration (labels, limits, wake method) is editable; its state (act
 presence, heartbeat, disk level) is not: operators drain and undrain with actions, and clear a host's
 quarantine with an action, all through :mod:`nodes.verbs`. Nodes are not deleted from a form:
 the *Retire* action removes only those :func:`nodes.api.retire_nodes` allows (not online, no
-history) and says why it kept the others.
+history) and says why it kept the others. A node's page (what it holds now) is added by :mod:`ops.admin`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
-from ops.nodepage import node_page_context
-from ops.overview import human_age, stale_after_seconds
+from accs_site.admin_kit import (
+    ActionTable, EstimatedCountPaginator, PageActionsMixin, actor, human_age, perform, status_pill,
+)
 from nodes import verbs
-from nodes.api import retire_nodes
-from accs_site.admin_kit import ActionTable, EstimatedCountPaginator, PageActionsMixin, actor, perform, status_pill
+from nodes.api import retire_nodes, stale_after_seconds
 from nodes.models import DiskSample, Host, HostBlock, Node
 
 
@@ -31,27 +31,15 @@ NODE_ACTIONS: ActionTable = {
 
 @admin.register(Node)
 class NodeAdmin(PageActionsMixin, admin.ModelAdmin):
-    """Nodes: configuration is edited here; state changes by the Drain/Undrain actions and buttons.
-
-    A node's page shows what its agents are doing now (held tasks with elapsed time and progress),
-    its recent failures, and links to its tasks (:func:`ops.nodepage.node_page_context`).
-    """
+    """Nodes: configuration is edited here; state changes by the Drain/Undrain actions and buttons."""
 
     page_actions = NODE_ACTIONS
-    change_form_template = "admin/nodes/node/change_form.html"
 
     def has_act_permission(self, request, obj=None) -> bool:
         return self.has_change_permission(request, obj)
 
     def after_action_url(self, request, obj: Node) -> str:
         return reverse("admin:nodes_node_change", args=[obj.pk])
-
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        node = self.get_object(request, object_id)
-        extra = dict(extra_context or {})
-        if node is not None:
-            extra.update(node_page_context(request, node, can_act=self.has_act_permission(request, node)))
-        return super().change_view(request, object_id, form_url, extra_context=extra)
 
     list_display = ("name", "presence_badge", "heartbeat", "state_badge", "services_list", "slot_cap", "cpu_budget",
                     "disk_level", "version")
@@ -116,6 +104,19 @@ class NodeAdmin(PageActionsMixin, admin.ModelAdmin):
         parts += [f"kept {name}: {why}" for name, why in sorted(refused.items())]
         level = messages.SUCCESS if not refused else messages.WARNING if retired else messages.ERROR
         self.message_user(request, "; ".join(parts) or "Retire: nothing selected", level)
+
+
+class NodeListFilter(admin.SimpleListFilter):
+    """Filter tasks by the node that holds or last held them (the nodes are few; tasks are many)."""
+
+    title = "node"
+    parameter_name = "node"
+
+    def lookups(self, request, model_admin):
+        return [(name, name) for name in Node.objects.order_by("name").values_list("name", flat=True)]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(node=self.value()) if self.value() else queryset
 
 
 @admin.register(Host)

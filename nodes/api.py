@@ -12,6 +12,7 @@ from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from accs_site.clock import db_now
+from accs_site.conf import accs
 
 from events.timeline import EventRow, write_events
 from nodes.models import AwakeState, Node, Presence
@@ -113,6 +114,11 @@ WITH lost AS (
 )
 SELECT name, extract(epoch FROM now() - last_seen) FROM lost
 """
+
+
+def stale_after_seconds() -> float:
+    """Return how old a heartbeat may be before a node is flagged late: one heartbeat TTL (three missed beats)."""
+    return float(accs.heartbeat_ttl_sec)
 
 
 def mark_lost(*, after_seconds: float, limit: int = 1000) -> list[str]:

@@ -15,10 +15,10 @@ from datetime import datetime
 
 from django.db import connection, transaction
 
+from accs_site.admin_kit import ActionResult
 from events.timeline import EventRow, write_events
 from jobs.failure.apply import HostFailure
 from jobs.notify import notify, service_channel
-from jobs.verbs import ActionResult
 
 QUARANTINE_SQL = """
 -- One statement for the batch; a host already quarantined keeps its first reason. Host rows are

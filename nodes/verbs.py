@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from django.db import connection, transaction
 
+from accs_site.admin_kit import ActionResult
 from events.timeline import EventRow, write_events
-from jobs.verbs import ActionResult
 from nodes.quarantine import clear_quarantine
 
 __all__ = ["clear_quarantine", "drain_node", "undrain_node"]

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from uuid import UUID
 
-from django.db import connection
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
+from accs_site.dbrouter import read_connection
 from ops.overview import _tenant_filter, human_age
 
 #: How far back the charts reach, and the width of one bar.
@@ -86,7 +86,7 @@ def chart_data(*, tenant_ids: set[UUID] | None = None, now: datetime | None = No
     bars = int(span / bucket)
     since = now - bars * bucket
     where, params = _tenant_filter("t.tenant_id", tenant_ids)
-    with connection.cursor() as cur:
+    with read_connection().cursor() as cur:
         cur.execute("SELECT id, key FROM accs_service")
         names = dict(cur.fetchall())
         cur.execute(CHART_SQL.format(tenants=where),

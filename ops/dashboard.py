@@ -18,9 +18,12 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.http import urlencode
 
+from accs_site.conf import accs
 from ops.charts import chart_data, chart_rows
 from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
-from jobs.scoping import tenant_ids_for
+from jobs.models import RetentionMark
+from jobs.retention import MARK_NAME
+from tenants.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.
 REFRESH_SECONDS = 5
@@ -92,7 +95,16 @@ def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
     }
     charts = chart_data(tenant_ids=tenant_ids_for(request.user), now=data.generated_at)
     context.update(charts=charts, chart_rows=chart_rows(charts))
+    if context["infra"]:
+        context["retention"] = last_prune(now=data.generated_at)
     return data, context
+
+
+def last_prune(*, now: datetime) -> dict[str, Any]:
+    """Return what retention last pruned (its one row, jobs.retention's mark) and the retention periods."""
+    mark = RetentionMark.objects.filter(name=MARK_NAME).first()
+    return {"mark": mark, "ago": (now - mark.last_pruned_at).total_seconds() if mark else None,
+            "days": accs.retention_days, "dead_days": accs.retention_dead_days}
 
 
 def dashboard_view(request: HttpRequest) -> HttpResponse:

@@ -1,7 +1,7 @@
 """The job page's read side: its live sections, the data.json it refreshes from, artifact downloads
 and attempt logs.
 
-The page itself is the admin's change view of a job (:class:`jobs.admin.JobAdmin`), which asks
+The page itself is the admin's change view of a job (:class:`ops.admin.JobPageAdmin`), which asks
 :func:`job_page_context` for everything above the job's fields. While the job is active the page
 fetches ``job/<id>/data.json`` every few seconds and swaps in the sections it returns, the way the
 dashboard does; once the job is final the answer says so and the page stops asking.
@@ -21,9 +21,9 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib import admin
-from django.db.models import Avg, Case, F, FloatField, OuterRef, Q, Subquery, Value, When
-from django.db.models.functions import Coalesce
+from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.template.defaultfilters import filesizeformat
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -33,9 +33,12 @@ from django.utils.http import content_disposition_header, urlencode
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from accs_site.admin_kit import run_interval
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
-from jobs.scoping import can_act, scope
+from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery, shown_progress
+from jobs.states import job_actions_for, task_actions_for
+from ops.dag import job_dag_svg
 from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
 from ops.overview import human_age, job_stuck_reasons
+from tenants.scoping import can_act, scope
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).
 JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 100, 200, 200
@@ -83,8 +86,6 @@ def may_act(request: HttpRequest, job: Job) -> bool:
 
 def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     """Collect the job page's picture, tasks, attempts, artifacts and timeline (each bounded)."""
-    from jobs.admin import job_actions_for, task_actions_for
-    from ops.dag import job_dag_svg
 
     level = request.GET.get("level", "")
     level = level if level in LEVELS else ""
@@ -93,9 +94,9 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     can = may_act(request, job)
 
     tasks = _tasks(job)
-    for task in tasks:
-        task.ops = task_actions_for(task) if can else []
     stopping = tasks_stopping(job)
+    for task in tasks:
+        task.ops = task_actions_for(task, approval=job.approval_state, tasks_stopping=stopping) if can else []
     progress = job_progress_of(job)
     task_keys = {t.pk: t.task_key for t in tasks}
     attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
@@ -153,8 +154,6 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
 def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
     """Collect the task page's summary, buttons, attempts and why it is not moving (its job's reasons
     that concern this task: its service's, or its own backoff)."""
-    from jobs.admin import task_actions_for
-
     job = task.job
     reasons = [r for r in job_stuck_reasons(job, show_nodes=sees_infrastructure(request.user))
                if (r.reason == "backoff" and r.message.startswith(f"task {task.task_key} "))
@@ -166,7 +165,8 @@ def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
     attempts = list(Attempt.objects.filter(task_id=task.pk).order_by("-attempt_no")[:JOB_PAGE_ATTEMPTS])
     return {
         "task_stuck": reasons,
-        "task_ops": task_actions_for(task) if may_act(request, job) else [],
+        "task_ops": task_actions_for(task, approval=job.approval_state, tasks_stopping=tasks_stopping(job))
+        if may_act(request, job) else [],
         "task_attempt_text": attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
                                           budget=task.service.max_attempts),
         "task_elapsed": elapsed_text(task),
@@ -212,66 +212,6 @@ def next_attempt_text(task: Task, *, now: datetime) -> str:
         return ""
     ahead = (task.next_attempt_at - now).total_seconds()
     return f"in {human_age(ahead)}" if ahead > 1 else "due now"
-
-
-def _task_share() -> Case:
-    """A task's part of its job's progress: 1 when done, its reported progress while held, else 0."""
-    return Case(When(status=TaskStatus.DONE, then=Value(1.0)),
-                When(status__in=TASK_HELD, then=Coalesce(F("progress"), Value(0.0))),
-                default=Value(0.0), output_field=FloatField())
-
-
-def job_progress_subquery() -> Subquery:
-    """The mean of a job's tasks' shares, per job row (the jobs list annotates its page with it).
-
-    The stored ``Job.progress`` is the share of *finished* tasks (failed ones too), so it reads
-    100 % for a failed job and 0 % for a job whose only task is half done; operators see this.
-    """
-    tasks = (Task.objects.filter(job_id=OuterRef("pk")).order_by().values("job_id")
-             .annotate(share=Avg(_task_share())).values("share"))  # task_job_status_idx
-    return Subquery(tasks, output_field=FloatField())
-
-
-def job_progress(job: Job, tasks_share: float | None) -> float:
-    """Return the progress to show for a job: full once done, else the mean of its tasks' shares."""
-    if job.status == JobStatus.DONE:
-        return 1.0
-    return max(0.0, min(1.0, tasks_share or 0.0))
-
-
-def job_progress_of(job: Job) -> float:
-    """Return :func:`job_progress` for one job, reading its tasks' shares in one query."""
-    share = Task.objects.filter(job_id=job.pk).aggregate(share=Avg(_task_share()))["share"]
-    return job_progress(job, share)
-
-
-def attempt_text(*, attempt: int, max_attempts: int, budget: int) -> str:
-    """Describe a task's attempt against its retry budget: ``attempt 2 (retry 1 of 2)``.
-
-    ``budget`` is the service's attempts per run. An operator's retry renews the budget on top of
-    the attempts already used (``max_attempts`` = used + budget), so numbering goes on (attempt 4)
-    while the retries count from the renewal.
-    """
-    if attempt <= 0:
-        return f"not started (up to {max_attempts} attempt{'s' if max_attempts != 1 else ''})"
-    base = max_attempts - budget
-    if budget < 1 or base < 0 or attempt <= base:
-        return f"attempt {attempt} of {max_attempts}"  # the service's budget changed since: plain numbers
-    retry = attempt - base - 1
-    if budget == 1:
-        return f"attempt {attempt} (no retries)"
-    if retry == 0:
-        return f"attempt {attempt} (first of {budget})"
-    return f"attempt {attempt} (retry {retry} of {budget - 1})"
-
-
-def shown_progress(task: Task) -> float | None:
-    """Return the 0..1 progress to draw for a task: its reported progress, full once done."""
-    if task.status == TaskStatus.DONE:
-        return 1.0
-    if task.progress is None:
-        return None if task.status not in TASK_HELD else 0.0
-    return max(0.0, min(1.0, task.progress))
 
 
 def elapsed_text(task: Task) -> str:
@@ -352,34 +292,55 @@ def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int)
     return response
 
 
-#: Artifacts up to this size are shown inline when they are text or JSON (read whole, so checked).
+#: Text and JSON artifacts are shown inline up to this size, read whole and so checked against their
+#: checksum; of a bigger one, the first this many bytes (a part, which no checksum covers).
 PREVIEW_MAX_BYTES = 512 * 1024
 PREVIEW_SUFFIXES = (".txt", ".log", ".csv", ".tsv", ".json", ".jsonl", ".md", ".yaml", ".yml", ".xml", ".html")
 
 
 def previewable(artifact: Artifact) -> bool:
-    """Whether an artifact is small text or JSON the page can show inline."""
+    """Whether an artifact is text or JSON the page can show inline (whole, or its first part)."""
     kind = (artifact.content_type or "").split(";")[0].strip().lower()
     texty = kind.startswith("text/") or kind.endswith(("/json", "+json", "/x-ndjson", "/xml", "/yaml"))
-    return artifact.size_bytes <= PREVIEW_MAX_BYTES and (texty or artifact_name(artifact).lower().endswith(
-        PREVIEW_SUFFIXES))
+    return texty or artifact_name(artifact).lower().endswith(PREVIEW_SUFFIXES)
+
+
+def read_first(artifact: Artifact, limit: int) -> bytes:
+    """Return the first ``limit`` bytes of an artifact, reading no further (the object is closed after)."""
+    from events.artifacts import open_artifact  # as the views below: storage's modules load when a page reads it
+
+    chunks, kept = open_artifact(artifact), bytearray()
+    try:
+        for chunk in chunks:
+            kept += chunk
+            if len(kept) >= limit:
+                break
+    finally:
+        chunks.close()  # stops the download; the checksum, which needs every byte, is not checked
+    return bytes(kept[:limit])
 
 
 def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
-    """Show a small text or JSON artifact inline (JSON indented), checked against its checksum."""
+    """Show a text or JSON artifact inline, escaped: whole (JSON indented) and checked against its checksum up
+    to :data:`PREVIEW_MAX_BYTES`, else its first :data:`PREVIEW_MAX_BYTES`, said to be a part."""
     from events.artifacts import ChecksumMismatch, StorageNotConfigured, read_artifact
 
     job = visible_job(request, job_id)
     artifact = Artifact.objects.filter(pk=artifact_id, job_id=job.pk).select_related("task").first()
     if artifact is None:
         raise Http404("no such artifact")
-    text, problem = "", ""
+    text, problem, part = "", "", ""
+    whole = artifact.size_bytes <= PREVIEW_MAX_BYTES
     if not previewable(artifact):
-        problem = (f"Only text and JSON up to {PREVIEW_MAX_BYTES // 1024} KB are shown here; download this one "
+        problem = (f"Only text and JSON are shown here; download this one "
                    f"({artifact.content_type}, {artifact.size_bytes} bytes).")
     else:
         try:
-            text = read_artifact(artifact).decode("utf-8", errors="replace")
+            raw = read_artifact(artifact) if whole else read_first(artifact, PREVIEW_MAX_BYTES)
+            text = raw.decode("utf-8", errors="replace")
+            if not whole:
+                part = (f"The first {PREVIEW_MAX_BYTES // 1024} KB of {filesizeformat(artifact.size_bytes)} are shown; "
+                        "download the file for the rest (a part is not checked against the recorded checksum).")
         except StorageNotConfigured as exc:
             problem = str(exc)
         except FileNotFoundError:
@@ -387,7 +348,7 @@ def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) 
         except ChecksumMismatch as exc:
             problem = f"The artifact was changed after it was stored and is not shown: {exc}"
     is_json = artifact_name(artifact).lower().endswith(".json") or "/json" in (artifact.content_type or "")
-    if text and is_json:
+    if text and is_json and whole:
         try:
             text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
         except ValueError:
@@ -395,7 +356,7 @@ def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) 
     context = {
         **admin.site.each_context(request),
         "title": f"{artifact_name(artifact)} ({artifact.kind})",
-        "job": job, "artifact": artifact, "text": text, "problem": problem,
+        "job": job, "artifact": artifact, "text": text, "problem": problem, "part": part,
         "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
         "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]),
     }
@@ -520,7 +481,12 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
     level_links += [{"label": f"≥ {lv}", "value": lv, "url": f"{page}?{urlencode({**others, 'level': lv})}",
                      "active": level == lv} for lv in LEVELS[1:]]
     live = artifact is None and running
+    files = list(Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no)
+                 .exclude(kind=ArtifactKind.LOG).order_by("kind", "key")[:JOB_PAGE_ARTIFACTS])
+    for file in files:
+        file.name, file.previewable = artifact_name(file), previewable(file)
     context = {
+        "files": files,
         **admin.site.each_context(request),
         "live": live,
         "live_url": f"{page}?{urlencode({**request.GET.dict(), 'format': 'json'})}",
@@ -561,4 +527,6 @@ def timeline_log(attempt: Attempt, *, min_level: str = "", tail: int = DEFAULT_T
 __all__ = [
     "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view", "attempt_log_view", "job_data_view",
     "job_page_context", "parse_log_line", "tail_log", "visible_job",
+    # Moved to jobs.progress (the jobs list reads them too); still importable from here.
+    "attempt_text", "job_progress", "job_progress_of", "job_progress_subquery", "shown_progress",
 ]

@@ -24,6 +24,7 @@ The endpoint is open unless ``ACC_METRICS_TOKEN`` is set; then it requires
 from __future__ import annotations
 
 import hmac
+import json
 import threading
 import time
 from collections import defaultdict
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -105,11 +106,17 @@ class _Histogram:
 
 @dataclass
 class TimelineCounters:
-    """Running totals folded from the timeline; one instance per process, shared by its threads."""
+    """The totals folded from the timeline, kept in the database (``accs_metric_totals``, one row).
+
+    A scrape takes the row's lock (or, when another process holds it, reads the row as it stands),
+    folds the settled events after its watermark, at most ``chunk`` events per statement and for
+    ``budget_seconds``, and writes the totals back. So a scrape reads only what happened since the
+    previous one, whichever process answers it, and a new process recounts nothing.
+    """
 
     settle_seconds: float = 5.0
-    chunk: int = 250_000
-    budget_seconds: float = 5.0
+    chunk: int = 50_000
+    budget_seconds: float = 0.5
     watermark: int = 0
     counts: dict[tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
     latency: dict[str, _Histogram] = field(default_factory=dict)
@@ -117,8 +124,25 @@ class TimelineCounters:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fold(self) -> int:
-        """Fold the events settled since the last call into the totals; return the new watermark."""
-        with self.lock, connection.cursor() as cur:
+        """Fold the events settled since the stored watermark into the stored totals; return the new watermark."""
+        # On the primary and in one transaction: the row is written back, and the events read must be
+        # the primary's (a replica may lag behind the watermark).
+        with self.lock, transaction.atomic(using=DEFAULT_DB_ALIAS), connections[DEFAULT_DB_ALIAS].cursor() as cur:
+            cur.execute("SELECT watermark, totals FROM accs_metric_totals WHERE id = 1 FOR UPDATE SKIP LOCKED")
+            row = cur.fetchone()
+            if row is None:
+                cur.execute("SELECT watermark, totals FROM accs_metric_totals WHERE id = 1")
+                row = cur.fetchone()
+                if row is not None:  # another process is folding: report the totals as they stand
+                    self._load(*row)
+                    return self.watermark
+                # No row (a flushed test database): count from the first event.
+                cur.execute("INSERT INTO accs_metric_totals (id, watermark, totals, updated_at)"
+                            " VALUES (1, 0, '{}', now()) ON CONFLICT (id) DO NOTHING")
+                cur.execute("SELECT watermark, totals FROM accs_metric_totals WHERE id = 1 FOR UPDATE")
+                row = cur.fetchone()
+            self._load(*row)
+            start = self.watermark
             # The newest settled event: a backward walk of each partition's (id, ts) primary key.
             # clock_timestamp(), not now(): now() is frozen at the start of the surrounding transaction.
             cur.execute("SELECT max(id) FROM accs_event WHERE ts <= clock_timestamp() - make_interval(secs => %s)",
@@ -126,12 +150,33 @@ class TimelineCounters:
             high = cur.fetchone()[0] or 0
             deadline = time.monotonic() + self.budget_seconds
             while self.watermark < high and time.monotonic() < deadline:
-                upper = min(high, self.watermark + self.chunk)
+                # From the next event that exists: ids have gaps (rolled-back inserts, pruned months).
+                cur.execute("SELECT min(id) FROM accs_event WHERE id > %s", [self.watermark])
+                first = cur.fetchone()[0]
+                if first is None or first > high:
+                    self.watermark = high
+                    break
+                upper = min(high, first - 1 + self.chunk)
                 cur.execute(FOLD_SQL, {"lo": self.watermark, "hi": upper})
-                for row in cur.fetchall():
-                    self._add(row)
+                for folded in cur.fetchall():
+                    self._add(folded)
                 self.watermark = upper
+            if self.watermark != start:
+                cur.execute("UPDATE accs_metric_totals SET watermark = %s, totals = %s, updated_at = now()"
+                            " WHERE id = 1", [self.watermark, json.dumps(self._dump())])
             return self.watermark
+
+    def _load(self, watermark: int, totals: dict | str) -> None:
+        data = json.loads(totals) if isinstance(totals, str) else (totals or {})
+        self.watermark = watermark
+        self.counts = defaultdict(int, {(k, s, t): n for k, s, t, n in data.get("counts", [])})
+        self.latency = {s: _Histogram(list(b), c, t) for s, (c, t, b) in data.get("latency", {}).items()}
+        self.run_time = {s: _Histogram(list(b), c, t) for s, (c, t, b) in data.get("run_time", {}).items()}
+
+    def _dump(self) -> dict:
+        return {"counts": [[k, s, t, n] for (k, s, t), n in sorted(self.counts.items())],
+                "latency": {s: [h.count, h.total, h.buckets] for s, h in self.latency.items()},
+                "run_time": {s: [h.count, h.total, h.buckets] for s, h in self.run_time.items()}}
 
     def _add(self, row: tuple) -> None:
         # Columns: kind, service, tenant, n, then (count, sum, buckets...) for latency and run time.

@@ -24,11 +24,13 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db import connection
 from django.utils import timezone
 
+from accs_site.admin_kit import human_age
 from accs_site.conf import accs
+from accs_site.dbrouter import read_connection, replica_lag
 from jobs.claim import params_key_sql
+from nodes.api import stale_after_seconds
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
 ATTEMPT_SAMPLE = 20_000
@@ -52,14 +54,27 @@ def _tenant_filter(column: str, tenant_ids: set[UUID] | None) -> tuple[str, dict
 # --------------------------------------------------------------------------------------------
 
 ACTIVE_TASKS_SQL = """
--- Only queued/starting/running rows: a BitmapOr over the partial indexes task_claim_idx (queued)
--- and task_lease_idx / task_held_service_idx (held), so the cost follows the live queue.
--- Retries waiting out their backoff (scheduled) count as queued and retrying.
-SELECT t.tenant_id, t.service_id, CASE WHEN t.status = 'scheduled' THEN 'queued' ELSE t.status END, count(*),
-       count(*) FILTER (WHERE t.status IN ('queued', 'scheduled') AND t.attempt > 0),
-       min(t.next_attempt_at) FILTER (WHERE t.status = 'queued' AND t.next_attempt_at <= %(now)s)
-  FROM accs_task t
- WHERE t.status IN ('queued', 'scheduled', 'starting', 'running') AND {tenants}
+-- Only queued/scheduled/starting/running rows, one branch per partial index, each branch's
+-- condition being exactly its index's (task_claim_idx, task_claim_host_idx, task_scheduled_idx,
+-- task_lease_idx): a single `status IN (...)` matches none of them, and the planner then reads
+-- the whole task table. Retries waiting out their backoff (scheduled) count as queued and retrying.
+WITH a AS (
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status = 'queued' AND t.host_id IS NULL AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status = 'queued' AND t.host_id IS NOT NULL AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status = 'scheduled' AND {tenants}
+    UNION ALL
+    SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
+      FROM accs_task t WHERE t.status IN ('starting', 'running') AND {tenants}
+)
+SELECT a.tenant_id, a.service_id, CASE WHEN a.status = 'scheduled' THEN 'queued' ELSE a.status END, count(*),
+       count(*) FILTER (WHERE a.status IN ('queued', 'scheduled') AND a.attempt > 0),
+       min(a.next_attempt_at) FILTER (WHERE a.status = 'queued' AND a.next_attempt_at <= %(now)s)
+  FROM a
  GROUP BY 1, 2, 3
 """
 
@@ -102,7 +117,8 @@ SELECT j.tenant_id, count(*)
 DEAD_LETTER_SQL = """
 -- Dead letters: tasks in final error (their attempts used up), whatever their job became since (a
 -- job that continues past a failed step ends partial and keeps them), as the tasks list and the
--- redrive count them. task_dead_letter_idx holds exactly those rows.
+-- redrive count them. task_dead_letter_count_idx holds exactly those rows with the columns
+-- counted, so the count is an index-only scan of the dead letters, not a heap read of each.
 SELECT t.tenant_id, t.service_id, count(*)
   FROM accs_task t
  WHERE t.tenant_id = ANY(%(ids)s::uuid[]) AND t.status = 'error'
@@ -156,7 +172,7 @@ def queue_depth(*, tenant_ids: set[UUID] | None = None, now: datetime | None = N
                 ) -> tuple[list[TenantQueue], list[ServiceQueue]]:
     """Return queue figures per tenant and per (tenant, service), restricted to ``tenant_ids``."""
     now = now or timezone.now()
-    with connection.cursor() as cur:
+    with read_connection().cursor() as cur:
         cur.execute("SELECT id, slug FROM accs_tenant ORDER BY slug")
         tenants = {t: slug for t, slug in cur.fetchall() if tenant_ids is None or t in tenant_ids}
         cur.execute("SELECT id, key FROM accs_service")
@@ -277,7 +293,7 @@ def recent_stats(*, tenant_ids: set[UUID] | None = None, now: datetime | None = 
     now = now or timezone.now()
     since = now - window
     where, params = _tenant_filter("t.tenant_id", tenant_ids)
-    with connection.cursor() as cur:
+    with read_connection().cursor() as cur:
         cur.execute("SELECT id, key FROM accs_service")
         services = dict(cur.fetchall())
         cur.execute(RECENT_STATS_SQL.format(tenants=where), {"sample": sample, "since": since, **params})
@@ -348,16 +364,11 @@ class NodeHealth:
         return self.presence == "online" and self.state == "active"
 
 
-def stale_after_seconds() -> float:
-    """Return how old a heartbeat may be before a node is flagged: three missed beats (TTL/3 each)."""
-    return 3 * accs.heartbeat_ttl_sec / 3
-
-
 def node_health(*, now: datetime | None = None) -> list[NodeHealth]:
     """Return every node with its presence, last heartbeat (overdue ones flagged), held tasks and disk."""
     now = now or timezone.now()
     stale_after = stale_after_seconds()
-    with connection.cursor() as cur:
+    with read_connection().cursor() as cur:
         # Held tasks only: task_held_service_idx / task_lease_idx (partial).
         cur.execute("SELECT node, count(*) FROM accs_task WHERE status IN ('starting', 'running') GROUP BY node")
         held = dict(cur.fetchall())
@@ -444,7 +455,7 @@ def recent_failures(*, tenant_ids: set[UUID] | None = None, limit: int = 10,
                     sample: int = ATTEMPT_SAMPLE) -> list[Failure]:
     """Return the newest failed attempts (retried or final)."""
     where, params = _tenant_filter("t.tenant_id", tenant_ids)
-    with connection.cursor() as cur:
+    with read_connection().cursor() as cur:
         cur.execute(RECENT_FAILURES_SQL.format(tenants=where), {"sample": sample, "limit": limit, **params})
         return [Failure(at=r[0], job_id=str(r[1]), task_id=str(r[2]), task_key=r[3], service=r[4], node=r[5],
                         attempt=r[6], max_attempts=r[7], status=r[8], exit_code=r[9], error=(r[10] or "")[:300],
@@ -566,7 +577,7 @@ def flow_limits(*, tenant_ids: set[UUID] | None = None, job_id: UUID | None = No
     The queued tasks counted are the viewer's tenants' (``tenant_ids``), or one job's (``job_id``).
     """
     where, params = _task_filter(tenant_ids, job_id)
-    with connection.cursor() as cur:
+    with read_connection().cursor() as cur:
         cur.execute("SELECT id, slug FROM accs_tenant")
         slugs = dict(cur.fetchall())
         cur.execute(FLOW_SQL.format(tenants=where), {**params, "sample": FLOW_SAMPLE})
@@ -646,7 +657,7 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
     ``show_nodes`` False leaves node names out of the details (viewers without infrastructure rights).
     With ``job_id`` the tasks are that job's only (the job and task pages ask this way).
     """
-    with connection.cursor() as cur:
+    with read_connection().cursor() as cur:
         cur.execute("SELECT id, slug FROM accs_tenant")
         slugs = dict(cur.fetchall())
         cur.execute("SELECT id, key, max_concurrent, block_during, required_labels FROM accs_service")
@@ -832,6 +843,8 @@ class Overview:
     stale_after: float = 0.0
     stuck: list[StuckReason] = field(default_factory=list)
     flow: list[FlowLimit] = field(default_factory=list)
+    # The read replica's lag (accs_site.dbrouter.replica_lag), None without ACC_READ_DB_URL.
+    replica: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """Return the overview as JSON-ready data (datetimes as ISO strings)."""
@@ -872,25 +885,8 @@ def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
         stuck=stuck_reasons(nodes=nodes, conditions=conditions, tenant_ids=tenant_ids, show_nodes=include_infra,
                             flow=flow),
         flow=flow,
+        replica=replica_lag() if include_infra else None,
     )
-
-
-def human_age(seconds: float | None) -> str:
-    """Format a duration for people: ``42 s``, ``7 min``, ``3 h 5 min``, ``2 d 4 h``."""
-    if seconds is None:
-        return "—"
-    seconds = max(0.0, seconds)
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 90:
-        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-    minutes = seconds / 60
-    if minutes < 90:
-        return f"{minutes:.0f} min"
-    hours = int(minutes // 60)
-    if hours < 48:
-        return f"{hours} h {int(minutes % 60)} min"
-    return f"{hours // 24} d {hours % 24} h"
 
 
 def group_by_tenant(rows: list[ServiceQueue]) -> dict[str, list[ServiceQueue]]:

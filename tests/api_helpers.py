@@ -5,8 +5,8 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from jobs.auth import create_token
-from jobs.models import Tenant, TenantMembership, TokenScope
+from tenants.auth import create_token
+from tenants.models import Tenant, TenantMembership, TokenScope
 
 
 def user_with_token(username: str, *, superuser: bool = False, tenants: dict[Tenant, str] | None = None,

@@ -39,7 +39,7 @@ def subprocess_env(db_url) -> dict[str, str]:
 
 @pytest.fixture
 def default_tenant(db):
-    from jobs.models import Tenant
+    from tenants.models import Tenant
 
     # Transactional tests flush the data migration's row, so make sure it exists.
     return Tenant.objects.get_or_create(slug="default", defaults={"name": "Default tenant"})[0]

@@ -11,8 +11,9 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from jobs import api
-from jobs.models import Job, Tenant, TenantMembership
+from jobs.models import Job
 from nodes.models import DiskSample, Host, Node
+from tenants.models import Tenant, TenantMembership
 from tests.engine_helpers import claim_for, run_fail, run_ok
 from workflows.api import create_workflow, save_service
 

@@ -12,7 +12,8 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from jobs import triggers
-from jobs.models import ApiToken, Job, Tenant, TenantMembership
+from jobs.models import Job
+from tenants.models import ApiToken, Tenant, TenantMembership
 from tests.api_helpers import client_for, user_with_token
 from workflows.api import save_service
 from workflows.validation import DefinitionError

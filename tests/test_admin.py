@@ -144,7 +144,7 @@ def test_bulk_cancel_and_cancel_task(client, root, tenants, make_service):
 
 
 # --------------------------------------------------------------------------------------------
-# Tenant isolation (jobs.scoping)
+# Tenant isolation (tenants.scoping)
 # --------------------------------------------------------------------------------------------
 
 def test_tenant_admin_sees_only_own_jobs_tasks_events_and_tenants(client, tenants):
@@ -158,7 +158,7 @@ def test_tenant_admin_sees_only_own_jobs_tasks_events_and_tenants(client, tenant
     assert str(mine.pk)[:8] in tasks and str(theirs.pk)[:8] not in tasks
     events = client.get(reverse("admin:events_event_changelist")).content.decode()
     assert str(mine.pk) in events and str(theirs.pk) not in events
-    assert client.get(reverse("admin:jobs_tenant_changelist")).status_code == 403, "no model permission on tenants"
+    assert client.get(reverse("admin:tenants_tenant_changelist")).status_code == 403, "no model permission on tenants"
 
 
 def test_tenant_admin_cannot_open_or_act_on_another_tenants_job_by_url(client, tenants):

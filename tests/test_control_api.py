@@ -12,7 +12,8 @@ from django.utils import timezone
 
 from events.models import Event
 from jobs import api, transitions, triggers
-from jobs.models import Job, Task, Tenant, Trigger
+from jobs.models import Job, Task, Trigger
+from tenants.models import Tenant
 from workflows.api import create_workflow
 from workflows.validation import DefinitionError
 

@@ -19,9 +19,10 @@ from accs_site.conf import accs
 from events.models import Event
 from jobs import api, transitions
 from jobs.claim import claim_many
-from jobs.models import Attempt, Job, JobStep, Task, Tenant
+from jobs.models import Attempt, Job, JobStep, Task
 from jobs.notify import notify, service_channel
 from nodes.models import Host, HostBlock, Node
+from tenants.models import Tenant
 from tests.engine_helpers import NODE, claim_for, run_fail, run_ok, spec
 from workflows.api import create_workflow
 from workflows.models import Service
@@ -444,7 +445,7 @@ def test_a_transient_error_raised_outside_a_view_is_a_503_too(rf):
     """A middleware that cannot reach the database (sessions, auth) gets the same answer as a view."""
     from accs_site.middleware import server_error
 
-    for path, kind in (("/api/v1/jobs", "application/json"), ("/admin/", "text/plain")):
+    for path, kind in (("/api/v1/jobs", "application/json"), ("/admin/", "text/html")):  # the styled 503 page
         try:
             raise OperationalError("server closed the connection unexpectedly")
         except OperationalError:

@@ -15,8 +15,9 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from jobs import api
-from jobs.auth import digest
-from jobs.models import ApiToken, Job, Task, Tenant, Trigger
+from jobs.models import Job, Task, Trigger
+from tenants.auth import digest
+from tenants.models import ApiToken, Tenant
 from tests.api_helpers import client_for, user_with_token
 from tests.conftest import ROOT
 from tests.daemons import free_port, http_server
@@ -371,7 +372,10 @@ def test_openapi_document_is_valid_and_documents_every_error(client):
 
     document = client.get("/api/v1/openapi.json").json()
     validate(document)
-    assert document["components"]["securitySchemes"] == {"BearerToken": {"type": "http", "scheme": "bearer"}}
+    assert document["components"]["securitySchemes"] == {
+        "BearerToken": {"type": "http", "scheme": "bearer"},
+        "StaffSession": {"type": "apiKey", "in": "cookie", "name": "sessionid"},  # the admin's session, beside tokens
+    }
     for path, operations in document["paths"].items():
         for method, operation in operations.items():
             if path.endswith(("/health", "/ready")):  # the probes take no token and no input

@@ -16,8 +16,9 @@ from accs_site.conf import reload
 from events.artifacts import read_artifact
 from events.models import Artifact, Event
 from jobs import api
-from jobs.models import ApiToken, Attempt, Task, TenantRole
+from jobs.models import Attempt, Task
 from nodes.executors import HttpExecutor, RunContext, render_argv, secrets_in
+from tenants.models import ApiToken, TenantRole
 from tests.api_helpers import client_for, user_with_token
 from tests.daemons import Daemons, wait_all_final
 from workflows.api import save_service

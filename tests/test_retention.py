@@ -20,8 +20,9 @@ from events.storage import get_storage
 from jobs import api
 from jobs.builder import Builder, run_duty
 from jobs.duties import prune as prune_duty
-from jobs.models import Attempt, Job, JobStep, Task, Tenant
+from jobs.models import Attempt, Job, JobStep, Task
 from jobs.retention import ExportFailed, prune_finished_jobs
+from tenants.models import Tenant
 from tests.engine_helpers import claim_for, run_fail, run_ok
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -313,7 +314,7 @@ def test_system_check_rejects_export_without_storage_and_warns_of_short_dead_let
 
 
 def test_tenant_retention_is_editable_in_the_admin(admin_client, default_tenant):
-    page = admin_client.get(f"/admin/jobs/tenant/{default_tenant.id}/change/")
+    page = admin_client.get(f"/admin/tenants/tenant/{default_tenant.id}/change/")
     assert b'name="retention_days"' in page.content and b'name="retention_dead_days"' in page.content
 
 

@@ -10,7 +10,8 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from jobs.models import Job, JobStatus, Task, TaskStatus, Tenant
+from jobs.models import Job, JobStatus, Task, TaskStatus
+from tenants.models import Tenant
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

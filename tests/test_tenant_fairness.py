@@ -6,7 +6,8 @@ import pytest
 from django.db import connection
 
 from jobs import api, transitions
-from jobs.models import Job, Task, Tenant
+from jobs.models import Job, Task
+from tenants.models import Tenant
 from tests.engine_helpers import claim_for, run_ok
 
 pytestmark = pytest.mark.django_db
@@ -84,7 +85,7 @@ def test_tenants_take_turns_at_equal_priority_and_priority_still_wins(make_servi
 
 def test_a_new_tenant_gets_the_sites_default_in_flight_cap(make_service, monkeypatch):
     from accs_site.conf import reload
-    from jobs.accounts import AccountError, create_tenant
+    from tenants.accounts import AccountError, create_tenant
 
     make_service("work")
     monkeypatch.setenv("ACC_TENANT_MAX_IN_FLIGHT", "2")

@@ -13,8 +13,9 @@ from django.utils import timezone
 
 from events.models import Event
 from jobs import api, triggers
-from jobs.models import Job, Task, Tenant, Trigger
+from jobs.models import Job, Task, Trigger
 from jobs.triggers import Schedule, ScheduleError, TemplateError, fire_due_schedules, render, template_problems
+from tenants.models import Tenant
 from tests.conftest import wait_for
 from workflows.api import create_workflow
 from workflows.validation import DefinitionError

@@ -2,13 +2,14 @@
 
 Saving a service or workflow runs the full validation (``Model.clean`` → :mod:`workflows.validation`)
 and shows each problem next to the field it is about. Governor conditions are raised and cleared
-through :func:`jobs.api.raise_condition` / :func:`jobs.api.clear_condition` (actions, and the add
-form, which raises a new condition), never by editing their timestamps.
+through :mod:`workflows.governor` (actions, and the add form, which raises a new condition), never
+by editing their timestamps.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -22,11 +23,10 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
-from ops.dag import render_svg, steps_from
-from jobs import api
-from accs_site.admin_kit import actor, perform
-from jobs.transitions import ActionResult
+from accs_site.admin_kit import ActionResult, actor, perform
+from workflows import governor
 from workflows.api import next_version, steps_frozen_reason
+from workflows.dag import render_svg, steps_from
 from workflows.diff import steps_diff
 from workflows.models import GovernorCondition, Service, Workflow
 from workflows.validation import DefinitionError
@@ -110,8 +110,28 @@ class ServiceAdmin(DefinitionAdmin):
 FROZEN_WHEN_USED = ("name", "version", "steps")
 
 
+#: The last step key typed before a place in the steps' text, to name the step a JSON error is in.
+STEP_KEY = re.compile(r'"key"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def json_error_where(text: str, exc: json.JSONDecodeError) -> str:
+    """Say where typed JSON is broken: line, column and the step being written there, if any."""
+    keys = STEP_KEY.findall(text[:exc.pos])
+    step = f" (in or just after step {keys[-1]!r})" if keys else ""
+    return f"not valid JSON at line {exc.lineno}, column {exc.colno}{step}: {exc.msg}"
+
+
 class IndentedJSONField(forms.JSONField):
-    """A JSON field shown indented, one step per block, instead of one long line."""
+    """A JSON field shown indented, one step per block, instead of one long line; text that is not
+    JSON is refused naming the line, column and step where it breaks."""
+
+    def to_python(self, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() and not self.disabled:
+            try:
+                json.loads(value, cls=self.decoder)
+            except json.JSONDecodeError as exc:
+                raise ValidationError(json_error_where(value, exc), code="invalid") from None
+        return super().to_python(value)
 
     def prepare_value(self, value: Any) -> Any:
         if isinstance(value, forms.fields.InvalidJSONInput):
@@ -132,6 +152,16 @@ class WorkflowForm(ProblemsByFieldForm):
         fields = "__all__"
         field_classes = {"steps": IndentedJSONField}
         widgets = {"steps": forms.Textarea(attrs={"rows": 24, "cols": 100, "style": "font-family: monospace"})}
+
+    def _update_errors(self, errors: ValidationError) -> None:
+        if "steps" in self._errors and hasattr(errors, "error_dict"):
+            # Steps that are not JSON were refused already; "no steps" after that says nothing new.
+            kept = {name: [m for m in msgs if not m.startswith("steps:")] for name, msgs in errors.message_dict.items()}
+            kept = {name: msgs for name, msgs in kept.items() if msgs}
+            if not kept:
+                return
+            errors = ValidationError(kept)
+        super()._update_errors(errors)
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
@@ -245,7 +275,7 @@ class AddConditionForm(forms.ModelForm):
 
 def _raise(name: str, *, reason: str, expires_at, by: str) -> ActionResult:
     try:
-        api.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
+        governor.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
     except DefinitionError as exc:
         return ActionResult(False, "; ".join(str(p) for p in exc.problems))
     until = f"until {timezone.localtime(expires_at):%Y-%m-%d %H:%M}" if expires_at else "until cleared"
@@ -253,7 +283,7 @@ def _raise(name: str, *, reason: str, expires_at, by: str) -> ActionResult:
 
 
 def _clear(name: str, *, by: str) -> ActionResult:
-    if api.clear_condition(name, by):
+    if governor.clear_condition(name, by):
         return ActionResult(True, f"{name} cleared")
     return ActionResult(False, f"{name} does not hold")
 
@@ -289,7 +319,7 @@ class GovernorConditionAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change) -> None:
         """Raise the new condition through the governor (it writes the row and its event)."""
-        raised = api.raise_condition(obj.name, reason=obj.reason, expires_at=obj.expires_at, by=actor(request))
+        raised = governor.raise_condition(obj.name, reason=obj.reason, expires_at=obj.expires_at, by=actor(request))
         obj.pk = raised.pk
         obj.raised_at, obj.raised_by = raised.raised_at, raised.raised_by
 

@@ -10,6 +10,10 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from workflows.validation import StepFailurePolicy, validate_service, validate_workflow
+
+__all__ = ["Executor", "GovernorCondition", "Service", "StepFailurePolicy", "Workflow", "workflows_naming_service"]
+
 
 class Executor(models.TextChoices):
     """How an agent runs a service."""
@@ -18,13 +22,6 @@ class Executor(models.TextChoices):
     PYTHON = "python", "Python callable"
     HTTP = "http", "Local HTTP service"
     SIMULATE = "simulate", "Simulated unstable network"
-
-
-class StepFailurePolicy(models.TextChoices):
-    """What a workflow step failing for good (its task in final error) does to the job."""
-
-    FAIL_JOB = "fail_job", "Fail the job (its dependents and unstarted steps are skipped)"
-    CONTINUE = "continue", "Continue (its dependents are skipped, independent steps go on; the job ends partial)"
 
 
 class Service(models.Model):
@@ -120,8 +117,6 @@ class Service(models.Model):
         return self.key
 
     def clean(self) -> None:
-        from workflows.validation import validate_service
-
         validate_service(self)
 
 
@@ -156,9 +151,12 @@ class Workflow(models.Model):
         return f"{self.name} v{self.version}"
 
     def clean(self) -> None:
-        from workflows.validation import validate_workflow
-
         validate_workflow(self)
+
+    def step_services(self) -> dict[str, Service]:
+        """Return the stored services the steps name, by key (an unknown key is simply absent)."""
+        wanted = {s.get("service") for s in self.steps or [] if isinstance(s, dict)}
+        return {s.key: s for s in Service.objects.filter(key__in=[w for w in wanted if isinstance(w, str)])}
 
 
 class GovernorCondition(models.Model):
@@ -186,3 +184,8 @@ class GovernorCondition(models.Model):
             and (self.cleared_at is None or self.cleared_at < self.raised_at)
             and (self.expires_at is None or self.expires_at > now)
         )
+
+
+def workflows_naming_service(key: str) -> list[str]:
+    """Return the workflows whose steps name the service ``key`` (a rename would break them)."""
+    return [f"workflow {w}" for w in Workflow.objects.filter(steps__contains=[{"service": key}])]

@@ -3,6 +3,10 @@
 One set of rules serves the admin form (``Model.clean``), the Python API (:mod:`workflows.api`)
 and imports. Every problem names where it is (which step, which field) and what is wrong; callers
 validate everything before writing anything.
+
+The rules read the definitions they are given and import no models: :mod:`workflows.models` calls
+them from ``clean``, and what apps above still hold by a service's key (jobs, triggers) is asked
+through the finders they register (:func:`register_service_users`).
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import os
 import re
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 from django.core.exceptions import ValidationError
+from django.db import models
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
@@ -29,6 +34,26 @@ STEP_FIELDS = frozenset({"key", "service", "depends_on", "default_params", "fan_
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names the agent sets itself (the task contract) or keeps for itself (its settings).
 RESERVED_ENV_PREFIXES = ("ACC_", "ACCS_")
+
+
+class StepFailurePolicy(models.TextChoices):
+    """What a workflow step failing for good (its task in final error) does to the job."""
+
+    FAIL_JOB = "fail_job", "Fail the job (its dependents and unstarted steps are skipped)"
+    CONTINUE = "continue", "Continue (its dependents are skipped, independent steps go on; the job ends partial)"
+
+
+# Who still names a service by its key: given the key, a finder returns one description per user
+# ("workflow deploy v2", "3 unfinished job(s)"). Each app holding such names registers one from its
+# AppConfig.ready(), so a rename is refused without this module importing the apps above it.
+ServiceUsersFinder = Callable[[str], list[str]]
+_service_users_finders: list[ServiceUsersFinder] = []
+
+
+def register_service_users(finder: ServiceUsersFinder) -> None:
+    """Add ``finder`` to those :func:`service_users` asks (once, however often it is registered)."""
+    if finder not in _service_users_finders:
+        _service_users_finders.append(finder)
 
 
 @dataclass(frozen=True)
@@ -298,16 +323,9 @@ def flow_control_problems(service) -> list[Problem]:
 
 
 def service_users(key: str) -> list[str]:
-    """Return what still names the service ``key``: workflows' steps and unfinished jobs."""
-    from jobs.models import JOB_ACTIVE, Job, Trigger
-    from workflows.models import Workflow
-
-    users = [f"workflow {w}" for w in Workflow.objects.filter(steps__contains=[{"service": key}])]
-    active = Job.objects.filter(status__in=JOB_ACTIVE, service__key=key).count()
-    if active:
-        users.append(f"{active} unfinished job(s)")
-    users += [f"trigger {t.label!r}" for t in Trigger.objects.filter(service__key=key)]
-    return users
+    """Return what still names the service ``key`` (workflows' steps, unfinished jobs, triggers), as
+    the registered finders describe it."""
+    return [user for finder in _service_users_finders for user in finder(key)]
 
 
 def key_change_problems(service) -> list[Problem]:
@@ -319,9 +337,8 @@ def key_change_problems(service) -> list[Problem]:
     pk = getattr(service, "pk", None)
     if not pk:
         return []
-    from workflows.models import Service
-
-    old = Service.objects.filter(pk=pk).values_list("key", flat=True).first()
+    # The key as stored, read through the instance's own model.
+    old = type(service)._default_manager.filter(pk=pk).values_list("key", flat=True).first()
     if old is None or old == service.key:
         return []
     users = service_users(old)
@@ -431,8 +448,6 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
 
 def policy_problems(step: Mapping[str, Any], *, where: str) -> list[Problem]:
     """Return what is wrong with a step's failure policy (``on_failure``) and its ``always`` flag."""
-    from workflows.models import StepFailurePolicy
-
     problems = []
     allowed = list(StepFailurePolicy.values)
     on_failure = step.get("on_failure")
@@ -445,12 +460,13 @@ def policy_problems(step: Mapping[str, Any], *, where: str) -> list[Problem]:
 
 
 def validate_workflow(workflow, services: Mapping[str, Any] | None = None) -> None:
-    """Raise :class:`DefinitionError` (on the ``steps`` field) when a workflow is invalid."""
-    if services is None:
-        from workflows.models import Service
+    """Raise :class:`DefinitionError` (on the ``steps`` field) when a workflow is invalid.
 
-        wanted = {s.get("service") for s in workflow.steps or [] if isinstance(s, dict)}
-        services = {s.key: s for s in Service.objects.filter(key__in=[w for w in wanted if isinstance(w, str)])}
+    ``services`` maps service keys to services; without it, the workflow's own
+    ``step_services()`` reads those its steps name.
+    """
+    if services is None:
+        services = workflow.step_services()
     problems = step_problems(workflow.steps, services)
     if (workflow.version or 0) < 1:
         problems.append(Problem("version", "must be at least 1"))

@@ -6,7 +6,9 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
 
+    # events: the data migration below writes each changed job's status event into accs_event.
     dependencies = [
+        ('events', '0001_initial'),
         ('jobs', '0005_api_token_expiry_event_receipt'),
         ('workflows', '0001_initial'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),

@@ -22,6 +22,7 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "shop",
     # ACCS
+    "tenants",
     "workflows",
     "jobs",
     "nodes",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.accounts import AccountError, create_tenant
-from jobs.models import Tenant
+from tenants.accounts import AccountError, create_tenant
+from tenants.models import Tenant
 
 
 class Command(BaseCommand):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.accounts import AccountError, add_member, remove_member
-from jobs.models import TenantMembership, TenantRole
+from tenants.accounts import AccountError, add_member, remove_member
+from tenants.models import TenantMembership, TenantRole
 
 
 class Command(BaseCommand):

@@ -9,8 +9,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from jobs.accounts import AccountError, issue_token, parse_duration, revoke_tokens
-from jobs.models import ApiToken
+from tenants.accounts import AccountError, issue_token, parse_duration, revoke_tokens
+from tenants.models import ApiToken
 
 
 class Command(BaseCommand):

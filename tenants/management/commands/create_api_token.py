@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.accounts import AccountError, issue_token
+from tenants.accounts import AccountError, issue_token
 
 
 class Command(BaseCommand):

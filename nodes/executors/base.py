@@ -1,0 +1,243 @@
+"""What every executor shares: the attempt's context, the secrets it redacts, cleaning its output.
+
+Each executor's ``run(task, ctx)`` (:class:`Executor`) blocks in a worker thread and returns an
+Outcome; it reports start (pid), progress and log lines through :class:`RunContext`, which the
+agent batches into the database. What a task prints is cleaned before it reaches the database
+(:func:`sanitize_outcome`): NUL characters are stripped, NaN and Infinity are refused, sizes are
+capped, so one task's output can never make a report fail. The agent's secrets and secret params
+are redacted from tails, errors and log lines, and :func:`not_allowed` refuses, before each run,
+what the site's ``ACC_ALLOWED_*`` lists do not name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from accs_site.conf import MIN_SECRET_CHARS, known_secrets
+from jobs.claim import ClaimedTask
+from jobs.transitions import Outcome
+from workflows.validation import argv_fields, not_allowed_problems
+
+TAIL_CHARS = 4000
+
+SECRET_KEY_RE = re.compile(r"(pass(word)?|secret|token|api[_-]?key|credential)", re.I)
+KILL_GRACE_SECONDS = 3.0
+# Results are one JSON document in a jsonb column; a task that needs more stores an artifact.
+MAX_RESULTS_BYTES = 1_000_000
+MAX_LOG_LINE_CHARS = 8000
+MAX_ERROR_CHARS = 2000
+# What a task's process inherits from the agent's environment; nothing else (least privilege:
+# the agent's database URL, secret key, storage keys and tokens never reach a task).
+INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "HOME", "TMPDIR", "TZ", "PYTHONPATH",
+                 "DJANGO_SETTINGS_MODULE")
+
+
+def secrets_in(params: Any, *, secret: bool = False) -> list[str]:
+    """Return the values of params whose names look secret (every value under such a name, in lists
+    and objects too), to redact from logs and tails."""
+    found: list[str] = []
+    if isinstance(params, dict):
+        for key, value in params.items():
+            found += secrets_in(value, secret=secret or bool(SECRET_KEY_RE.search(str(key))))
+    elif isinstance(params, (list, tuple)):
+        for value in params:
+            found += secrets_in(value, secret=secret)
+    elif secret and isinstance(params, (str, int, float)) and not isinstance(params, bool):
+        if len(str(params)) >= MIN_SECRET_CHARS:
+            found.append(str(params))
+    return found
+
+
+def agent_secrets() -> list[str]:
+    """Return the agent's own secrets (:func:`accs_site.conf.known_secrets`), which no task output,
+    error or log line may carry into the database."""
+    return known_secrets()
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    """Replace every secret value in ``text`` with ``***`` (longest first, so a URL goes before its password)."""
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+@dataclass
+class RunContext:
+    """What an executor may do while it runs: report start, progress and log lines, see cancel."""
+
+    task: ClaimedTask
+    service_config: dict[str, Any]
+    on_started: Callable[[int | None], None]
+    on_progress: Callable[[float], None]
+    on_log: Callable[[str, str], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    secrets: list[str] = field(default_factory=list)
+    output_dir: str | None = None
+    input_dir: str | None = None
+    # How long a stopped process group gets between SIGTERM and SIGKILL; the agent shortens it
+    # when the lease is at stake (another agent may start the task soon).
+    kill_grace: float = KILL_GRACE_SECONDS
+    # Why the agent asked the attempt to stop: "cancel" (an operator), "shutdown", "lease".
+    stop_reason: str = ""
+    log_records: list[dict[str, Any]] = field(default_factory=list)
+    node: str = ""
+    agent_id: str = ""
+
+    def log(self, message: str, *, level: str = "info") -> None:
+        text = clean_text(redact(str(message), self.secrets))[:MAX_LOG_LINE_CHARS]
+        self.log_records.append({"ts": _utc_now(), "level": level, "message": text})
+        self.on_log(level, text)
+
+    def progress(self, value: float) -> None:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return
+        if math.isfinite(value):
+            self.on_progress(value)
+
+    def stop(self, reason: str, *, kill_grace: float | None = None) -> None:
+        """Ask the attempt to stop (the first reason given wins)."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+        if kill_grace is not None:
+            self.kill_grace = min(self.kill_grace, kill_grace)
+        self.cancel.set()
+
+
+def _utc_now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat()
+
+
+# --------------------------------------------------------------------------------------------
+# Cleaning output before it reaches the database
+# --------------------------------------------------------------------------------------------
+
+class BadOutput(ValueError):
+    """A task's output that can never be stored (NaN, too large, not JSON)."""
+
+
+def clean_text(text: str) -> str:
+    """Strip NUL characters, which PostgreSQL text and jsonb cannot hold."""
+    return text.replace("\x00", "") if "\x00" in text else text
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadOutput(f"results contain {name}, which JSON (and PostgreSQL) cannot store")
+
+
+def clean_results(value: Any, *, depth: int = 0) -> Any:
+    """Return ``value`` with NUL stripped from every string (keys too); refuse NaN and Infinity."""
+    if depth > 200:
+        raise BadOutput("results are nested too deeply")
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadOutput(f"results contain {value}, which JSON (and PostgreSQL) cannot store")
+        return value
+    if isinstance(value, dict):
+        return {clean_text(str(k)): clean_results(v, depth=depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_results(v, depth=depth + 1) for v in value]
+    return value
+
+
+def parse_results(stdout: str) -> Any:
+    """Parse a command's stdout as one JSON value; raise BadOutput when it cannot be stored."""
+    if not stdout.strip():
+        return {}
+    if len(stdout.encode(errors="replace")) > MAX_RESULTS_BYTES:
+        raise BadOutput(f"stdout is larger than {MAX_RESULTS_BYTES} bytes; store big outputs as files in ACCS_OUTPUT_DIR")
+    try:
+        return json.loads(stdout, parse_constant=_reject_constant)
+    except json.JSONDecodeError:
+        raise BadOutput("stdout is not JSON (the CLI contract wants one JSON value)") from None
+
+
+def sanitize_outcome(outcome: Outcome, *, secrets: list[str] = ()) -> Outcome:
+    """Make an outcome storable: clean text fields, redact ``secrets`` from them, check results;
+    bad results fail the attempt.
+
+    A result that cannot be stored becomes a final failure (``bad_output``): running the task
+    again would print the same thing.
+    """
+    secrets = list(secrets)
+    outcome.error = redact(clean_text(outcome.error or ""), secrets)[:MAX_ERROR_CHARS]
+    outcome.stdout_tail = redact(clean_text(outcome.stdout_tail or ""), secrets)[-TAIL_CHARS:]
+    outcome.stderr_tail = redact(clean_text(outcome.stderr_tail or ""), secrets)[-TAIL_CHARS:]
+    if outcome.results is None:
+        return outcome
+    try:
+        outcome.results = clean_results(outcome.results)
+        size = len(json.dumps(outcome.results, default=str, allow_nan=False))
+    except (BadOutput, ValueError, TypeError, RecursionError) as exc:
+        return bad_output(outcome, str(exc))
+    if size > MAX_RESULTS_BYTES:
+        return bad_output(outcome, f"results are {size} bytes, more than {MAX_RESULTS_BYTES}; "
+                                   "store big outputs as artifacts")
+    return outcome
+
+
+def bad_output(outcome: Outcome, reason: str) -> Outcome:
+    """Return a final failure of ``outcome``'s attempt for output that cannot be stored."""
+    return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="failed",
+                   error=clean_text(f"bad output: {reason}")[:MAX_ERROR_CHARS], error_code="bad_output",
+                   retryable=False, exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail,
+                   stderr_tail=outcome.stderr_tail)
+
+
+class Executor(Protocol):
+    def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome: ...
+
+
+def _outcome(task: ClaimedTask, status: str, **fields: Any) -> Outcome:
+    return Outcome(task_id=task.id, attempt=task.attempt, status=status, **fields)
+
+
+def render_argv(template: list[str], params: dict[str, Any]) -> list[str]:
+    """Render each argv element's plain ``{name}`` fields from params; each stays one argument.
+
+    Anything but a plain name (attributes, indexing, conversions, format specs) is refused, even in
+    a row written to the database without validation.
+    """
+    values = {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else str(v))) for k, v in params.items()}
+    out = []
+    for arg in template:
+        rendered = []
+        for literal, name in argv_fields(arg):
+            rendered.append(literal)
+            if name is not None:
+                if name not in values:
+                    raise ValueError(f"argv placeholder {name!r} has no value in params")
+                rendered.append(values[name])
+        out.append("".join(rendered))
+    if out and out[0] == "python":
+        out[0] = sys.executable  # the agent's own interpreter, so demo tools need no PATH set-up
+    return out
+
+def not_allowed(task: ClaimedTask, executor: str, config: dict[str, Any]) -> Outcome | None:
+    """Return a final failure (``not_allowed``) when this site's allow-lists refuse the service's
+    executor config, else None. The agent asks before every run: a row written to the database
+    without validation, or an allow-list narrowed since, must not run."""
+    problems = not_allowed_problems(executor, config)
+    if not problems:
+        return None
+    return _outcome(task, "failed", error="not allowed: " + "; ".join(str(p) for p in problems),
+                    error_code="not_allowed", retryable=False)
+
+def remove_scratch(ctx: RunContext) -> None:
+    """Remove the attempt's scratch directories (after its outputs were collected)."""
+    for directory in (ctx.output_dir, ctx.input_dir):
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
