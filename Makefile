@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo serve test test-fast test-dj61 bench bench-churn bench-compare bench-keyed bench-cockpit-data \
-	bench-cockpit-pages chaos stop check
+.PHONY: install db demo serve lint test test-fast test-dj61 bench bench-churn bench-compare bench-keyed \
+	bench-cockpit-data bench-cockpit-pages chaos stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ serve: db
 	@echo "serving http://$${ACCS_WEB_HOST:-127.0.0.1}:$${ACCS_WEB_PORT:-8000}/admin/ (Ctrl-C stops; a login: $(PY) manage.py createsuperuser)"
 	@exec scripts/serve.sh
 
+# ruff (pycodestyle, pyflakes, import order, bugbear) over the repository and mypy (with django-stubs) over
+# the apps; both configured in pyproject.toml. CI runs it before the tests (.ci/run).
+LINT_APPS := $(wildcard accs_site tenants events workflows jobs nodes ops)
+lint: install
+	@$(VENV)/bin/ruff check .
+	@$(PY) -m mypy $(LINT_APPS)
+
 # The browser tests need Debian's chromium and chromedriver, the fleet test PgBouncer: installed here when
 # missing (root or sudo).
 test: install
@@ -51,7 +58,7 @@ DJ61_VENV ?= .venv-dj61
 DJ61_DJANGO ?= 6.1.3
 DJ61_PY := $(DJ61_VENV)/bin/python
 DJ61_STAMP := $(DJ61_VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)-$(DJ61_DJANGO)
-DJ61_TESTS ?= tests/test_tasks_backend.py tests/test_tasks_contract.py tests/test_embedded_site.py
+DJ61_TESTS ?= tests/jobs/test_tasks_backend.py tests/jobs/test_tasks_contract.py tests/system/test_embedded_site.py
 
 $(DJ61_STAMP): requirements.txt
 	@test -x $(DJ61_PY) || { \

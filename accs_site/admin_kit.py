@@ -18,11 +18,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from django.contrib import admin, messages
-from django.contrib.admin import ShowFacets
+from django.contrib.admin import ShowFacets, helpers
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
@@ -104,7 +104,8 @@ class EstimatedCountPaginator(Paginator):
         if top + self.orphans >= self.count:
             top = self.count
         keys = queryset.values("pk")[bottom:top]
-        return self._get_page(queryset.filter(pk__in=keys), number, self)
+        # Paginator's own page factory (Django has it; the stubs leave it out as private).
+        return self._get_page(queryset.filter(pk__in=keys), number, self)  # type: ignore[attr-defined]
 
 
 def actor(request: HttpRequest) -> str:
@@ -135,7 +136,7 @@ def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
     ``subjects`` names the object of each result (in order); without them the message gives
     counts and reasons only.
     """
-    named = list(zip(subjects, results)) if subjects else [("", r) for r in results]
+    named = list(zip(subjects, results, strict=True)) if subjects else [("", r) for r in results]
     changed = [(s, r) for s, r in named if r.changed]
     unchanged: dict[str, list[str]] = {}
     for subject, result in named:
@@ -174,7 +175,9 @@ def log_bulk(request: HttpRequest, model: type, message: str) -> None:
     from django.contrib.admin.models import CHANGE, LogEntry
     from django.contrib.contenttypes.models import ContentType
 
-    LogEntry.objects.create(user_id=request.user.pk, content_type=ContentType.objects.get_for_model(model),
+    # Admin views run for a logged-in user only, so the user has a primary key.
+    LogEntry.objects.create(user_id=request.user.pk,  # type: ignore[misc]
+                            content_type=ContentType.objects.get_for_model(model),
                             object_id=None, object_repr=message[:200], action_flag=CHANGE, change_message=message)
 
 
@@ -373,7 +376,7 @@ def bulk_actions(table: ActionTable, noun: str, *, confirm: frozenset[str] = DES
             if name in confirm and "confirm" not in request.POST:
                 objects = list(queryset.order_by()[:MAX_BULK])
                 hidden = [("action", request.POST.get("action", "")), ("select_across", "0"), ("index", "0")]
-                hidden += [(admin.helpers.ACTION_CHECKBOX_NAME, str(obj.pk)) for obj in objects]
+                hidden += [(helpers.ACTION_CHECKBOX_NAME, str(obj.pk)) for obj in objects]
                 return confirm_page(request, modeladmin, verb=verb, objects=objects, hidden=hidden, options=options,
                                     note=getattr(modeladmin, "confirm_notes", {}).get(name, ""))
             extra = _options(request, options)
@@ -385,7 +388,14 @@ def bulk_actions(table: ActionTable, noun: str, *, confirm: frozenset[str] = DES
     return tuple(built)
 
 
-class PageActionsMixin:
+if TYPE_CHECKING:
+    # The mixin only ever sits before a ModelAdmin; mypy checks it as one.
+    _MixinBase = admin.ModelAdmin[Any]
+else:
+    _MixinBase = object
+
+
+class PageActionsMixin(_MixinBase):
     """Run one action from a button on an object's page (POST ``<id>/act/<action>/``), then go back.
 
     Subclasses name their actions (``page_actions``, an :data:`ActionTable`; :func:`bulk_actions`
@@ -402,6 +412,12 @@ class PageActionsMixin:
 
     def after_action_url(self, request: HttpRequest, obj: Any) -> str:
         raise NotImplementedError
+
+    if TYPE_CHECKING:
+        def has_act_permission(self, request: HttpRequest, obj: Any = None) -> bool: ...
+
+        def _get_obj_does_not_exist_redirect(self, request: HttpRequest, opts: Any,
+                                             object_id: str) -> HttpResponse: ...
 
     def get_urls(self):
         name = f"{self.opts.app_label}_{self.opts.model_name}_act"

@@ -17,14 +17,14 @@ from __future__ import annotations
 from django.core.exceptions import PermissionDenied, ValidationError as DjangoValidationError
 from django.db import DataError, IntegrityError, OperationalError
 from django.http import HttpRequest, HttpResponse
-from ninja import Field, NinjaAPI, Schema, Status, Swagger
+from ninja import Field, Schema, Status, Swagger
 from ninja.errors import Throttled, ValidationError as NinjaValidationError
 
 from accs_site.conf import accs
 from accs_site.daemon import database_not_ready
+from accs_site.http import MarkdownDescriptions
 from accs_site.middleware import transient_reason
 from jobs.api import JobConflict, NotFound
-from accs_site.http import MarkdownDescriptions
 from jobs.http import router as jobs_router
 from jobs.http_events import router as events_router
 from tenants.auth import BearerToken, StaffSession

@@ -6,14 +6,14 @@ start without the secret key and the metrics token.
 """
 
 from django.conf import settings
-from django.core.checks import Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from accs_site.conf import ANY, SettingError, accs, is_placeholder, is_weak_secret_key
 
 
 @register()
-def check_accs_settings(app_configs=None, **kwargs) -> list[Error]:
-    errors: list[Error] = []
+def check_accs_settings(app_configs=None, **kwargs) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
     for name in accs.all_properties():
         try:
             getattr(accs, name)
@@ -44,8 +44,10 @@ def _retention_problems() -> list[Error | Warning]:
     if accs.retention_export and not accs.minio.configured:
         problems.append(
             Error(
-                "ACC_RETENTION_EXPORT is on but artifact storage is not configured: no finished job would ever be pruned",
-                hint="Set ACC_MINIO_ENDPOINT, ACC_MINIO_ACCESS_KEY and ACC_MINIO_SECRET_KEY, or turn ACC_RETENTION_EXPORT off.",
+                "ACC_RETENTION_EXPORT is on but artifact storage is not configured: "
+                "no finished job would ever be pruned",
+                hint="Set ACC_MINIO_ENDPOINT, ACC_MINIO_ACCESS_KEY and ACC_MINIO_SECRET_KEY, "
+                "or turn ACC_RETENTION_EXPORT off.",
                 id="accs.E003",
             )
         )
@@ -54,7 +56,8 @@ def _retention_problems() -> list[Error | Warning]:
         kept = "for ever" if days == 0 else f"for {days} days"
         problems.append(
             Warning(
-                f"ACC_RETENTION_DEAD_DAYS={dead} prunes dead letters sooner than other finished jobs, which are kept {kept} "
+                f"ACC_RETENTION_DEAD_DAYS={dead} prunes dead letters sooner than other finished jobs, "
+                f"which are kept {kept} "
                 "(ACC_RETENTION_DAYS)",
                 hint="Dead letters are kept longer, for investigation: raise ACC_RETENTION_DEAD_DAYS or set it to 0.",
                 id="accs.W001",

@@ -264,7 +264,7 @@ def close_shared_pool() -> None:
 
     try:
         connection.close()
-        connection.close_pool()
+        connection.close_pool()  # type: ignore[attr-defined]  # the PostgreSQL backend's, Django 5.1 and later
     except Exception:  # noqa: BLE001 - closing at exit must not fail the exit
         pass
 
@@ -310,6 +310,7 @@ def release_after_each_statement():
 # ---------------------------------------------------------------------------- poolers and LISTEN
 def db_pooler() -> str | None:
     """Return the pooler in front of PostgreSQL (``ACC_DB_POOLER``: ``pgbouncer``), or None when direct."""
+    # settings.py imports this module; the typed settings load when asked, after Django's.
     from accs_site.conf import accs
 
     return accs.db_pooler
@@ -317,6 +318,7 @@ def db_pooler() -> str | None:
 
 def listen_db_url() -> str | None:
     """Return the direct URL for LISTEN connections (``ACC_LISTEN_DB_URL``), or None."""
+    # settings.py imports this module; the typed settings load when asked, after Django's.
     from accs_site.conf import accs
 
     return accs.listen_db_url

@@ -1,4 +1,4 @@
-"""Shared pieces of the HTTP API (CTL5): input base schema, error shape, small helpers.
+"""Shared pieces of the HTTP API: input base schema, error shape, small helpers.
 
 Endpoint modules live in their apps (``jobs/http.py``, ``workflows/http.py``); the NinjaAPI instance
 and the exception handlers that turn domain errors into JSON live in :mod:`accs_site.api_v1`.
@@ -7,11 +7,10 @@ and the exception handlers that turn domain errors into JSON live in :mod:`accs_
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
-
-import re
 
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest

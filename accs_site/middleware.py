@@ -28,6 +28,8 @@ from django.http import HttpRequest, HttpResponse
 from django.template import TemplateDoesNotExist
 from django.template.loader import render_to_string
 
+from accs_site.daemon import database_address, database_not_ready
+
 log = logging.getLogger("accs.http")
 
 API_PREFIX = "/api/"
@@ -81,8 +83,6 @@ def _transient_response(request: HttpRequest, exc: BaseException) -> HttpRespons
     reason = transient_reason(exc)
     log.warning("transient database error on %s: %s", request.path, reason)
     if not is_api(request):
-        from accs_site.daemon import database_address
-
         return unavailable_page(detail=f"PostgreSQL at {database_address()} could not answer: {reason}",
                                 what_to_do="Start PostgreSQL (or correct ACC_DB_URL) and reload; nothing was "
                                            "changed by this request.")
@@ -99,8 +99,6 @@ def not_migrated_reason(exc: BaseException) -> str | None:
     """
     if not isinstance(exc, ProgrammingError):
         return None
-    from accs_site.daemon import database_not_ready
-
     return database_not_ready()
 
 

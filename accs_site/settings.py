@@ -181,7 +181,7 @@ LOGGING = {
     "formatters": {"console": {"()": "events.logging.console_formatter"}},
     "handlers": {
         "stdout": {"class": "logging.StreamHandler", "formatter": "console"},
-        # EVT2: records with a job_id also land on the job's timeline.
+        # Records with a job_id also land on the job's timeline.
         "timeline": {"class": "events.logging.EventBridgeHandler", "level": "INFO"},
     },
     "root": {"handlers": ["stdout"], "level": env.str("ACC_LOG_LEVEL", default="INFO")},

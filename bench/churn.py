@@ -40,12 +40,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "accs_site.settings")
 os.environ.setdefault("ACC_LOG_LEVEL", "WARNING")
 
-from bench import run as bench  # noqa: E402  (sets Django up)
-
 from django.db import connection  # noqa: E402
 
 from accs_site.clock import db_now  # noqa: E402
 from accs_site.conf import accs  # noqa: E402
+from bench import run as bench  # noqa: E402  (sets Django up)
 from jobs import api, transitions  # noqa: E402
 from jobs.claim import NodeLimits, ServiceSpec, claim_many  # noqa: E402
 from jobs.retention import prune_finished_jobs  # noqa: E402
@@ -84,7 +83,7 @@ def sizes() -> dict[str, dict[str, int]]:
                           "live_rows": live, "dead_rows": dead}
         cur.execute(EVENT_SIZES_SQL)
         out["accs_event"] = dict(zip(("total_bytes", "table_bytes", "indexes_bytes", "live_rows", "dead_rows"),
-                                     cur.fetchone()))
+                                     cur.fetchone(), strict=True))
     return out
 
 
@@ -194,7 +193,8 @@ def churn() -> dict[str, object]:
 def show(results: dict) -> None:
     bench.say(f"  claim rate, first 10 %   {results['claim_rate_start']:>10,.1f} tasks/s")
     bench.say(f"  claim rate, last 10 %    {results['claim_rate_end']:>10,.1f} tasks/s")
-    bench.say(f"  overall (with enqueue)   {results['wall_rate']:>10,.1f} tasks/s over {results['wall_seconds']:,.0f} s")
+    bench.say(f"  overall (with enqueue)   {results['wall_rate']:>10,.1f} tasks/s"
+              f" over {results['wall_seconds']:,.0f} s")
     bench.say(f"  pruned                   {results['pruned']}")
     bench.say("  sizes MB (total / table / indexes), after the first 10 % → at the end:")
     for table in results["sizes_end"]:

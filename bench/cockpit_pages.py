@@ -125,7 +125,7 @@ def _start_web(db_url: str, port: int, env_extra: dict[str, str]) -> subprocess.
             return proc
         except requests.RequestException:
             if proc.poll() is not None:
-                raise SystemExit(f"cockpit_pages: the web process died; see {WEB_LOG}")
+                raise SystemExit(f"cockpit_pages: the web process died; see {WEB_LOG}") from None
             time.sleep(0.2)
     proc.kill()
     raise SystemExit("cockpit_pages: the web process did not answer within 60 s")

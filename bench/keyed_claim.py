@@ -37,11 +37,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "accs_site.settings")
 os.environ.setdefault("ACC_LOG_LEVEL", "WARNING")
 
-from bench import run as bench  # noqa: E402  (sets Django up)
-
 from django.core.management import call_command  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
 
+from bench import run as bench  # noqa: E402  (sets Django up)
 from jobs.claim import NodeLimits, claim_many, service_spec  # noqa: E402
 from workflows.api import save_service  # noqa: E402
 from workflows.models import Service  # noqa: E402

@@ -74,7 +74,8 @@ class StatementTimer:
         total = sum(self.seconds.values())
         print(f"  waiting for PostgreSQL: {total:.2f} s of {wall:.2f} s wall ({100 * total / wall:.0f} %)")
         for key, seconds in sorted(self.seconds.items(), key=lambda kv: -kv[1])[:8]:
-            print(f"    {seconds:7.2f} s  {self.calls[key]:7d} calls  {1000 * seconds / self.calls[key]:7.2f} ms/call  {key}")
+            per_call = 1000 * seconds / self.calls[key]
+            print(f"    {seconds:7.2f} s  {self.calls[key]:7d} calls  {per_call:7.2f} ms/call  {key}")
 
 
 def python_report(profile: cProfile.Profile, limit: int = 12) -> None:

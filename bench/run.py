@@ -7,11 +7,13 @@ by a running builder and run to done by two agents), enqueue_rate_single / enque
 (one-task jobs/s through the Python API, one by one and with start_many), pickup_p50_ms /
 pickup_p95_ms (enqueue → task body, 200 jobs 50 ms apart into an idle agent),
 claim_ms_p50_at_10k / _100k / _1m (one claim of 10 tasks with that many queued, 10 % in backoff and
-10 % bound to another node's host at the head of the order), fanout_1000_instantiate_s / fanout_1000_complete_s (a job fanning out over 1,000 hosts into a second
-1,000-host fan-out: the start call, and the job's start to its end with two agents).
+10 % bound to another node's host at the head of the order), fanout_1000_instantiate_s /
+fanout_1000_complete_s (a job fanning out over 1,000 hosts into a second 1,000-host fan-out: the start call,
+and the job's start to its end with two agents).
 
 Every claim, transition and event is written as in production. Environment: BENCH_N (20000),
-BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05), BENCH_FANOUT_HOSTS (1000), BENCH_CLAIM_SIZES (10000,100000,1000000), BENCH_SCALE_AGENTS (100; 0 skips), BENCH_SCALE_SLOTS (20),
+BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05), BENCH_FANOUT_HOSTS (1000),
+BENCH_CLAIM_SIZES (10000,100000,1000000), BENCH_SCALE_AGENTS (100; 0 skips), BENCH_SCALE_SLOTS (20),
 BENCH_SCALE_SECONDS (60), BENCH_SCALE_CAP (1500), BENCH_FLEET_RATE (200).
 
 enqueue_rate_single_atomic: 20,000 start_service calls inside one atomic(). fleet_100_agents_*:
@@ -67,7 +69,8 @@ def say(text: str) -> None:
 def reset() -> None:
     with connection.cursor() as cur:
         cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event, accs_artifact CASCADE")
-        cur.execute("DELETE FROM accs_disk_sample WHERE node_id LIKE 'bench-%%' OR node_id LIKE 'e2e-%%' OR node_id = 'lat'")
+        cur.execute("DELETE FROM accs_disk_sample"
+                    " WHERE node_id LIKE 'bench-%%' OR node_id LIKE 'e2e-%%' OR node_id = 'lat'")
         cur.execute("DELETE FROM accs_host WHERE name LIKE 'fan-h%%'")
         cur.execute("DELETE FROM accs_node WHERE name LIKE 'bench-%%' OR name LIKE 'e2e-%%' OR name = 'lat'")
         cur.execute("CHECKPOINT")
@@ -139,7 +142,8 @@ def drain(agents: int) -> float:
     for p in procs:
         p.wait(timeout=60)
     with connection.cursor() as cur:
-        cur.execute("SELECT extract(epoch FROM max(t.finished_at) - min(a.started_at)), count(*) FILTER (WHERE t.status = 'done')"
+        cur.execute("SELECT extract(epoch FROM max(t.finished_at) - min(a.started_at)),"
+                    " count(*) FILTER (WHERE t.status = 'done')"
                     " FROM accs_task t JOIN accs_attempt a ON a.task_id = t.id")
         seconds, done = cur.fetchone()
     return done / float(seconds)
@@ -148,7 +152,8 @@ def drain(agents: int) -> float:
 def e2e() -> float:
     reset()
     procs = [spawn("runbuilder", "--tick", "0.2", "--batch", "1000")] + [
-        spawn("runagent", "--node", f"e2e-{i}", "--services", "bench-noop", "--max-concurrent", "64", "--claim-batch", "64")
+        spawn("runagent", "--node", f"e2e-{i}", "--services", "bench-noop",
+              "--max-concurrent", "64", "--claim-batch", "64")
         for i in range(2)]
     time.sleep(3)
     n = N // 2
@@ -197,7 +202,7 @@ def pickup() -> tuple[float, float]:
                                                      "--max-concurrent", "4", env={"ACC_POLL_INTERVAL_SEC": "5"})]
     time.sleep(3)
     try:
-        for i in range(LAT_JOBS):
+        for _ in range(LAT_JOBS):
             api.start_service("bench-stamp", params={"t0": time.time()})
             time.sleep(LAT_GAP)
         progress_wait("pick-up", LAT_JOBS, "SELECT count(*) FROM accs_job WHERE status = 'done'")

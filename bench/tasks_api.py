@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.run import LAT_GAP, OUT, progress_wait, reset, say, spawn, stop  # noqa: E402  (sets Django up)
-
 from django.db import connection  # noqa: E402
 
 from bench import task_funcs  # noqa: E402
+from bench.run import LAT_GAP, OUT, progress_wait, reset, say, spawn, stop  # noqa: E402  (sets Django up)
 from jobs.tasks_backend import task_backends  # noqa: E402
 
 N = int(os.environ.get("BENCH_TASKS_N", "2000"))

@@ -144,7 +144,8 @@ from workflows.api import save_service
 save_service(key="chaos-work", executor="command", executor_config={{"argv": ["python", "chaos/work.py", "{{seconds}}"],
                                                                   "env": {{"CHAOS_LEDGER": {str(ledger)!r},
                                                                           "CHAOS_RUN_ID": {run_id!r}}}}},
-             params_schema={{"type": "object", "properties": {{"seconds": {{"type": "number"}}}}, "required": ["seconds"]}},
+             params_schema={{"type": "object", "properties": {{"seconds": {{"type": "number"}}}},
+                            "required": ["seconds"]}},
              max_attempts=25, backoff_base_seconds=0.5, backoff_cap_seconds=2, timeout_seconds=120)
 rng = random.Random({rng.randrange(1 << 30)})
 specs = [api.JobSpec(service="chaos-work", params={{"seconds": round(rng.uniform(3, 6) if rng.random() < 0.03
@@ -174,7 +175,8 @@ def _leader(builders: list[Daemon]) -> Daemon:
 
 
 def run(args: argparse.Namespace) -> dict:
-    sc = Scenario(tasks=args.tasks, agents=args.agents, seed=args.seed, work=Path(tempfile.mkdtemp(prefix="accs-chaos-")))
+    sc = Scenario(tasks=args.tasks, agents=args.agents, seed=args.seed,
+                  work=Path(tempfile.mkdtemp(prefix="accs-chaos-")))
     os.chmod(sc.work, 0o755)
     cluster = Cluster(sc.work / "pg")
     run_id = uuid.uuid4().hex
@@ -395,7 +397,8 @@ def _figures(sc: Scenario, conn: psycopg.Connection, ledger: Path, logs: Path, c
     server_log = cluster.server_log()
     daemon_logs = "".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
     figures = {
-        "lost": q("SELECT count(*) FROM accs_task WHERE status <> 'done'") + max(0, sc.tasks - q("SELECT count(*) FROM accs_task")),
+        "lost": (q("SELECT count(*) FROM accs_task WHERE status <> 'done'")
+                 + max(0, sc.tasks - q("SELECT count(*) FROM accs_task"))),
         "finished_twice": q("SELECT count(*) FROM (SELECT task_id FROM accs_attempt WHERE status = 'succeeded'"
                             " GROUP BY task_id HAVING count(*) > 1) s"),
         "late_reports_accepted": q("SELECT count(*) FROM accs_attempt a JOIN accs_task t ON t.id = a.task_id"
@@ -411,7 +414,8 @@ def _figures(sc: Scenario, conn: psycopg.Connection, ledger: Path, logs: Path, c
         "seed": sc.seed, "tasks": sc.tasks, "agents": sc.agents, "lease_seconds": LEASE_SECONDS,
         "faults": sc.faults, "daemons_exited_detail": sc.exited,
         "fenced_reports_recorded": q("SELECT count(*) FROM accs_event WHERE type = 'fenced'"),
-        "lease_rescues": q("SELECT count(*) FROM accs_event WHERE type = 'retry' AND data->>'error' LIKE 'lease_expired%%'"),
+        "lease_rescues": q("SELECT count(*) FROM accs_event"
+                           " WHERE type = 'retry' AND data->>'error' LIKE 'lease_expired%%'"),
         "attempts": q("SELECT count(*) FROM accs_attempt"),
         "runs_started": sum(1 for parts in lines if parts[0] == "start"),
         "rescue_latency_s": {"n": len(latencies),

@@ -9,8 +9,8 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.html import format_html
 
-from events.models import Artifact, Event, EventType
 from accs_site.admin_kit import ReadOnlyScopedAdmin, uuid_or_none
+from events.models import Artifact, Event, EventType
 
 
 class EventTypeFilter(admin.SimpleListFilter):

@@ -19,6 +19,7 @@ def _attach_timeline_handler() -> None:
     An embedding site rarely configures ACCS's loggers; without the handler, log lines that name a
     job would never reach that job's timeline.
     """
+    # Run from ready(): apps.py loads before the models the handler writes to.
     from events.logging import EventBridgeHandler
 
     logger = logging.getLogger("accs")

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import IO, Any
 from uuid import UUID
 
-from django.core.files import File
 from django.db import connection, transaction
 from django.db.models import Q
 
@@ -41,6 +40,7 @@ from events.storage import (
     CHUNK_SIZE,
     KIND_PREFIXES,
     StorageNotConfigured,
+    Upload,
     build_key,
     delete_keys,
     get_storage,
@@ -396,12 +396,12 @@ def _store(
     key = build_key(job_id, task_key, kind, name=name)
     storage = get_storage(action=f"store {kind} artifact {key}")
     if content_type is None:
-        content_type = JSONL_CONTENT_TYPE if kind == ArtifactKind.LOG else (mimetypes.guess_type(key)[0] or DEFAULT_CONTENT_TYPE)
+        guessed = mimetypes.guess_type(key)[0] or DEFAULT_CONTENT_TYPE
+        content_type = JSONL_CONTENT_TYPE if kind == ArtifactKind.LOG else guessed
     with _seekable(data) as fileobj:
         fileobj.seek(0)  # S3Storage uploads from the start, so the checksum must cover the same bytes
         checksum, size = sha256_of(fileobj)
-        upload = File(fileobj, name=key)
-        upload.content_type = content_type  # read by S3Storage for the object's Content-Type
+        upload = Upload(fileobj, name=key, content_type=content_type)
         saved = storage.save(key, upload)
     if saved != key:  # file_overwrite=True keeps names; a difference would orphan the object
         raise RuntimeError(f"storage renamed {key!r} to {saved!r}")

@@ -1,4 +1,4 @@
-"""Console logging (JSON lines or readable text) and the EventBridge (EVT2).
+"""Console logging (JSON lines or readable text) and the EventBridge (records naming a job land on its timeline).
 
 ``JsonFormatter`` prints one JSON object per line (daemons, executors), keeping the job/task
 context fields; ``TextFormatter`` prints the same as one readable line for a person at a

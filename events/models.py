@@ -44,8 +44,10 @@ class Event(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     ts = models.DateTimeField(default=timezone.now)
-    job = models.ForeignKey("jobs.Job", on_delete=models.DO_NOTHING, null=True, blank=True, db_constraint=False, related_name="events")
-    task = models.ForeignKey("jobs.Task", on_delete=models.DO_NOTHING, null=True, blank=True, db_constraint=False, related_name="events")
+    job = models.ForeignKey("jobs.Job", on_delete=models.DO_NOTHING, null=True, blank=True, db_constraint=False,
+                            related_name="events")
+    task = models.ForeignKey("jobs.Task", on_delete=models.DO_NOTHING, null=True, blank=True, db_constraint=False,
+                             related_name="events")
     attempt = models.IntegerField(null=True, blank=True)
     source = models.CharField(max_length=200, default="", blank=True)
     level = models.CharField(max_length=8, choices=Level.choices, default=Level.INFO)

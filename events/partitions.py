@@ -27,13 +27,12 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from django.core.files import File
 from django.db import connection, transaction
 from django.utils import timezone
 
 from accs_site.conf import accs
 from events.models import Event, Level
-from events.storage import get_storage, is_configured, iter_object
+from events.storage import Upload, get_storage, is_configured, iter_object
 
 log = logging.getLogger(__name__)
 
@@ -308,11 +307,9 @@ def _choose_target(storage: Any, partition: EventPartition, export: _Export, exp
 
 def _upload(storage: Any, target: _Target, data: Any, manifest: dict[str, Any]) -> None:
     """Store the rows, then the manifest (the manifest last: its presence means the data is whole)."""
-    upload = File(data, name=target.key)
-    upload.content_type = "application/x-ndjson"
-    storage.save(target.key, upload)
-    body = File(io.BytesIO(json.dumps(manifest, indent=2).encode()), name=target.manifest_key)
-    body.content_type = "application/json"
+    storage.save(target.key, Upload(data, name=target.key, content_type="application/x-ndjson"))
+    body = Upload(io.BytesIO(json.dumps(manifest, indent=2).encode()), name=target.manifest_key,
+                  content_type="application/json")
     storage.save(target.manifest_key, body)
 
 
@@ -321,7 +318,8 @@ def _verify(storage: Any, target: _Target, manifest: dict[str, Any]) -> None:
     partition = manifest["partition"]
     stored_manifest = json.loads(b"".join(iter_object(storage, target.manifest_key)))
     if stored_manifest != manifest:
-        raise ArchiveError(partition=partition, step="verify", problem="the stored manifest differs from the one written")
+        raise ArchiveError(partition=partition, step="verify",
+                           problem="the stored manifest differs from the one written")
     digest = hashlib.sha256()
     rows = size = 0
     for chunk in iter_object(storage, target.key):

@@ -1,6 +1,6 @@
 """Object storage (S3 / MinIO): key conventions and the storage backend.
 
-Keys follow seed 000::
+Keys name the job and the task's key, so one job's objects share a prefix::
 
     inputs/{job_id}/{task_key}/{name}
     outputs/{job_id}/{task_key}/{name}.{ext}
@@ -36,6 +36,14 @@ LOG_EXTENSION = "jsonl"
 JOB_WIDE_TASK_KEY = "_job"
 MAX_KEY_LENGTH = 1000  # Artifact.key's column; S3 itself allows 1024 bytes
 CHUNK_SIZE = 1024 * 1024
+
+
+class Upload(File):
+    """A file to store, with the Content-Type S3Storage gives the object."""
+
+    def __init__(self, file: Any, *, name: str, content_type: str) -> None:
+        super().__init__(file, name=name)
+        self.content_type = content_type
 
 
 class StorageNotConfigured(ImproperlyConfigured):
@@ -79,7 +87,7 @@ def build_key(
     ext: str | None = None,
     name: str | None = None,
 ) -> str:
-    """Return the object key of an artifact, following seed 000's convention.
+    """Return the object key of an artifact, following the layout in the module docstring.
 
     ``kind`` is ``input``, ``output`` or ``log``. ``name`` may contain ``/`` (an output's path
     inside the task's work directory); when omitted, a fresh unique name is used. ``ext`` is
@@ -231,8 +239,7 @@ def save_verified(storage: S3Storage, key: str, body: bytes, *, content_type: st
 
     Raise OSError when the stored bytes differ (and whatever the storage raises when it fails).
     """
-    upload = File(io.BytesIO(body), name=validate_key(key))
-    upload.content_type = content_type  # read by S3Storage for the object's Content-Type
+    upload = Upload(io.BytesIO(body), name=validate_key(key), content_type=content_type)
     saved = storage.save(key, upload)
     if saved != key:
         raise OSError(f"storage renamed {key!r} to {saved!r}")

@@ -38,7 +38,7 @@ def write_events(rows: Sequence[EventRow], *, cursor=None) -> None:
     """Insert events in one statement, on ``cursor`` (default: Django's connection)."""
     if not rows:
         return
-    params = [
+    params: list[list[Any]] = [
         [str(r.job_id) if r.job_id else None for r in rows],
         [str(r.task_id) if r.task_id else None for r in rows],
         [r.attempt for r in rows],
@@ -57,6 +57,6 @@ def write_events(rows: Sequence[EventRow], *, cursor=None) -> None:
 
 def log_event(level: str, type: str, message: str, data: dict[str, Any] | None = None, *,
               job_id=None, job_task_id=None, attempt: int | None = None, source: str = "system") -> None:
-    """Append one event (seed 000's ``log_event``)."""
+    """Append one event (one row of :func:`write_events`)."""
     write_events([EventRow(type=type, message=message, job_id=job_id, task_id=job_task_id, attempt=attempt,
                            source=source, level=level, data=data or {})])

@@ -144,7 +144,8 @@ class RedriveAdmin(PageActionsAdmin):
                     if done.redriven:
                         log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
                             f"{k}={v}" for k, v in flt.describe().items()))
-                    return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"))
+                    changelist = f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"
+                    return HttpResponseRedirect(reverse(changelist))
                 matched = redrive.count(flt, tenant_ids=allowed)
             except DefinitionError as exc:
                 for problem in exc.problems:
@@ -206,7 +207,8 @@ class JobAdmin(RedriveAdmin):
                            "priority", "order_seq", "scheduled_at")}),
         ("Approval", {"fields": ("approval_state", "approved_by", "approved_at")}),
         ("Origin", {"fields": ("source", "source_ref", "external_id", "dedupe_key", "correlation_id", "created_by")}),
-        ("Outcome", {"fields": ("error_code", "error_message", "created_at", "started_at", "finished_at", "updated_at")}),
+        ("Outcome", {"fields": ("error_code", "error_message", "created_at", "started_at", "finished_at",
+                                "updated_at")}),
         ("Parameters", {"fields": ("options", "step_params"), "classes": ("collapse",)}),
     )
 
@@ -362,7 +364,8 @@ class TaskAdmin(RedriveAdmin):
         if span := uuid_prefix_range(term):
             # Ranges on the primary key and on task_job_status_idx (job first), nothing else: an
             # OR with the unindexed fields below would read every task.
-            return queryset.filter(Q(pk__gte=span[0], pk__lte=span[1]) | Q(job_id__gte=span[0], job_id__lte=span[1])), False
+            in_span = Q(pk__gte=span[0], pk__lte=span[1]) | Q(job_id__gte=span[0], job_id__lte=span[1])
+            return queryset.filter(in_span), False
         match = Q(task_key=term)
         if service_ids := list(Service.objects.filter(key=term).values_list("id", flat=True)):
             match |= Q(service_id__in=service_ids)

@@ -282,7 +282,8 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
         queued_services = {r["service_id"] for r in task_rows
                            if r["status"] == TaskStatus.QUEUED and r["job_id"] in started_set}
         notify(cur, [service_channel(s.key) for s in services.values() if s.id in queued_services])
-        with_blocked = {r["job_id"] for r in task_rows if r["status"] == TaskStatus.BLOCKED and r["job_id"] in started_set}
+        with_blocked = {r["job_id"] for r in task_rows
+                        if r["status"] == TaskStatus.BLOCKED and r["job_id"] in started_set}
         finalize_jobs(cur, sorted(with_blocked, key=str), now=now, source=source)
     if readmitted:
         finalize_jobs(cur, readmitted, now=now, source=source, roots=True)

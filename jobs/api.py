@@ -1,4 +1,4 @@
-"""The public Python API of ACCS for other Django apps (CTL1).
+"""The public Python API of ACCS for other Django apps.
 
 Every function works inside the caller's transaction: a job exists if and only if the caller
 commits, and the NOTIFY that wakes builders and agents is delivered at that commit. Params are
@@ -11,12 +11,12 @@ validated against the services' JSON Schemas before anything is written.
     api.raise_condition("live_session", reason="studio is live", by="alice")
 
 Starting: :func:`start_workflow`, :func:`start_service`, :func:`start`, :func:`start_many`,
-:func:`validate`. Events: :func:`emit_event` (CTL4). Acting: :func:`cancel`, :func:`retry`,
+:func:`validate`. Events: :func:`emit_event`. Acting: :func:`cancel`, :func:`retry`,
 :func:`approve`, :func:`reject`, :func:`cancel_task`, :func:`retry_task`, :func:`redrive` (in bulk, by
-filter, :class:`RedriveFilter`). Governor (WF5):
+filter, :class:`RedriveFilter`). Governor:
 :func:`raise_condition`, :func:`clear_condition`.
 
-Idempotency (CTL2): a repeated ``external_id`` (per tenant) returns the existing job, also under
+Idempotency: a repeated ``external_id`` (per tenant) returns the existing job, also under
 concurrent duplicates (the unique index decides; ``job.was_created`` tells which). A ``dedupe_key``
 held by a queued or running job of the tenant raises :class:`JobConflict` naming that job.
 """
@@ -294,7 +294,7 @@ SELECT r.id, r.tenant, r.wf, r.svc, 'queued', 0, '', r.prio, coalesce(r.opts, '{
   FROM jsonb_to_recordset(%(rows)s::jsonb)
        AS r(id uuid, tenant uuid, wf uuid, svc bigint, prio int, opts jsonb, sp jsonb, sched timestamptz, src text,
             sref text, ext text, dk text, corr text, appr text, cby int)
--- Idempotency (CTL2): a duplicate external_id or active dedupe_key inserts nothing; the caller
+-- Idempotency: a duplicate external_id or active dedupe_key inserts nothing; the caller
 -- then finds the job that holds it. No exception, so the caller's transaction stays usable.
 ON CONFLICT DO NOTHING
 RETURNING id, approval_state, source
@@ -454,7 +454,7 @@ def start_workflow(workflow: str | Workflow, *, version: int | None = None, **op
 
 
 def start_service(service: str | Service, *, params: dict[str, Any] | None = None, **options: Any) -> Job:
-    """Start a one-task job that runs ``service`` with ``params`` (WF3)."""
+    """Start a one-task job that runs ``service`` with ``params``."""
     return start(JobSpec(service=service, params=params, **options))
 
 
@@ -500,32 +500,32 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
 # --------------------------------------------------------------------------------------------
 
 def cancel(job_id: UUID, *, by: str = "") -> ActionResult:
-    """Cancel a job (JOB5)."""
+    """Cancel a job: unstarted tasks are canceled, running ones stop at their next heartbeat."""
     return transitions.cancel_job(job_id, by=by)
 
 
 def retry(job_id: UUID, *, by: str = "") -> ActionResult:
-    """Retry a failed or canceled job, attempts reset (JOB5)."""
+    """Retry a failed or canceled job, attempts reset."""
     return transitions.retry_job(job_id, by=by)
 
 
 def approve(job_id: UUID, *, by: str = "") -> ActionResult:
-    """Approve a job waiting for approval (CTL3)."""
+    """Approve a job waiting for approval."""
     return transitions.approve(job_id, by=by)
 
 
 def reject(job_id: UUID, *, by: str = "", reason: str = "") -> ActionResult:
-    """Reject a job waiting for approval; it is canceled (CTL3)."""
+    """Reject a job waiting for approval; it is canceled."""
     return transitions.reject(job_id, by=by, reason=reason)
 
 
 def cancel_task(task_id: UUID, *, by: str = "") -> ActionResult:
-    """Cancel one task: unstarted → canceled, held → the agent stops it at its next heartbeat (JOB5)."""
+    """Cancel one task: unstarted → canceled, held → the agent stops it at its next heartbeat."""
     return transitions.cancel_task(task_id, by=by)
 
 
 def retry_task(task_id: UUID, *, by: str = "") -> ActionResult:
-    """Put one failed, skipped, canceled or blocked task back to queued, attempts reset (JOB5)."""
+    """Put one failed, skipped, canceled or blocked task back to queued, attempts reset."""
     return transitions.retry_task(task_id, by=by)
 
 
@@ -542,7 +542,7 @@ def redrive(flt: redrive_module.RedriveFilter, *, by: str = "", dry_run: bool = 
 
 
 # --------------------------------------------------------------------------------------------
-# Application events (CTL4) and governor conditions (WF5)
+# Application events and governor conditions
 # --------------------------------------------------------------------------------------------
 
 def emit_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tenant | str | UUID | None = None,

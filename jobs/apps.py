@@ -11,7 +11,7 @@ class JobsConfig(AccsAppConfig):
     def import_models(self) -> None:
         # Jobs and triggers belong to a tenants.Tenant; without that app Django would stop on an
         # import error that does not say what to change.
-        if not self.apps.is_installed("tenants"):
+        if self.apps is not None and not self.apps.is_installed("tenants"):
             raise ImproperlyConfigured(
                 "INSTALLED_APPS lacks 'tenants': tenants, memberships and API tokens moved out of 'jobs' in "
                 "ACCS 0.2.0; add 'tenants' to INSTALLED_APPS (docs/embedding.md shows the full list)")

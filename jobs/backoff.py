@@ -1,4 +1,4 @@
-"""Retry delays (RTY1): exponential backoff with a cap, plus jitter."""
+"""Retry delays: exponential backoff with a cap, plus jitter."""
 
 from __future__ import annotations
 

@@ -631,7 +631,8 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
         cur.execute(sql, {**params, "now": now, "hosts": eligible, "slots": slots, "cpu": cpu, "agent": agent_id,
                           "node": limits.name, "lease": float(lease_seconds), "pid": pid,
                           "source": f"agent:{limits.name}", "exclude": [str(t) for t in exclude]})
-        return [ClaimedTask(*row[:4], from_json(row[4]) or {}, row[5], host=row[6], service_key=by_id[row[7]].key,
+        return [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
+                            service_key=by_id[row[7]].key,
                             lease_seconds=float(by_id[row[7]].lease_seconds or lease_seconds))
                 for row in cur.fetchall()]
 
@@ -668,8 +669,9 @@ def adopt_claimed(node: str, *, agent_id: str, known: Collection[UUID], lease_se
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute(ADOPT_SQL, {"node": node, "agent": agent_id, "known": [str(t) for t in known],
                                 "lease": float(lease_seconds)})
-        return [ClaimedTask(*row[:4], from_json(row[4]) or {}, row[5], host=row[6], service_key=row[7],
-                            lease_seconds=float(row[8])) for row in cur.fetchall()]
+        return [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
+                            service_key=row[7], lease_seconds=float(row[8]))
+                for row in cur.fetchall()]
 
 
 def claim(service: ServiceSpec, limits: NodeLimits, *, agent_id: str, free_slots: int, lease_seconds: float,

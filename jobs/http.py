@@ -1,4 +1,4 @@
-"""HTTP endpoints for jobs and triggers under /api/v1/jobs (CTL5, seed 003's API contract).
+"""HTTP endpoints for jobs and triggers under /api/v1/jobs, token-authenticated and tenant-scoped.
 
 Every endpoint is tenant-scoped through :mod:`tenants.scoping`: a tenant admin sees and acts only in
 their tenants (a job of another tenant is "not found"), a viewer only reads, a superuser sees all.
@@ -22,11 +22,20 @@ from pydantic import AwareDatetime, field_validator
 from accs_site.counting import estimated_count
 from accs_site.http import INT32, In, require_scope, responses, username, utc
 from jobs import api, redrive, triggers
+from jobs.idempotency import differences
 from jobs.models import (
-    JOB_ACTIVE, TASK_HELD, ApprovalState, Attempt, Job, JobSource, JobStatus, MissedRunPolicy, Task, Trigger,
+    JOB_ACTIVE,
+    TASK_HELD,
+    ApprovalState,
+    Attempt,
+    Job,
+    JobSource,
+    JobStatus,
+    MissedRunPolicy,
+    Task,
+    Trigger,
     TriggerType,
 )
-from jobs.idempotency import differences
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.validation import DefinitionError, Problem
@@ -299,9 +308,9 @@ JOB_RELATED = ("tenant", "workflow", "service")
 def _job_out(job: Job) -> dict[str, Any]:
     return {
         "id": job.id, "tenant": job.tenant.slug, "tenant_id": job.tenant_id,
-        "workflow": job.workflow.name if job.workflow_id else None,
-        "workflow_version": job.workflow.version if job.workflow_id else None,
-        "service": job.service.key if job.service_id else None,
+        "workflow": job.workflow.name if job.workflow else None,
+        "workflow_version": job.workflow.version if job.workflow else None,
+        "service": job.service.key if job.service else None,
         **{f: getattr(job, f) for f in (
             "status", "progress", "current_task_key", "priority", "order_seq", "options", "step_params",
             "scheduled_at", "error_code", "error_message", "source", "source_ref", "external_id", "dedupe_key",
@@ -313,7 +322,7 @@ def _job_out(job: Job) -> dict[str, Any]:
 def _task_out(task: Task) -> dict[str, Any]:
     return {
         "id": task.id, "task_key": task.task_key, "step_key": task.step_key, "service": task.service.key,
-        "host": task.host.name if task.host_id else None,
+        "host": task.host.name if task.host else None,
         **{f: getattr(task, f) for f in (
             "status", "depends_on", "attempt", "max_attempts", "next_attempt_at", "priority", "progress", "params",
             "results", "node", "started_at", "finished_at", "error_code", "error_message")},
@@ -323,8 +332,8 @@ def _task_out(task: Task) -> dict[str, Any]:
 def _trigger_out(trigger: Trigger) -> dict[str, Any]:
     return {
         "id": trigger.id, "tenant": trigger.tenant.slug, "tenant_id": trigger.tenant_id,
-        "workflow": trigger.workflow.name if trigger.workflow_id else None,
-        "service": trigger.service.key if trigger.service_id else None,
+        "workflow": trigger.workflow.name if trigger.workflow else None,
+        "service": trigger.service.key if trigger.service else None,
         **{f: getattr(trigger, f) for f in (
             "label", "is_enabled", "trigger_type", "event_name", "cron_expr", "timezone", "missed_run_policy",
             "payload_template", "priority", "dedupe_window_seconds", "next_run_at", "last_fired_at", "last_error",

@@ -29,7 +29,8 @@ class EventIn(In):
 
     context: dict[str, Any] = Field(default_factory=dict)
     event_id: str | None = Field(None, min_length=1, max_length=200,
-                                 description="Makes the delivery idempotent per tenant (e.g. the sender's delivery id).")
+                                 description="Makes the delivery idempotent per tenant "
+                                             "(e.g. the sender's delivery id).")
     tenant: str | None = Field(None, min_length=1, max_length=100, description="Tenant slug or id.")
     correlation_id: str = Field("", max_length=200)
 

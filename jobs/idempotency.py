@@ -16,14 +16,14 @@ def differences(job: Job, spec: Any) -> list[str]:
     """Return the names of the fields where ``spec`` (a :class:`jobs.api.JobSpec`) asks for something else."""
     differ: list[str] = []
     if spec.workflow is not None:
-        if job.workflow_id is None or job.workflow.name != spec.workflow:
+        if job.workflow is None or job.workflow.name != spec.workflow:
             differ.append("workflow")
         elif spec.version is not None and job.workflow.version != spec.version:
             differ.append("version")
         if (job.step_params or {}) != (spec.step_params or {}):
             differ.append("step_params")
     else:
-        if job.service_id is None or job.service.key != spec.service:
+        if job.service is None or job.service.key != spec.service:
             differ.append("service")
         elif (job.step_params or {}).get(job.service.key, {}) != (spec.params or {}):
             differ.append("params")

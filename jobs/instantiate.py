@@ -1,4 +1,4 @@
-"""Turning a job into tasks: one task per workflow step, one per host for a fan-out step (WF4).
+"""Turning a job into tasks: one task per workflow step, one per host for a fan-out step.
 
 Pure construction; :mod:`jobs.admission` decides which jobs and writes the rows.
 """
@@ -6,6 +6,7 @@ Pure construction; :mod:`jobs.admission` decides which jobs and writes the rows.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,7 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
                 "unknown_service", f"step '{step['key']}': service {step['service']!r} no longer exists or is inactive")
         params = {**step.get("default_params", {}), **(job.step_params.get(step["key"]) or {})}
         deps = list(step.get("depends_on", []))
-        targets: list[HostInfo | None] = [None]
+        targets: Sequence[HostInfo | None] = [None]
         if step.get("fan_out") == "hosts":
             targets = select_hosts(job.options, hosts)
             if not targets:
@@ -117,6 +118,6 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
                 "on_failure": step.get("on_failure") or StepFailurePolicy.FAIL_JOB, "always": bool(step.get("always")),
                 "assigned_node": (host.node_id or "") if host else "",
                 "error_code": "host_blocked" if is_blocked else "",
-                "error_message": f"{service.key} is blocked on {host.name}" if is_blocked else "",
+                "error_message": f"{service.key} is blocked on {host.name}" if is_blocked and host else "",
             })
     return rows

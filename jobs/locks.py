@@ -29,7 +29,7 @@ def advisory_locks(cur, keys: Iterable[str]) -> None:
                     " FROM unnest(%s::text[]) AS k ORDER BY 1) s", [ordered])
 
 
-def lock_jobs(cur, job_ids: Iterable[UUID]) -> list[UUID]:
+def lock_jobs(cur, job_ids: Iterable[UUID | str]) -> list[UUID]:
     """Lock job rows sorted by id; return the ids that exist."""
     ids = sorted({str(j) for j in job_ids})
     if not ids:

@@ -103,7 +103,8 @@ class Job(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # Covered by job_tenant_status_created_idx; a separate FK index would only slow inserts.
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="jobs", db_index=False)
-    workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True, related_name="jobs")
+    workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True,
+                                 related_name="jobs")
     service = models.ForeignKey(
         "workflows.Service", on_delete=models.PROTECT, null=True, blank=True, related_name="jobs",
         help_text="Set for a one-task job that targets a service directly.",
@@ -146,16 +147,19 @@ class Job(models.Model):
             _choices_check("source", JobSource, "job_source_valid"),
             _choices_check("approval_state", ApprovalState, "job_approval_state_valid"),
             models.CheckConstraint(
-                condition=Q(workflow__isnull=False, service__isnull=True) | Q(workflow__isnull=True, service__isnull=False),
+                condition=(Q(workflow__isnull=False, service__isnull=True)
+                           | Q(workflow__isnull=True, service__isnull=False)),
                 name="job_targets_workflow_xor_service",
             ),
             models.CheckConstraint(
-                condition=Q(status__in=JOB_FINAL, finished_at__isnull=False) | Q(~Q(status__in=JOB_FINAL), finished_at__isnull=True),
+                condition=(Q(status__in=JOB_FINAL, finished_at__isnull=False)
+                           | Q(~Q(status__in=JOB_FINAL), finished_at__isnull=True)),
                 name="job_finished_iff_finished_at",
             ),
             models.CheckConstraint(condition=Q(progress__gte=0, progress__lte=1), name="job_progress_0_1"),
             models.UniqueConstraint(
-                fields=["tenant", "external_id"], condition=Q(external_id__isnull=False), name="job_external_id_per_tenant"
+                fields=["tenant", "external_id"], condition=Q(external_id__isnull=False),
+                name="job_external_id_per_tenant"
             ),
             models.UniqueConstraint(
                 fields=["tenant", "dedupe_key"],
@@ -168,7 +172,8 @@ class Job(models.Model):
             models.Index(fields=["scheduled_at", "order_seq"], condition=Q(status="queued"), name="job_due_idx"),
             models.Index(fields=["order_seq"], name="job_order_seq_idx"),
             models.Index(fields=["tenant", "status", "-created_at"], name="job_tenant_status_created_idx"),
-            models.Index(fields=["workflow", "status"], condition=Q(status__in=JOB_ADMITTED), name="job_workflow_admitted_idx"),
+            models.Index(fields=["workflow", "status"], condition=Q(status__in=JOB_ADMITTED),
+                         name="job_workflow_admitted_idx"),
             models.Index(fields=["-created_at"], name="job_created_idx"),
             # Bulk redrive (jobs.redrive): failed jobs in id order, few among many finished ones.
             models.Index(fields=["id"], condition=Q(status__in=JOB_FAILED), name="job_failed_idx"),
@@ -218,11 +223,13 @@ class Task(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="tasks", db_index=False)
     # Task FKs carry no index of their own: the engine reads tasks through the partial indexes in
     # Meta, and every extra index is paid on each claim and report.
-    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+", db_index=False, help_text="Copied from the job.")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+", db_index=False,
+                               help_text="Copied from the job.")
     task_key = models.CharField(max_length=200)
     step_key = models.CharField(max_length=100, help_text="The workflow step; equals task_key unless fanned out.")
     service = models.ForeignKey("workflows.Service", on_delete=models.PROTECT, related_name="tasks", db_index=False)
-    host = models.ForeignKey("nodes.Host", on_delete=models.PROTECT, null=True, blank=True, related_name="tasks", db_index=False)
+    host = models.ForeignKey("nodes.Host", on_delete=models.PROTECT, null=True, blank=True, related_name="tasks",
+                             db_index=False)
     exclusive = models.BooleanField(default=False, help_text="Copied from the service: one running task per host.")
     status = models.CharField(max_length=16, choices=TaskStatus.choices, default=TaskStatus.QUEUED)
     depends_on = ArrayField(models.CharField(max_length=100), default=list, blank=True)
@@ -256,7 +263,8 @@ class Task(models.Model):
             _choices_check("status", TaskStatus, "task_status_valid"),
             models.UniqueConstraint(fields=["job", "task_key"], name="task_job_key_unique"),
             models.CheckConstraint(
-                condition=Q(status__in=TASK_FINAL, finished_at__isnull=False) | Q(~Q(status__in=TASK_FINAL), finished_at__isnull=True),
+                condition=(Q(status__in=TASK_FINAL, finished_at__isnull=False)
+                           | Q(~Q(status__in=TASK_FINAL), finished_at__isnull=True)),
                 name="task_finished_iff_finished_at",
             ),
             models.CheckConstraint(
@@ -326,7 +334,8 @@ class JobStep(models.Model):
     skipped = models.IntegerField(default=0)
     canceled = models.IntegerField(default=0)
     blocked = models.IntegerField(default=0)
-    released = models.BooleanField(default=False, help_text="Its dependents were looked at once its tasks were all final.")
+    released = models.BooleanField(default=False,
+                                   help_text="Its dependents were looked at once its tasks were all final.")
     poisoned = models.BooleanField(default=False, help_text="Its dependents were skipped once it could not succeed.")
     on_failure = models.CharField(
         max_length=16, choices=StepFailurePolicy.choices, db_default=StepFailurePolicy.FAIL_JOB,
@@ -384,7 +393,8 @@ class Attempt(models.Model):
             _choices_check("status", AttemptStatus, "attempt_status_valid"),
             models.UniqueConstraint(fields=["task", "attempt_no"], name="attempt_task_no_unique"),
             models.CheckConstraint(
-                condition=Q(status="running", finished_at__isnull=True) | Q(~Q(status="running"), finished_at__isnull=False),
+                condition=(Q(status="running", finished_at__isnull=True)
+                           | Q(~Q(status="running"), finished_at__isnull=False)),
                 name="attempt_finished_iff_finished_at",
             ),
         ]
@@ -418,8 +428,10 @@ class Trigger(models.Model):
     event_name = models.CharField(max_length=200, null=True, blank=True)
     cron_expr = models.CharField(max_length=200, null=True, blank=True)
     timezone = models.CharField(max_length=64, null=True, blank=True)
-    missed_run_policy = models.CharField(max_length=16, choices=MissedRunPolicy.choices, default=MissedRunPolicy.RUN_ONCE)
-    workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    missed_run_policy = models.CharField(max_length=16, choices=MissedRunPolicy.choices,
+                                         default=MissedRunPolicy.RUN_ONCE)
+    workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True,
+                                 related_name="+")
     service = models.ForeignKey("workflows.Service", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
     payload_template = models.JSONField(default=dict, blank=True)
     priority = models.IntegerField(default=0)
@@ -427,7 +439,8 @@ class Trigger(models.Model):
     next_run_at = models.DateTimeField(null=True, blank=True, help_text="Next due time (schedule triggers).")
     last_fired_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
+                                   related_name="+")
     created_at = models.DateTimeField(default=now)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -440,19 +453,23 @@ class Trigger(models.Model):
             models.CheckConstraint(
                 condition=(
                     Q(trigger_type="event", event_name__isnull=False, cron_expr__isnull=True)
-                    | Q(trigger_type="schedule", cron_expr__isnull=False, timezone__isnull=False, event_name__isnull=True)
+                    | Q(trigger_type="schedule", cron_expr__isnull=False, timezone__isnull=False,
+                        event_name__isnull=True)
                 ),
                 name="trigger_event_or_schedule_fields",
             ),
             models.CheckConstraint(
-                condition=Q(workflow__isnull=False, service__isnull=True) | Q(workflow__isnull=True, service__isnull=False),
+                condition=(Q(workflow__isnull=False, service__isnull=True)
+                           | Q(workflow__isnull=True, service__isnull=False)),
                 name="trigger_targets_workflow_xor_service",
             ),
         ]
         indexes = [
             models.Index(fields=["tenant", "is_enabled"], name="trigger_tenant_enabled_idx"),
-            models.Index(fields=["event_name"], condition=Q(trigger_type="event", is_enabled=True), name="trigger_event_idx"),
-            models.Index(fields=["next_run_at"], condition=Q(trigger_type="schedule", is_enabled=True), name="trigger_due_idx"),
+            models.Index(fields=["event_name"], condition=Q(trigger_type="event", is_enabled=True),
+                         name="trigger_event_idx"),
+            models.Index(fields=["next_run_at"], condition=Q(trigger_type="schedule", is_enabled=True),
+                         name="trigger_due_idx"),
         ]
 
     def __str__(self) -> str:

@@ -1,4 +1,4 @@
-"""LISTEN/NOTIFY channels (EVT3). A NOTIFY is a coalesced hint, never needed for correctness:
+"""LISTEN/NOTIFY channels. A NOTIFY is a coalesced hint, never needed for correctness:
 agents and the builder also poll. PostgreSQL delivers notifications at commit and folds identical
 ones within a transaction, so one per service per transaction reaches the listeners."""
 

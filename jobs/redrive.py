@@ -98,6 +98,7 @@ def _aware(value: datetime | None) -> datetime | None:
 def _tenant_ids(given: str | None, allowed: Collection[UUID] | None) -> list[UUID] | None:
     """Return the tenants to match (None: all); a tenant not in ``allowed`` is refused like an unknown one."""
     if given:
+        lookup: dict[str, Any]
         try:
             lookup = {"id": UUID(given)}
         except ValueError:

@@ -38,6 +38,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from django.db import connection, transaction
@@ -180,9 +181,11 @@ SELECT json_build_object(
 """
 
 DELETE_SQL = (
-    ("attempts", "DELETE FROM accs_attempt WHERE task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]))"),
+    ("attempts", "DELETE FROM accs_attempt"
+                 " WHERE task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]))"),
     ("artifacts", "DELETE FROM accs_artifact WHERE job_id = ANY(%(ids)s::uuid[])"
-                  " OR task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[])) RETURNING bucket, key"),
+                  " OR task_id IN (SELECT id FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[]))"
+                  " RETURNING bucket, key"),
     ("steps", "DELETE FROM accs_job_step WHERE job_id = ANY(%(ids)s::uuid[])"),
     ("tasks", "DELETE FROM accs_task WHERE job_id = ANY(%(ids)s::uuid[])"),
     ("jobs", "DELETE FROM accs_job WHERE id = ANY(%(ids)s::uuid[])"),
@@ -218,7 +221,8 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
     objects: list[tuple[str, str]] = []
     with transaction.atomic(), connection.cursor() as cur:
         now = now or db_now(cur)
-        params = {"now": now, "days": accs.retention_days, "dead_days": accs.retention_dead_days, "limit": limit}
+        params: dict[str, Any] = {"now": now, "days": accs.retention_days, "dead_days": accs.retention_dead_days,
+                                  "limit": limit}
         kept = _kept_clause(cur)
         cur.execute(CANDIDATES_SQL.format(kept=kept, settled_done=_settled(_DONE_CUTOFF),
                                           settled_dead=_settled(_DEAD_CUTOFF)), params)

@@ -44,10 +44,11 @@ import sys
 import traceback
 from dataclasses import dataclass
 from hashlib import sha1
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from django.db import IntegrityError, transaction
+from django.db.models import Field
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -57,27 +58,27 @@ from django.utils.module_loading import import_string
 # ``task``, ``task_backends`` and the rest are importable from here too, so code that runs on both
 # (ACCS's tests, the examples in docs/tasks.md) names one module.
 try:
-    from django.tasks import (
-        Task, TaskContext, TaskResult, TaskResultStatus, default_task_backend, task, task_backends,
-    )
+    from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, default_task_backend, task, task_backends
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import TaskError
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
     from django.tasks.signals import task_enqueued, task_finished, task_started
     from django.utils.json import normalize_json
 except ImportError:
-    from django_tasks import (
-        TaskContext, TaskResult, TaskResultStatus, default_task_backend, task, task_backends,
-    )
-    from django_tasks.backends.base import BaseTaskBackend
-    from django_tasks.base import Task, TaskError
-    from django_tasks.exceptions import InvalidTaskError as InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
+    # mypy reads Django 6.1's names (django-stubs); the backport's are the same API under other classes.
+    from django_tasks import TaskContext, TaskResult, TaskResultStatus, default_task_backend, task, task_backends  # type: ignore[assignment, no-redef]
+    from django_tasks.backends.base import BaseTaskBackend  # type: ignore[assignment]
+    from django_tasks.base import Task, TaskError  # type: ignore[assignment]
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask, TaskResultDoesNotExist, TaskResultMismatch  # type: ignore[assignment]
     from django_tasks.signals import task_enqueued, task_finished, task_started
     from django_tasks.utils import normalize_json
 
 from jobs import api
 from jobs.models import Attempt, AttemptStatus, Job, JobSource, JobStatus, Task as TaskRow, TaskStatus
 from workflows.models import Service
+
+# Named here so the linter sees the re-exports above as used.
+REEXPORTED = (default_task_backend, task, task_backends, TaskResultMismatch)
 
 ADAPTER = "jobs.tasks_backend:run_task"
 SOURCE_REF_PREFIX = "django-tasks:"
@@ -271,7 +272,8 @@ class AccsTaskBackend(BaseTaskBackend):
         for name, (_, field) in OPTION_SETTINGS.items():
             if field is not None:  # an option no longer set goes back to the field's default
                 value = options.get(name)
-                fields[field] = Service._meta.get_field(field).get_default() if value is None else value
+                model_field = cast("Field[Any, Any]", Service._meta.get_field(field))
+                fields[field] = model_field.get_default() if value is None else value
         return fields
 
     def ensure_service(self, task: Task) -> Service:
@@ -305,7 +307,7 @@ class AccsTaskBackend(BaseTaskBackend):
         """Start a one-task job for ``task(*args, **kwargs)`` in the caller's transaction."""
         self.validate_task(task)
         self._check_importable(task)
-        params = {"args": [_json_argument(value, f"argument {i}") for i, value in enumerate(args)],
+        params: dict[str, Any] = {"args": [_json_argument(value, f"argument {i}") for i, value in enumerate(args)],
                   "kwargs": {_json_key(name): _json_argument(value, f"keyword argument {name!r}")
                              for name, value in dict(kwargs).items()}}
         with transaction.atomic():
@@ -340,11 +342,13 @@ class AccsTaskBackend(BaseTaskBackend):
         return self._result(job, row, attempts)
 
     def _result(self, job: Job, row: TaskRow | None, attempts: list[Attempt]) -> TaskResult:
-        config = job.service.executor_config
+        service = job.service
+        assert service is not None, "a job of the Tasks API runs one service"
+        config = service.executor_config
         task = _load_task(config["task"]).using(
             priority=max(-100, min(100, job.priority)), queue_name=config.get("queue") or None, backend=self.alias,
             run_after=_run_after(job))
-        params = (row.params if row else (job.step_params or {}).get(job.service.key)) or {}
+        params = (row.params if row else (job.step_params or {}).get(service.key)) or {}
         status = _status(job, row)
         errors = [_error(a) for a in attempts if a.status in FAILED_ATTEMPTS]
         if status == TaskResultStatus.FAILED and not errors:  # canceled (or failed) before any attempt ran
@@ -358,7 +362,7 @@ class AccsTaskBackend(BaseTaskBackend):
             args=params.get("args", []), kwargs=params.get("kwargs", {}), backend=self.alias,
             errors=errors, worker_ids=[a.agent_id or a.node for a in attempts],
         )
-        if status == TaskResultStatus.SUCCESSFUL and isinstance(row.results, dict):
+        if status == TaskResultStatus.SUCCESSFUL and row is not None and isinstance(row.results, dict):
             object.__setattr__(result, "_return_value", row.results.get("return_value"))
         return result
 
@@ -447,7 +451,7 @@ def _run_after(job: Job) -> Any:
     return None if job.scheduled_at == job.created_at else job.scheduled_at
 
 
-def _status(job: Job, row: TaskRow | None) -> str:
+def _status(job: Job, row: TaskRow | None) -> TaskResultStatus:
     """Map the job and task states onto the four Tasks states.
 
     A job canceled while its task runs is final at once, but its attempt goes on until the agent

@@ -20,7 +20,16 @@ from jobs.admission import start_due_jobs, start_jobs
 from jobs.reports import Outcome, ReportResult, heartbeat, mark_running, report, report_progress
 from jobs.rescue import rescue_expired
 from jobs.verbs import (
-    ActionResult, Note, approve, cancel_job, cancel_task, reject, retry_job, retry_jobs, retry_task, retry_tasks,
+    ActionResult,
+    Note,
+    approve,
+    cancel_job,
+    cancel_task,
+    reject,
+    retry_job,
+    retry_jobs,
+    retry_task,
+    retry_tasks,
 )
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Triggers (CTL4): application events and cron schedules that start jobs inside one tenant.
+"""Triggers: application events and cron schedules that start jobs inside one tenant.
 
 **Event triggers.** :func:`fire_event` (public as :func:`jobs.api.emit_event`) records the
 application event on the timeline and starts one job per enabled trigger of the tenant that names
@@ -28,7 +28,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -42,6 +42,9 @@ from jobs.models import Job, JobSource, MissedRunPolicy, Trigger, TriggerType
 from tenants.models import Tenant
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
+
+if TYPE_CHECKING:
+    from jobs.verbs import ActionResult
 
 # --------------------------------------------------------------------------------------------
 # Payload templates
@@ -386,7 +389,7 @@ def _apply(trigger: Trigger, fields: dict[str, Any]) -> list[Problem]:
     if trigger.trigger_type == TriggerType.EVENT:
         trigger.timezone = None  # meaningless for events; the CHECK constraint only allows it
     elif trigger.trigger_type == TriggerType.SCHEDULE and not trigger.timezone and trigger.tenant_id:
-        trigger.timezone = trigger.tenant.timezone  # seed 003: the tenant's time zone by default
+        trigger.timezone = trigger.tenant.timezone  # a schedule without a zone runs in its tenant's
     return problems
 
 
@@ -696,7 +699,7 @@ def _fire_schedule(trigger: Trigger, *, now: datetime) -> int:
     return 1
 
 
-def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> "ActionResult":
+def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Start a schedule trigger's job now, as if it were due now (an operator's "run now").
 
     The job is the trigger's like its scheduled ones (``source_ref`` ``trigger:<id>``), with its own

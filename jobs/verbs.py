@@ -17,17 +17,25 @@ from uuid import UUID
 from django.contrib.auth import get_user_model
 from django.db import connection, transaction
 
+from accs_site.admin_kit import ActionResult
+from accs_site.clock import db_now
+from accs_site.conf import accs
 from events.timeline import EventRow, write_events
 from jobs.admission import readmit, tenant_lock_key, workflow_lock_key
 from jobs.finalize import JOB_FAILED_REASON, finalize_jobs, reset_step_flags, rewait_always, skip_unstarted
 from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
 from jobs.models import ApprovalState, JobStatus
 from jobs.notify import builder_channel, notify, service_channel
-from accs_site.admin_kit import ActionResult
-from accs_site.clock import db_now
-from accs_site.conf import accs
 from jobs.states import (
-    JOB_ACTIVE, JOB_ADMITTED, JOB_RETRYABLE, JOB_VERBS, TASK_HELD, TASK_RETRYABLE, TASK_UNSTARTED, TASK_VERBS, sql_in,
+    JOB_ACTIVE,
+    JOB_ADMITTED,
+    JOB_RETRYABLE,
+    JOB_VERBS,
+    TASK_HELD,
+    TASK_RETRYABLE,
+    TASK_UNSTARTED,
+    TASK_VERBS,
+    sql_in,
 )
 
 
@@ -80,13 +88,16 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
         cur.execute("UPDATE accs_job SET status = 'canceled', finished_at = %s, updated_at = %s,"
                     " error_code = 'canceled', error_message = %s WHERE id = %s",
                     [now, now, f"canceled by {by or 'api'}", job_id])
-        _job_event(cur, job_id, f"job {row[0]} → canceled", by=by, level="warn", data={"from": row[0], "to": "canceled"})
+        _job_event(cur, job_id, f"job {row[0]} → canceled", by=by, level="warn",
+                   data={"from": row[0], "to": "canceled"})
         write_events(skip_unstarted(cur, [job_id], now=now, source=source, reason="job canceled", to="canceled"),
                      cursor=cur)
-        cur.execute("UPDATE accs_task SET cancel_requested_at = %s WHERE job_id = %s AND status IN ('starting', 'running')"
+        cur.execute("UPDATE accs_task SET cancel_requested_at = %s"
+                    " WHERE job_id = %s AND status IN ('starting', 'running')"
                     " AND cancel_requested_at IS NULL RETURNING id, attempt", [now, job_id])
         held = cur.fetchall()
-        write_events([EventRow(type="cancel", message="cancel requested; the agent stops the task at its next heartbeat",
+        write_events([EventRow(type="cancel",
+                               message="cancel requested; the agent stops the task at its next heartbeat",
                                job_id=job_id, task_id=t, attempt=a, source=source, level="warn")
                       for t, a in held], cursor=cur)
         finalize_jobs(cur, [job_id], now=now, source=source)
@@ -210,7 +221,7 @@ def _back_to_work(cur, job_id: UUID, job: tuple, *, by: str, now: datetime, why:
     return new_status
 
 
-def _locked_jobs(cur, job_ids: Iterable[UUID]) -> dict[UUID, tuple[Any, ...]]:
+def _locked_jobs(cur, job_ids: Iterable[UUID | str]) -> dict[UUID, tuple[Any, ...]]:
     """Lock jobs and all their tasks in the engine's order; return each existing job's state.
 
     The state is (status, approval, instantiated, tenant id, workflow id, finished_at).
@@ -340,7 +351,7 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
         now = now or db_now(cur)
         stopping = _stopping(cur, jobs)
         for task_id in ids:
-            job = jobs.get(job_of.get(task_id))
+            job = jobs.get(job_of[task_id]) if task_id in job_of else None
             if job is None:
                 out[task_id] = ActionResult(False, "no such task")
             elif job[1] not in TASK_VERBS["retry"].approvals:
@@ -387,7 +398,7 @@ def _host_blocked(cur, task_ids: Sequence[UUID]) -> dict[UUID, str]:
     return dict(cur.fetchall())
 
 
-SKIPPED_BY_SQL = f"""
+SKIPPED_BY_SQL = """
 -- The skipped tasks a retry of these tasks re-admits: the tasks of every step that depends on
 -- theirs, transitively (including the other tasks of their own steps), and the tasks skipped when
 -- the job failed once no task of a fail_job step is failed any more. A task skipped because
@@ -448,8 +459,8 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
             return ActionResult(False, f"job is not waiting for approval (approval is {approval})")
         if status not in JOB_VERBS["approve"].statuses:
             return ActionResult(False, f"job is {status}; retry it first, then approve it")
-        cur.execute("UPDATE accs_job SET approval_state = 'approved', approved_by = %s, approved_at = %s, updated_at = %s"
-                    " WHERE id = %s", [by, now, now, job_id])
+        cur.execute("UPDATE accs_job SET approval_state = 'approved', approved_by = %s, approved_at = %s,"
+                    " updated_at = %s WHERE id = %s", [by, now, now, job_id])
         write_events([EventRow(type="approval", message=f"job approved by {by or 'api'}", job_id=job_id,
                                source=_source(by), data={"from": "pending", "to": "approved"})], cursor=cur)
         notify(cur, [builder_channel()])
@@ -474,10 +485,12 @@ def reject(job_id: UUID, *, by: str = "", reason: str = "", now: datetime | None
                     " error_message = %s WHERE id = %s",
                     [by, now, to, now, now, reason or f"rejected by {by or 'api'}", job_id])
         write_events([EventRow(type="approval", message=f"job rejected by {by or 'api'}", job_id=job_id,
-                               source=source, level="warn", data={"from": "pending", "to": "rejected", "reason": reason})],
+                               source=source, level="warn",
+                               data={"from": "pending", "to": "rejected", "reason": reason})],
                      cursor=cur)
         if to != status:
-            _job_event(cur, job_id, f"job {status} → {to} (rejected)", by=by, level="warn", data={"from": status, "to": to})
+            _job_event(cur, job_id, f"job {status} → {to} (rejected)", by=by, level="warn",
+                       data={"from": status, "to": to})
         write_events(skip_unstarted(cur, [job_id], now=now, source=source, reason="job rejected", to="canceled"),
                      cursor=cur)
     return ActionResult(True, "job rejected and canceled")

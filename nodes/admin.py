@@ -16,12 +16,17 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from accs_site.admin_kit import (
-    ActionTable, EstimatedCountPaginator, PageActionsMixin, actor, human_age, perform, status_pill,
+    ActionTable,
+    EstimatedCountPaginator,
+    PageActionsMixin,
+    actor,
+    human_age,
+    perform,
+    status_pill,
 )
 from nodes import verbs
 from nodes.api import retire_nodes, stale_after_seconds
 from nodes.models import DiskSample, Host, HostBlock, Node
-
 
 NODE_ACTIONS: ActionTable = {
     "drain": ("Drain", verbs.drain_node),

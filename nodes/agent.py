@@ -543,7 +543,8 @@ class Agent:
                     outcome = executor.run(task, ctx)
             except Exception as exc:  # noqa: BLE001 - an executor bug fails the attempt, not the agent
                 log.exception("executor crashed", extra={"task_id": task.id, "job_id": task.job_id})
-                outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed", error=f"executor error: {exc}")
+                outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed",
+                                  error=f"executor error: {exc}")
             outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds), secrets=ctx.secrets)
             try:
                 _store_artifacts(task, ctx, outcome)

@@ -9,11 +9,9 @@ import uuid
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models.functions import Now
 
 from accs_site.clock import db_now
 from accs_site.conf import accs
-
 from events.timeline import EventRow, write_events
 from nodes.models import AwakeState, Node, Presence
 
@@ -32,7 +30,6 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
     with transaction.atomic():
         with connection.cursor() as cur:
             now = db_now(cur)
-        from accs_site.conf import accs
 
         # A new node takes its limits from ACC_SLOT_CAP / ACC_CPU_BUDGET; afterwards the row (admin) rules.
         node, created = Node.objects.select_for_update().get_or_create(
@@ -50,7 +47,8 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
             node.max_concurrency = {**node.max_concurrency, **max_concurrency}
         node.save()
         if created or was != AwakeState.AWAKE:
-            write_events([EventRow(type="node", message=f"node {name} {was} → awake ({agent_id})", source=f"agent:{name}",
+            write_events([EventRow(type="node", message=f"node {name} {was} → awake ({agent_id})",
+                                   source=f"agent:{name}",
                                    data={"node": name, "from": was, "to": "awake", "services": services})])
         if not created and was_presence != Presence.ONLINE:
             write_events([_presence_event(name, was_presence, Presence.ONLINE, f"agent {agent_id} started")])

@@ -1,4 +1,4 @@
-"""Disk watch (AGT4, seed 001): agents sample disk use every 60 s; emergency pauses claiming.
+"""Disk watch: agents sample disk use every 60 s; emergency pauses claiming.
 
 Levels follow the share of space in use as ``df`` reports it (used / (used + available)):
 warning ≥ 85 %, critical ≥ 90 %, emergency ≥ 95 %. A sample is stored per call and only the

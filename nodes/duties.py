@@ -8,7 +8,7 @@ registers them with the builder (:func:`jobs.duties.register_duties`); the build
 from __future__ import annotations
 
 from accs_site.conf import accs
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 from nodes.api import mark_lost
 from nodes.wake import wake_nodes
 

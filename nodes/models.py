@@ -63,7 +63,8 @@ class Node(models.Model):
     slot_cap = models.PositiveIntegerField(default=20)
     cpu_budget = models.PositiveIntegerField(default=8)
     version = models.CharField(max_length=50, blank=True, default="")
-    agent_id = models.CharField(max_length=300, blank=True, default="", help_text="hostname:pid:boot-id of the last agent.")
+    agent_id = models.CharField(max_length=300, blank=True, default="",
+                                help_text="hostname:pid:boot-id of the last agent.")
     services = models.JSONField(default=list, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
     last_wake_at = models.DateTimeField(null=True, blank=True)
@@ -135,7 +136,7 @@ class HostBlock(models.Model):
 
 
 class DiskLevel(models.TextChoices):
-    """Disk use thresholds (seed 001)."""
+    """Disk use levels: the share of space in use at which agents warn and stop claiming."""
 
     OK = "ok", "OK (< 85 %)"
     WARNING = "warning", "Warning (≥ 85 %)"

@@ -1,4 +1,4 @@
-"""Node wake (BLD3): the WakeProvider interface and its three implementations."""
+"""Node wake: the WakeProvider interface and its three implementations."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class ProviderApi:
     """POST ``{"node": name, "action": "wake"}`` to the provider URL in ``provider_ref``."""
 
     def wake(self, node: Node) -> bool:
-        request = urllib.request.Request(node.provider_ref, data=json.dumps({"node": node.name, "action": "wake"}).encode(),
+        body = json.dumps({"node": node.name, "action": "wake"}).encode()
+        request = urllib.request.Request(node.provider_ref, data=body,
                                          headers={"Content-Type": "application/json"}, method="POST")
         with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - operator-configured URL
             return 200 <= response.status < 300
@@ -115,7 +116,8 @@ def wake_nodes(*, now: datetime | None = None, stale_after: timedelta = timedelt
                 ok, error = False, str(exc)
             Node.objects.filter(pk=node.pk).update(last_wake_at=now)
             write_events([EventRow(type="node", source="builder", level="info" if ok else "warn",
-                                   message=f"wake {node.name} via {node.wake_method}: {'sent' if ok else 'failed ' + error}",
+                                   message=f"wake {node.name} via {node.wake_method}: "
+                                           f"{'sent' if ok else 'failed ' + error}",
                                    data={"node": node.name, "method": node.wake_method, "needed_labels": needed})])
             log.info("wake %s via %s: %s", node.name, node.wake_method, ok, extra={"node": node.name})
             if ok:

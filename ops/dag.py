@@ -6,7 +6,13 @@ from django.db.models import Count, Max
 
 from jobs.models import Job, Task
 from workflows.dag import (  # the drawing's names, importable from here as before it moved down
-    POLICY_COLOUR, POLICY_TAGS, STATUS_COLOURS, STATUS_PRIORITY, StepState, render_svg, steps_from,
+    POLICY_COLOUR,
+    POLICY_TAGS,
+    STATUS_COLOURS,
+    STATUS_PRIORITY,
+    StepState,
+    render_svg,
+    steps_from,
 )
 
 __all__ = ["POLICY_COLOUR", "POLICY_TAGS", "STATUS_COLOURS", "STATUS_PRIORITY", "StepState", "job_dag_svg",
@@ -19,10 +25,10 @@ def job_dag_svg(job: Job) -> str:
             .values("step_key", "status", "service__key", "depends_on")
             .annotate(n=Count("id"), attempt=Max("attempt"), max_attempts=Max("max_attempts"), hosted=Count("host_id"))
             .order_by())
-    task_rows = [{**r, "service": r.pop("service__key")} for r in rows]
-    if job.workflow_id:
+    task_rows = [{**r, "service": r["service__key"]} for r in rows]
+    if job.workflow:
         definition = job.workflow.steps
     else:
-        definition = [{"key": job.service.key, "service": job.service.key}] if job.service_id else []
+        definition = [{"key": job.service.key, "service": job.service.key}] if job.service else []
     title = f"DAG of {job.target_name}"
     return render_svg(steps_from(definition, task_rows), title=title)

@@ -1,9 +1,9 @@
-"""The operators' dashboard inside the admin (OPS2): a page and the JSON it refreshes itself from.
+"""The operators' dashboard inside the admin: a page and the JSON it refreshes itself from.
 
 ``/admin/dashboard/`` renders :func:`ops.overview.overview` for the viewer's tenants (all of
 them for superusers); ``/admin/dashboard/data.json`` returns the same figures plus the rendered
-body, which the page fetches every few seconds. Both are mounted on the admin site by
-:mod:`events.admin`, so they need a staff login like every admin page.
+body, which the page fetches every few seconds. Both are routed by :mod:`ops.urls` (which the site
+includes under ``admin/``) through ``admin.site.admin_view``, so they need a staff login like every admin page.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from accs_site.conf import accs
-from ops.charts import chart_data, chart_rows
-from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
 from jobs.models import RetentionMark
 from jobs.retention import MARK_NAME
+from ops.charts import chart_data, chart_rows
+from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
 from tenants.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.

@@ -273,6 +273,7 @@ def job_data_view(request: HttpRequest, job_id: UUID) -> JsonResponse:
 
 def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
     """Stream one of the job's artifacts from object storage as an attachment."""
+    # Storage's modules (boto3) load only when a page reads a file.
     from events.artifacts import StorageNotConfigured, open_artifact
 
     job = visible_job(request, job_id)
@@ -323,6 +324,7 @@ def read_first(artifact: Artifact, limit: int) -> bytes:
 def artifact_preview_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
     """Show a text or JSON artifact inline, escaped: whole (JSON indented) and checked against its checksum up
     to :data:`PREVIEW_MAX_BYTES`, else its first :data:`PREVIEW_MAX_BYTES`, said to be a part."""
+    # Storage's modules (boto3) load only when a page reads a file.
     from events.artifacts import ChecksumMismatch, StorageNotConfigured, read_artifact
 
     job = visible_job(request, job_id)
@@ -447,6 +449,7 @@ def tail_size(request: HttpRequest) -> int:
 
 def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> HttpResponse:
     """Show an attempt's log (its ``.jsonl`` log artifact) as a table, filtered and tailed."""
+    # Storage's modules (boto3) load only when a page reads a file.
     from events.artifacts import ChecksumMismatch, StorageNotConfigured, open_artifact
 
     job = visible_job(request, job_id)
@@ -525,7 +528,8 @@ def timeline_log(attempt: Attempt, *, min_level: str = "", tail: int = DEFAULT_T
 
 
 __all__ = [
-    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view", "attempt_log_view", "job_data_view",
+    "DEFAULT_TAIL", "LEVELS", "LogLine", "LogTail", "artifact_download_view", "artifact_preview_view",
+    "attempt_log_view", "job_data_view",
     "job_page_context", "parse_log_line", "tail_log", "visible_job",
     # Moved to jobs.progress (the jobs list reads them too); still importable from here.
     "attempt_text", "job_progress", "job_progress_of", "job_progress_subquery", "shown_progress",

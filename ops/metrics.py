@@ -1,4 +1,4 @@
-"""Prometheus endpoint (OPS4): ``/metrics``, read from the database at scrape time.
+"""Prometheus endpoint: ``/metrics``, read from the database at scrape time.
 
 Agents and builders are separate processes (often on other machines), so counting in-process with
 prometheus_client counters would only see the web process. Instead a custom collector reads
@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from accs_site.conf import accs
+from ops.overview import flow_limits, governor_conditions, node_health, queue_depth
 
 #: Histogram buckets (seconds) for queue latency and run time.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
@@ -65,7 +66,8 @@ WITH e AS (
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' = 'queued'
                   AND e.data->>'to' IN ('waiting', 'running') THEN 'job_started'
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL
-                  AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected') THEN 'job_' || (e.data->>'to')
+                  AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected')
+             THEN 'job_' || (e.data->>'to')
            END AS kind
       FROM accs_event e
      WHERE e.id > %(lo)s AND e.id <= %(hi)s
@@ -101,7 +103,7 @@ class _Histogram:
     def add(self, count: int, total: float, buckets: tuple[int, ...]) -> None:
         self.count += count
         self.total += float(total)
-        self.buckets = [a + b for a, b in zip(self.buckets, buckets)]
+        self.buckets = [a + b for a, b in zip(self.buckets, buckets, strict=True)]
 
 
 @dataclass
@@ -195,7 +197,8 @@ class TimelineCounters:
             counts = dict(self.counts)
             latency = {k: _Histogram(list(v.buckets), v.count, v.total) for k, v in self.latency.items()}
             run_time = {k: _Histogram(list(v.buckets), v.count, v.total) for k, v in self.run_time.items()}
-        claims = CounterMetricFamily("accs_task_claims", "Tasks claimed by agents (attempts started).", labels=["service"])
+        claims = CounterMetricFamily("accs_task_claims", "Tasks claimed by agents (attempts started).",
+                                     labels=["service"])
         finished = CounterMetricFamily("accs_task_attempts_finished",
                                        "Attempts that ended, by outcome (done, retry, dead_letter, canceled).",
                                        labels=["service", "outcome"])
@@ -205,7 +208,8 @@ class TimelineCounters:
                                    labels=["service"])
         fenced = CounterMetricFamily("accs_task_fenced_reports", "Late reports rejected by attempt fencing.",
                                      labels=["service"])
-        jobs_started = CounterMetricFamily("accs_jobs_started", "Jobs instantiated (queued → waiting, their tasks created).",
+        jobs_started = CounterMetricFamily("accs_jobs_started",
+                                           "Jobs instantiated (queued → waiting, their tasks created).",
                                            labels=["tenant"])
         jobs_finished = CounterMetricFamily("accs_jobs_finished", "Jobs that ended, by final status.",
                                             labels=["tenant", "status"])
@@ -236,7 +240,7 @@ class TimelineCounters:
 def _histogram(name: str, doc: str, per_service: dict[str, _Histogram], bounds: tuple[float, ...]) -> Metric:
     family = HistogramMetricFamily(name, doc, labels=["service"])
     for service, hist in sorted(per_service.items()):
-        buckets = [(repr(float(b)), c) for b, c in zip(bounds, hist.buckets)] + [("+Inf", hist.count)]
+        buckets = [(repr(float(b)), c) for b, c in zip(bounds, hist.buckets, strict=True)] + [("+Inf", hist.count)]
         family.add_metric([service], buckets, hist.total)
     return family
 
@@ -248,8 +252,6 @@ class AccsCollector:
         self.counters = counters or TimelineCounters()
 
     def collect(self) -> Iterator[Metric]:
-        from ops.overview import governor_conditions, node_health, queue_depth
-
         started = time.monotonic()
         now = timezone.now()
         tenants, services = queue_depth(now=now)
@@ -281,7 +283,8 @@ class AccsCollector:
 
         up = GaugeMetricFamily("accs_node_up", "1 when the node is online and heartbeated within 3 × TTL/3.",
                                labels=["node"])
-        seen = GaugeMetricFamily("accs_node_last_seen_timestamp_seconds", "Last heartbeat (Unix time).", labels=["node"])
+        seen = GaugeMetricFamily("accs_node_last_seen_timestamp_seconds", "Last heartbeat (Unix time).",
+                                 labels=["node"])
         draining = GaugeMetricFamily("accs_node_draining", "1 when the node claims nothing new.", labels=["node"])
         running = GaugeMetricFamily("accs_node_running_tasks", "Tasks held by the node.", labels=["node"])
         disk = GaugeMetricFamily("accs_node_disk_used_ratio", "Disk use from the latest sample (0..1).",
@@ -308,7 +311,6 @@ class AccsCollector:
 
 def _flow_metrics() -> Iterator[Metric]:
     """Rate limits and per-key caps: starts left in the window, keys at a limit, tasks held back."""
-    from ops.overview import flow_limits
 
     left = GaugeMetricFamily("accs_rate_limit_starts_left", "Starts the service's rate limit still allows in its"
                              " window.", labels=["service"])

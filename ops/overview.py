@@ -27,10 +27,10 @@ from uuid import UUID
 from django.utils import timezone
 
 from accs_site.admin_kit import human_age
-from accs_site.conf import accs
 from accs_site.dbrouter import read_connection, replica_lag
 from jobs.claim import params_key_sql
 from nodes.api import stale_after_seconds
+from workflows.models import GovernorCondition
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
 ATTEMPT_SAMPLE = 20_000
@@ -409,8 +409,6 @@ class Condition:
 
 def governor_conditions(*, now: datetime | None = None) -> list[Condition]:
     """Return the governor conditions, those holding first."""
-    from workflows.models import GovernorCondition
-
     now = now or timezone.now()
     out = [Condition(name=c.name, holds=c.holds(now), reason=c.reason, raised_at=c.raised_at, expires_at=c.expires_at,
                      cleared_at=c.cleared_at, raised_by=c.raised_by) for c in GovernorCondition.objects.all()]
@@ -685,7 +683,7 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
         key, cap, block_during, required = services.get(service_id, (str(service_id), 0, [], {}))
         required = _json(required) or {}
 
-        def add(reason: str, counts: dict[str, int], message: str, detail: str) -> None:
+        def add(reason: str, counts: dict[str, int], message: str, detail: str, key: str = key) -> None:
             out.append(_reason(key, reason, counts, message, detail))
 
         serving = [n for n in nodes if key in n.services]

@@ -22,11 +22,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: froze
     """Format rows as aligned columns (``right`` holds the indexes of right-aligned columns)."""
     widths = [len(h) for h in headers]
     for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     return [line(headers), line(["─" * w for w in widths]), *[line(r) for r in rows]]
 

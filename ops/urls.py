@@ -4,7 +4,8 @@
     path("admin/", admin.site.urls),
 
 Names live in the ``ops`` namespace: ``ops:dashboard``, ``ops:dashboard_data``, and the job page's
-``ops:job_data`` (its live sections), ``ops:job_artifact`` (a download), ``ops:job_artifact_preview`` and ``ops:attempt_log``.
+``ops:job_data`` (its live sections), ``ops:job_artifact`` (a download), ``ops:job_artifact_preview`` and
+``ops:attempt_log``.
 """
 
 from django.contrib import admin

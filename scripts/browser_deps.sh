@@ -7,7 +7,7 @@ if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&
   exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
-  echo "browser tests: chromium and chromedriver are missing and apt-get is not here; install them to run tests/test_browser.py" >&2
+  echo "browser tests: chromium and chromedriver are missing and apt-get is not here; install them to run tests/system/test_browser.py" >&2
   exit 0
 fi
 if [ "$(id -u)" = 0 ]; then
@@ -15,7 +15,7 @@ if [ "$(id -u)" = 0 ]; then
 elif sudo -n true 2>/dev/null; then
   as_root=(sudo -n)
 else
-  echo "browser tests: run 'sudo apt-get install chromium chromium-driver' to run tests/test_browser.py" >&2
+  echo "browser tests: run 'sudo apt-get install chromium chromium-driver' to run tests/system/test_browser.py" >&2
   exit 0
 fi
 echo "installing chromium and chromium-driver for the browser tests (apt-get)"

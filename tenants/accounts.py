@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from django.contrib.auth import get_user_model
@@ -51,7 +52,8 @@ def create_tenant(slug: str, *, name: str = "", tz: str = "UTC", max_in_flight: 
         raise AccountError("max in flight must be 0 (unlimited) or more")
     limits = {k: v for k, v in (("max_in_flight", max_in_flight), ("min_priority", min_priority),
                                 ("max_priority", max_priority)) if v is not None}
-    current = Tenant.objects.filter(slug=slug).values("min_priority", "max_priority").first() or {}
+    current: dict[str, Any] = dict(
+        Tenant.objects.filter(slug=slug).values("min_priority", "max_priority").first() or {})
     low = limits.get("min_priority", current.get("min_priority", Tenant._meta.get_field("min_priority").default))
     high = limits.get("max_priority", current.get("max_priority", Tenant._meta.get_field("max_priority").default))
     if low > high:

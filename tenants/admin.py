@@ -49,7 +49,8 @@ class TokenAddForm(forms.ModelForm):
         fields = ("user", "name", "scopes", "expires_at")
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         user, expires = data.get("user"), data.get("expires_at")
         if user is not None and not user.is_active:
             self.add_error("user", "this user is not active; a token of theirs would be refused")

@@ -50,7 +50,8 @@ class Tenant(models.Model):
     )
     retention_dead_days = models.PositiveIntegerField(
         null=True, blank=True,
-        help_text="Days jobs that ended in error (dead letters) are kept; 0 = for ever, empty = ACC_RETENTION_DEAD_DAYS.",
+        help_text="Days jobs that ended in error (dead letters) are kept; 0 = for ever, "
+                  "empty = ACC_RETENTION_DEAD_DAYS.",
     )
     created_at = models.DateTimeField(default=now)
 

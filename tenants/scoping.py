@@ -34,7 +34,7 @@ def scope(queryset: QuerySet, user, *, write: bool = False, field: str = "tenant
     return queryset.filter(**{f"{field}__in": allowed})
 
 
-def can_act(user, tenant_id: UUID, *, write: bool = True) -> bool:
+def can_act(user, tenant_id: UUID | None, *, write: bool = True) -> bool:
     """Return whether ``user`` may read (``write=False``) or act in one tenant."""
     allowed = tenant_ids_for(user, write=write)
     return allowed is None or tenant_id in allowed

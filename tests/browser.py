@@ -1,16 +1,14 @@
-"""Headless Chromium for the operators' screens: the ``browser`` and ``shots`` fixtures and helpers.
+"""Headless Chromium for the operators' screens: helpers for the ``browser`` fixture (tests/conftest.py).
 
 Debian's ``chromium`` and ``chromium-driver`` (``make test`` installs them when it can), driven by
 selenium against a live server on 127.0.0.1. Set ``ACCS_SCREENSHOT_DIR=docs/screenshots`` to refresh
 the README's screenshots; by default they go to the test's temporary directory.
 
-Test modules import the fixtures by name (``from tests.browser import browser, shots``).
+The ``browser`` and ``shots`` fixtures live in tests/conftest.py; test modules import only these helpers.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,36 +18,6 @@ from tests.ops_helpers import PASSWORD
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT = 15  # seconds: the longest any page may take to show what a step waits for
-
-
-@pytest.fixture
-def browser(tmp_path):
-    """A fresh headless Chromium (own profile, no background network) for one test."""
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        if os.environ.get("CI"):
-            pytest.fail("CI needs chromium and chromium-driver (.ci/run installs them)")
-        pytest.skip("install chromium and chromium-driver (apt-get) to run the browser tests")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--no-first-run", f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}", "--window-size=1440,1000",
-                "--force-device-scale-factor=1"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(WAIT * 2)
-    yield driver
-    driver.quit()
-
-
-@pytest.fixture
-def shots(tmp_path) -> Path:
-    target = Path(os.environ.get("ACCS_SCREENSHOT_DIR") or tmp_path / "screenshots")
-    target.mkdir(parents=True, exist_ok=True)
-    return target
 
 
 def wait(driver, condition, message: str):

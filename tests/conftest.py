@@ -1,18 +1,28 @@
-"""Shared fixtures: real PostgreSQL (see tests/dbselect.py), sample services and workflows."""
+"""Shared fixtures: real PostgreSQL (see tests/dbselect.py), daemon processes, S3, a browser, users and tenants.
+
+Every fixture more than one test module uses lives here (or in a folder's own conftest.py); the helper
+modules beside it (tests/daemons.py, tests/ops_helpers.py, tests/browser.py, tests/s3_fixtures.py, ...)
+hold plain functions and classes that tests import.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.daemons import wait_for  # noqa: F401  (the shared bounded poll; tests import it from here)
+from tests import s3_fixtures
+from tests.browser import CHROMEDRIVER, CHROMIUM, WAIT
+from tests.daemons import Daemons
+from tests.ops_helpers import Tenants, make_user, two_tenants
+from tests.s3_fixtures import S3
 
 ROOT = Path(__file__).resolve().parent.parent
-
-pytest_plugins = ["tests.daemons", "tests.s3_fixtures"]
 
 
 @pytest.fixture
@@ -58,6 +68,83 @@ def make_service(db):
         return save_service(key=key, **fields)
 
     return make
+
+
+@pytest.fixture
+def daemons(subprocess_env, tmp_path) -> Iterator[Daemons]:
+    """Start agents and builders as ``manage.py`` processes; all are stopped at teardown."""
+    d = Daemons(subprocess_env, tmp_path)
+    yield d
+    d.stop_all()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> dict[str, str]:
+    """Start the local S3 server (idempotent) and return its ACC_MINIO_* variables."""
+    return s3_fixtures.start_server()
+
+
+@pytest.fixture
+def s3(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """Point ACCS at a fresh, not yet created bucket (ACCS creates it on first use)."""
+    from accs_site.conf import reload
+
+    bucket = f"accs-test-{uuid.uuid4().hex[:16]}"
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ACC_MINIO_BUCKET", bucket)
+    monkeypatch.setenv("ACC_MINIO_REGION", "us-east-1")
+    reload()
+    client = s3_fixtures.client(s3_server)
+    yield S3(endpoint=s3_server["ACC_MINIO_ENDPOINT"], bucket=bucket, client=client)
+    monkeypatch.undo()
+    reload()
+    s3_fixtures.remove_bucket(client, bucket)
+
+
+@pytest.fixture
+def tenants() -> Tenants:
+    """Two tenants, acme and globex (tests/ops_helpers.py)."""
+    return two_tenants()
+
+
+@pytest.fixture
+def root(client):
+    """A superuser, logged in on the test client."""
+    user = make_user("root", superuser=True)
+    client.force_login(user)
+    return user
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """A fresh headless Chromium (own profile, no background network) for one test (helpers: tests/browser.py)."""
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        if os.environ.get("CI"):
+            pytest.fail("CI needs chromium and chromium-driver (.ci/run installs them)")
+        pytest.skip("install chromium and chromium-driver (apt-get) to run the browser tests")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--no-first-run", f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}", "--window-size=1440,1000",
+                "--force-device-scale-factor=1"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(WAIT * 2)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def shots(tmp_path) -> Path:
+    """Where screenshots go: ACCS_SCREENSHOT_DIR (docs/screenshots to refresh the README's), else the test's tmp."""
+    target = Path(os.environ.get("ACCS_SCREENSHOT_DIR") or tmp_path / "screenshots")
+    target.mkdir(parents=True, exist_ok=True)
+    return target
 
 
 STATUS_PAIRS_SQL = """

@@ -1,4 +1,4 @@
-"""``@task`` functions of the contract suite (tests/test_tasks_contract.py), shaped like the ones Django's
+"""``@task`` functions of the contract suite (tests/jobs/test_tasks_contract.py), shaped like the ones Django's
 own ``tests/tasks`` and django-tasks' tests enqueue; agents import them by module path."""
 
 from __future__ import annotations

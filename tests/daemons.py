@@ -55,13 +55,6 @@ class Daemons:
                 proc.wait()
 
 
-@pytest.fixture
-def daemons(subprocess_env, tmp_path):
-    d = Daemons(subprocess_env, tmp_path)
-    yield d
-    d.stop_all()
-
-
 class Sampler:
     """Poll a SQL query on its own connection in a thread; keep the maximum of each column."""
 
@@ -77,7 +70,7 @@ class Sampler:
             while not self._stop.is_set():
                 row = conn.execute(self.sql, self.params).fetchone()
                 values = [int(v or 0) for v in row]
-                self.maxima = [max(a, b) for a, b in zip(self.maxima, values)] if self.maxima else values
+                self.maxima = [max(a, b) for a, b in zip(self.maxima, values, strict=True)] if self.maxima else values
                 self.samples += 1
                 time.sleep(0.01)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import pytest
 from datetime import timedelta
 
 from django.contrib.auth import get_user_model
@@ -116,22 +114,6 @@ def pipeline_scene(tenants: Tenants) -> Scene:
 
 
 __all__ = ["PASSWORD", "Scene", "Tenants", "failed_service_job", "make_user", "pipeline_scene", "two_tenants"]
-
-
-# Fixtures the operators' test modules share; a module imports them by name
-# (``from tests.ops_helpers import root, tenants``).
-
-@pytest.fixture
-def tenants() -> Tenants:
-    return two_tenants()
-
-
-@pytest.fixture
-def root(client):
-    """A superuser, logged in on the test client."""
-    user = make_user("root", superuser=True)
-    client.force_login(user)
-    return user
 
 
 def insert_done_tasks(cur, *, job_id, tenant_id, service_id, n: int = 20_000) -> None:

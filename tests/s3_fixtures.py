@@ -1,9 +1,10 @@
-"""S3 fixtures: a real S3-compatible server over HTTP (scripts/s3_local.sh), a fresh bucket per test.
+"""A real S3-compatible server over HTTP for tests (scripts/s3_local.sh) and a bucket a test looks into.
 
-``s3_server`` (session) starts MinIO or moto's server on 127.0.0.1 and returns its ACC_MINIO_*
-settings. ``s3`` (per test) points ACCS at a bucket of its own through the environment, reloads
-``accs_site.conf`` and hands the test a plain boto3 client for looking behind ACCS's back. The
-environment is restored afterwards, so tests that do not ask for ``s3`` see no storage.
+The ``s3_server`` (session) and ``s3`` (per test) fixtures in tests/conftest.py use these:
+``start_server`` starts MinIO or moto's server on 127.0.0.1 and returns its ACC_MINIO_* settings;
+``s3`` points ACCS at a bucket of its own through the environment, reloads ``accs_site.conf`` and
+hands the test an ``S3`` (a plain boto3 client for looking behind ACCS's back). The environment is
+restored afterwards, so tests that do not ask for ``s3`` see no storage.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +45,7 @@ class S3:
         self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> dict[str, str]:
+def start_server() -> dict[str, str]:
     """Start the local S3 server (idempotent) and return its ACC_MINIO_* variables."""
     env = dict(os.environ, ACC_S3_PYTHON=sys.executable)
     started = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=120)
@@ -57,7 +55,8 @@ def s3_server() -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def _client(settings: dict[str, str]) -> Any:
+def client(settings: dict[str, str]) -> Any:
+    """Return a boto3 client for the server ``settings`` (ACC_MINIO_* variables) name."""
     import boto3
     from botocore.config import Config
 
@@ -71,25 +70,7 @@ def _client(settings: dict[str, str]) -> Any:
     )
 
 
-@pytest.fixture
-def s3(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
-    """Point ACCS at a fresh, not yet created bucket (ACCS creates it on first use)."""
-    from accs_site.conf import reload
-
-    bucket = f"accs-test-{uuid.uuid4().hex[:16]}"
-    for name, value in s3_server.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("ACC_MINIO_BUCKET", bucket)
-    monkeypatch.setenv("ACC_MINIO_REGION", "us-east-1")
-    reload()
-    client = _client(s3_server)
-    yield S3(endpoint=s3_server["ACC_MINIO_ENDPOINT"], bucket=bucket, client=client)
-    monkeypatch.undo()
-    reload()
-    _remove_bucket(client, bucket)
-
-
-def _remove_bucket(client: Any, bucket: str) -> None:
+def remove_bucket(client: Any, bucket: str) -> None:
     # Keep a long-lived shared server small; a bucket the test never created is fine.
     try:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):

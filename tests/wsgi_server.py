@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -26,4 +29,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # The repository root, not tests/: the test folders named after the apps (tests/jobs/, ...) would
+    # shadow the apps themselves.
+    sys.path[0] = str(ROOT)
     main()

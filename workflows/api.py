@@ -10,7 +10,8 @@ from django.db.models import Max
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem, service_problems, step_problems, validate_workflow
 
-SERVICE_FIELDS = {f.name for f in Service._meta.get_fields() if getattr(f, "concrete", False)} - {"id", "created_at", "updated_at"}
+SERVICE_FIELDS = ({f.name for f in Service._meta.get_fields() if getattr(f, "concrete", False)}
+                  - {"id", "created_at", "updated_at"})
 
 
 def _service_from_dict(data: dict[str, Any]) -> Service:
@@ -86,7 +87,8 @@ def import_definitions(data: dict[str, Any]) -> tuple[list[Service], list[Workfl
         workflow.steps = spec.get("steps")
         workflow.description = spec.get("description", "")
         workflow.max_active_jobs = spec.get("max_active_jobs", 0)
-        problems += [Problem(f"workflow '{name}' v{version} {p.where}", p.message) for p in step_problems(workflow.steps, known)]
+        problems += [Problem(f"workflow '{name}' v{version} {p.where}", p.message)
+                     for p in step_problems(workflow.steps, known)]
         workflows.append(workflow)
     if problems:
         raise DefinitionError(problems)

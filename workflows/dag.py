@@ -14,9 +14,9 @@ dependencies' outcome).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from html import escape
-from collections.abc import Iterable
 from typing import Any
 
 # fill, stroke, text for each task status; "pending" = the job has no tasks yet.
@@ -145,7 +145,8 @@ def _status_line(step: StepState) -> str:
 def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#step-") -> str:
     """Return an inline SVG document of the DAG (safe to embed: every text is escaped)."""
     if not steps:
-        return '<svg xmlns="http://www.w3.org/2000/svg" width="240" height="40" role="img"><text x="8" y="24">no steps</text></svg>'
+        return ('<svg xmlns="http://www.w3.org/2000/svg" width="240" height="40" role="img">'
+                '<text x="8" y="24">no steps</text></svg>')
     pos = _layout(steps)
     cols = max(c for c, _ in pos.values()) + 1
     rows = max(r for _, r in pos.values()) + 1
@@ -224,7 +225,7 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
         out.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" rx="2" fill="{fill}" stroke="{stroke}"/>'
                    f'<text x="{lx + 16}" y="{ly + 10}" font-size="11" fill="#334155">{status}</text>')
         lx += 26 + 7 * len(status)
-    for tag, (label, meaning) in POLICY_TAGS.items():
+    for label, meaning in POLICY_TAGS.values():
         out.append(f'<text class="policy-legend" x="{lx}" y="{ly + 10}" font-size="11" fill="{POLICY_COLOUR}" '
                    f'font-weight="600"><title>{escape(meaning)}</title>{escape(label)}</text>')
         lx += 16 + 7 * len(label)

@@ -1,4 +1,4 @@
-"""The resource governor (WF5): named conditions that defer or re-prioritise services while they hold.
+"""The resource governor: named conditions that defer or re-prioritise services while they hold.
 
 A condition such as ``live_session`` is raised (optionally until an expiry) and cleared from the
 admin, the Python API (:func:`jobs.api.raise_condition`) or the ORM. While it holds:

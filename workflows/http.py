@@ -1,4 +1,4 @@
-"""HTTP endpoints for services and workflows under /api/v1/ (CTL5; seed 003's job definitions).
+"""HTTP endpoints for services and workflows under /api/v1/.
 
 Superusers only: services and workflows are global, not per tenant. Saving runs the same
 validation as the admin and :mod:`workflows.api`; a 422 lists every problem, naming its field or step.
@@ -28,7 +28,7 @@ MAX_SECONDS = 10**9
 
 
 class ServiceFields(In):
-    """Every editable field of a service (WF1); see the admin for the meaning of each."""
+    """Every editable field of a service; see the admin for the meaning of each."""
 
     description: str = Field("", max_length=10_000)
     executor: Executor = Executor.COMMAND
@@ -294,7 +294,7 @@ def update_workflow(request: HttpRequest, body: WorkflowPatch,
             if reason := steps_frozen_reason(workflow):
                 return Status(409, {"detail": f"{reason}; POST /workflows with the new steps to create the next "
                                               "version"})
-            workflow.steps = _steps(body.steps)
+            workflow.steps = _steps(body.steps or [])
         for field in ("description", "is_active", "max_active_jobs"):
             if field in changes:
                 setattr(workflow, field, changes[field])

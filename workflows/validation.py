@@ -1,4 +1,4 @@
-"""Validation of services and workflows (WF1, WF2).
+"""Validation of services and workflows.
 
 One set of rules serves the admin form (``Model.clean``), the Python API (:mod:`workflows.api`)
 and imports. Every problem names where it is (which step, which field) and what is wrong; callers
@@ -124,7 +124,8 @@ def argv_placeholders(argv: Iterable[str]) -> set[str]:
 
 
 # Argv elements are rendered with str.format, so literal braces (JSON, shell-like ${VAR}) are doubled.
-LITERAL_BRACES_HINT = 'write literal braces doubled ({{ for {, }} for }): the element {{"mode": "fast"}} renders {"mode": "fast"}'
+LITERAL_BRACES_HINT = ('write literal braces doubled ({{ for {, }} for }): '
+                       'the element {{"mode": "fast"}} renders {"mode": "fast"}')
 
 
 def service_problems(service) -> list[Problem]:
@@ -162,7 +163,8 @@ def service_problems(service) -> list[Problem]:
     elif executor == "python":
         target = config.get("callable")
         if not isinstance(target, str) or not CALLABLE_RE.match(target):
-            problems.append(Problem("executor_config.callable", "expected a dotted path such as 'package.module:function'"))
+            problems.append(Problem("executor_config.callable",
+                                    "expected a dotted path such as 'package.module:function'"))
     elif executor == "http":
         problems += local_url_problems(config.get("url"), field="executor_config.url")
         if config.get("health_url") is not None:
@@ -295,7 +297,8 @@ def not_allowed_problems(executor: str, config: Mapping[str, Any]) -> list[Probl
         if isinstance(url, str) and not url_allowed(url, accs.allowed_http_urls):
             listed = ",".join(accs.allowed_http_urls)
             problems.append(Problem(f"executor_config.{key}",
-                                    f"{url!r} does not start with a URL this site allows (ACC_ALLOWED_HTTP_URLS={listed})"))
+                                    f"{url!r} does not start with a URL this site allows "
+                                    f"(ACC_ALLOWED_HTTP_URLS={listed})"))
     return problems
 
 

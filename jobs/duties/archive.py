@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import connection
 
 from events.partitions import archive_partitions
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 
 
 def archive(limit: int) -> int:

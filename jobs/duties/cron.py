@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 from jobs.triggers import fire_due_schedules
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 from workflows.governor import expire_conditions
 
 

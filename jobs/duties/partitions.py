@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from events.partitions import ensure_partitions
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 
 
 def ensure(limit: int) -> int:

@@ -11,15 +11,15 @@ never a wrong deletion.
 from __future__ import annotations
 
 from accs_site.conf import accs
-from jobs.duties import Duty
+from events.artifacts import sweep_orphan_objects
+from jobs.duties.base import Duty
 from jobs.receipts import prune_receipts as prune_old_receipts
+from jobs.retention import prune_finished_jobs
 
 SWEEP_PAGE = 1000
 
 
 def prune(limit: int) -> int:
-    from jobs.retention import prune_finished_jobs
-
     return prune_finished_jobs(limit=limit).jobs
 
 
@@ -34,8 +34,6 @@ class OrphanSweep:
         self.marker: str | None = None
 
     def __call__(self, limit: int) -> int:
-        from events.artifacts import sweep_orphan_objects
-
         result = sweep_orphan_objects(limit=limit, grace_seconds=accs.orphan_grace_sec, start_after=self.marker)
         self.marker = result.next_marker
         return len(result.deleted)

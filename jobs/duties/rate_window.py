@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobs.claim import forget_old_starts
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 
 
 def duty() -> Duty:

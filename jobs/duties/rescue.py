@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 from jobs.rescue import rescue_expired
 
 

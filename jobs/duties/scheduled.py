@@ -6,7 +6,7 @@ true for services no agent is serving right now, and wakes idle agents when a ba
 
 from __future__ import annotations
 
-from jobs.duties import Duty
+from jobs.duties.base import Duty
 from jobs.reports import promote_scheduled
 
 

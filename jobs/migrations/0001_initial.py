@@ -24,7 +24,7 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        # Job.order_seq draws from this sequence (CLM1's global order).
+        # Job.order_seq draws from this sequence (the global first-come order agents claim in).
         migrations.RunSQL(
             "CREATE SEQUENCE IF NOT EXISTS accs_job_order_seq AS bigint",
             "DROP SEQUENCE IF EXISTS accs_job_order_seq",

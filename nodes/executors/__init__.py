@@ -19,18 +19,56 @@ from __future__ import annotations
 import subprocess  # noqa: F401
 
 from nodes.executors.base import (
-    INHERITED_ENV, KILL_GRACE_SECONDS, MAX_ERROR_CHARS, MAX_LOG_LINE_CHARS, MAX_RESULTS_BYTES, SECRET_KEY_RE, TAIL_CHARS,
-    BadOutput, Executor, RunContext, agent_secrets, bad_output, clean_results, clean_text, not_allowed, parse_results,
-    redact, remove_scratch, render_argv, sanitize_outcome, secrets_in,
+    INHERITED_ENV,
+    KILL_GRACE_SECONDS,
+    MAX_ERROR_CHARS,
+    MAX_LOG_LINE_CHARS,
+    MAX_RESULTS_BYTES,
+    SECRET_KEY_RE,
+    TAIL_CHARS,
+    BadOutput,
+    Executor,
+    RunContext,
+    agent_secrets,
+    bad_output,
+    clean_results,
+    clean_text,
+    not_allowed,
+    parse_results,
+    redact,
+    remove_scratch,
+    render_argv,
+    sanitize_outcome,
+    secrets_in,
 )
 from nodes.executors.command import CommandExecutor
 from nodes.executors.http import HttpExecutor
 from nodes.executors.processes import (
-    LEVEL_PREFIX_RE, LOG_MARK_RE, PR_SET_PDEATHSIG, PROGRESS_RE, STDERR_LEVEL, STDERR_LEVELS, agent_alive,
-    die_with_parent, end_orphan_groups, orphans_on_node, ours, processes_in_group, run_process, service_env,
-    stderr_level, task_env,
+    LEVEL_PREFIX_RE,
+    LOG_MARK_RE,
+    PR_SET_PDEATHSIG,
+    PROGRESS_RE,
+    STDERR_LEVEL,
+    STDERR_LEVELS,
+    agent_alive,
+    die_with_parent,
+    end_orphan_groups,
+    orphans_on_node,
+    ours,
+    processes_in_group,
+    run_process,
+    service_env,
+    stderr_level,
+    task_env,
 )
-from nodes.executors.python import ERROR_MARK, PROCESS_RUNNER, PythonExecutor, TaskStopped, exception_name, load_callable
+from nodes.executors.python import (
+    ERROR_MARK,
+    PROCESS_RUNNER,
+    PythonExecutor,
+    TaskStopped,
+    exception_name,
+    load_callable,
+)
 from nodes.executors.simulate import SimulateExecutor
 
 __all__ = [

@@ -6,11 +6,11 @@ The CLI contract itself (results on stdout, log lines and progress on stderr, th
 
 from __future__ import annotations
 
-
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from nodes.executors.base import RunContext, _outcome, render_argv
 from nodes.executors.processes import run_process
+
 
 class CommandExecutor:
     """Run a CLI tool following the ACCS contract (no shell, own process group)."""

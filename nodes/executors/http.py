@@ -20,6 +20,7 @@ from jobs.transitions import Outcome
 from nodes.executors.base import MAX_RESULTS_BYTES, TAIL_CHARS, BadOutput, RunContext, _outcome, redact, render_argv
 from nodes.executors.processes import _kill_group, service_env
 
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """Refuse redirects: a local service's 3xx could point the agent at any address."""
 

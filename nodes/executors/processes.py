@@ -30,8 +30,17 @@ from typing import Any
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from nodes.executors.base import (
-    INHERITED_ENV, KILL_GRACE_SECONDS, MAX_LOG_LINE_CHARS, MAX_RESULTS_BYTES, TAIL_CHARS, BadOutput, RunContext,
-    _outcome, clean_text, parse_results, redact,
+    INHERITED_ENV,
+    KILL_GRACE_SECONDS,
+    MAX_LOG_LINE_CHARS,
+    MAX_RESULTS_BYTES,
+    TAIL_CHARS,
+    BadOutput,
+    RunContext,
+    _outcome,
+    clean_text,
+    parse_results,
+    redact,
 )
 
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")

@@ -9,8 +9,9 @@ from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from nodes.executors.base import RunContext, _outcome
 
+
 class SimulateExecutor:
-    """An unstable network (seed 004, AGT5): seeded random delay, error or timeout per attempt."""
+    """A simulated unstable network: seeded random delay, error or timeout per attempt."""
 
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config

@@ -1,4 +1,4 @@
-"""Sample services and workflows: seed 000's ingest → audio → render → upload, and a one-step CLI."""
+"""Sample services and workflows: a media pipeline (ingest → audio → render → upload), and a one-step CLI."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ def definitions() -> dict:
             {
                 "key": "ingest", "description": "Fetch the source media", "executor": "command",
                 "executor_config": {"argv": [*TOOL, "ingest", "--source", "{source}"]},
-                "params_schema": {"type": "object", "properties": {"source": {"type": "string"}}, "required": ["source"]},
+                "params_schema": {"type": "object", "properties": {"source": {"type": "string"}},
+                                  "required": ["source"]},
                 "timeout_seconds": 60, "cpu_weight": 1,
             },
             {
                 "key": "audio-norm", "description": "Normalise loudness", "executor": "command",
                 "executor_config": {"argv": [*TOOL, "audio", "--lufs", "{lufs}"]},
-                "params_schema": {"type": "object", "properties": {"lufs": {"type": "number", "minimum": -70, "maximum": 0}}},
+                "params_schema": {"type": "object",
+                                  "properties": {"lufs": {"type": "number", "minimum": -70, "maximum": 0}}},
                 "timeout_seconds": 60, "cpu_weight": 2,
             },
             {
@@ -46,7 +48,8 @@ def definitions() -> dict:
             {
                 "key": "host-check", "description": "Per-host check over an unstable network (simulated)",
                 "executor": "simulate",
-                "executor_config": {"seed": 7, "error_rate": 0.25, "timeout_rate": 0.0, "min_delay_ms": 20, "max_delay_ms": 120},
+                "executor_config": {"seed": 7, "error_rate": 0.25, "timeout_rate": 0.0,
+                                    "min_delay_ms": 20, "max_delay_ms": 120},
                 "params_schema": {"type": "object"}, "timeout_seconds": 30, "exclusive_per_host": True,
                 "backoff_base_seconds": 1, "backoff_cap_seconds": 3,
             },
@@ -55,8 +58,10 @@ def definitions() -> dict:
             {
                 "name": "publish", "version": 1, "description": "Seed 000's media pipeline",
                 "steps": [
-                    {"key": "ingest", "service": "ingest", "depends_on": [], "default_params": {"source": "s3://demo/in.wav"}},
-                    {"key": "audio", "service": "audio-norm", "depends_on": ["ingest"], "default_params": {"lufs": -16}},
+                    {"key": "ingest", "service": "ingest", "depends_on": [],
+                     "default_params": {"source": "s3://demo/in.wav"}},
+                    {"key": "audio", "service": "audio-norm", "depends_on": ["ingest"],
+                     "default_params": {"lufs": -16}},
                     {"key": "render", "service": "renderer", "depends_on": ["audio"],
                      "default_params": {"preset": "1080p30", "fail_rate": 0}},
                     {"key": "upload", "service": "yt-upload", "depends_on": ["render"], "default_params": {}},
@@ -64,7 +69,8 @@ def definitions() -> dict:
             },
             {
                 "name": "fleet-check", "version": 1, "description": "Fan out a check over hosts",
-                "steps": [{"key": "check", "service": "host-check", "depends_on": [], "default_params": {}, "fan_out": "hosts"}],
+                "steps": [{"key": "check", "service": "host-check", "depends_on": [], "default_params": {},
+                           "fan_out": "hosts"}],
             },
         ],
     }

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if random.random() < args.fail_rate and attempt < 2:
             log("render: encoder crashed (simulated)")
             return 3
-        result = {"preset": args.preset, "frames": 1800, "file": write_output("render.txt", f"rendered {args.preset}\n")}
+        result = {"preset": args.preset, "frames": 1800,
+                  "file": write_output("render.txt", f"rendered {args.preset}\n")}
     elif args.step == "upload":
         work(2, 0.03)
         result = {"url": f"https://video.invalid/{job[:8]}"}

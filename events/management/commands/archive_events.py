@@ -18,12 +18,14 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--dry-run", action="store_true", help="Show what would be created and archived; change nothing.")
+        parser.add_argument("--dry-run", action="store_true",
+                            help="Show what would be created and archived; change nothing.")
         parser.add_argument("--limit", type=int, default=12, help="Archive at most this many months (default 12).")
         parser.add_argument("--retention-months", type=int, default=None, help="Override ACC_EVENT_RETENTION_MONTHS.")
         parser.add_argument("--months-ahead", type=int, default=None, help="Override ACC_EVENT_PARTITIONS_AHEAD.")
 
-    def handle(self, *args: Any, dry_run: bool, limit: int, retention_months: int | None, months_ahead: int | None, **options: Any) -> None:
+    def handle(self, *args: Any, dry_run: bool, limit: int, retention_months: int | None, months_ahead: int | None,
+               **options: Any) -> None:
         if limit < 1:
             raise CommandError("--limit must be at least 1")
         if retention_months is not None and retention_months < 1:

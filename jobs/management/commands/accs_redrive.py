@@ -26,7 +26,8 @@ def iso_time(text: str) -> datetime:
     try:
         return datetime.fromisoformat(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an ISO 8601 time such as 2025-03-01T12:00:00Z, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected an ISO 8601 time such as 2025-03-01T12:00:00Z, got {text!r}") from None
 
 
 class Command(OperatorCommand):

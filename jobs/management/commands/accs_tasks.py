@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.tasks_backend import service_key, tasks_in
+from jobs.tasks_backend import tasks_in
 
 
 class Command(BaseCommand):
@@ -21,7 +22,7 @@ class Command(BaseCommand):
                             help="Print only the comma-separated service keys (for runagent --services).")
 
     def handle(self, *args, **options) -> None:
-        tasks = []
+        tasks: list[Any] = []
         for name in options["modules"] or _app_task_modules():
             try:
                 module = importlib.import_module(name)

@@ -20,7 +20,7 @@ NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 def node_name_problem(name: str) -> str | None:
     """Return why ``name`` cannot name a node, or None when it can."""
     limit = Node._meta.get_field("name").max_length
-    if len(name) > limit:
+    if limit is not None and len(name) > limit:
         return f"is {len(name)} characters long; at most {limit} are allowed"
     if not NODE_NAME.fullmatch(name):
         return (f"{name!r} has characters a node name cannot have; use letters, digits, '.', '_' and '-', "

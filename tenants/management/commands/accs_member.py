@@ -32,7 +32,8 @@ class Command(BaseCommand):
                 gone = remove_member(options["user"], options["tenant"])
                 self.stdout.write("removed" if gone else f"{options['user']} was not a member of {options['tenant']}")
             else:
-                rows = TenantMembership.objects.select_related("user", "tenant").order_by("tenant__slug", "user__username")
+                rows = (TenantMembership.objects.select_related("user", "tenant")
+                        .order_by("tenant__slug", "user__username"))
                 if options["tenant"]:
                     rows = rows.filter(tenant__slug=options["tenant"])
                 for m in rows:

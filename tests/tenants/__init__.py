@@ -1,0 +1,1 @@
+"""Tests of tenants/: tenants, memberships, API tokens, scoping and authentication."""

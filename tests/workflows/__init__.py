@@ -1,0 +1,1 @@
+"""Tests of workflows/: services, workflows, validation, governor conditions."""
