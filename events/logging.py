@@ -20,7 +20,10 @@ import threading
 import time
 from collections import deque
 from datetime import datetime, timezone
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from events.timeline import EventRow
 
 LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",
           logging.CRITICAL: "error"}
@@ -116,7 +119,7 @@ class EventBridgeHandler(logging.Handler):
         super().__init__(level)
         self.buffer_lines = buffer_lines
         self.retry_seconds = retry_seconds
-        self.pending: deque = deque()  # EventRow waiting for the database
+        self.pending: deque[EventRow] = deque()  # lines waiting for the database
         self.dropped = 0
         self._down_since: float | None = None
         self._retry_at = 0.0
@@ -137,7 +140,7 @@ class EventBridgeHandler(logging.Handler):
         finally:
             self._local.busy = False
 
-    def _row(self, record: logging.LogRecord, job_id):
+    def _row(self, record: logging.LogRecord, job_id: Any) -> EventRow:
         from accs_site.conf import known_secrets  # imported late, like the timeline: logging is set up first
         from events.timeline import EventRow
 
@@ -150,14 +153,14 @@ class EventBridgeHandler(logging.Handler):
                         attempt=getattr(record, "attempt", None),
                         source=getattr(record, "source", None) or f"log:{record.name}")
 
-    def _add(self, row) -> None:
+    def _add(self, row: EventRow) -> None:
         """Keep ``row`` for later, or drop and count it when enough wait already (the caller holds ``_state``)."""
         if len(self.pending) < self.buffer_lines:
             self.pending.append(row)
         else:
             self.dropped += 1
 
-    def _write(self, row) -> None:
+    def _write(self, row: EventRow) -> None:
         """Write the waiting lines and this one, unless the database failed moments ago: then it waits too."""
         # Imported late, like the timeline above: logging is configured before Django's apps are.
         from django.db import connection, transaction
@@ -210,7 +213,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
-def _close_if_unusable(connection) -> None:
+def _close_if_unusable(connection: Any) -> None:
     """Drop this thread's broken connection (outside a transaction), so a later line opens a new one."""
     try:
         if not connection.in_atomic_block:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from django.db import connection, transaction
 
@@ -19,6 +20,9 @@ from accs_site.admin_kit import ActionResult
 from events.timeline import EventRow, write_events
 from jobs.failure.apply import HostFailure
 from jobs.notify import notify, service_channel
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper
 
 QUARANTINE_SQL = """
 -- One statement for the batch; a host already quarantined keeps its first reason. Host rows are
@@ -32,7 +36,8 @@ RETURNING h.id, h.name
 """
 
 
-def quarantine_hosts(cur, failures: Sequence[HostFailure], *, now: datetime, source: str) -> list[EventRow]:
+def quarantine_hosts(cur: CursorWrapper, failures: Sequence[HostFailure], *, now: datetime,
+                     source: str) -> list[EventRow]:
     """Take the hosts of tasks that failed for good out of eligibility (caller's transaction); return the events."""
     if not failures:
         return []

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from accs_site.conf import accs
@@ -26,6 +26,9 @@ from jobs.failure.decide import FAIL_JOB, Action, Decision, RetryDefaults, TaskF
 from jobs.finalize import JOB_FAILED_REASON, finished, skip_unstarted
 from jobs.outcomes import Outcome, ReportResult
 from jobs.states import JOB_ADMITTED, sql_in
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper
 
 log = logging.getLogger("accs.reports")
 
@@ -62,7 +65,7 @@ SELECT t.id, t.job_id, t.attempt, t.max_attempts, t.status, s.max_attempts, s.ba
 """
 
 
-def load_facts(cur, outcomes: Sequence[Outcome], *,
+def load_facts(cur: CursorWrapper, outcomes: Sequence[Outcome], *,
                from_statuses: Sequence[str] = ("starting", "running")) -> list[tuple[TaskFacts, Outcome]]:
     """Read what the decision needs about the tasks of ``outcomes`` (those still in ``from_statuses``)."""
     by_id = {o.task_id: o for o in outcomes}
@@ -74,8 +77,8 @@ def load_facts(cur, outcomes: Sequence[Outcome], *,
             for r in cur.fetchall()]
 
 
-def record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, now: datetime, source: str,
-                    from_statuses: Sequence[str] = ("starting", "running")) -> set[UUID]:
+def record_failures(cur: CursorWrapper, outcomes: Sequence[Outcome], result: ReportResult, *, now: datetime,
+                    source: str, from_statuses: Sequence[str] = ("starting", "running")) -> set[UUID]:
     """Decide and apply badly ended attempts (the caller holds the locks); return the jobs touched.
 
     An outcome whose attempt is no longer the task's current one changes nothing here: the
@@ -119,7 +122,8 @@ RETURNING t.id
 TARGETS = ("canceled", "queued", "scheduled", "error")
 
 
-def apply(cur, decisions: Sequence[Decision], result: ReportResult, *, now: datetime, source: str) -> set[UUID]:
+def apply(cur: CursorWrapper, decisions: Sequence[Decision], result: ReportResult, *, now: datetime,
+          source: str) -> set[UUID]:
     """Write ``decisions``: attempts ended, then one statement per target state; return the jobs touched."""
     if not decisions:
         return set()
@@ -153,7 +157,7 @@ def apply(cur, decisions: Sequence[Decision], result: ReportResult, *, now: date
     return {d.facts.job_id for d in done}
 
 
-def _end_attempts(cur, decisions: Sequence[Decision], *, now: datetime) -> None:
+def _end_attempts(cur: CursorWrapper, decisions: Sequence[Decision], *, now: datetime) -> None:
     o = [d.outcome for d in decisions]
     cur.execute(END_ATTEMPTS_SQL, {
         "ids": [d.task_id for d in decisions], "attempts": [d.facts.attempt for d in decisions],
@@ -163,11 +167,12 @@ def _end_attempts(cur, decisions: Sequence[Decision], *, now: datetime) -> None:
     })
 
 
-def _move(cur, group: Sequence[Decision], *, to: str, now: datetime) -> set[UUID]:
+def _move(cur: CursorWrapper, group: Sequence[Decision], *, to: str, now: datetime) -> set[UUID]:
     """Move one target state's tasks in one statement; return the ids moved."""
-    params = {"to": to, "now": now, "ids": [d.task_id for d in group], "attempts": [d.facts.attempt for d in group],
-              "froms": [d.facts.status for d in group], "codes": [d.error_code for d in group],
-              "messages": [d.error[:2000] for d in group]}
+    params: dict[str, Any] = {
+        "to": to, "now": now, "ids": [d.task_id for d in group], "attempts": [d.facts.attempt for d in group],
+        "froms": [d.facts.status for d in group], "codes": [d.error_code for d in group],
+        "messages": [d.error[:2000] for d in group]}
     if to in ("queued", "scheduled"):
         cur.execute(REQUEUE_SQL, {**params, "next_at": [d.next_attempt_at for d in group],
                                   "refunds": [int(d.refund) for d in group]})
@@ -199,7 +204,7 @@ def _task_event(d: Decision, *, source: str) -> EventRow:
                           "error_code": d.error_code})
 
 
-def _quarantine(cur, decisions: Sequence[Decision], *, now: datetime, source: str) -> list[EventRow]:
+def _quarantine(cur: CursorWrapper, decisions: Sequence[Decision], *, now: datetime, source: str) -> list[EventRow]:
     if not decisions:
         return []
     if _host_quarantine is None:
@@ -222,7 +227,7 @@ RETURNING j.id
 """
 
 
-def fail_job(cur, job_id: UUID, *, reason: str, now: datetime, source: str) -> list[EventRow]:
+def fail_job(cur: CursorWrapper, job_id: UUID, *, reason: str, now: datetime, source: str) -> list[EventRow]:
     """Fail a (locked) admitted job after a task of a ``fail_job`` step failed for good; return the events.
 
     Its unstarted tasks are skipped, except those of ``always`` steps, which still run.
