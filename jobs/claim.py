@@ -31,6 +31,7 @@ Workflow ``max_active_jobs`` and tenant ``max_in_flight`` limit jobs, not tasks:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,7 @@ class ServiceSpec:
     rate_key_limit: int = 0
     concurrency_key: str = ""
     concurrency_key_limit: int = 0
+    lease_seconds: int | None = None  # None: the claimer's default lease
 
     @property
     def keyed(self) -> bool:
@@ -86,7 +88,8 @@ def service_spec(service) -> ServiceSpec:
                        service.exclusive_per_host, dict(service.required_labels or {}),
                        rate_limit=service.rate_limit, rate_period=service.rate_period_seconds,
                        rate_key=service.rate_key, rate_key_limit=service.rate_key_limit,
-                       concurrency_key=service.concurrency_key, concurrency_key_limit=service.concurrency_key_limit)
+                       concurrency_key=service.concurrency_key, concurrency_key_limit=service.concurrency_key_limit,
+                       lease_seconds=service.lease_seconds)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class ClaimedTask:
     timeout_seconds: int
     host: str | None
     service_key: str
+    lease_seconds: float = 0.0  # the lease the claim granted (its service's, else the claimer's)
 
 
 # The claim statement, built from parts: services with a per-key limit need the key filters, and
@@ -196,7 +200,10 @@ WITH RECURSIVE svc AS (
     UPDATE accs_task t
        SET status = 'starting', attempt = t.attempt + 1, claimed_by = %(agent)s, node = %(node)s,
            claimed_at = {stamp},
-           lease_expires_at = {stamp} + make_interval(secs => %(lease)s),
+           -- The service's own lease, else the claimer's (jobs.rescue reads its length back as
+           -- lease_expires_at - heartbeat_at).
+           lease_expires_at = {stamp} + make_interval(
+               secs => coalesce((%(leases)s::jsonb ->> t.service_id::text)::float8, %(lease)s)),
            heartbeat_at = {stamp}, updated_at = {stamp},
            cancel_requested_at = NULL, started_at = NULL
      -- By primary key: the planner cannot know how few rows pick holds, and a hash join would
@@ -464,6 +471,8 @@ def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
         "rpaths": [s.rate_key for s in specs], "rlimits": [s.rate_key_limit for s in specs],
         "cpaths": [s.concurrency_key for s in specs], "climits": [s.concurrency_key_limit for s in specs],
         "periods": [s.rate_period for s in specs], "rated": [s.rated for s in specs],
+        # Services with a lease of their own (service id -> seconds); the others get the claimer's.
+        "leases": json.dumps({s.id: float(s.lease_seconds) for s in specs if s.lease_seconds}),
     }
 
 
@@ -542,7 +551,7 @@ LIMITS_SQL = """
 -- The limits a claim enforces, read by the claim itself: an operator's change applies to the very
 -- next claim, not only once the agent's service cache (about 10 s) renews. By primary key.
 SELECT id, max_concurrent, rate_limit, rate_period_seconds, rate_key, rate_key_limit, concurrency_key,
-       concurrency_key_limit
+       concurrency_key_limit, lease_seconds
   FROM accs_service WHERE id = ANY(%s::bigint[])
 """
 
@@ -552,7 +561,7 @@ def current_limits(cur, services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
     cur.execute(LIMITS_SQL, [[s.id for s in services]])
     rows = {r[0]: r[1:] for r in cur.fetchall()}
     return [replace(s, max_concurrent=row[0], rate_limit=row[1], rate_period=row[2], rate_key=row[3],
-                    rate_key_limit=row[4], concurrency_key=row[5], concurrency_key_limit=row[6])
+                    rate_key_limit=row[4], concurrency_key=row[5], concurrency_key_limit=row[6], lease_seconds=row[7])
             for s in services if (row := rows.get(s.id)) is not None]
 
 
@@ -623,7 +632,8 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
                           "node": limits.name, "lease": float(lease_seconds), "pid": pid,
                           "source": f"agent:{limits.name}", "exclude": [str(t) for t in exclude]})
         return [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
-                            service_key=by_id[row[7]].key)
+                            service_key=by_id[row[7]].key,
+                            lease_seconds=float(by_id[row[7]].lease_seconds or lease_seconds))
                 for row in cur.fetchall()]
 
 
@@ -637,12 +647,13 @@ WITH l AS (
        AND t.id <> ALL(%(known)s::uuid[])
      ORDER BY t.id FOR UPDATE OF t
 ), upd AS (
-    UPDATE accs_task t SET lease_expires_at = now() + make_interval(secs => %(lease)s), heartbeat_at = now()
-      FROM l WHERE t.id = l.id
+    UPDATE accs_task t SET lease_expires_at = now() + make_interval(secs => coalesce(s.lease_seconds, %(lease)s)),
+           heartbeat_at = now()
+      FROM l, accs_service s WHERE t.id = l.id AND s.id = t.service_id
     RETURNING t.id, t.job_id, t.task_key, t.attempt, t.params, t.timeout_seconds, t.host_id, t.service_id,
-              t.priority, t.order_seq, t.created_at
+              t.priority, t.order_seq, t.created_at, coalesce(s.lease_seconds, %(lease)s) AS lease
 )
-SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name, s.key
+SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name, s.key, upd.lease
   FROM upd JOIN accs_service s ON s.id = upd.service_id LEFT JOIN accs_host h ON h.id = upd.host_id
  ORDER BY upd.priority DESC, upd.order_seq, upd.created_at, upd.id
 """
@@ -659,7 +670,7 @@ def adopt_claimed(node: str, *, agent_id: str, known: Collection[UUID], lease_se
         cur.execute(ADOPT_SQL, {"node": node, "agent": agent_id, "known": [str(t) for t in known],
                                 "lease": float(lease_seconds)})
         return [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
-                            service_key=row[7])
+                            service_key=row[7], lease_seconds=float(row[8]))
                 for row in cur.fetchall()]
 
 

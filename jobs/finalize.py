@@ -194,7 +194,7 @@ def finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, r
     cur.execute(FINISH_SQL, {"jobs": jobs, "now": now, "source": source})
 
 
-# The reason jobs.reports gives the tasks it skips when a fail_job failure fails their job.
+# The reason jobs.failure.apply gives the tasks it skips when a fail_job failure fails their job.
 JOB_FAILED_REASON = "job failed"
 
 REWAIT_ALWAYS_SQL = f"""

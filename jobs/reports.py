@@ -1,8 +1,10 @@
-"""The agents' side of a task's life: start, heartbeat, progress, outcome; and lease rescue.
+"""The agents' side of a task's life: start, heartbeat, progress, outcome.
 
 Every function here is fenced by the attempt number: a report from an attempt that is no longer
 current changes nothing and is recorded as a ``fenced`` event. Times come from PostgreSQL's
-clock (:func:`accs_site.clock.db_now`), never from the agent's. Locks follow :mod:`jobs.locks`: the
+clock (:func:`accs_site.clock.db_now`), never from the agent's. What a failed attempt does to
+its task is decided by :mod:`jobs.failure.decide` and written by :mod:`jobs.failure.apply`; the
+lease rescue, which reuses both, is :mod:`jobs.rescue`. Locks follow :mod:`jobs.locks`: the
 jobs of the reported tasks, then the tasks, each sorted by id.
 """
 
@@ -10,64 +12,26 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from uuid import UUID
 
 from django.db import connection, transaction
 
-from accs_site.conf import accs
-from events.models import EventType
+from accs_site.clock import db_now
 from events.timeline import EventRow, write_events
-from jobs.backoff import backoff_delay
-from jobs.finalize import finalize_jobs, finished, skip_unstarted
+from jobs.failure.apply import record_failures
+from jobs.finalize import finalize_jobs
 from jobs.locks import lock_jobs_of_tasks, lock_tasks
 from jobs.notify import notify, service_channel
-from jobs.states import JOB_ADMITTED, sql_in
-from accs_site.clock import db_now
-from workflows.models import StepFailurePolicy
+from jobs.outcomes import Outcome, ReportResult, attempt_ending
+
+__all__ = ["Outcome", "ReportResult", "heartbeat", "mark_running", "promote_scheduled", "promote_scheduled_in",
+           "report", "report_progress"]
 
 log = logging.getLogger("accs.reports")
 
 BUILDER = "builder"
-
-
-@dataclass
-class Outcome:
-    """How one attempt ended, as reported by an agent.
-
-    ``status``: succeeded | failed | timeout | canceled | interrupted (the agent shut down and
-    stopped the attempt: it is retried at once and does not use up the retry budget).
-    """
-
-    task_id: UUID
-    attempt: int
-    status: str
-    results: Any = None
-    exit_code: int | None = None
-    stdout_tail: str = ""
-    stderr_tail: str = ""
-    error: str = ""
-    error_code: str = ""
-    retryable: bool = True
-
-
-@dataclass
-class ReportResult:
-    """What a report changed.
-
-    ``fenced`` lists reports rejected because the attempt is no longer current; ``repeated`` lists
-    reports that were already recorded, word for word (a retry after a commit whose answer was lost).
-    """
-
-    done: list[UUID] = field(default_factory=list)
-    retried: list[UUID] = field(default_factory=list)
-    failed: list[UUID] = field(default_factory=list)
-    canceled: list[UUID] = field(default_factory=list)
-    fenced: list[UUID] = field(default_factory=list)
-    repeated: list[UUID] = field(default_factory=list)
 
 
 MARK_RUNNING_SQL = """
@@ -212,7 +176,7 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
                 touched_jobs.add(jid)
         bad = [o for o in outcomes if o.status != "succeeded"]
         if bad:
-            touched_jobs |= _record_failures(cur, bad, result, now=now, source=source)
+            touched_jobs |= record_failures(cur, bad, result, now=now, source=source)
         accepted = set(result.done) | set(result.retried) | set(result.failed) | set(result.canceled)
         rejected = [o for o in outcomes if o.task_id not in accepted]
         if rejected:
@@ -224,15 +188,6 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
                 _record_fenced(cur, fenced, source=source)
         finalize_jobs(cur, sorted(touched_jobs, key=str), now=now, source=source)
     return result
-
-
-def _attempt_ending(o: Outcome) -> tuple[str, str]:
-    """The status and error text a report writes on its attempt row."""
-    if o.status == "succeeded":
-        return "succeeded", ""
-    known = ("failed", "timeout", "canceled", "interrupted")
-    status = o.status if o.status in known else "failed"
-    return status, o.error or {"timeout": "timeout", "interrupted": "interrupted: the agent shut down"}.get(status, "failed")
 
 
 def _already_recorded(cur, outcomes: Sequence[Outcome]) -> set[UUID]:
@@ -251,7 +206,7 @@ def _already_recorded(cur, outcomes: Sequence[Outcome]) -> set[UUID]:
     ended = {tid: (status, code, text) for tid, status, code, text in cur.fetchall()}
     recorded = set()
     for o in outcomes:
-        status, text = _attempt_ending(o)
+        status, text = attempt_ending(o)
         if o.task_id in ended and ended[o.task_id] == (status, o.exit_code, text):
             recorded.add(o.task_id)
     return recorded
@@ -273,173 +228,32 @@ def _record_fenced(cur, outcomes: Sequence[Outcome], *, source: str) -> None:
     write_events(rows, cursor=cur)
 
 
-def _record_failures(cur, outcomes: Sequence[Outcome], result: ReportResult, *, now: datetime, source: str,
-                     from_statuses: tuple[str, ...] = ("starting", "running")) -> set[UUID]:
-    """Apply failed/timeout/canceled/interrupted outcomes: retry, or final error (dead letter).
-
-    The caller holds the locks of the tasks' jobs and of the tasks.
-    """
-    by_id = {o.task_id: o for o in outcomes}
-    cur.execute(
-        "SELECT t.id, t.job_id, t.attempt, t.max_attempts, t.status, t.host_id, s.backoff_base_seconds,"
-        "       s.backoff_cap_seconds, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL,"
-        "       s.max_attempts, t.step_key, js.on_failure"
-        "  FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
-        "  LEFT JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key"
-        " WHERE t.id = ANY(%s) AND t.status = ANY(%s) ORDER BY t.id",
-        [list(by_id), list(from_statuses)],
-    )
-    touched: set[UUID] = set()
-    events: list[EventRow] = []
-    for (tid, jid, attempt, max_attempts, status, host_id, base, cap, quarantine, cancel_requested,
-         budget, step_key, on_failure) in cur.fetchall():
-        o = by_id[tid]
-        if o.attempt != attempt:
-            continue  # fenced: reported below by the caller
-        touched.add(jid)
-        attempt_status, error = _attempt_ending(o)
-        cur.execute(
-            "UPDATE accs_attempt SET status = %s, finished_at = %s, exit_code = %s, stdout_tail = %s,"
-            " stderr_tail = %s, error_text = %s WHERE task_id = %s AND attempt_no = %s AND status = 'running'",
-            [attempt_status, now, o.exit_code, o.stdout_tail, o.stderr_tail, error, tid, attempt],
-        )
-        if attempt_status == "canceled" or cancel_requested:  # an operator's cancel stays a cancel
-            cur.execute("UPDATE accs_task SET status = 'canceled', finished_at = %s, updated_at = %s,"
-                        " error_code = 'canceled', error_message = %s WHERE id = %s AND status = %s",
-                        [now, now, error, tid, status])
-            result.canceled.append(tid)
-            events.append(EventRow(type="status", message=f"task {status} → canceled", job_id=jid, task_id=tid,
-                                   attempt=attempt, source=source, level="warn", data={"from": status, "to": "canceled"}))
-            continue
-        if attempt_status == "interrupted":
-            # Not the task's fault: queued again at once, and the attempt does not count.
-            cur.execute(
-                "UPDATE accs_task SET status = 'queued', next_attempt_at = %s, updated_at = %s, error_code = 'interrupted',"
-                " error_message = %s, claimed_by = '', lease_expires_at = NULL, progress = NULL,"
-                " max_attempts = max_attempts + 1 WHERE id = %s AND status = %s",
-                [now, now, error[:2000], tid, status],
-            )
-            result.retried.append(tid)
-            events.append(EventRow(type="retry", level="warn", job_id=jid, task_id=tid, attempt=attempt, source=source,
-                                   message=f"task {status} → queued: attempt {attempt} interrupted by the agent's shutdown",
-                                   data={"from": status, "to": "queued", "error": error[:500], "delay_seconds": 0}))
-            continue
-        if o.retryable and attempt < max_attempts:
-            # Count the backoff from the start of the current budget (a retried task starts over).
-            in_budget = max(1, attempt - (max_attempts - budget))
-            delay = backoff_delay(in_budget, base=accs.backoff_base_sec if base is None else base,
-                                  cap=min(cap, accs.backoff_cap_sec))
-            next_at = now + timedelta(seconds=delay)
-            # A retry that must wait is "scheduled", out of the claim index, until its time comes.
-            to = "scheduled" if delay > 0 else "queued"
-            cur.execute(
-                "UPDATE accs_task SET status = %s, next_attempt_at = %s, updated_at = %s, error_code = %s,"
-                " error_message = %s, claimed_by = '', lease_expires_at = NULL, progress = NULL"
-                " WHERE id = %s AND status = %s",
-                [to, next_at, now, o.error_code or attempt_status, error[:2000], tid, status],
-            )
-            result.retried.append(tid)
-            events.append(EventRow(
-                type="retry", level="warn", job_id=jid, task_id=tid, attempt=attempt, source=source,
-                message=f"task {status} → {to}: attempt {attempt}/{max_attempts} {attempt_status}, retry in {delay:.1f}s",
-                data={"from": status, "to": to, "error": error[:500], "delay_seconds": round(delay, 3),
-                      "next_attempt_at": next_at.isoformat()},
-            ))
-            continue
-        cur.execute(
-            "UPDATE accs_task SET status = 'error', finished_at = %s, updated_at = %s, error_code = %s,"
-            " error_message = %s WHERE id = %s AND status = %s",
-            [now, now, o.error_code or attempt_status, error[:2000], tid, status],
-        )
-        result.failed.append(tid)
-        events.append(EventRow(
-            type="status", level="error", job_id=jid, task_id=tid, attempt=attempt, source=source,
-            message=f"task {status} → error (final after {attempt}/{max_attempts} attempts): {error[:200]}",
-            data={"from": status, "to": "error", "dead_letter": True, "error": error[:500],
-                  "error_code": o.error_code or attempt_status},
-        ))
-        if quarantine and host_id:
-            events += quarantine_host(cur, host_id, reason=f"task {tid} failed for good: {error[:200]}",
-                                      job_id=jid, task_id=tid, now=now, source=source)
-        if on_failure == StepFailurePolicy.CONTINUE:
-            # Its dependents are skipped and the job ends partial once the rest is final (jobs.finalize).
-            events.append(EventRow(
-                type=EventType.POLICY, level="warn", job_id=jid, task_id=tid, source=source,
-                message=f"step {step_key} failed for good; on_failure continue: its dependents are skipped,"
-                        " independent steps go on",
-                data={"step": step_key, "on_failure": on_failure},
-            ))
-        else:
-            events += _fail_job(cur, jid, reason=f"task {tid} failed: {error[:500]}", now=now, source=source)
-    write_events(events, cursor=cur)
-    return touched
-
-
-FAIL_JOB_SQL = f"""
--- The job fails now, unless a task of an "always" step is not final yet: it then ends "error"
--- (jobs.finalize) once those have run.
-UPDATE accs_job j SET status = 'error', error_code = 'task_failed', error_message = %(reason)s,
-       finished_at = %(now)s, updated_at = %(now)s
- WHERE j.id = %(job)s AND j.status = %(was)s
-   AND NOT EXISTS (SELECT 1 FROM accs_job_step a WHERE a.job_id = j.id AND a.always AND {finished("a")} < a.total)
-RETURNING j.id
-"""
-
-
-def _fail_job(cur, job_id: UUID, *, reason: str, now: datetime, source: str) -> list[EventRow]:
-    """Fail a (locked) admitted job after a task of a ``fail_job`` step failed for good; return the events.
-
-    Its unstarted tasks are skipped, except those of ``always`` steps, which still run.
-    """
-    cur.execute(f"SELECT status FROM accs_job WHERE id = %s AND status IN {sql_in(JOB_ADMITTED)}", [job_id])
-    row = cur.fetchone()
-    if not row:
-        return []
-    was = row[0]
-    skipped = skip_unstarted(cur, [job_id], now=now, source=source, reason="job failed", keep_always=True)
-    cur.execute(FAIL_JOB_SQL, {"job": job_id, "was": was, "reason": reason, "now": now})
-    if cur.fetchone():
-        return [EventRow(type="status", level="error", job_id=job_id, source=source, message=f"job {was} → error",
-                         data={"from": was, "to": "error"}), *skipped]
-    return [EventRow(type=EventType.POLICY, level="error", job_id=job_id, source=source,
-                     message="job fails (on_failure fail_job); its always-run steps run before it ends error",
-                     data={"on_failure": StepFailurePolicy.FAIL_JOB, "reason": reason}), *skipped]
-
-
-def quarantine_host(cur, host_id: int, *, reason: str, job_id, task_id, now: datetime, source: str) -> list[EventRow]:
-    """Take a host out of eligibility after a final failure; return its event."""
-    cur.execute("UPDATE accs_host SET status = 'error', quarantined_at = %s, quarantine_reason = %s"
-                " WHERE id = %s AND status = 'ok' RETURNING name", [now, reason, host_id])
-    row = cur.fetchone()
-    if not row:
-        return []
-    return [EventRow(type="status", level="error", job_id=job_id, task_id=task_id, source=source,
-                     message=f"host {row[0]} ok → error (quarantined)", data={"host": row[0], "to": "error"})]
-
-
 # --------------------------------------------------------------------------------------------
 # Leases
 # --------------------------------------------------------------------------------------------
 
 HEARTBEAT_SQL = """
--- Locks taken in id order (see jobs.locks); the lease is measured on PostgreSQL's clock.
-WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS v(id, attempt)),
+-- Locks taken in id order (see jobs.locks); the lease is measured on PostgreSQL's clock. Each
+-- task is renewed for the lease it was granted (its service's, or the agent's).
+WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[], %(leases)s::float8[]) AS v(id, attempt, lease)),
 l AS (
-    SELECT t.id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
+    SELECT t.id, v.lease FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
      WHERE t.status IN ('starting', 'running') AND t.claimed_by = %(agent)s
      ORDER BY t.id FOR UPDATE OF t
 )
-UPDATE accs_task t SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease)s),
+UPDATE accs_task t SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => l.lease),
        heartbeat_at = coalesce(%(now)s::timestamptz, now())
   FROM l WHERE t.id = l.id
 RETURNING t.id, t.attempt, t.cancel_requested_at IS NOT NULL
 """
 
 
-def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str, lease_seconds: float,
+def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str,
+              lease_seconds: float | Mapping[tuple[UUID, int], float],
               now: datetime | None = None) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
     """Extend the leases of (task, attempt) pairs this agent holds. Return (lost, cancel_requested).
 
+    ``lease_seconds`` is one length for all, or each pair's own (the lease its claim granted).
     ``lost`` are attempts no longer held (rescued or canceled): the agent must stop them.
     ``cancel_requested`` are attempts an operator asked to cancel. Both hold (task_id, attempt)
     pairs, so an old attempt's answer never touches a newer one.
@@ -447,32 +261,13 @@ def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str, lease_seconds:
     if not held:
         return set(), set()
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        leases = [float(lease_seconds[(h[0], h[1])] if isinstance(lease_seconds, Mapping) else lease_seconds)
+                  for h in held]
         cur.execute(HEARTBEAT_SQL, {"ids": [h[0] for h in held], "attempts": [h[1] for h in held],
-                                    "lease": float(lease_seconds), "now": now, "agent": agent_id})
+                                    "leases": leases, "now": now, "agent": agent_id})
         rows = cur.fetchall()
     kept = {(r[0], r[1]) for r in rows}
     return {(h[0], h[1]) for h in held} - kept, {(r[0], r[1]) for r in rows if r[2]}
-
-
-def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportResult:
-    """Requeue (or fail for good) tasks whose lease expired: a failed attempt, reason lease_expired."""
-    result = ReportResult()
-    with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        now = now or db_now(cur)
-        cur.execute("SELECT id FROM accs_task WHERE status IN ('starting', 'running') AND lease_expires_at < %s"
-                    " ORDER BY lease_expires_at LIMIT %s", [now, limit])
-        candidates = [r[0] for r in cur.fetchall()]
-        if not candidates:
-            return result
-        lock_jobs_of_tasks(cur, candidates)
-        cur.execute("SELECT id, attempt FROM accs_task WHERE id = ANY(%s) AND status IN ('starting', 'running')"
-                    " AND lease_expires_at < %s ORDER BY id FOR UPDATE SKIP LOCKED", [candidates, now])
-        expired = [Outcome(task_id=tid, attempt=attempt, status="failed", error="lease_expired: no heartbeat",
-                           error_code="lease_expired") for tid, attempt in cur.fetchall()]
-        if expired:
-            touched = _record_failures(cur, expired, result, now=now, source=BUILDER)
-            finalize_jobs(cur, sorted(touched, key=str), now=now, source=BUILDER)
-    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,3 +343,18 @@ def promote_scheduled(*, limit: int = 1000, now: datetime | None = None) -> int:
     """Make retries whose backoff is over claimable again (a builder duty). Return how many."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         return promote_scheduled_in(cur, limit=limit, now=now)
+
+
+def __getattr__(name: str):
+    """Keep ``jobs.reports.rescue_expired`` working for one release (it moved to :mod:`jobs.rescue`)."""
+    if name == "rescue_expired":
+        import warnings
+
+        # Imported here, not at the top: jobs.rescue builds on what this module's callers use, and
+        # only a site naming the old path should load it through here.
+        from jobs.rescue import rescue_expired
+
+        warnings.warn("jobs.reports.rescue_expired moved to jobs.rescue.rescue_expired (also jobs.transitions);"
+                      " the old name is removed in ACCS 0.3.0", DeprecationWarning, stacklevel=2)
+        return rescue_expired
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

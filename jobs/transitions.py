@@ -1,7 +1,8 @@
 """Every task and job status change, by owner (one import point for callers).
 
 * :mod:`jobs.admission` — admission and instantiation, the builder's side (queued → running);
-* :mod:`jobs.reports` — the agents' side: start, heartbeat, progress, outcomes, lease rescue;
+* :mod:`jobs.reports` — the agents' side: start, heartbeat, progress, outcomes;
+* :mod:`jobs.rescue` — the lease rescue (what a failure does is decided in :mod:`jobs.failure`);
 * :mod:`jobs.verbs` — operators' verbs: cancel, retry (one or many), approve, reject;
 * :mod:`jobs.finalize` — promotion and completion, shared by all of them.
 
@@ -16,7 +17,8 @@ allowed moves are listed in :mod:`jobs.states`.
 from __future__ import annotations
 
 from jobs.admission import start_due_jobs, start_jobs
-from jobs.reports import Outcome, ReportResult, heartbeat, mark_running, report, report_progress, rescue_expired
+from jobs.reports import Outcome, ReportResult, heartbeat, mark_running, report, report_progress
+from jobs.rescue import rescue_expired
 from jobs.verbs import (
     ActionResult,
     Note,

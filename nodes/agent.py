@@ -51,18 +51,22 @@ from django.db import close_old_connections, connection, transaction
 
 from accs_site import daemon
 from accs_site.conf import accs
+from events import artifacts
 from events.timeline import EventRow, write_events
 from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many, service_spec
 from jobs.notify import service_channel
+from jobs.outcomes import INTERRUPTED_BY_OUTAGE
 from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
+from nodes.disk import claiming_paused, sample_disk
 from nodes.executors import (
     RunContext, agent_alive, agent_secrets, bad_output, end_orphan_groups, make_executors, not_allowed, ours,
     orphans_on_node, remove_scratch, sanitize_outcome, secrets_in,
 )
 from nodes.scratch import remove_leftovers, scratch_dir
-from workflows.governor import claim_adjustments
+from workflows.governor import active_conditions, claim_adjustments
+from workflows.models import Service as ServiceModel
 
 log = logging.getLogger("accs.agent")
 
@@ -101,6 +105,7 @@ class Running:
     task: ClaimedTask
     ctx: RunContext
     renewed_at: float  # monotonic time the lease was last renewed (taken before the request)
+    lease: float = 0.0  # the lease its claim granted (its service's, else the agent's)
     started_reported: bool = False
     pid: int | None = None
     expired: bool = False  # the local lease deadline passed: stopped, no longer heartbeated
@@ -108,6 +113,10 @@ class Running:
     @property
     def key(self) -> Key:
         return (self.task.id, self.task.attempt)
+
+    @property
+    def margin(self) -> float:
+        return lease_margin(self.lease)
 
 
 @dataclass
@@ -292,7 +301,7 @@ class Agent:
             self._step("services", self._load_services)
             self._step("claiming pause", self._refresh_pause)
             self._step("governor", self._refresh_governor)
-        if self.running and now - self._heartbeat_at >= self.lease_seconds / 3:
+        if self.running and now - self._heartbeat_at >= self._heartbeat_every():
             self._heartbeat_at = now
             self._step("heartbeat", self._heartbeat)
         if now - self._disk_at >= DISK_SAMPLE_SECONDS:
@@ -309,6 +318,13 @@ class Agent:
         if self.stopping:
             return 0
         return self._step("claim", self._claim, default=0)
+
+    def _heartbeat_every(self) -> float:
+        """Renew every third of the shortest lease held (at most every third of the agent's own).
+
+        Not longer than the agent's own: the heartbeat also brings operators' cancels.
+        """
+        return min([self.lease_seconds, *(item.lease for item in self._running_items())]) / 3
 
     def _check_drain_deadline(self) -> None:
         """Past the drain deadline, stop running tasks as a second signal would (handed back, interrupted)."""
@@ -359,8 +375,6 @@ class Agent:
     # ------------------------------------------------------------------ node, services, orphans
     def _check_services(self) -> None:
         """Refuse service keys that name no service (a typo would otherwise register a phantom node)."""
-        from workflows.models import Service as ServiceModel
-
         known = sorted(ServiceModel.objects.values_list("key", flat=True))
         self.known_services = known
         self.unknown_services = sorted(set(self.service_keys) - set(known))
@@ -401,8 +415,6 @@ class Agent:
     def _load_services(self, *, force: bool = False) -> None:
         if not force and time.monotonic() - self._services_at < SERVICE_CACHE_SECONDS:
             return
-        from workflows.models import Service as ServiceModel
-
         found = {}
         for s in ServiceModel.objects.filter(key__in=self.service_keys, is_active=True):
             found[s.key] = Service(service_spec(s),
@@ -424,18 +436,12 @@ class Agent:
                           int(self._node_limits.get("cpu_budget") or accs.cpu_budget), per_service, labels)
 
     def _sample_disk(self) -> None:
-        from nodes.disk import sample_disk
-
         sample_disk(self.node, os.getcwd())
 
     def _refresh_pause(self) -> None:
-        from nodes.disk import claiming_paused
-
         self._paused = self._node_state != "active" or claiming_paused(self.node)
 
     def _refresh_governor(self) -> None:
-        from workflows.governor import active_conditions
-
         self._active_conditions = set(active_conditions())
 
     # ------------------------------------------------------------------ claiming
@@ -510,10 +516,10 @@ class Agent:
                          agent_id=self.agent_id)
         if service.executor == "command":
             ctx.output_dir = scratch_dir(task)
+        lease_seconds = task.lease_seconds or self.lease_seconds
         with self._running_lock:
-            self.running[key] = Running(task, ctx, renewed_at=renewed_at)
+            self.running[key] = Running(task, ctx, renewed_at=renewed_at, lease=lease_seconds)
         executor = self.executors[service.executor]
-        lease_seconds = self.lease_seconds
 
         def work() -> None:
             # Connection pool: the task's queries each borrow a connection and give it back.
@@ -556,16 +562,19 @@ class Agent:
                 log.exception("lease watchdog failed", extra=self.extra)
 
     def _expire_overdue(self, now: float) -> None:
-        deadline = self.lease_seconds - self.margin
         for item in self._running_items():
-            if item.expired or now - item.renewed_at < deadline:
+            if item.expired or now - item.renewed_at < item.lease - item.margin:
                 continue
             item.expired = True
             self.stats["expired"] += 1
-            log.warning("lease of task %s attempt %d not renewed for %.1fs: stopping it before the builder hands "
+            # The database unreachable: the outage stopped the work, not the task (it is queued
+            # again without using its retry budget).
+            outage = self.guard.outage_since is not None
+            log.warning("lease of task %s attempt %d not renewed for %.1fs%s: stopping it before the builder hands "
                         "it to another agent", item.task.id, item.task.attempt, now - item.renewed_at,
+                        " (the database is unreachable)" if outage else "",
                         extra={**self.extra, "task_id": item.task.id})
-            item.ctx.stop("lease", kill_grace=self.margin / 3)
+            item.ctx.stop("outage" if outage else "lease", kill_grace=item.margin / 3)
 
     # ------------------------------------------------------------------ reporting
     def _has_pending(self) -> bool:
@@ -725,12 +734,12 @@ class Agent:
             return
         renewed_at = time.monotonic()  # before the request: the renewed lease starts no earlier
         lost, cancel = transitions.heartbeat([item.key for item in items], agent_id=self.agent_id,
-                                             lease_seconds=self.lease_seconds)
+                                             lease_seconds={item.key: item.lease for item in items})
         for item in items:
             if item.key in lost:
                 log.warning("stopping task %s attempt %d: lease lost", item.task.id, item.task.attempt,
                             extra={**self.extra, "task_id": item.task.id})
-                item.ctx.stop("lost", kill_grace=self.margin / 3)
+                item.ctx.stop("lost", kill_grace=item.margin / 3)
                 continue
             item.renewed_at = renewed_at
             if item.key in cancel:
@@ -797,7 +806,7 @@ class Agent:
     def _wait(self) -> None:
         timeout = self.poll_interval * random.uniform(0.8, 1.2)
         if self.running:
-            timeout = min(timeout, self.lease_seconds / 3)
+            timeout = min(timeout, self._heartbeat_every())
         if self._drain_deadline is not None and not self.stop_now:  # wake up when the drain time is over
             timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
         fds = [self._wake_r]
@@ -838,7 +847,7 @@ def _started_items(started: dict[Key, int | None]) -> list[tuple[UUID, int, int 
 
 
 def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> Outcome:
-    """Name why the agent stopped an attempt: a shutdown interrupts it, a lost lease fails it.
+    """Name why the agent stopped an attempt: a shutdown or an outage interrupts it, a lost lease fails it.
 
     An operator's cancel stays ``canceled``. An attempt that ended by itself keeps its outcome.
     """
@@ -848,6 +857,12 @@ def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> O
         return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="interrupted",
                        error="interrupted: the agent shut down and stopped the attempt", error_code="interrupted",
                        exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
+    if ctx.stop_reason == "outage":
+        return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="interrupted",
+                       error=f"outage: the database was unreachable, so the agent could not renew the lease (TTL "
+                             f"{lease_seconds:.0f}s) and stopped the attempt before another agent could take the task",
+                       error_code=INTERRUPTED_BY_OUTAGE, exit_code=outcome.exit_code,
+                       stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
     return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="failed", error_code="lease_lost",
                    error=f"lease_lost: the agent could not renew the lease (TTL {lease_seconds:.0f}s) and stopped "
                          "the attempt before another agent could take the task",
@@ -856,8 +871,6 @@ def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> O
 
 def _stage_inputs(task: ClaimedTask, ctx: RunContext) -> None:
     """Download the task's input artifacts into a fresh directory (ACCS_INPUT_DIR)."""
-    from events import artifacts
-
     close_old_connections()
     ctx.input_dir = scratch_dir(task)
     artifacts.stage_inputs(job_id=task.job_id, task_id=task.id, directory=ctx.input_dir)
@@ -867,8 +880,6 @@ def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> No
     """Upload output files and the attempt's log, in the worker thread, when storage is configured."""
     if not accs.minio.configured:
         return
-    from events import artifacts
-
     records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
                                   "message": f"attempt {task.attempt} ended: {outcome.status}"}]
     # One upload each: output files the store refuses must not cost the attempt's log.

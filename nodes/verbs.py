@@ -1,7 +1,8 @@
 """Operators' verbs on the fleet: drain and undrain a node, clear a host's quarantine.
 
 A draining node's agents claim nothing new and finish what they hold; the agent reads the
-node's state at each heartbeat. A quarantined host is out of eligibility until cleared.
+node's state at each heartbeat. A quarantined host is out of eligibility until cleared; its
+quarantine is set and cleared in :mod:`nodes.quarantine`, whose ``clear_quarantine`` is offered here.
 """
 
 from __future__ import annotations
@@ -10,27 +11,13 @@ from django.db import connection, transaction
 
 from accs_site.admin_kit import ActionResult
 from events.timeline import EventRow, write_events
-from jobs.notify import notify, service_channel
+from nodes.quarantine import clear_quarantine
+
+__all__ = ["clear_quarantine", "drain_node", "undrain_node"]
 
 
 def _source(by: str) -> str:
     return f"user:{by}" if by else "api"
-
-
-def clear_quarantine(host_id: int, *, by: str = "") -> ActionResult:
-    """Make a quarantined host eligible again and wake the services with tasks waiting on it."""
-    with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        cur.execute("UPDATE accs_host SET status = 'ok', quarantined_at = NULL, quarantine_reason = ''"
-                    " WHERE id = %s AND status = 'error' RETURNING name", [host_id])
-        row = cur.fetchone()
-        if not row:
-            return ActionResult(False, "host is not quarantined")
-        write_events([EventRow(type="status", message=f"host {row[0]} error → ok (quarantine cleared by {by or 'api'})",
-                               source=_source(by), data={"host": row[0], "to": "ok"})], cursor=cur)
-        cur.execute("SELECT DISTINCT s.key FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
-                    " WHERE t.host_id = %s AND t.status = 'queued'", [host_id])
-        notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
-    return ActionResult(True, f"host {row[0]} is eligible again")
 
 
 def _set_node_state(name: str, *, to: str, by: str) -> ActionResult:

@@ -93,7 +93,8 @@ class ServiceAdmin(DefinitionAdmin):
     fieldsets = (
         (None, {"fields": ("key", "description", "is_active", "executor", "executor_config", "params_schema")}),
         ("Retries and limits", {"fields": ("timeout_seconds", "max_attempts", "backoff_base_seconds",
-                                           "backoff_cap_seconds", "cpu_weight", "max_concurrent", "base_priority")}),
+                                           "backoff_cap_seconds", "lease_seconds", "cpu_weight", "max_concurrent",
+                                           "base_priority")}),
         ("Safety", {"fields": ("requires_approval", "exclusive_per_host", "quarantine_host_on_final_failure",
                                "required_labels")}),
         ("Resource governor", {"fields": ("block_during", "priority_adjust_during")}),

@@ -38,6 +38,7 @@ class ServiceFields(In):
     max_attempts: int = Field(3, ge=1, le=32767)
     backoff_base_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     backoff_cap_seconds: float = Field(3600.0, ge=0, le=MAX_SECONDS)
+    lease_seconds: int | None = Field(None, ge=3, le=INT32, description="Empty: the site's ACC_HEARTBEAT_TTL_SEC.")
     cpu_weight: int = Field(1, ge=1, le=5)
     max_concurrent: int = Field(0, ge=0, le=INT32)
     base_priority: int = Field(0, ge=-INT32, le=INT32)
@@ -69,6 +70,7 @@ class ServicePatch(In):
     max_attempts: int | None = Field(None, ge=1, le=32767)
     backoff_base_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     backoff_cap_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
+    lease_seconds: int | None = Field(None, ge=3, le=INT32)
     cpu_weight: int | None = Field(None, ge=1, le=5)
     max_concurrent: int | None = Field(None, ge=0, le=INT32)
     base_priority: int | None = Field(None, ge=-INT32, le=INT32)
@@ -98,6 +100,7 @@ class ServiceOut(Schema):
     max_attempts: int
     backoff_base_seconds: float | None
     backoff_cap_seconds: float
+    lease_seconds: int | None
     cpu_weight: int
     max_concurrent: int
     base_priority: int
@@ -217,6 +220,10 @@ def get_service(request: HttpRequest, key: str = Path(..., min_length=1, max_len
     return _service(key)
 
 
+# Fields whose null means "the site's default".
+NULLABLE = ("backoff_base_seconds", "lease_seconds")
+
+
 @router.patch("/services/{key}", response=responses({200: ServiceOut}), summary="Change a service")
 def update_service(request: HttpRequest, body: ServicePatch,
                    key: str = Path(..., min_length=1, max_length=100, pattern=SLUG)):
@@ -225,7 +232,7 @@ def update_service(request: HttpRequest, body: ServicePatch,
     require_superuser(request)
     _service(key)
     changes = body.model_dump(exclude_unset=True)
-    nulls = sorted(name for name, value in changes.items() if value is None and name != "backoff_base_seconds")
+    nulls = sorted(name for name, value in changes.items() if value is None and name not in NULLABLE)
     if nulls:
         raise DefinitionError([Problem(name, "cannot be null") for name in nulls])
     with transaction.atomic():

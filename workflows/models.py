@@ -44,6 +44,12 @@ class Service(models.Model):
         null=True, blank=True, help_text="Empty: ACC_BACKOFF_BASE_SEC (15 s by default)."
     )
     backoff_cap_seconds = models.FloatField(default=3600.0)
+    lease_seconds = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(3)],
+        help_text="How long an agent holds a task of this service between renewals (it renews every third of it);"
+        " long work that must survive a short database outage needs a lease longer than the outage."
+        " Empty: ACC_HEARTBEAT_TTL_SEC (120 s by default) or the agent's --lease-seconds.",
+    )
     cpu_weight = models.PositiveSmallIntegerField(
         default=1, validators=[MinValueValidator(1), MaxValueValidator(5)]
     )
@@ -95,6 +101,8 @@ class Service(models.Model):
             models.CheckConstraint(condition=Q(cpu_weight__gte=1, cpu_weight__lte=5), name="service_cpu_weight_1_5"),
             models.CheckConstraint(condition=Q(timeout_seconds__gte=1), name="service_timeout_positive"),
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="service_max_attempts_positive"),
+            models.CheckConstraint(condition=Q(lease_seconds__isnull=True) | Q(lease_seconds__gte=3),
+                                   name="service_lease_at_least_3"),
             models.CheckConstraint(condition=Q(rate_period_seconds__gte=1), name="service_rate_period_positive"),
             models.CheckConstraint(condition=Q(rate_key_limit=0) | ~Q(rate_key=""), name="service_rate_key_named"),
             models.CheckConstraint(

@@ -1,13 +1,13 @@
-"""Requeue (or fail for good) tasks whose lease expired: their agent died or was cut off."""
+"""Requeue (or fail for good) tasks whose lease expired: their agent died or was cut off (see jobs.rescue)."""
 
 from __future__ import annotations
 
-from jobs import transitions
 from jobs.duties.base import Duty
+from jobs.rescue import rescue_expired
 
 
 def rescue(limit: int) -> int:
-    result = transitions.rescue_expired(limit=limit)
+    result = rescue_expired(limit=limit)
     return len(result.retried) + len(result.failed)
 
 

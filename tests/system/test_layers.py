@@ -335,11 +335,4 @@ UP_IMPORTS_TODAY: dict[tuple[str, str], str] = {}
 
 CIRCLES_TODAY: dict[tuple[str, ...], str] = {}
 
-UNCOMMENTED_FUNCTION_IMPORTS_TODAY: dict[tuple[str, str], str] = {
-    ("events.logging", "accs_site.conf"): "failure: restructured this round",
-    ("events.logging", "events.timeline"): "failure: restructured this round",
-    ("nodes.agent", "events.artifacts"): "failure/admins: restructured this round",
-    ("nodes.agent", "nodes.disk"): "failure/admins: restructured this round",
-    ("nodes.agent", "workflows.governor"): "failure/admins: restructured this round",
-    ("nodes.agent", "workflows.models"): "failure/admins: restructured this round",
-}
+UNCOMMENTED_FUNCTION_IMPORTS_TODAY: dict[tuple[str, str], str] = {}

@@ -1,0 +1,167 @@
+"""Room for long work across a short outage, without a process: the service's lease, the restart
+grace of the rescue, requeue without using the retry budget, and the timeline log handler while
+the database is down."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import psycopg
+import pytest
+from django.db import connection
+
+from events.logging import EventBridgeHandler
+from events.models import Event
+from jobs import api, transitions
+from jobs.models import Attempt, Task
+from jobs.outcomes import Outcome
+from jobs.rescue import rescue_expired
+from tests.engine_helpers import claim_for, run_ok
+
+pytestmark = pytest.mark.django_db
+
+
+def _server_times() -> tuple:
+    """PostgreSQL's start time and now."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_postmaster_start_time(), now()")
+        return cur.fetchone()
+
+
+def _expire(task_id, *, lease: timedelta, ended) -> None:
+    """Make the task's lease one of length ``lease`` that ended at ``ended``."""
+    Task.objects.filter(pk=task_id).update(lease_expires_at=ended, heartbeat_at=ended - lease)
+
+
+def test_the_claim_and_the_renewals_use_the_services_lease(make_service):
+    long_svc, plain = make_service("long", lease_seconds=300), make_service("plain")
+    api.start_service("long")
+    api.start_service("plain")
+    (long_task,), (plain_task,) = claim_for(long_svc), claim_for(plain)  # the claimer's default: 60 s
+    assert (long_task.lease_seconds, plain_task.lease_seconds) == (300, 60)
+
+    def granted(task_id) -> float:
+        t = Task.objects.get(pk=task_id)
+        return (t.lease_expires_at - t.heartbeat_at).total_seconds()
+
+    assert (granted(long_task.id), granted(plain_task.id)) == (300, 60)
+    lost, _ = transitions.heartbeat([(long_task.id, 1), (plain_task.id, 1)], agent_id="agent-t",
+                                    lease_seconds={(long_task.id, 1): 300.0, (plain_task.id, 1): 60.0})
+    assert lost == set()
+    assert (granted(long_task.id), granted(plain_task.id)) == (300, 60)
+
+
+def test_no_lease_is_rescued_before_one_lease_length_has_passed_since_the_restart(make_service):
+    svc = make_service("svc", max_attempts=3)
+    api.start_service("svc")
+    (task,) = claim_for(svc)
+    started, now = _server_times()
+    up = now - started
+    # A lease longer than the server has been up, which ended a second ago: its holder may still be
+    # reconnecting after the restart, so it is left alone.
+    _expire(task.id, lease=up + timedelta(hours=1), ended=now - timedelta(seconds=1))
+    assert rescue_expired() == transitions.ReportResult()
+    assert Task.objects.get(pk=task.id).status == "starting"
+    # One lease length after the restart it is rescued as any expired lease (it ended after the start).
+    later = started + up + timedelta(hours=1, seconds=1)
+    assert rescue_expired(now=later).retried == [task.id]
+    t = Task.objects.get(pk=task.id)
+    assert (t.status, t.max_attempts, t.error_code) == ("scheduled", 3, "lease_expired")
+
+
+def test_a_short_lease_is_rescued_as_soon_as_it_is_one_lease_length_past_the_restart(make_service):
+    svc = make_service("svc")
+    api.start_service("svc")
+    (task,) = claim_for(svc)
+    started, now = _server_times()
+    _expire(task.id, lease=timedelta(seconds=5), ended=now - timedelta(seconds=1))
+    at = max(now, started + timedelta(seconds=6))
+    assert rescue_expired(now=at).retried == [task.id]
+
+
+def test_a_lease_that_ended_while_postgresql_was_down_is_queued_again_without_using_the_budget(make_service):
+    svc = make_service("svc", max_attempts=1)  # a failure that counted would dead-letter it
+    job = api.start_service("svc")
+    (task,) = claim_for(svc)
+    started, now = _server_times()
+    _expire(task.id, lease=timedelta(seconds=30), ended=started - timedelta(seconds=1))
+    result = rescue_expired(now=max(now, started + timedelta(seconds=31)))
+    assert result.retried == [task.id] and result.failed == []
+    t = Task.objects.get(pk=task.id)
+    assert (t.status, t.attempt, t.max_attempts, t.error_code) == ("queued", 1, 2, "outage")
+    attempt = Attempt.objects.get(task_id=task.id, attempt_no=1)
+    assert attempt.status == "interrupted" and attempt.error_text.startswith("outage:")
+    event = Event.objects.get(job_id=job.id, type="retry")
+    assert "stopped by a database outage" in event.message and event.data["counted"] is False
+    # It runs again, as attempt 2 of a budget that still has room.
+    (again,) = claim_for(svc)
+    assert again.attempt == 2 and run_ok([again]).done == [task.id]
+
+
+def test_an_attempt_the_agent_stopped_in_an_outage_is_queued_again_without_using_the_budget(make_service):
+    svc = make_service("svc", max_attempts=1)
+    job = api.start_service("svc")
+    (task,) = claim_for(svc)
+    result = transitions.report([Outcome(task_id=task.id, attempt=1, status="interrupted", error_code="outage",
+                                         error="outage: the database was unreachable")],
+                                started=[(task.id, 1, 123)], agent_id="agent-t", source="agent:test")
+    assert result.retried == [task.id]
+    t = Task.objects.get(pk=task.id)
+    assert (t.status, t.max_attempts, t.error_code) == ("queued", 2, "outage")
+    assert Event.objects.filter(job_id=job.id, type="retry", message__contains="database outage").exists()
+
+
+def test_the_timeline_log_handler_waits_then_drops_and_counts_while_the_database_is_down(make_service, monkeypatch,
+                                                                                          capsys, caplog):
+    make_service("svc")
+    job = api.start_service("svc")
+    handler = EventBridgeHandler(buffer_lines=3, retry_seconds=0)
+    logger = logging.getLogger("accs.test.outage_handler")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        import events.timeline
+
+        real = events.timeline.write_events
+
+        def down(rows, *, cursor=None):
+            raise psycopg.OperationalError("connection refused")
+
+        monkeypatch.setattr(events.timeline, "write_events", down)
+        with caplog.at_level(logging.INFO, logger="accs.events.logging"):
+            for i in range(5):
+                logger.warning("line %d", i, extra={"job_id": job.id})
+            assert (len(handler.pending), handler.dropped) == (3, 2)
+            monkeypatch.setattr(events.timeline, "write_events", real)
+            logger.warning("back", extra={"job_id": job.id})
+        logged = Event.objects.filter(job_id=job.id, type="log").order_by("id")
+        messages = list(logged.values_list("message", flat=True))
+        assert messages == ["line 0", "line 1", "line 2", "back"]
+        report = Event.objects.get(type="log", job_id=None, data__dropped=2)
+        assert "2 dropped" in report.message
+        said = [r.getMessage() for r in caplog.records if r.name == "accs.events.logging"]
+        assert len(said) == 2 and "cannot take log lines" in said[0] and "2 dropped" in said[1]
+        assert (handler.pending, handler.dropped) == (type(handler.pending)(), 0)
+        err = capsys.readouterr().err
+        assert "Logging error" not in err and "Traceback" not in err
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+
+
+def test_a_lease_lost_report_after_a_restart_since_the_last_renewal_is_an_outage(make_service):
+    # The agent could not tell the database was down (it reports lease_lost), but PostgreSQL
+    # started after the lease's last renewal: the outage stopped the work, not the task.
+    svc = make_service("svc", max_attempts=1)
+    job = api.start_service("svc")
+    (task,) = claim_for(svc)
+    started, now = _server_times()
+    Task.objects.filter(pk=task.id).update(heartbeat_at=started - timedelta(seconds=1))
+    lost = Outcome(task_id=task.id, attempt=1, status="failed", error_code="lease_lost",
+                   error="lease_lost: the agent could not renew the lease")
+    result = transitions.report([lost], started=[(task.id, 1, 123)], agent_id="agent-t", source="agent:test")
+    assert result.retried == [task.id] and result.failed == []
+    t = Task.objects.get(pk=task.id)
+    assert (t.status, t.max_attempts, t.error_code) == ("queued", 2, "outage")
+    assert Event.objects.filter(job_id=job.id, type="retry", message__contains="database outage").exists()
