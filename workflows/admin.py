@@ -56,7 +56,8 @@ class ProblemsByFieldForm(forms.ModelForm):
             for message in messages_:
                 target = self._field_for(message) if name == NON_FIELD_ERRORS else name
                 routed.setdefault(target or NON_FIELD_ERRORS, []).append(message)
-        super()._update_errors(ValidationError(routed))
+        # ModelForm's own hook for the model's validation errors: django-stubs do not declare it.
+        super()._update_errors(ValidationError(routed))  # type: ignore[misc]
 
 
 class ServiceForm(ProblemsByFieldForm):
@@ -153,7 +154,7 @@ class WorkflowForm(ProblemsByFieldForm):
         widgets = {"steps": forms.Textarea(attrs={"rows": 24, "cols": 100, "style": "font-family: monospace"})}
 
     def _update_errors(self, errors: ValidationError) -> None:
-        if "steps" in self._errors and hasattr(errors, "error_dict"):
+        if "steps" in self.errors and hasattr(errors, "error_dict"):  # the errors found so far (no new cleaning)
             # Steps that are not JSON were refused already; "no steps" after that says nothing new.
             kept = {name: [m for m in msgs if not m.startswith("steps:")] for name, msgs in errors.message_dict.items()}
             kept = {name: msgs for name, msgs in kept.items() if msgs}
@@ -163,13 +164,14 @@ class WorkflowForm(ProblemsByFieldForm):
         super()._update_errors(errors)
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()  # a ModelForm's returns its cleaned_data
+        data = self.cleaned_data
         if self.instance._state.adding:  # a new version (ids are set before the first save)
             return data
-        stored = Workflow.objects.all()
+        rows = Workflow.objects.all()
         if connection.in_atomic_block:  # the admin's save runs in one; see steps_frozen_reason
-            stored = stored.select_for_update()
-        stored = stored.get(pk=self.instance.pk)
+            rows = rows.select_for_update()
+        stored = rows.get(pk=self.instance.pk)
         changed = [name for name in FROZEN_WHEN_USED if name in data and data[name] != getattr(stored, name)]
         reason = steps_frozen_reason(stored) if changed else None
         if reason:
