@@ -85,7 +85,9 @@ class RedriveForm(forms.Form):
 
     def __init__(self, *args: Any, tenants: QuerySet, jobs: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["tenant"].choices = [("", "every tenant you administer")] + [(str(t.id), t.slug) for t in tenants]
+        tenant = self.fields["tenant"]
+        assert isinstance(tenant, forms.ChoiceField)  # declared so above; self.fields holds a copy of each
+        tenant.choices = [("", "every tenant you administer")] + [(str(t.id), t.slug) for t in tenants]
         if not jobs:
             del self.fields["include"]
 
@@ -373,7 +375,8 @@ class TaskAdmin(RedriveAdmin):
 
     @admin.display(description="workflow")
     def workflow(self, obj: Task) -> str:
-        return obj.job.workflow.name if obj.job.workflow_id else "—"
+        workflow = obj.job.workflow  # None without a query for a job of a single service
+        return workflow.name if workflow is not None else "—"
 
     @admin.display(description="job")
     def job_link(self, obj: Task) -> str:
@@ -441,7 +444,8 @@ class TriggerForm(forms.ModelForm):
         fields = "__all__"
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()  # a ModelForm's returns its cleaned_data
+        data = self.cleaned_data
         kind = data.get("trigger_type")
         if kind == TriggerType.EVENT:
             if not data.get("event_name"):
