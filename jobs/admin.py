@@ -481,10 +481,8 @@ class TriggerForm(forms.ModelForm):
             self.add_error("workflow", "choose exactly one of a workflow or a service")
         if not self.errors:
             # The same rules as the Python and HTTP APIs (templates, 5-field cron, params).
-            from jobs.triggers import trigger_problems
-
             probe = Trigger(**{f.name: data[f.name] for f in Trigger._meta.concrete_fields if f.name in data})
-            for problem in trigger_problems(probe):
+            for problem in triggers.trigger_problems(probe):
                 field = problem.where.split(".")[0]
                 self.add_error(field if field in self.fields else None, problem.message)
         if {"cron_expr", "timezone"} & set(self.changed_data) and "next_run_at" in self.fields:

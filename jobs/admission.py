@@ -10,6 +10,8 @@ Exactness under several builders: admission takes the advisory locks of every te
 workflow whose cap it counts (sorted, see :mod:`jobs.locks`), counts their admitted jobs, and
 admits job by job in order, adding each admitted job to the counts before looking at the next.
 A job retried by an operator comes back through the same door (:func:`readmit`).
+
+The job row itself is inserted by :mod:`jobs.enqueue`, the one place a job is created.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-import psycopg
 from django.db import connection, transaction
 
 from events.timeline import EventRow, write_events
@@ -166,6 +167,12 @@ def readmit(cur, job_id: UUID, *, tenant_id: Any, workflow_id: Any, now: datetim
     return "queued"
 
 
+def read_hosts(cur) -> list[HostInfo]:
+    """Return every host a fan-out step may run on, by name."""
+    cur.execute("SELECT id, name, node_id, labels FROM accs_host ORDER BY name")
+    return [HostInfo(r[0], r[1], r[2], from_json(r[3]) or {}) for r in cur.fetchall()]
+
+
 INSERT_TASKS_SQL = """
 -- One JSON document per batch: one round trip whatever the size.
 INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status, depends_on,
@@ -231,8 +238,7 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
     hosts: list[HostInfo] = []
     blocked: set[tuple[int, int]] = set()
     if needs_hosts:
-        cur.execute("SELECT id, name, node_id, labels FROM accs_host ORDER BY name")
-        hosts = [HostInfo(r[0], r[1], r[2], from_json(r[3]) or {}) for r in cur.fetchall()]
+        hosts = read_hosts(cur)
         cur.execute("SELECT host_id, service_id FROM accs_host_block")
         blocked = {(h, s) for h, s in cur.fetchall()}
     task_rows: list[dict[str, Any]] = []
@@ -250,10 +256,18 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
     events: list[EventRow] = []
     moving = started + readmitted
     if moving:
+        # A new job's current task is its first step, as the one-statement start writes it
+        # (jobs.enqueue); a re-admitted job keeps its own.
+        first: dict[UUID, tuple[int, str]] = {}
+        for row in task_rows:
+            if row["job_id"] not in first or row["position"] < first[row["job_id"]][0]:
+                first[row["job_id"]] = (row["position"], row["step_key"])
         cur.execute(
-            "UPDATE accs_job SET status = 'waiting', started_at = coalesce(started_at, %s), updated_at = %s"
-            " WHERE id = ANY(%s::uuid[]) AND status = 'queued' RETURNING id",
-            [now, now, [str(j) for j in moving]],
+            "UPDATE accs_job j SET status = 'waiting', started_at = coalesce(j.started_at, %s), updated_at = %s,"
+            "       current_task_key = coalesce(m.first_key, j.current_task_key)"
+            "  FROM unnest(%s::uuid[], %s::text[]) AS m(id, first_key)"
+            " WHERE j.id = m.id AND j.status = 'queued' RETURNING j.id",
+            [now, now, [str(j) for j in moving], [first[j][1] if j in first else None for j in moving]],
         )
         moved = {r[0] for r in cur.fetchall()}
         started = [j for j in started if j in moved]
@@ -289,73 +303,3 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
         finalize_jobs(cur, readmitted, now=now, source=source, roots=True)
     return started + readmitted
 
-
-START_NOW_SQL = """
--- A job that is due now, needs no approval and is under no cap starts in ONE statement: the job
--- row (already admitted: waiting), its tasks, its step counts, its events and the wake-up of the agents.
--- A conflicting external_id or dedupe_key inserts nothing at all (the caller then finds the
--- holder): every part below reads from the job insert's RETURNING.
-WITH j AS (
-    INSERT INTO accs_job (id, tenant_id, workflow_id, service_id, status, progress, current_task_key, priority,
-                          options, step_params, scheduled_at, error_code, error_message, source, source_ref,
-                          external_id, dedupe_key, correlation_id, approval_state, approved_by, created_by_id,
-                          created_at, updated_at, started_at)
-    VALUES (%(id)s, %(tenant)s, %(wf)s, %(svc)s, 'waiting', 0, %(first_key)s, %(prio)s, %(opts)s::jsonb, %(sp)s::jsonb,
-            coalesce(%(sched)s::timestamptz, now()), '', '', %(src)s, %(sref)s, %(ext)s, %(dk)s, %(corr)s,
-            'not_required', '', %(cby)s, now(), now(), now())
-    ON CONFLICT DO NOTHING
-    RETURNING id, order_seq, created_at, scheduled_at
-), t AS (
-    INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status,
-                           depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds,
-                           params, assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at)
-    SELECT r.id, j.id, %(tenant)s, r.task_key, r.step_key, r.service_id, NULL, r.exclusive, r.status,
-           ARRAY(SELECT jsonb_array_elements_text(r.depends_on)), 0, r.max_attempts, now(), r.priority, j.order_seq,
-           r.timeout_seconds, r.params, '', '', '', '', '', now(), now()
-      FROM j, jsonb_to_recordset(%(tasks)s::jsonb) AS r(
-           id uuid, task_key text, step_key text, service_id bigint, exclusive boolean, status text,
-           depends_on jsonb, max_attempts int, priority int, timeout_seconds int, params jsonb)
-    RETURNING id, task_key, status
-), s AS (
-    INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked,
-                               released, poisoned, on_failure, always)
-    SELECT j.id, r.step_key, r.position, r.total, 0, 0, 0, 0, 0, false, false, r.on_failure, r.always
-      FROM j, jsonb_to_recordset(%(steps)s::jsonb) AS r(step_key text, position int, total int, on_failure text,
-                                                       always boolean)
-), ev AS (
-    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT j.id, NULL::uuid, %(event_source)s, 'info', 'status', 'job created queued',
-           '{"from": "created", "to": "queued", "approval": "not_required"}'::jsonb FROM j
-    UNION ALL
-    SELECT j.id, NULL, %(source)s, 'info', 'status', 'job queued → waiting (tasks created)',
-           '{"from": "queued", "to": "waiting"}'
-      FROM j
-    UNION ALL
-    SELECT (SELECT id FROM j), t.id, %(source)s, 'info', 'status', 'task created ' || t.status,
-           jsonb_build_object('from', 'created', 'to', t.status, 'task_key', t.task_key) FROM t
-), n AS (
-    SELECT pg_notify(c, '') FROM unnest(%(channels)s::text[]) AS c
-)
-SELECT j.id, j.order_seq, j.created_at, j.scheduled_at, (SELECT count(*) FROM n) FROM j
-"""
-
-
-def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channels: Sequence[str],
-                     source: str, event_source: str) -> tuple | None:
-    """Insert and start one job in one statement; return (id, order_seq, created_at, scheduled_at).
-
-    None means the job's external_id or dedupe_key is taken: nothing was written. The caller
-    checked that the job is due, needs no approval and is under no cap, and built its tasks with
-    :func:`jobs.instantiate.build_task_rows` (no fan-out: hosts are resolved by the builder path).
-    """
-    first_key = min(tasks, key=lambda r: r["position"])["task_key"] if tasks else ""
-    params = {**job, "first_key": first_key, "tasks": json.dumps(tasks, default=str),
-              "steps": json.dumps(step_rows(tasks)), "channels": sorted(set(channels)), "source": source,
-              "event_source": event_source}
-    # A prepared statement on Django's own connection (so in the caller's transaction): planning
-    # this statement costs more than running it.
-    connection.ensure_connection()
-    # Server-side binding (Django's cursors bind client-side); errors are still Django's.
-    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cur:
-        cur.execute(START_NOW_SQL, params, prepare=True)
-        return cur.fetchone()

@@ -1,6 +1,7 @@
 """Turning a job into tasks: one task per workflow step, one per host for a fan-out step.
 
-Pure construction; :mod:`jobs.admission` decides which jobs and writes the rows.
+Pure construction; :mod:`jobs.admission` (and the one-statement start in :mod:`jobs.enqueue`) decides
+which jobs and writes the rows.
 """
 
 from __future__ import annotations

@@ -333,17 +333,11 @@ def test_a_pragma_alone_is_not_a_reason():
 
 UP_IMPORTS_TODAY: dict[tuple[str, str], str] = {}
 
-CIRCLES_TODAY: dict[tuple[str, ...], str] = {
-    ("jobs.api", "jobs.triggers"): "enqueue: triggers import jobs.enqueue, jobs.api stays thin",
-}
+CIRCLES_TODAY: dict[tuple[str, ...], str] = {}
 
 UNCOMMENTED_FUNCTION_IMPORTS_TODAY: dict[tuple[str, str], str] = {
     ("events.logging", "accs_site.conf"): "failure: restructured this round",
     ("events.logging", "events.timeline"): "failure: restructured this round",
-    ("jobs.api", "jobs.triggers"): "enqueue: restructured this round",
-    ("jobs.api", "workflows.governor"): "enqueue: restructured this round",
-    ("jobs.triggers", "jobs.api"): "enqueue: restructured this round",
-    ("jobs.triggers", "jobs.verbs"): "enqueue: restructured this round",
     ("nodes.agent", "events.artifacts"): "failure/admins: restructured this round",
     ("nodes.agent", "nodes.disk"): "failure/admins: restructured this round",
     ("nodes.agent", "workflows.governor"): "failure/admins: restructured this round",

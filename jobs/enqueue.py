@@ -1,0 +1,671 @@
+"""Creating jobs: the one place a job is planned, validated and inserted.
+
+:mod:`jobs.api` publishes these verbs; triggers and the Tasks backend call them here. Everything
+runs inside the caller's transaction: a job exists if and only if the caller commits, and the
+NOTIFY that wakes builders and agents is delivered at that commit. Params are validated against
+the services' JSON Schemas before anything is written.
+
+Two insert paths, built from one column list (:data:`JOB_COLUMNS`) so they cannot drift apart:
+
+* :data:`START_NOW_SQL` starts a job that is due, needs no approval, is under no cap and has no
+  fan-out step in ONE statement (job row already ``waiting``, its tasks, step counts, events, NOTIFY);
+* :data:`INSERT_JOBS_SQL` inserts ``queued`` jobs in batches (:func:`start_many`, and every other
+  :func:`start`); the builder admits and instantiates them (:mod:`jobs.admission`), or the caller's
+  transaction does at once when nothing needs deciding.
+
+Idempotency: a repeated ``external_id`` (per tenant) returns the existing job, also under
+concurrent duplicates (the unique index decides; ``job.was_created`` tells which). A ``dedupe_key``
+held by a queued or running job of the tenant raises :class:`JobConflict` naming that job. A fan-out
+job with no host to run on raises :class:`NoHostsError` (see ``docs/api.md``, "Fan-out hosts").
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import jsonschema_rs
+import psycopg
+from django.db import connection, transaction
+from django.utils import timezone
+from jsonschema import Draft202012Validator
+from referencing.exceptions import Unresolvable
+
+from jobs.admission import read_hosts, start_jobs
+from jobs.definitions import definitions
+from jobs.instantiate import (
+    InstantiationError,
+    JobRow,
+    ServiceInfo,
+    build_task_rows,
+    select_hosts,
+    step_rows,
+    steps_for,
+)
+from jobs.models import JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus
+from jobs.notify import builder_channel, notify, service_channel
+from tenants.models import DEFAULT_TENANT_SLUG, Tenant
+from workflows.models import Service, Workflow
+from workflows.validation import DefinitionError, Problem
+
+INT32 = 2**31 - 1
+
+
+class JobConflict(Exception):
+    """Another queued/running job of the tenant holds the dedupe key; ``job_id`` names it."""
+
+    def __init__(self, dedupe_key: str, job_id: UUID) -> None:
+        self.dedupe_key = dedupe_key
+        self.job_id = job_id
+        super().__init__(f"dedupe_key {dedupe_key!r} is held by active job {job_id}")
+
+
+class NotFound(LookupError):
+    """A named workflow, service or tenant does not exist (or is not active)."""
+
+
+class NoHostsError(DefinitionError):
+    """A fan-out step has no host to run on (none given, or a selector that matches none); nothing is written.
+
+    ``problems`` names the step and the option, and every other problem of the spec.
+    """
+
+
+@dataclass
+class JobSpec:
+    """One job to start; the keyword arguments of :func:`start_workflow` / :func:`start_service`."""
+
+    workflow: str | Workflow | None = None
+    service: str | Service | None = None
+    version: int | None = None
+    params: dict[str, Any] | None = None
+    step_params: dict[str, dict[str, Any]] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    scheduled_at: datetime | None = None
+    tenant: Tenant | str | UUID | None = None
+    external_id: str | None = None
+    dedupe_key: str | None = None
+    correlation_id: str = ""
+    source: str = JobSource.MANUAL
+    source_ref: str = ""
+    created_by: Any = None
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution and validation (nothing written)
+# --------------------------------------------------------------------------------------------
+
+def resolve_tenant(tenant: Tenant | str | UUID | None) -> Tenant:
+    """Return the tenant given as object, slug or id; None means the default tenant."""
+    if isinstance(tenant, Tenant):
+        return tenant
+    return definitions.get(("tenant", str(tenant) if tenant is not None else None), lambda: _load_tenant(tenant))
+
+
+def _load_tenant(tenant: str | UUID | None) -> Tenant:
+    if tenant is None or tenant == DEFAULT_TENANT_SLUG:
+        return Tenant.objects.get_or_create(slug=DEFAULT_TENANT_SLUG, defaults={"name": "Default tenant"})[0]
+    try:
+        lookup = {"id": UUID(str(tenant))}
+    except ValueError:
+        lookup = {"slug": str(tenant)}
+    found = Tenant.objects.filter(**lookup).first()
+    if found is None:
+        raise NotFound(f"no tenant {tenant!r}")
+    return found
+
+
+def resolve_workflow(workflow: str | Workflow, version: int | None = None) -> Workflow:
+    """Return the workflow object, or by name its given version or latest active version."""
+    if isinstance(workflow, Workflow):
+        return workflow
+    return definitions.get(("workflow", workflow, version), lambda: _load_workflow(workflow, version))
+
+
+def _load_workflow(workflow: str, version: int | None) -> Workflow:
+    qs = Workflow.objects.filter(name=workflow)
+    found = qs.filter(version=version).first() if version else qs.filter(is_active=True).order_by("-version").first()
+    if found is None:
+        raise NotFound(f"no {'version %s of ' % version if version else 'active '}workflow {workflow!r}")
+    if not found.is_active and not version:
+        raise NotFound(f"workflow {workflow!r} is not active")
+    return found
+
+
+def resolve_service(service: str | Service) -> Service:
+    """Return the active service object or the one with this key."""
+    if isinstance(service, Service):
+        found = service
+    else:
+        found = definitions.get(("service", service), lambda: Service.objects.filter(key=service).first())
+    if found is None:
+        raise NotFound(f"no service {service!r}")
+    if not found.is_active:
+        raise NotFound(f"service {found.key!r} is not active")
+    return found
+
+
+class _Validators:
+    """Per-call caches: compiled JSON Schema validators and resolved targets (bulk starts reuse them).
+
+    Params are checked with jsonschema_rs (compiled, fast); only invalid params go through the
+    pure-Python jsonschema, whose messages match the ones workflow validation gives.
+    """
+
+    def __init__(self) -> None:
+        self._fast: dict[int, Any] = {}
+        self._slow: dict[int, Draft202012Validator] = {}
+        self._resolved: dict[tuple, Any] = {}
+
+    def resolved(self, kind: str, key: Any, resolve, *args) -> Any:
+        """Resolve ``key`` once per call (tenant, workflow, service lookups)."""
+        cache_key = (kind, key if isinstance(key, (str, UUID, int, type(None))) else id(key), *args)
+        if cache_key not in self._resolved:
+            self._resolved[cache_key] = resolve(key, *args)
+        return self._resolved[cache_key]
+
+    def errors(self, service: Service, params: dict[str, Any]) -> list[str]:
+        try:
+            fast = self._fast.get(service.id)
+            if fast is None:
+                fast = self._fast[service.id] = _compiled(service)
+            if fast.is_valid(params):
+                return []
+            slow = self._slow.get(service.id)
+            if slow is None:
+                slow = self._slow[service.id] = Draft202012Validator(service.params_schema or {})
+            return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+                    for e in slow.iter_errors(params)]
+        except (Unresolvable, RecursionError, LookupError, ValueError, TypeError) as exc:
+            # An unresolvable $ref or a pathological schema is the definition's fault, not a crash.
+            return [f"(root): service {service.key!r} has a params_schema that cannot be applied: {exc}"[:500]]
+
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _compiled(service: Service) -> Any:
+    """Return the service's compiled params validator, compiled once per version of the service."""
+    key = (service.id, service.updated_at)
+    fast = _COMPILED.get(key)
+    if fast is None:
+        if len(_COMPILED) > 1000:
+            _COMPILED.clear()
+        fast = _COMPILED[key] = jsonschema_rs.validator_for(service.params_schema or {}, retriever=_refuse_remote_ref)
+    return fast
+
+
+def _refuse_remote_ref(uri: str) -> Any:
+    """Never fetch a schema's remote ``$ref``: validation must not reach the network."""
+    raise ValueError(f"remote $ref {uri!r} is not allowed")
+
+
+SOURCES = frozenset(JobSource.values)
+
+
+@dataclass
+class _Plan:
+    """A validated job ready to insert."""
+
+    spec: JobSpec
+    tenant: Tenant
+    workflow: Workflow | None
+    service: Service | None
+    step_params: dict[str, dict[str, Any]]
+    approval: str
+    services: list[Service]
+    priority: int  # the spec's, clamped into the tenant's band
+
+
+def _fan_out_steps(steps: list[dict[str, Any]]) -> list[str]:
+    return [step["key"] for step in steps if step.get("fan_out") == "hosts"]
+
+
+def _missing_hosts(steps: list[dict[str, Any]], options: dict[str, Any]) -> list[Problem]:
+    """Return the problem of fan-out steps started with no host named and no selector (empty ones included).
+
+    Which hosts a selector matches is known only when the job's tasks are built, see :func:`_check_selector`.
+    """
+    fan_out = _fan_out_steps(steps)
+    hosts, selector = options.get("hosts"), options.get("host_selector")
+    if not fan_out or hosts or selector:
+        return []  # hosts or a selector given (one of the wrong type is reported as such)
+    given = "an empty options.hosts" if hosts is not None else (
+        "an empty options.host_selector" if selector is not None else "no options.hosts or options.host_selector")
+    return [Problem("options.hosts", f"step {', '.join(map(repr, fan_out))} fans out over hosts but the job was "
+                                     f"started with {given}; name the hosts or give a host_selector")]
+
+
+def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Service]) -> _Plan:
+    problems: list[Problem] = []
+    if (spec.workflow is None) == (spec.service is None):
+        raise DefinitionError([Problem("target", "give exactly one of workflow or service")])
+    tenant = validators.resolved("tenant", spec.tenant, resolve_tenant)
+    workflow = service = None
+    if spec.workflow is not None:
+        workflow = validators.resolved("workflow", spec.workflow, resolve_workflow, spec.version)
+        if spec.params is not None:
+            problems.append(Problem("params", "a workflow job takes step_params={step: {...}}, not params"))
+        step_params = dict(spec.step_params or {})
+        steps = workflow.steps
+    else:
+        service = validators.resolved("service", spec.service, resolve_service)
+        services_by_key.setdefault(service.key, service)
+        if spec.step_params:
+            problems.append(Problem("step_params", "a service job takes params={...}"))
+        step_params = {service.key: dict(spec.params or {})}
+        steps = [{"key": service.key, "service": service.key, "default_params": {}}]
+    keys = {s["key"] for s in steps}
+    for unknown in sorted(set(step_params) - keys):
+        problems.append(Problem(f"step_params.{unknown}", f"no step {unknown!r} in {workflow or service}"))
+    involved: list[Service] = []
+    for step in steps:
+        svc = services_by_key.get(step["service"])
+        if svc is None:
+            svc = services_by_key[step["service"]] = resolve_service(step["service"])
+        involved.append(svc)
+        overrides = step_params.get(step["key"]) or {}
+        if not isinstance(overrides, dict):
+            problems.append(Problem(f"step '{step['key']}'", "params must be an object"))
+            continue
+        merged = {**step.get("default_params", {}), **overrides}
+        for err in validators.errors(svc, merged):
+            problems.append(Problem(f"step '{step['key']}' params", err))
+    options = spec.options or {}
+    no_hosts: list[Problem] = []
+    if not isinstance(options, dict):
+        problems.append(Problem("options", "must be an object"))
+    else:
+        hosts = options.get("hosts")
+        if hosts is not None and (not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts)):
+            problems.append(Problem("options.hosts", "must be a list of host names"))
+        selector = options.get("host_selector")
+        if selector is not None and not isinstance(selector, dict):
+            problems.append(Problem("options.host_selector", 'must be an object of labels, e.g. {"rack": "a"}'))
+        no_hosts = _missing_hosts(steps, options)
+    if spec.source not in SOURCES:
+        problems.append(Problem("source", f"must be one of {sorted(SOURCES)}"))
+    for name in ("external_id", "dedupe_key"):
+        value = getattr(spec, name)
+        if value is not None and (not isinstance(value, str) or not value or len(value) > 200):
+            problems.append(Problem(name, "must be a non-empty string of at most 200 characters"))
+    for name in ("correlation_id", "source_ref"):
+        value = getattr(spec, name)
+        if not isinstance(value, str) or len(value) > 200:
+            problems.append(Problem(name, "must be a string of at most 200 characters"))
+    if not isinstance(spec.priority, int) or isinstance(spec.priority, bool) or not -INT32 <= spec.priority <= INT32:
+        problems.append(Problem("priority", f"must be a whole number between {-INT32} and {INT32}"))
+    if spec.scheduled_at is not None and (not isinstance(spec.scheduled_at, datetime)
+                                          or timezone.is_naive(spec.scheduled_at)):
+        problems.append(Problem("scheduled_at", "must be a timezone-aware datetime"))
+    if no_hosts:
+        raise NoHostsError(problems + no_hosts)
+    if problems:
+        raise DefinitionError(problems)
+    approval = ApprovalState.PENDING if any(s.requires_approval for s in involved) else ApprovalState.NOT_REQUIRED
+    return _Plan(spec, tenant, workflow, service, step_params, approval, involved, tenant.clamp_priority(spec.priority))
+
+
+# --------------------------------------------------------------------------------------------
+# The job row: one column list for both insert paths
+# --------------------------------------------------------------------------------------------
+
+# Every column a new job row is written with, in one order, and where its value comes from:
+# ``{name}`` is a field of the row :func:`_job_fields` builds (a recordset column in the batch
+# insert, a bound parameter in the one-statement start); anything else is SQL as written. Both
+# insert statements below are built from this table, so they cannot drift apart.
+JOB_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "{id}"), ("tenant_id", "{tenant}"), ("workflow_id", "{wf}"), ("service_id", "{svc}"),
+    ("status", "'queued'"), ("progress", "0"), ("current_task_key", "''"), ("priority", "{prio}"),
+    ("options", "coalesce({opts}, '{{}}')"), ("step_params", "{sp}"), ("scheduled_at", "coalesce({sched}, now())"),
+    ("error_code", "''"), ("error_message", "''"), ("source", "{src}"), ("source_ref", "{sref}"),
+    ("external_id", "{ext}"), ("dedupe_key", "{dk}"), ("correlation_id", "{corr}"), ("approval_state", "{appr}"),
+    ("approved_by", "''"), ("created_by_id", "{cby}"), ("created_at", "now()"), ("updated_at", "now()"),
+    ("started_at", "NULL"),
+)
+# The fields of a new job's row and their SQL types.
+JOB_FIELDS: dict[str, str] = {
+    "id": "uuid", "tenant": "uuid", "wf": "uuid", "svc": "bigint", "prio": "int", "opts": "jsonb", "sp": "jsonb",
+    "sched": "timestamptz", "src": "text", "sref": "text", "ext": "text", "dk": "text", "corr": "text",
+    "appr": "text", "cby": "int",
+}
+
+
+def insert_job_sql(read: Callable[[str], str], **fixed: str) -> str:
+    """Return ``INSERT INTO accs_job (<every column>) SELECT <their values>`` for one insert path.
+
+    ``read(name)`` says how the path reads a field of the row (``r.tenant``, ``%(tenant)s::uuid``);
+    ``fixed`` gives a column SQL of the path's own instead (the one-statement start writes its job
+    already ``waiting``, with its first task named).
+    """
+    unknown = sorted(set(fixed) - {column for column, _ in JOB_COLUMNS})
+    if unknown:
+        raise ValueError(f"no job column {unknown}")
+    fields = {name: read(name) for name in JOB_FIELDS}
+    columns = ", ".join(column for column, _ in JOB_COLUMNS)
+    values = ", ".join(fixed.get(column, value.format(**fields)) for column, value in JOB_COLUMNS)
+    return f"{_wrap(f'INSERT INTO accs_job ({columns})', 22)}\n{_wrap(f'SELECT {values}', 7)}"
+
+
+def _wrap(sql: str, indent: int) -> str:
+    """Wrap generated SQL at 116 characters, so it reads well in pg_stat_statements and logs."""
+    return textwrap.fill(sql, width=116, subsequent_indent=" " * indent, break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def _job_fields(plan: _Plan, jid: UUID, *, for_json: bool) -> dict[str, Any]:
+    """Return the fields of a new job's row (the ``{name}`` values of :data:`JOB_COLUMNS`).
+
+    ``for_json``: for the batch insert's JSON document (ids as hex, options as objects), built
+    directly in that shape because bulk starts encode thousands; otherwise bound parameters of
+    the one-statement start (ids as UUIDs, options as JSON text).
+    """
+    spec = plan.spec
+    wf = plan.workflow.id if plan.workflow else None
+    if for_json:
+        ids = (jid.hex, plan.tenant.id.hex, wf.hex if wf else None)
+        opts, sp = spec.options or {}, plan.step_params
+        sched: Any = spec.scheduled_at.isoformat() if spec.scheduled_at else None
+    else:
+        ids = (jid, plan.tenant.id, wf)
+        opts, sp = json.dumps(spec.options or {}), json.dumps(plan.step_params)
+        sched = spec.scheduled_at
+    return {
+        "id": ids[0], "tenant": ids[1], "wf": ids[2], "svc": plan.service.id if plan.service else None,
+        "prio": plan.priority, "opts": opts, "sp": sp, "sched": sched, "src": str(spec.source),
+        "sref": spec.source_ref, "ext": spec.external_id, "dk": spec.dedupe_key, "corr": spec.correlation_id,
+        "appr": str(plan.approval), "cby": getattr(spec.created_by, "pk", spec.created_by),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Starting jobs: the batch insert (queued; the builder or the caller instantiates)
+# --------------------------------------------------------------------------------------------
+
+INSERT_JOBS_SQL = """
+-- One JSON document carries the whole batch (cheaper to build and to parse than a dozen arrays).
+-- Times come from PostgreSQL's clock; each new job writes its "created" event in the same statement.
+WITH ins AS (
+""" + insert_job_sql(lambda name: f"r.{name}") + """
+""" + _wrap("  FROM jsonb_to_recordset(%(rows)s::jsonb) AS r("
+             + ", ".join(f"{name} {kind}" for name, kind in JOB_FIELDS.items()) + ")", 7) + """
+-- Idempotency: a duplicate external_id or active dedupe_key inserts nothing; the caller then
+-- finds the job that holds it. No exception, so the caller's transaction stays usable.
+ON CONFLICT DO NOTHING
+RETURNING id, approval_state, source
+), ev AS (
+INSERT INTO accs_event (job_id, source, level, type, message, data)
+SELECT id, 'api:' || source, 'info', 'status',
+       CASE WHEN approval_state = 'pending' THEN 'job created queued, waiting for approval'
+            ELSE 'job created queued' END,
+       jsonb_build_object('from', 'created', 'to', 'queued', 'approval', approval_state) FROM ins
+)
+SELECT id FROM ins
+"""
+
+
+def _insert(plans: Sequence[_Plan]) -> set[UUID]:
+    rows = []
+    for plan in plans:
+        plan.spec._id = jid = uuid.uuid4()  # type: ignore[attr-defined]
+        rows.append(_job_fields(plan, jid, for_json=True))
+    with connection.cursor() as cur:
+        cur.execute(INSERT_JOBS_SQL, {"rows": json.dumps(rows, default=str)})
+        return {r[0] for r in cur.fetchall()}
+
+
+def _existing_for(plan: _Plan) -> UUID | None:
+    """Return the job that made an insert conflict, or raise JobConflict for an active dedupe key.
+
+    None means the conflicting job is gone already (its transaction rolled back, or it finished and
+    freed the dedupe key): the caller inserts again.
+    """
+    spec = plan.spec
+    if spec.external_id is not None:
+        found = (Job.objects.filter(tenant=plan.tenant, external_id=spec.external_id)
+                 .values_list("id", flat=True).first())
+        if found:
+            return found
+    if spec.dedupe_key is not None:
+        holder = (Job.objects.filter(tenant=plan.tenant, dedupe_key=spec.dedupe_key, status__in=JOB_ACTIVE)
+                  .values_list("id", flat=True).first())
+        if holder:
+            raise JobConflict(spec.dedupe_key, holder)
+    return None
+
+
+INSERT_ATTEMPTS = 3
+
+
+def _runs_now(plan: _Plan, now: datetime) -> bool:
+    """True when the job can be instantiated in the caller's transaction without the builder."""
+    return (
+        plan.approval != ApprovalState.PENDING
+        and (plan.spec.scheduled_at is None or plan.spec.scheduled_at <= now)
+        and not (plan.workflow and plan.workflow.max_active_jobs)
+        and not plan.tenant.max_in_flight
+    )
+
+
+def _check_selector(plan: _Plan) -> None:
+    """Refuse a fan-out job whose host selector matches no host, for a job instantiated in this call.
+
+    Only then is the outcome known at start: a job that waits (scheduled, approval, a cap) gets
+    its hosts when the builder admits it, and fails then with ``no_hosts`` if none match.
+    """
+    steps = plan.workflow.steps if plan.workflow else []
+    options = plan.spec.options or {}
+    fan_out = _fan_out_steps(steps)
+    selector = options.get("host_selector")
+    if not fan_out or options.get("hosts") or not selector:
+        return
+    with connection.cursor() as cur:
+        if select_hosts(options, read_hosts(cur)):
+            return
+    raise NoHostsError([Problem("options.host_selector", f"{json.dumps(selector, sort_keys=True, default=str)} "
+                                                         f"matches no host, so step "
+                                                         f"{', '.join(map(repr, fan_out))} has nothing to run on")])
+
+
+# --------------------------------------------------------------------------------------------
+# Starting jobs: one statement for a job that runs now
+# --------------------------------------------------------------------------------------------
+
+START_NOW_SQL = """
+-- A job that is due now, needs no approval and is under no cap starts in ONE statement: the job
+-- row (already admitted: waiting), its tasks, its step counts, its events and the wake-up of the agents.
+-- A conflicting external_id or dedupe_key inserts nothing at all (the caller then finds the
+-- holder): every part below reads from the job insert's RETURNING.
+WITH j AS (
+""" + insert_job_sql(lambda name: f"%({name})s::{JOB_FIELDS[name]}", status="'waiting'",
+                     current_task_key="%(first_key)s", started_at="now()") + """
+    ON CONFLICT DO NOTHING
+    RETURNING id, order_seq, created_at, scheduled_at
+), t AS (
+    INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status,
+                           depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds,
+                           params, assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at)
+    SELECT r.id, j.id, %(tenant)s, r.task_key, r.step_key, r.service_id, NULL, r.exclusive, r.status,
+           ARRAY(SELECT jsonb_array_elements_text(r.depends_on)), 0, r.max_attempts, now(), r.priority, j.order_seq,
+           r.timeout_seconds, r.params, '', '', '', '', '', now(), now()
+      FROM j, jsonb_to_recordset(%(tasks)s::jsonb) AS r(
+           id uuid, task_key text, step_key text, service_id bigint, exclusive boolean, status text,
+           depends_on jsonb, max_attempts int, priority int, timeout_seconds int, params jsonb)
+    RETURNING id, task_key, status
+), s AS (
+    INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked,
+                               released, poisoned, on_failure, always)
+    SELECT j.id, r.step_key, r.position, r.total, 0, 0, 0, 0, 0, false, false, r.on_failure, r.always
+      FROM j, jsonb_to_recordset(%(steps)s::jsonb) AS r(step_key text, position int, total int, on_failure text,
+                                                       always boolean)
+), ev AS (
+    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
+    SELECT j.id, NULL::uuid, %(event_source)s, 'info', 'status', 'job created queued',
+           '{"from": "created", "to": "queued", "approval": "not_required"}'::jsonb FROM j
+    UNION ALL
+    SELECT j.id, NULL, %(source)s, 'info', 'status', 'job queued → waiting (tasks created)',
+           '{"from": "queued", "to": "waiting"}'
+      FROM j
+    UNION ALL
+    SELECT (SELECT id FROM j), t.id, %(source)s, 'info', 'status', 'task created ' || t.status,
+           jsonb_build_object('from', 'created', 'to', t.status, 'task_key', t.task_key) FROM t
+), n AS (
+    SELECT pg_notify(c, '') FROM unnest(%(channels)s::text[]) AS c
+)
+SELECT j.id, j.order_seq, j.created_at, j.scheduled_at, (SELECT count(*) FROM n) FROM j
+"""
+
+
+def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channels: Sequence[str],
+                     source: str, event_source: str) -> tuple | None:
+    """Insert and start one job in one statement; return (id, order_seq, created_at, scheduled_at).
+
+    ``job`` holds the fields of :func:`_job_fields` (as bound parameters). None means
+    the job's external_id or dedupe_key is taken: nothing was written. The caller checked that the
+    job is due, needs no approval and is under no cap, and built its tasks with
+    :func:`jobs.instantiate.build_task_rows` (no fan-out: hosts are resolved by the builder path).
+    """
+    first_key = min(tasks, key=lambda r: r["position"])["task_key"] if tasks else ""
+    params = {**job, "first_key": first_key, "tasks": json.dumps(tasks, default=str),
+              "steps": json.dumps(step_rows(tasks)), "channels": sorted(set(channels)), "source": source,
+              "event_source": event_source}
+    # A prepared statement on Django's own connection (so in the caller's transaction): planning
+    # this statement costs more than running it.
+    connection.ensure_connection()
+    # Server-side binding (Django's cursors bind client-side); errors are still Django's.
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cur:
+        cur.execute(START_NOW_SQL, params, prepare=True)
+        return cur.fetchone()
+
+
+def _start_now(plan: _Plan) -> Job | None:
+    """Start a job that runs now in one statement; None when the general path must decide.
+
+    Taken for a job that is due, needs no approval, has no cap and no fan-out step. None also
+    when its external_id or dedupe_key is taken (nothing was written then).
+    """
+    spec = plan.spec
+    steps = plan.workflow.steps if plan.workflow else None
+    if steps and _fan_out_steps(steps):
+        return None
+    services = {s.key: ServiceInfo(s.id, s.key, s.base_priority, s.max_attempts, s.timeout_seconds,
+                                   s.exclusive_per_host) for s in plan.services if s.is_active}
+    jid = uuid.uuid4()
+    row = JobRow(jid, plan.tenant.id, plan.workflow.id if plan.workflow else None,
+                 plan.service.id if plan.service else None, plan.priority, 0, spec.options or {}, plan.step_params)
+    try:
+        tasks = build_task_rows(row, steps_for(row, steps, plan.service.key if plan.service else None), services,
+                                hosts=[], blocked=set())
+    except InstantiationError:
+        return None  # the general path fails the job with the reason
+    for task in tasks:
+        task["id"] = task["id"].hex
+    channels = {service_channel(key) for key in services if any(
+        t["status"] == TaskStatus.QUEUED and t["service_id"] == services[key].id for t in tasks)}
+    fields = _job_fields(plan, jid, for_json=False)
+    inserted = insert_and_start(job=fields, tasks=tasks, channels=sorted(channels), source=f"api:{spec.source}",
+                                event_source=f"api:{spec.source}")
+    if inserted is None:
+        return None
+    jid, order_seq, created_at, scheduled_at = inserted[:4]
+    job = Job(id=jid, tenant=plan.tenant, workflow=plan.workflow, service=plan.service, status=JobStatus.WAITING,
+              progress=0.0, current_task_key=min(tasks, key=lambda r: r["position"])["task_key"],
+              priority=plan.priority, order_seq=order_seq, options=spec.options or {}, step_params=plan.step_params,
+              scheduled_at=scheduled_at, source=spec.source, source_ref=spec.source_ref, external_id=spec.external_id,
+              dedupe_key=spec.dedupe_key, correlation_id=spec.correlation_id,
+              approval_state=ApprovalState.NOT_REQUIRED, created_by_id=fields["cby"], created_at=created_at,
+              started_at=created_at, updated_at=created_at)
+    job._state.adding = False
+    job._state.db = "default"
+    job.was_created = True
+    return job
+
+
+# --------------------------------------------------------------------------------------------
+# The verbs (re-exported by jobs.api)
+# --------------------------------------------------------------------------------------------
+
+def validate(spec: JobSpec) -> None:
+    """Check a job spec as :func:`start` would, writing nothing; raise DefinitionError or NotFound."""
+    plan = _plan(spec, _Validators(), {})
+    if _runs_now(plan, timezone.now()):
+        _check_selector(plan)
+
+
+def start(spec: JobSpec) -> Job:
+    """Start one job (see :func:`jobs.api.start_workflow`); ``job.was_created`` tells a new job from a repeat."""
+    now = timezone.now()
+    plan = _plan(spec, _Validators(), {})
+    if spec.scheduled_at is None and _runs_now(plan, now):
+        # Due now by PostgreSQL's clock (no scheduled time given). One statement, atomic on its own:
+        # no savepoint or transaction of ours is needed.
+        job = _start_now(plan)
+        if job is not None:
+            return job
+    with transaction.atomic():
+        for _ in range(INSERT_ATTEMPTS):
+            inserted = _insert([plan])
+            jid = plan.spec._id  # type: ignore[attr-defined]
+            if jid in inserted:
+                break
+            existing = _existing_for(plan)
+            if existing is not None:
+                job = Job.objects.get(pk=existing)
+                job.was_created = False
+                return job
+        else:  # pragma: no cover - needs a conflicting job to vanish three times in a row
+            raise RuntimeError("job insert kept conflicting with jobs that disappeared; try again")
+        if _runs_now(plan, now):
+            # Instantiated in this call, so its hosts are known now; a refusal rolls the savepoint back.
+            _check_selector(plan)
+            start_jobs([jid], source=f"api:{spec.source}")
+        else:
+            with connection.cursor() as cur:
+                notify(cur, [builder_channel()])
+        job = Job.objects.get(pk=jid)
+        job.was_created = True
+        return job
+
+
+def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID]:
+    """Start many jobs at once (bulk): validated first, inserted set-based, instantiated by the builder.
+
+    Returns the job ids in input order; a spec whose external_id already exists yields the
+    existing job's id. Raises JobConflict when a dedupe key is held, DefinitionError when any spec
+    is invalid (then nothing is written).
+    """
+    validators, services = _Validators(), {}
+    plans = [_plan(s, validators, services) for s in specs]
+    out: list[UUID] = []
+    # A savepoint (one per call, not per job): on JobConflict nothing of this call remains and the
+    # caller's own transaction stays usable, as with start().
+    with transaction.atomic():
+        for start_at in range(0, len(plans), batch_size):
+            chunk = plans[start_at:start_at + batch_size]
+            inserted = _insert(chunk)
+            for plan in chunk:
+                jid = plan.spec._id  # type: ignore[attr-defined]
+                if jid in inserted:
+                    out.append(jid)
+                    continue
+                existing = _existing_for(plan)
+                for _ in range(INSERT_ATTEMPTS - 1):
+                    if existing is not None:
+                        break
+                    if _insert([plan]):
+                        existing = plan.spec._id  # type: ignore[attr-defined]
+                    else:
+                        existing = _existing_for(plan)
+                if existing is None:  # pragma: no cover - see start()
+                    raise RuntimeError("job insert kept conflicting with jobs that disappeared; try again")
+                out.append(existing)
+        with connection.cursor() as cur:
+            notify(cur, [builder_channel()])
+    return out

@@ -1,0 +1,44 @@
+"""What a firing renders its template from, and the job it asks :mod:`jobs.enqueue` to start."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from jobs.enqueue import JobSpec
+from jobs.models import Trigger
+from jobs.triggers.schedule import zone
+from workflows.models import Workflow
+
+
+def workflow_for(trigger: Trigger) -> Workflow:
+    """The workflow a trigger starts: the latest active version of its workflow's name."""
+    latest = Workflow.objects.filter(name=trigger.workflow.name, is_active=True).order_by("-version").first()
+    return latest or trigger.workflow
+
+
+def base_context(trigger: Trigger) -> dict[str, Any]:
+    """Return the ``trigger`` and ``tenant`` namespaces every template may use."""
+    return {
+        "trigger": {"id": str(trigger.id), "label": trigger.label, "event_name": trigger.event_name or ""},
+        "tenant": {"id": str(trigger.tenant.id), "slug": trigger.tenant.slug, "name": trigger.tenant.name},
+    }
+
+
+def schedule_context(trigger: Trigger, due: datetime, *, runs: int = 1) -> dict[str, Any]:
+    """Return a schedule trigger's template context for the due time ``due`` standing for ``runs`` runs."""
+    tz = zone(trigger.timezone)
+    return {**base_context(trigger), "schedule": {
+        "due_at": due.astimezone(UTC).isoformat(), "due_local": due.astimezone(tz).isoformat(),
+        "timezone": trigger.timezone, "cron": trigger.cron_expr, "runs_covered": runs,
+    }}
+
+
+def job_spec(trigger: Trigger, payload: Any, *, source: str, source_ref: str, external_id: str | None,
+             correlation_id: str = "") -> JobSpec:
+    """Return the job a firing starts: the trigger's service or workflow, with the rendered payload as params."""
+    common = dict(priority=trigger.priority, tenant=trigger.tenant, source=source, source_ref=source_ref,
+                  external_id=external_id, correlation_id=correlation_id, created_by=trigger.created_by_id)
+    if trigger.service_id is not None:
+        return JobSpec(service=trigger.service, params=payload, **common)
+    return JobSpec(workflow=workflow_for(trigger), step_params=payload, **common)
