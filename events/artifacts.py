@@ -24,7 +24,7 @@ import mimetypes
 import os
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -151,8 +151,8 @@ def read_artifact(artifact: Artifact) -> bytes:
     return b"".join(open_artifact(artifact))
 
 
-def open_artifact(artifact: Artifact) -> Iterator[bytes]:
-    """Open an artifact for streaming: return an iterator over its bytes, in chunks.
+def open_artifact(artifact: Artifact) -> Generator[bytes, None, None]:
+    """Open an artifact for streaming: return a generator of its bytes, in chunks (closing it stops the read).
 
     The object is opened now, so a missing object raises FileNotFoundError here (and no storage
     raises :class:`StorageNotConfigured`), before a caller has sent anything. The iterator checks
@@ -162,7 +162,7 @@ def open_artifact(artifact: Artifact) -> Iterator[bytes]:
     return _open_checked(get_storage(bucket=artifact.bucket, action=f"read artifact {artifact.key}"), artifact)
 
 
-def _open_checked(storage: Any, artifact: Artifact) -> Iterator[bytes]:
+def _open_checked(storage: Any, artifact: Artifact) -> Generator[bytes, None, None]:
     try:
         body = storage.bucket.Object(validate_key(artifact.key)).get()["Body"]
     except storage.connection.meta.client.exceptions.NoSuchKey:
@@ -170,7 +170,7 @@ def _open_checked(storage: Any, artifact: Artifact) -> Iterator[bytes]:
     return _checked_chunks(body, artifact)
 
 
-def _checked_chunks(body: Any, artifact: Artifact) -> Iterator[bytes]:
+def _checked_chunks(body: Any, artifact: Artifact) -> Generator[bytes, None, None]:
     digest = hashlib.sha256()
     try:
         for chunk in body.iter_chunks(CHUNK_SIZE):

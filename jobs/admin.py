@@ -25,11 +25,11 @@ from uuid import UUID
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet
+from django.db.models import DurationField, ExpressionWrapper, F, ForeignKey, Q, QuerySet
 from django.db.models.functions import Now
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.template.response import TemplateResponse
-from django.urls import path, reverse
+from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
@@ -85,7 +85,9 @@ class RedriveForm(forms.Form):
 
     def __init__(self, *args: Any, tenants: QuerySet, jobs: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["tenant"].choices = [("", "every tenant you administer")] + [(str(t.id), t.slug) for t in tenants]
+        tenant = self.fields["tenant"]
+        assert isinstance(tenant, forms.ChoiceField)  # declared so above; self.fields holds a copy of each
+        tenant.choices = [("", "every tenant you administer")] + [(str(t.id), t.slug) for t in tenants]
         if not jobs:
             del self.fields["include"]
 
@@ -104,18 +106,18 @@ class RedriveAdmin(PageActionsAdmin):
     redrive_jobs = False
     change_list_template = "admin/jobs/redrive_change_list.html"
 
-    def get_urls(self):
+    def get_urls(self) -> list[URLPattern]:
         name = f"{self.opts.app_label}_{self.opts.model_name}_redrive"
         return [path("redrive/", self.admin_site.admin_view(self.redrive_view), name=name)] + super().get_urls()
 
-    def changelist_view(self, request, extra_context=None):
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         extra = dict(extra_context or {})
         if self.has_act_permission(request):
             url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_redrive")
             extra["redrive_url"] = f"{url}?{request.GET.urlencode()}" if request.GET else url
         return super().changelist_view(request, extra_context=extra)
 
-    def _initial(self, params) -> dict[str, Any]:
+    def _initial(self, params: QueryDict) -> dict[str, Any]:
         """The redrive filter the list's current filters stand for (service, tenant)."""
         initial: dict[str, Any] = {}
         if (service_id := params.get("service__id__exact", "")).isdigit():
@@ -244,7 +246,8 @@ class JobAdmin(RedriveAdmin):
             tasks_share=job_progress_subquery(),
         )
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Job],
+                           search_term: str) -> tuple[QuerySet[Job], bool]:
         term = search_term.strip()
         if not term:
             return queryset, False
@@ -354,7 +357,8 @@ class TaskAdmin(RedriveAdmin):
     ordering = ("-pk",)  # the primary key is the only index covering every task
     actions = bulk_actions(TASK_ACTIONS, "tasks")
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Task],
+                           search_term: str) -> tuple[QuerySet[Task], bool]:
         term = search_term.strip()
         if not term:
             return queryset, False
@@ -373,7 +377,8 @@ class TaskAdmin(RedriveAdmin):
 
     @admin.display(description="workflow")
     def workflow(self, obj: Task) -> str:
-        return obj.job.workflow.name if obj.job.workflow_id else "—"
+        workflow = obj.job.workflow  # None without a query for a job of a single service
+        return workflow.name if workflow is not None else "—"
 
     @admin.display(description="job")
     def job_link(self, obj: Task) -> str:
@@ -418,7 +423,8 @@ class AttemptAdmin(ReadOnlyScopedAdmin):
     def tenant_of(self, obj: Attempt) -> UUID | None:
         return obj.task.tenant_id
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Attempt],
+                           search_term: str) -> tuple[QuerySet[Attempt], bool]:
         as_uuid = uuid_or_none(search_term)
         if search_term.strip() and not as_uuid:
             return queryset.none(), False
@@ -441,7 +447,8 @@ class TriggerForm(forms.ModelForm):
         fields = "__all__"
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()  # a ModelForm's returns its cleaned_data
+        data = self.cleaned_data
         kind = data.get("trigger_type")
         if kind == TriggerType.EVENT:
             if not data.get("event_name"):
@@ -523,7 +530,7 @@ class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
     def after_action_url(self, request: HttpRequest, obj: Trigger) -> str:
         return reverse("admin:jobs_trigger_change", args=[obj.pk])
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(self, request: HttpRequest, obj: Trigger | None = None) -> list[str] | tuple[str, ...]:
         fields = super().get_readonly_fields(request, obj)
         return fields if obj is not None else tuple(f for f in fields if f not in ("upcoming", "jobs_started"))
 
@@ -573,27 +580,29 @@ class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
     def jobs_started(self, obj: Trigger) -> str:
         return self.fired_jobs(obj) if obj.pk else "—"
 
-    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+    def formfield_for_foreignkey(self, db_field: ForeignKey, request: HttpRequest,
+                                 **kwargs: Any) -> forms.ModelChoiceField | None:
         if db_field.name == "tenant":
             kwargs["queryset"] = scope(Tenant.objects.all(), request.user, write=True, field="id")
         return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
-    def has_add_permission(self, request) -> bool:
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return super().has_add_permission(request) or self._member(request, write=True)
 
-    def has_change_permission(self, request, obj=None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: Trigger | None = None) -> bool:
         if obj is not None and not can_act(request.user, obj.tenant_id, write=True):
             return False
         return super().has_change_permission(request, obj) or self._member(request, write=True)
 
-    def has_delete_permission(self, request, obj=None) -> bool:
+    def has_delete_permission(self, request: HttpRequest, obj: Trigger | None = None) -> bool:
         if obj is not None and not can_act(request.user, obj.tenant_id, write=True):
             return False
         return super().has_delete_permission(request, obj) or self._member(request, write=True)
 
-    def save_model(self, request, obj, form, change):
+    def save_model(self, request: HttpRequest, obj: Trigger, form: forms.ModelForm, change: bool) -> None:
         if not can_act(request.user, obj.tenant_id, write=True):
             raise PermissionDenied  # the form's choices already exclude it; this guards forged posts
-        if not change and obj.created_by_id is None:
+        # The admin serves only logged-in staff, so the user is always a stored one here.
+        if not change and obj.created_by_id is None and request.user.is_authenticated:
             obj.created_by = request.user
         super().save_model(request, obj, form, change)

@@ -16,13 +16,14 @@ import json
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, ClassVar
 from uuid import UUID
 
 from django.contrib import admin
 from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.template.defaultfilters import filesizeformat
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
@@ -55,6 +56,68 @@ REFRESH_SECONDS = 3
 DEFAULT_TAIL, MAX_TAIL = 500, 20_000
 #: Level names agents may write, mapped onto the page's levels.
 LOG_LEVEL_ALIASES = {"warning": "warn", "critical": "error", "fatal": "error"}
+
+
+# --------------------------------------------------------------------------------------------
+# Rows as the pages show them
+# --------------------------------------------------------------------------------------------
+
+class _Shown:
+    """A row with what a page shows beside its fields: a template reads the row's own fields and
+    relations through it (``task.status``), as from the row itself."""
+
+    #: The attribute that holds the row.
+    row_attr: ClassVar[str]
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names the wrapper lacks; private names are never the row's to give.
+        if name.startswith("_") or name == type(self).row_attr:
+            raise AttributeError(name)
+        return getattr(getattr(self, type(self).row_attr), name)
+
+
+@dataclass
+class TaskRow(_Shown):
+    """A task of the job page's list, with its buttons and the texts shown beside its fields."""
+
+    row_attr: ClassVar[str] = "task"
+
+    task: Task
+    shown_progress: float | None
+    elapsed_text: str
+    attempt_text: str
+    next_text: str
+    ops: list[str]
+    #: The progress as attribute and CSS values, never localised (empty without progress).
+    progress_attr: str = ""
+    progress_width: str = ""
+
+
+@dataclass
+class EventRow(_Shown):
+    """An event of the job page's timeline, with the key of its task (empty for the job's own)."""
+
+    row_attr: ClassVar[str] = "event"
+
+    event: Event
+    task_key: str
+
+
+@dataclass
+class ArtifactRow(_Shown):
+    """An artifact as the pages list it: its file name, whether it can be viewed inline and, for a log,
+    the attempt whose log page shows it."""
+
+    row_attr: ClassVar[str] = "artifact"
+
+    artifact: Artifact
+    name: str
+    previewable: bool
+    log_attempt_id: int | None = None
+
+    @classmethod
+    def of(cls, artifact: Artifact) -> ArtifactRow:
+        return cls(artifact=artifact, name=artifact_name(artifact), previewable=previewable(artifact))
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,12 +156,10 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     event_type = event_type if event_type in EventType.values else ""
     can = may_act(request, job)
 
-    tasks = _tasks(job)
     stopping = tasks_stopping(job)
-    for task in tasks:
-        task.ops = task_actions_for(task, approval=job.approval_state, tasks_stopping=stopping) if can else []
+    tasks = _tasks(job, stopping=stopping, can_act=can)
     progress = job_progress_of(job)
-    task_keys = {t.pk: t.task_key for t in tasks}
+    task_keys = {t.task.pk: t.task.task_key for t in tasks}
     attempts = list(Attempt.objects.filter(task__job_id=job.pk).select_related("task")
                     .order_by("-id")[:JOB_PAGE_ATTEMPTS])
     events = Event.objects.filter(job_id=job.pk)
@@ -112,14 +173,13 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         events = events.filter(level__in=levels_from(level))
     if event_type:
         events = events.filter(type=event_type)
-    events = list(events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS])
-    for event in events:
-        event.task_key = task_keys.get(event.task_id, "") if event.task_id else ""
+    timeline = [EventRow(event=event, task_key=task_keys.get(event.task_id, "") if event.task_id else "")
+                for event in events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS]]
     artifacts = _artifacts(job)
-    attempt_ids = {(a.task_id, a.attempt_no): a.pk for a in attempts}
-    for artifact in artifacts:
-        is_log = artifact.kind == ArtifactKind.LOG
-        artifact.log_attempt_id = attempt_ids.get((artifact.task_id, artifact.attempt)) if is_log else None
+    attempt_ids: dict[tuple[UUID | None, int | None], int] = {(a.task_id, a.attempt_no): a.pk for a in attempts}
+    for row in artifacts:
+        is_log = row.artifact.kind == ArtifactKind.LOG
+        row.log_attempt_id = attempt_ids.get((row.artifact.task_id, row.artifact.attempt)) if is_log else None
     page_url = reverse("admin:jobs_job_change", args=[job.pk])
     return {
         # A canceled job is final at once, but its running tasks stop at their next heartbeat: the
@@ -137,12 +197,12 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "job_attempts": attempts,
         "job_artifacts": artifacts,
         "artifacts_capped": len(artifacts) >= JOB_PAGE_ARTIFACTS,
-        "job_events": events,
+        "job_events": timeline,
         "event_level": level,
         "event_type": event_type,
         "level_links": _filter_links(request, page_url, "level", [(lv, f"≥ {lv}") for lv in LEVELS]),
         "type_links": _filter_links(request, page_url, "type", EventType.choices),
-        "events_capped": len(events) >= JOB_PAGE_EVENTS,
+        "events_capped": len(timeline) >= JOB_PAGE_EVENTS,
         "job_stuck": job_stuck_reasons(job, show_nodes=sees_infrastructure(request.user)),
         "moves_hidden": hidden,
         "moves_links": _filter_links(request, page_url, "moves", [("all", "every job status change")],
@@ -161,7 +221,6 @@ def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
     if task.status not in ("waiting", "queued", "scheduled"):
         reasons = []
     elapsed = Task.objects.filter(pk=task.pk).annotate(elapsed=run_interval()).values_list("elapsed", flat=True).first()
-    task.elapsed = elapsed
     attempts = list(Attempt.objects.filter(task_id=task.pk).order_by("-attempt_no")[:JOB_PAGE_ATTEMPTS])
     return {
         "task_stuck": reasons,
@@ -169,7 +228,7 @@ def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
         if may_act(request, job) else [],
         "task_attempt_text": attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
                                           budget=task.service.max_attempts),
-        "task_elapsed": elapsed_text(task),
+        "task_elapsed": elapsed_text(task, elapsed=elapsed),
         "task_progress": shown_progress(task),
         "task_attempts": attempts,
         "task_job": job,
@@ -186,24 +245,30 @@ def tasks_stopping(job: Job) -> int:
     return Task.objects.filter(job_id=job.pk, status__in=TASK_HELD).count()  # task_job_status_idx
 
 
-def _tasks(job: Job) -> list[Task]:
-    """Return the job's tasks in the workflow's step order, each with its elapsed time."""
+def _tasks(job: Job, *, stopping: int, can_act: bool) -> list[TaskRow]:
+    """Return the job's tasks in the workflow's step order, each with its elapsed time, texts and buttons."""
     tasks = list(Task.objects.filter(job_id=job.pk).select_related("service", "host").annotate(elapsed=run_interval())
                  .order_by("created_at", "task_key")[:JOB_PAGE_TASKS])
     now = timezone.now()
     # Show tasks in the order of the workflow's steps (they are created together).
-    position = {s.get("key"): i for i, s in enumerate(job.workflow.steps or [])} if job.workflow_id else {}
+    workflow = job.workflow if job.workflow_id else None
+    position = {s.get("key"): i for i, s in enumerate(workflow.steps or [])} if workflow is not None else {}
     tasks.sort(key=lambda t: (position.get(t.step_key, len(position)), t.task_key))
-    for task in tasks:
-        task.shown_progress = shown_progress(task)
-        if task.shown_progress is not None:  # attribute and CSS values, never localised
-            task.progress_attr = f"{task.shown_progress:.3f}"
-            task.progress_width = f"{task.shown_progress * 100:.1f}"
-        task.elapsed_text = elapsed_text(task)
-        task.attempt_text = attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
-                                         budget=task.service.max_attempts)
-        task.next_text = next_attempt_text(task, now=now)
-    return tasks
+    return [_task_row(task, job=job, now=now, stopping=stopping, can_act=can_act) for task in tasks]
+
+
+def _task_row(task: Task, *, job: Job, now: datetime, stopping: int, can_act: bool) -> TaskRow:
+    progress = shown_progress(task)
+    row = TaskRow(
+        task=task, shown_progress=progress, elapsed_text=elapsed_text(task),
+        attempt_text=attempt_text(attempt=task.attempt, max_attempts=task.max_attempts,
+                                  budget=task.service.max_attempts),
+        next_text=next_attempt_text(task, now=now),
+        ops=task_actions_for(task, approval=job.approval_state, tasks_stopping=stopping) if can_act else [],
+    )
+    if progress is not None:  # attribute and CSS values, never localised
+        row.progress_attr, row.progress_width = f"{progress:.3f}", f"{progress * 100:.1f}"
+    return row
 
 
 def next_attempt_text(task: Task, *, now: datetime) -> str:
@@ -214,21 +279,20 @@ def next_attempt_text(task: Task, *, now: datetime) -> str:
     return f"in {human_age(ahead)}" if ahead > 1 else "due now"
 
 
-def elapsed_text(task: Task) -> str:
-    """Describe how long a held task has been running, or how long a finished one ran."""
-    elapsed = getattr(task, "elapsed", None)
+def elapsed_text(task: Task, *, elapsed: timedelta | None = None) -> str:
+    """Describe how long a held task has been running, or how long a finished one ran.
+
+    ``elapsed`` defaults to the task's ``elapsed`` annotation (:func:`accs_site.admin_kit.run_interval`).
+    """
+    elapsed = elapsed if elapsed is not None else getattr(task, "elapsed", None)
     if elapsed is None or not (task.status in TASK_HELD or task.status in TASK_FINAL):
         return ""  # not started, or queued again for a retry: the last start says nothing about now
     return human_age(elapsed.total_seconds())
 
 
-def _artifacts(job: Job) -> list[Artifact]:
-    rows = list(Artifact.objects.filter(job_id=job.pk).select_related("task")
-                .order_by("task__task_key", "attempt", "kind", "key")[:JOB_PAGE_ARTIFACTS])
-    for artifact in rows:
-        artifact.name = artifact_name(artifact)
-        artifact.previewable = previewable(artifact)
-    return rows
+def _artifacts(job: Job) -> list[ArtifactRow]:
+    return [ArtifactRow.of(artifact) for artifact in Artifact.objects.filter(job_id=job.pk).select_related("task")
+            .order_by("task__task_key", "attempt", "kind", "key")[:JOB_PAGE_ARTIFACTS]]
 
 
 def artifact_name(artifact: Artifact) -> str:
@@ -240,7 +304,7 @@ def artifact_name(artifact: Artifact) -> str:
 def _filter_links(request: HttpRequest, page_url: str, name: str,
                   choices: Iterable[tuple[str, str]], *, unset: str = "all") -> list[dict[str, Any]]:
     """Build one filter's links, each keeping the page's other filters."""
-    others = {k: v for k, v in request.GET.items() if k != name}
+    others = {k: request.GET[k] for k in request.GET if k != name}  # each one's last value, as QueryDict.items()
     current = request.GET.get(name, "")
 
     def link(value: str) -> str:
@@ -271,7 +335,7 @@ def job_data_view(request: HttpRequest, job_id: UUID) -> JsonResponse:
 # Artifacts
 # --------------------------------------------------------------------------------------------
 
-def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponse:
+def artifact_download_view(request: HttpRequest, job_id: UUID, artifact_id: int) -> HttpResponseBase:
     """Stream one of the job's artifacts from object storage as an attachment."""
     # Storage's modules (boto3) load only when a page reads a file.
     from events.artifacts import StorageNotConfigured, open_artifact
@@ -479,15 +543,14 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
         except ChecksumMismatch as exc:
             problem = f"The log was changed after it was stored and is not shown: {exc}"
     page = reverse("ops:attempt_log", args=[job.pk, attempt.pk])
-    others = {"tail": tail} if "tail" in request.GET else {}
+    others: dict[str, int | str] = {"tail": tail} if "tail" in request.GET else {}
     level_links = [{"label": "all", "url": f"{page}?{urlencode(others)}" if others else page, "active": not level}]
     level_links += [{"label": f"≥ {lv}", "value": lv, "url": f"{page}?{urlencode({**others, 'level': lv})}",
                      "active": level == lv} for lv in LEVELS[1:]]
     live = artifact is None and running
-    files = list(Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no)
-                 .exclude(kind=ArtifactKind.LOG).order_by("kind", "key")[:JOB_PAGE_ARTIFACTS])
-    for file in files:
-        file.name, file.previewable = artifact_name(file), previewable(file)
+    files = [ArtifactRow.of(file)
+             for file in Artifact.objects.filter(task_id=attempt.task_id, attempt=attempt.attempt_no)
+             .exclude(kind=ArtifactKind.LOG).order_by("kind", "key")[:JOB_PAGE_ARTIFACTS]]
     context = {
         "files": files,
         **admin.site.each_context(request),

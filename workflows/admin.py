@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django import forms
 from django.contrib import admin
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.db import connection
-from django.http import QueryDict
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, HttpResponse, QueryDict
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -56,7 +57,8 @@ class ProblemsByFieldForm(forms.ModelForm):
             for message in messages_:
                 target = self._field_for(message) if name == NON_FIELD_ERRORS else name
                 routed.setdefault(target or NON_FIELD_ERRORS, []).append(message)
-        super()._update_errors(ValidationError(routed))
+        # ModelForm's own hook for the model's validation errors: django-stubs do not declare it.
+        super()._update_errors(ValidationError(routed))  # type: ignore[misc]
 
 
 class ServiceForm(ProblemsByFieldForm):
@@ -73,13 +75,13 @@ class DefinitionAdmin(admin.ModelAdmin):
     """Services and workflows decide what code agents run: only superusers add, change or delete them,
     as the HTTP API requires (a model permission given to a staff user is not enough)."""
 
-    def has_add_permission(self, request) -> bool:
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return request.user.is_active and request.user.is_superuser
 
-    def has_change_permission(self, request, obj=None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return request.user.is_active and request.user.is_superuser
 
-    def has_delete_permission(self, request, obj=None) -> bool:
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return request.user.is_active and request.user.is_superuser
 
 
@@ -154,7 +156,7 @@ class WorkflowForm(ProblemsByFieldForm):
         widgets = {"steps": forms.Textarea(attrs={"rows": 24, "cols": 100, "style": "font-family: monospace"})}
 
     def _update_errors(self, errors: ValidationError) -> None:
-        if "steps" in self._errors and hasattr(errors, "error_dict"):
+        if "steps" in self.errors and hasattr(errors, "error_dict"):  # the errors found so far (no new cleaning)
             # Steps that are not JSON were refused already; "no steps" after that says nothing new.
             kept = {name: [m for m in msgs if not m.startswith("steps:")] for name, msgs in errors.message_dict.items()}
             kept = {name: msgs for name, msgs in kept.items() if msgs}
@@ -164,13 +166,14 @@ class WorkflowForm(ProblemsByFieldForm):
         super()._update_errors(errors)
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()  # a ModelForm's returns its cleaned_data
+        data = self.cleaned_data
         if self.instance._state.adding:  # a new version (ids are set before the first save)
             return data
-        stored = Workflow.objects.all()
+        rows = Workflow.objects.all()
         if connection.in_atomic_block:  # the admin's save runs in one; see steps_frozen_reason
-            stored = stored.select_for_update()
-        stored = stored.get(pk=self.instance.pk)
+            rows = rows.select_for_update()
+        stored = rows.get(pk=self.instance.pk)
         changed = [name for name in FROZEN_WHEN_USED if name in data and data[name] != getattr(stored, name)]
         reason = steps_frozen_reason(stored) if changed else None
         if reason:
@@ -199,9 +202,11 @@ class WorkflowAdmin(DefinitionAdmin):
     fields = ("name", "version", "description", "is_active", "max_active_jobs", "steps", "picture")
     change_form_template = "admin/workflows/workflow/change_form.html"
 
-    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+    def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "",
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
         if request.method == "POST" and "_saveasnew" in request.POST:
-            request.POST = self._as_next_version(request.POST)
+            # The admin reads the form from request.POST; the stubs type it immutable, the copy is not.
+            request.POST = self._as_next_version(request.POST)  # type: ignore[assignment]
         response = super().changeform_view(request, object_id, form_url, extra_context)
         form = getattr(getattr(response, "context_data", {}).get("adminform"), "form", None)
         if form is not None and form.frozen_reason:
@@ -217,7 +222,8 @@ class WorkflowAdmin(DefinitionAdmin):
             post["version"] = str(next_version(name))
         return post
 
-    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+    def render_change_form(self, request: HttpRequest, context: dict[str, Any], add: bool = False, change: bool = False,
+                           form_url: str = "", obj: Workflow | None = None) -> HttpResponse:
         if obj is not None and not obj._state.adding:
             context.update(self._version_context(obj, context["adminform"].form))
         return super().render_change_form(request, context, add, change, form_url, obj)
@@ -266,14 +272,14 @@ class AddConditionForm(forms.ModelForm):
         model = GovernorCondition
         fields = ("name", "reason", "expires_at")
 
-    def clean_expires_at(self):
+    def clean_expires_at(self) -> datetime | None:
         expires = self.cleaned_data.get("expires_at")
         if expires is not None and expires <= timezone.now():
             raise ValidationError("must be in the future (leave empty to hold until cleared)")
         return expires
 
 
-def _raise(name: str, *, reason: str, expires_at, by: str) -> ActionResult:
+def _raise(name: str, *, reason: str, expires_at: datetime | None, by: str) -> ActionResult:
     try:
         governor.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
     except DefinitionError as exc:
@@ -294,37 +300,39 @@ class GovernorConditionAdmin(admin.ModelAdmin):
     search_fields = ("name", "reason")
     actions = ("raise_conditions", "clear_conditions")
 
-    def get_form(self, request, obj=None, change=False, **kwargs):
+    def get_form(self, request: HttpRequest, obj: GovernorCondition | None = None, change: bool = False,
+                 **kwargs: Any) -> type[forms.ModelForm]:
         if obj is None:
             kwargs["form"] = AddConditionForm
         return super().get_form(request, obj, change=change, **kwargs)
 
-    def get_fields(self, request, obj=None):
+    def get_fields(self, request: HttpRequest, obj: GovernorCondition | None = None) -> tuple[str, ...]:
         if obj is None:
             return ("name", "reason", "expires_at")
         return ("name", "holding", "reason", "raised_at", "expires_at", "cleared_at", "raised_by")
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(self, request: HttpRequest, obj: GovernorCondition | None = None) -> tuple[str, ...]:
         return () if obj is None else self.get_fields(request, obj)
 
-    def has_change_permission(self, request, obj=None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: GovernorCondition | None = None) -> bool:
         return False  # state: raise and clear with the actions
 
-    def has_operate_permission(self, request) -> bool:
+    def has_operate_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("workflows.change_governorcondition")
 
     @admin.display(description="holds", boolean=True)
     def holding(self, obj: GovernorCondition) -> bool:
         return obj.holds()
 
-    def save_model(self, request, obj, form, change) -> None:
+    def save_model(self, request: HttpRequest, obj: GovernorCondition, form: forms.ModelForm, change: bool) -> None:
         """Raise the new condition through the governor (it writes the row and its event)."""
         raised = governor.raise_condition(obj.name, reason=obj.reason, expires_at=obj.expires_at, by=actor(request))
         obj.pk = raised.pk
         obj.raised_at, obj.raised_by = raised.raised_at, raised.raised_by
 
     @admin.action(description="Raise selected conditions…", permissions=["operate"])
-    def raise_conditions(self, request, queryset):
+    def raise_conditions(self, request: HttpRequest,
+                         queryset: QuerySet[GovernorCondition]) -> TemplateResponse | None:
         """Ask for a reason and a duration, then raise each selected condition."""
         form = RaiseConditionForm(request.POST if "apply" in request.POST else None)
         if "apply" in request.POST and form.is_valid():
@@ -340,7 +348,7 @@ class GovernorConditionAdmin(admin.ModelAdmin):
         return TemplateResponse(request, "admin/accs/raise_conditions.html", context)
 
     @admin.action(description="Clear selected conditions", permissions=["operate"])
-    def clear_conditions(self, request, queryset):
+    def clear_conditions(self, request: HttpRequest, queryset: QuerySet[GovernorCondition]) -> None:
         perform(request, self, "Clear", list(queryset), lambda c: _clear(c.name, by=actor(request)))
 
     def action_subject(self, obj: GovernorCondition) -> str:

@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,7 +62,7 @@ def agent_secrets() -> list[str]:
     return known_secrets()
 
 
-def redact(text: str, secrets: list[str]) -> str:
+def redact(text: str, secrets: Iterable[str]) -> str:
     """Replace every secret value in ``text`` with ``***`` (longest first, so a URL goes before its password)."""
     for secret in sorted(set(secrets), key=len, reverse=True):
         text = text.replace(secret, "***")
@@ -165,7 +165,7 @@ def parse_results(stdout: str) -> Any:
         raise BadOutput("stdout is not JSON (the CLI contract wants one JSON value)") from None
 
 
-def sanitize_outcome(outcome: Outcome, *, secrets: list[str] = ()) -> Outcome:
+def sanitize_outcome(outcome: Outcome, *, secrets: Sequence[str] = ()) -> Outcome:
     """Make an outcome storable: clean text fields, redact ``secrets`` from them, check results;
     bad results fail the attempt.
 

@@ -13,7 +13,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from email.message import Message
+from typing import IO, Any
 
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
@@ -24,7 +25,8 @@ from nodes.executors.processes import _kill_group, service_env
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """Refuse redirects: a local service's 3xx could point the agent at any address."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: Message,
+                         newurl: str) -> urllib.request.Request | None:
         return None  # urllib then raises HTTPError with the 3xx status
 
 

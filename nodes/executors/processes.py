@@ -231,12 +231,16 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dic
     stdout = _Capture(MAX_RESULTS_BYTES + 1)
     stderr_tail: deque[str] = deque(maxlen=200)
 
+    # Both are pipes: Popen was given PIPE for them above.
+    proc_stdout, proc_stderr = proc.stdout, proc.stderr
+    assert proc_stdout is not None and proc_stderr is not None
+
     def read_stdout() -> None:
-        for chunk in iter(lambda: proc.stdout.read(65536), ""):
+        for chunk in iter(lambda: proc_stdout.read(65536), ""):
             stdout.add(chunk)
 
     def read_stderr() -> None:
-        for line in proc.stderr:
+        for line in proc_stderr:
             line = clean_text(line.rstrip("\n"))[:MAX_LOG_LINE_CHARS]
             match = PROGRESS_RE.match(line)
             if match:

@@ -72,7 +72,7 @@ def log_at_levels(params, ctx):
 
 def test_a_process_isolated_callable_keeps_the_levels_it_logs_at(make_service, daemons, db_url):
     make_service("levels", executor="python",
-                 executor_config={"callable": "tests.test_stderr_levels:log_at_levels", "isolation": "process"})
+                 executor_config={"callable": "tests.nodes.test_stderr_levels:log_at_levels", "isolation": "process"})
     job = api.start_service("levels")
     daemons.agent("n1", "levels")
     wait_all_final(db_url, timeout=60)
