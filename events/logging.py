@@ -166,6 +166,8 @@ class EventBridgeHandler(logging.Handler):
         """Write the waiting lines and this one, unless the database failed moments ago: then it waits too."""
         # Imported late, like the timeline above: logging is configured before Django's apps are.
         from django.db import connection, transaction
+
+        # The timeline's models load with Django's apps, after logging is configured.
         from events.timeline import EventRow, write_events
 
         with self._state:

@@ -37,8 +37,21 @@ from django.utils.safestring import mark_safe
 from django.utils.text import Truncator
 
 from accs_site.admin_kit import (
-    ActionTable, PageActionsAdmin, PageActionsMixin, ReadOnlyScopedAdmin, TenantListFilter, TenantScopedAdmin,
-    actor, bulk_actions, human_age, log_bulk, run_interval, safe_next, status_pill, uuid_or_none, uuid_prefix_range,
+    ActionTable,
+    PageActionsAdmin,
+    PageActionsMixin,
+    ReadOnlyScopedAdmin,
+    TenantListFilter,
+    TenantScopedAdmin,
+    actor,
+    bulk_actions,
+    human_age,
+    log_bulk,
+    run_interval,
+    safe_next,
+    status_pill,
+    uuid_or_none,
+    uuid_prefix_range,
 )
 from jobs import redrive, transitions, triggers
 from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
@@ -48,8 +61,6 @@ from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError
-
-
 
 # --------------------------------------------------------------------------------------------
 # Bulk redrive: "Redrive all matching…" on the task and job lists

@@ -25,16 +25,15 @@ from uuid import UUID
 
 from django.db import connection, transaction
 
+from accs_site.clock import db_now
 from events.timeline import EventRow, write_events
 from jobs.finalize import finalize_jobs
-from jobs.instantiate import (HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, step_rows,
-                              steps_for)
+from jobs.instantiate import HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, step_rows, steps_for
 from jobs.locks import advisory_locks, lock_jobs
 from jobs.models import TaskStatus
-from jobs.states import JOB_ADMITTED, sql_in
 from jobs.notify import builder_channel, notify, service_channel
-from accs_site.clock import db_now
 from jobs.sql import from_json
+from jobs.states import JOB_ADMITTED, sql_in
 
 log = logging.getLogger("accs.admission")
 

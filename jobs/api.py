@@ -32,10 +32,23 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from jobs import redrive as redrive_module
-from jobs import transitions, triggers
-from jobs.enqueue import (INSERT_ATTEMPTS, INSERT_JOBS_SQL, INT32, SOURCES, JobConflict, JobSpec, NoHostsError,
-                          NotFound, resolve_service, resolve_tenant, resolve_workflow, start, start_many, validate)
+from jobs import redrive as redrive_module, transitions, triggers
+from jobs.enqueue import (
+    INSERT_ATTEMPTS,
+    INSERT_JOBS_SQL,
+    INT32,
+    SOURCES,
+    JobConflict,
+    JobSpec,
+    NoHostsError,
+    NotFound,
+    resolve_service,
+    resolve_tenant,
+    resolve_workflow,
+    start,
+    start_many,
+    validate,
+)
 from jobs.models import Job
 from tenants.models import Tenant
 from workflows import governor

@@ -61,8 +61,18 @@ from jobs.transitions import Outcome
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
 from nodes.disk import claiming_paused, sample_disk
 from nodes.executors import (
-    RunContext, agent_alive, agent_secrets, bad_output, end_orphan_groups, make_executors, not_allowed, ours,
-    orphans_on_node, remove_scratch, sanitize_outcome, secrets_in,
+    RunContext,
+    agent_alive,
+    agent_secrets,
+    bad_output,
+    end_orphan_groups,
+    make_executors,
+    not_allowed,
+    orphans_on_node,
+    ours,
+    remove_scratch,
+    sanitize_outcome,
+    secrets_in,
 )
 from nodes.scratch import remove_leftovers, scratch_dir
 from workflows.governor import active_conditions, claim_adjustments

@@ -31,8 +31,8 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import content_disposition_header, urlencode
 
-from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from accs_site.admin_kit import run_interval
+from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
 from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery, shown_progress
 from jobs.states import job_actions_for, task_actions_for

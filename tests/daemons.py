@@ -9,8 +9,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest

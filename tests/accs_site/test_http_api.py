@@ -393,8 +393,7 @@ def test_property_based_run_finds_no_server_errors(make_service, default_tenant)
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
-    from schemathesis import GenerationMode
-    from schemathesis import checks as st_checks
+    from schemathesis import GenerationMode, checks as st_checks
 
     from accs_site.wsgi import application
 

@@ -221,8 +221,8 @@ def _rows_read(plan: str, index: str) -> int:
 def test_the_claim_reads_its_index_and_about_as_many_rows_as_it_claims(make_service, size):
     """The real CLAIM_SQL, with a queue whose head holds retries in backoff and another node's host-bound tasks."""
     from bench.fixtures import fill_queue
-    from tenants.models import Tenant
     from nodes.models import Host, Node
+    from tenants.models import Tenant
 
     svc = make_service("svc")
     tenant = Tenant.objects.get_or_create(slug="default", defaults={"name": "Default"})[0]
@@ -244,8 +244,8 @@ def test_the_claim_reads_its_index_and_about_as_many_rows_as_it_claims(make_serv
 def test_the_claim_with_per_key_limits_reads_its_index_and_passes_over_full_keys(make_service):
     """The keyed claim (rate and cap per customer) uses task_claim_idx and never scans the task table."""
     from bench.fixtures import fill_queue
-    from tenants.models import Tenant
     from nodes.models import Host, Node
+    from tenants.models import Tenant
 
     svc = make_service("keyed", rate_key="customer", rate_key_limit=50, concurrency_key="customer",
                        concurrency_key_limit=1)

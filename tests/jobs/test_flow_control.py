@@ -333,8 +333,8 @@ def test_dashboard_metrics_and_stuck_reasons_show_starts_left_and_tasks_waiting_
 def test_admin_service_form_puts_each_flow_problem_under_its_field(client):
     from django.urls import reverse
 
-    from tests.ops_helpers import make_user
     from tests.ops.test_admin import SERVICE_FORM
+    from tests.ops_helpers import make_user
     from workflows.models import Service
 
     client.force_login(make_user("root-flow-form", superuser=True))

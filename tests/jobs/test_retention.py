@@ -8,6 +8,7 @@ it does under the builder, so objects are deleted after a real commit.
 from __future__ import annotations
 
 import json
+
 import psycopg
 import pytest
 from django.core.checks import run_checks

@@ -16,12 +16,21 @@ from django.utils import timezone
 from jobs import verbs
 from jobs.models import Attempt, AttemptStatus, Job
 from jobs.tasks_backend import (
-    AccsTaskBackend, BadTaskOutput, InvalidTask, LeaseExpired, TaskCanceled, TaskResultDoesNotExist,
-    TaskResultStatus, TaskTimedOut, _error, service_key, task_backends,
+    AccsTaskBackend,
+    BadTaskOutput,
+    InvalidTask,
+    LeaseExpired,
+    TaskCanceled,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    TaskTimedOut,
+    _error,
+    service_key,
+    task_backends,
 )
-from workflows.models import Service
 from tests import task_funcs
 from tests.daemons import wait_for, wait_for_result
+from workflows.models import Service
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -19,8 +19,15 @@ from django.db import connections
 from django.utils import timezone
 
 from jobs.tasks_backend import (
-    AccsTaskBackend, InvalidTask, Task, TaskResultDoesNotExist, TaskResultMismatch, TaskResultStatus,
-    default_task_backend, task, task_backends,
+    AccsTaskBackend,
+    InvalidTask,
+    Task,
+    TaskResultDoesNotExist,
+    TaskResultMismatch,
+    TaskResultStatus,
+    default_task_backend,
+    task,
+    task_backends,
 )
 from tests import contract_tasks as tasks
 from tests.daemons import wait_for_result

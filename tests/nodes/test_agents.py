@@ -12,8 +12,8 @@ import pytest
 from events.models import Event
 from jobs import api, transitions
 from jobs.models import Attempt, Job, Task
-from nodes.models import Host, HostBlock, Node
 from nodes import verbs as node_verbs
+from nodes.models import Host, HostBlock, Node
 from tenants.models import Tenant
 from tests.daemons import Sampler, wait_all_final, wait_for, wait_until
 from workflows.api import create_workflow

@@ -10,11 +10,11 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from accs_site import conf
-from ops import metrics
 from events.models import Event
 from jobs import api
 from jobs.models import Job
 from nodes.models import DiskSample, Node
+from ops import metrics
 from tests.daemons import wait_for
 from tests.engine_helpers import claim_for, run_fail, run_ok
 from workflows.models import GovernorCondition

@@ -239,8 +239,8 @@ def log_messages(obj) -> list[tuple[str, str]]:
 
 def test_operator_actions_write_the_admin_log_shown_in_history_and_recent_actions(client, root, tenants,
                                                                                    make_service):
-    from tenants.models import ApiToken
     from nodes.models import Host, Node
+    from tenants.models import ApiToken
     from tests.ops_helpers import failed_service_job
 
     make_service("work")

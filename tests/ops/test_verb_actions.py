@@ -97,9 +97,9 @@ def test_every_task_verb_applies_exactly_where_its_action_is_offered(tenants, se
 
 
 def test_a_partial_jobs_page_offers_retry_and_the_button_retries_it(client, root, tenants, make_service):
+    from jobs import api
     from tests.engine_helpers import claim_for, run_fail, run_ok
     from workflows.models import Service
-    from jobs import api
 
     for key in ("a", "b"):
         make_service(f"svc-{key}", max_attempts=1)
