@@ -35,8 +35,12 @@ class Daemons:
         self.procs.append(proc)
         return proc
 
-    def agent(self, node: str, services: str, *extra: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return self.start("runagent", "--node", node, "--services", services, *extra, name=name or f"agent-{node}", env=env)
+    def agent(
+        self, node: str, services: str, *extra: str, name: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        return self.start(
+            "runagent", "--node", node, "--services", services, *extra, name=name or f"agent-{node}", env=env
+        )
 
     def builder(self, *extra: str, name: str = "builder") -> subprocess.Popen:
         return self.start("runbuilder", "--tick", "0.2", *extra, name=name)
@@ -89,7 +93,8 @@ def wait_all_final(url: str, *, timeout: float, expected: int | None = None) -> 
     with psycopg.connect(url, autocommit=True) as conn:
         while True:
             total, open_ = conn.execute(
-                "SELECT count(*), count(*) FILTER (WHERE status IN ('queued', 'waiting', 'running')) FROM accs_job").fetchone()
+                "SELECT count(*), count(*) FILTER (WHERE status IN ('queued', 'waiting', 'running'))"
+                " FROM accs_job").fetchone()
             if open_ == 0 and (expected is None or total == expected):
                 return
             if time.monotonic() > deadline:

@@ -13,18 +13,23 @@ def spec(service: Service) -> ServiceSpec:
     return service_spec(service)
 
 
-def claim_for(service: Service, n: int = 10, *, limits: NodeLimits = NODE, agent: str = "agent-t", now=None) -> list[ClaimedTask]:
+def claim_for(
+    service: Service, n: int = 10, *, limits: NodeLimits = NODE, agent: str = "agent-t", now=None
+) -> list[ClaimedTask]:
     return claim(spec(service), limits, agent_id=agent, free_slots=n, lease_seconds=60, now=now)
 
 
 def run_ok(tasks: list[ClaimedTask], *, agent: str = "agent-t", results=None) -> transitions.ReportResult:
     return transitions.report(
-        [transitions.Outcome(task_id=t.id, attempt=t.attempt, status="succeeded", results=results or {"ok": True}) for t in tasks],
+        [transitions.Outcome(task_id=t.id, attempt=t.attempt, status="succeeded", results=results or {"ok": True})
+         for t in tasks],
         started=[(t.id, t.attempt, 123) for t in tasks], agent_id=agent, source="agent:test",
     )
 
 
-def run_fail(tasks: list[ClaimedTask], *, agent: str = "agent-t", status: str = "failed", error: str = "boom") -> transitions.ReportResult:
+def run_fail(
+    tasks: list[ClaimedTask], *, agent: str = "agent-t", status: str = "failed", error: str = "boom"
+) -> transitions.ReportResult:
     return transitions.report(
         [transitions.Outcome(task_id=t.id, attempt=t.attempt, status=status, error=error, exit_code=1) for t in tasks],
         started=[(t.id, t.attempt, 123) for t in tasks], agent_id=agent, source="agent:test",

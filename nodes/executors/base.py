@@ -158,7 +158,9 @@ def parse_results(stdout: str) -> Any:
     if not stdout.strip():
         return {}
     if len(stdout.encode(errors="replace")) > MAX_RESULTS_BYTES:
-        raise BadOutput(f"stdout is larger than {MAX_RESULTS_BYTES} bytes; store big outputs as files in ACCS_OUTPUT_DIR")
+        raise BadOutput(
+            f"stdout is larger than {MAX_RESULTS_BYTES} bytes; store big outputs as files in ACCS_OUTPUT_DIR"
+        )
     try:
         return json.loads(stdout, parse_constant=_reject_constant)
     except json.JSONDecodeError:
@@ -211,7 +213,10 @@ def render_argv(template: list[str], params: dict[str, Any]) -> list[str]:
     Anything but a plain name (attributes, indexing, conversions, format specs) is refused, even in
     a row written to the database without validation.
     """
-    values = {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else str(v))) for k, v in params.items()}
+    values = {
+        k: (json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else str(v)))
+        for k, v in params.items()
+    }
     out = []
     for arg in template:
         rendered = []

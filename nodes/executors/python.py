@@ -223,7 +223,8 @@ class PythonExecutor:
         except TaskStopped:
             call.finish()
             if call.reason == "timeout":
-                return _outcome(task, "timeout", error=f"timeout after {task.timeout_seconds}s: the callable was interrupted",
+                return _outcome(task, "timeout",
+                                error=f"timeout after {task.timeout_seconds}s: the callable was interrupted",
                                 error_code="timeout")
             return _outcome(task, "canceled", error="canceled: the callable was interrupted")
         except BaseException as exc:  # noqa: BLE001 - user code may raise anything, SystemExit included

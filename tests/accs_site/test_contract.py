@@ -133,7 +133,8 @@ def test_a_job_with_a_failed_task_matches_the_served_schema(document, make_servi
     assert response.status_code == 200, response.content
     body = response.json()
     _assert_valid(_validator(document, "/api/v1/jobs/{job_id}", "get", "200"), body, "GET /api/v1/jobs/{id}")
-    assert [(t["status"], t["error_message"]) for t in body["tasks"]] == [("scheduled", "boom")], "waiting for its retry"
+    tasks = [(t["status"], t["error_message"]) for t in body["tasks"]]
+    assert tasks == [("scheduled", "boom")], "waiting for its retry"
 
 
 @pytest.mark.django_db

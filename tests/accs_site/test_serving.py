@@ -59,7 +59,8 @@ def test_a_hundred_concurrent_webhooks_all_get_answers_from_the_production_serve
         try:
             with requests.Session() as session:  # one connection per sender
                 barrier.wait(timeout=60)
-                r = session.post(f"{production_server}/api/v1/jobs", json={"service": "deploy", "external_id": f"gh-{i}"},
+                r = session.post(f"{production_server}/api/v1/jobs",
+                                 json={"service": "deploy", "external_id": f"gh-{i}"},
                                  headers={"Authorization": f"Bearer {token}"}, timeout=120)
                 answers.append(r.status_code)
         except BaseException as exc:  # noqa: BLE001 - asserted below (a reset connection lands here)
@@ -97,7 +98,8 @@ def test_runserver_with_debug_off_serves_the_admins_styles(subprocess_env, tmp_p
     port = free_port()
     log_path = tmp_path / "runserver.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "runserver", "--noreload", f"127.0.0.1:{port}"],
+        proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "runserver", "--noreload",
+                                 f"127.0.0.1:{port}"],
                                 cwd=ROOT, env={**subprocess_env, "ACC_DEBUG": "false"}, stdout=log,
                                 stderr=subprocess.STDOUT)
         try:

@@ -55,7 +55,8 @@ def months():
         made.add(name)
         Event.objects.bulk_create(
             Event(
-                ts=start + timedelta(days=i, hours=i), type="log", source="test", message=f"{year}-{month:02d} #{i} ünï",
+                ts=start + timedelta(days=i, hours=i), type="log", source="test",
+                message=f"{year}-{month:02d} #{i} ünï",
                 data={"i": i, "nested": {"ok": True}},
             )
             for i in range(rows)
@@ -92,7 +93,8 @@ def test_ensure_partitions_reads_months_ahead_from_settings(months, monkeypatch)
     monkeypatch.setenv("ACC_EVENT_PARTITIONS_AHEAD", "1")
     reload()
     try:
-        assert ensure_partitions(now=datetime(2019, 3, 31, 23, 0, tzinfo=UTC)) == ["accs_event_2019_03", "accs_event_2019_04"]
+        created = ensure_partitions(now=datetime(2019, 3, 31, 23, 0, tzinfo=UTC))
+        assert created == ["accs_event_2019_03", "accs_event_2019_04"]
     finally:
         monkeypatch.undo()
         reload()
@@ -128,7 +130,8 @@ def test_old_months_are_exported_verified_and_dropped(s3, months):
         assert [(row["id"], datetime.fromisoformat(row["ts"]), row["message"], row["data"]) for row in lines] == [
             (i, ts, message, data) for i, ts, message, data in before[result.partition]
         ]
-        assert set(lines[0]) >= {"id", "ts", "job_id", "task_id", "attempt", "source", "level", "type", "message", "data"}
+        assert set(lines[0]) >= {
+            "id", "ts", "job_id", "task_id", "attempt", "source", "level", "type", "message", "data"}
         assert not _exists(result.partition)
     assert Event.objects.filter(ts__lt=datetime(2019, 3, 1, tzinfo=UTC)).count() == 0
     assert _exists(aug) and len(_rows(aug)) == 2
@@ -211,7 +214,9 @@ def test_event_written_to_the_month_during_archiving_keeps_the_partition(s3, mon
         Event.objects.create(ts=datetime(2019, 3, 30, tzinfo=UTC), type="log", message="back-dated")
 
     monkeypatch.setattr(partitions, "_verify", verify_while_a_late_event_arrives)
-    with pytest.raises(ArchiveError, match=r"failed at drop: the partition changed after export \(3 rows now, 2 exported\)") as info:
+    with pytest.raises(
+        ArchiveError, match=r"failed at drop: the partition changed after export \(3 rows now, 2 exported\)"
+    ) as info:
         archive_partitions(now=NOW, retention_months=12)
 
     _assert_untouched(name, _rows(name), info.value, "drop")
@@ -273,7 +278,8 @@ def test_archive_events_command_dry_run_changes_nothing_then_run_archives(s3, mo
     call_command("archive_events", "--retention-months", "12")
     out = capsys.readouterr().out
     assert "2019-05: exporting accs_event_2019_05" in out
-    assert "2019-05: archived 3 rows" in out and f"to s3://{s3.bucket}/archive/events/2019_05.jsonl; partition dropped" in out
+    assert "2019-05: archived 3 rows" in out
+    assert f"to s3://{s3.bucket}/archive/events/2019_05.jsonl; partition dropped" in out
     assert not _exists(name)
     call_command("archive_events", "--retention-months", "12")
     assert "nothing to archive" in capsys.readouterr().out

@@ -135,12 +135,14 @@ def test_record_artifact_reads_file_objects_and_streams(s3, job, task, tmp_path)
     path.write_bytes(b'{"ok": true}')
     with path.open("rb") as fh:
         fh.read(3)  # a half-read file is still stored whole
-        from_file = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="result.json", data=fh)
+        from_file = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="result.json",
+                                    data=fh)
     read_fd, write_fd = os.pipe()
     os.write(write_fd, b"streamed bytes")
     os.close(write_fd)
     with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-        from_pipe = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="pipe.bin", data=pipe)
+        from_pipe = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="pipe.bin",
+                                    data=pipe)
 
     assert s3.get(from_file.key) == b'{"ok": true}' and from_file.checksum == _sha(b'{"ok": true}')
     assert from_file.content_type == "application/json"
@@ -151,7 +153,8 @@ def test_gzip_output_is_stored_as_is_without_content_encoding(s3, job, task):
     import gzip
 
     data = gzip.compress(b"payload" * 100)
-    artifact = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="bundle.tar.gz", data=data)
+    artifact = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="bundle.tar.gz",
+                               data=data)
     head = s3.client.head_object(Bucket=s3.bucket, Key=artifact.key)
     assert "ContentEncoding" not in head, "clients would unzip it and break the checksum"
     assert read_artifact(artifact) == data
@@ -169,7 +172,8 @@ def test_storing_the_same_key_again_replaces_the_object_and_updates_its_row(s3, 
 
 
 def test_checksum_mismatch_is_detected_when_the_object_is_tampered_with(s3, job, task):
-    artifact = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="report.csv", data=b"a,b\n1,2\n")
+    artifact = record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="report.csv",
+                               data=b"a,b\n1,2\n")
     s3.put(artifact.key, b"a,b\n1,3\n")  # behind ACCS's back
 
     with pytest.raises(ChecksumMismatch, match=f"checksum mismatch for s3://{s3.bucket}/{artifact.key}") as info:
@@ -229,7 +233,8 @@ def test_collected_outputs_and_logs_match_the_objects_in_the_bucket(s3, job, tas
     assert log_artifact.key == f"logs/{job.id}/render/attempt-1.jsonl"
     assert (log_artifact.kind, log_artifact.content_type) == ("log", "application/x-ndjson")
     lines = s3.get(log_artifact.key).decode().splitlines()
-    assert [json.loads(line) for line in lines] == [{"level": "info", "msg": "started"}, {"level": "info", "msg": "ünïcode", "n": 2}]
+    assert [json.loads(line) for line in lines] == [
+        {"level": "info", "msg": "started"}, {"level": "info", "msg": "ünïcode", "n": 2}]
 
 
 def test_stage_inputs_downloads_the_tasks_and_the_jobs_inputs(s3, job, task, tmp_path):
@@ -237,7 +242,8 @@ def test_stage_inputs_downloads_the_tasks_and_the_jobs_inputs(s3, job, task, tmp
     record_artifact(job_id=job.id, task_id=None, attempt=None, kind="input", name="config.json", data=b"job-wide")
     record_artifact(job_id=job.id, task_id=None, attempt=None, kind="input", name="shared/lut.bin", data=b"\x00\x01")
     record_artifact(job_id=job.id, task_id=task.id, attempt=None, kind="input", name="config.json", data=b"task's own")
-    record_artifact(job_id=job.id, task_id=other_task.id, attempt=None, kind="input", name="other.txt", data=b"not ours")
+    record_artifact(job_id=job.id, task_id=other_task.id, attempt=None, kind="input", name="other.txt",
+                    data=b"not ours")
     record_artifact(job_id=job.id, task_id=task.id, attempt=1, kind="output", name="out.txt", data=b"an output")
 
     staged = stage_inputs(job_id=job.id, task_id=task.id, directory=tmp_path / "in")
@@ -246,11 +252,13 @@ def test_stage_inputs_downloads_the_tasks_and_the_jobs_inputs(s3, job, task, tmp
     assert sorted(p.relative_to(root).as_posix() for p in staged) == ["config.json", "shared/lut.bin"]
     assert (root / "config.json").read_bytes() == b"task's own", "a task's own input wins over the job's"
     assert (root / "shared" / "lut.bin").read_bytes() == b"\x00\x01"
-    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == ["config.json", "shared/lut.bin"]
+    staged = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    assert staged == ["config.json", "shared/lut.bin"]
 
 
 def test_stage_inputs_refuses_a_tampered_input_and_leaves_no_file(s3, job, task, tmp_path):
-    artifact = record_artifact(job_id=job.id, task_id=task.id, attempt=None, kind="input", name="model.bin", data=b"weights")
+    artifact = record_artifact(job_id=job.id, task_id=task.id, attempt=None, kind="input", name="model.bin",
+                               data=b"weights")
     s3.put(artifact.key, b"evil weights")
 
     with pytest.raises(ChecksumMismatch):
@@ -277,7 +285,9 @@ def no_storage(monkeypatch):
     reload()
 
 
-def test_without_storage_engine_helpers_are_no_ops_and_explicit_calls_fail_clearly(no_storage, job, task, tmp_path, caplog):
+def test_without_storage_engine_helpers_are_no_ops_and_explicit_calls_fail_clearly(
+    no_storage, job, task, tmp_path, caplog
+):
     (tmp_path / "out.txt").write_text("dropped")
 
     assert collect_outputs(job_id=job.id, task_id=task.id, task_key="render", attempt=1, directory=tmp_path) == []

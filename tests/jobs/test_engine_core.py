@@ -98,7 +98,8 @@ def test_failure_retries_with_backoff_then_dead_letters(make_service):
     assert run_fail(tasks).failed == [tasks[0].id]
     job.refresh_from_db()
     assert job.status == "error" and job.finished_at is not None
-    assert list(Attempt.objects.filter(task_id=tasks[0].id).order_by("attempt_no").values_list("status", flat=True)) == ["failed"] * 3
+    attempts = Attempt.objects.filter(task_id=tasks[0].id).order_by("attempt_no")
+    assert list(attempts.values_list("status", flat=True)) == ["failed"] * 3
     assert Event.objects.filter(job_id=job.id, data__dead_letter=True).exists()
 
 
@@ -169,7 +170,8 @@ def test_a_start_already_recorded_does_not_fence_the_end_reported_with_it(make_s
     assert result.done == [tasks[0].id] and result.fenced == []
     job.refresh_from_db()
     assert job.status == "done"
-    assert list(Event.objects.filter(task_id=tasks[0].id, type="status").order_by("id").values_list("message", flat=True)) == [
+    status_events = Event.objects.filter(task_id=tasks[0].id, type="status").order_by("id")
+    assert list(status_events.values_list("message", flat=True)) == [
         "task created queued", "task queued → starting", "task starting → running", "task running → done"]
 
 
@@ -181,7 +183,8 @@ def test_final_failure_skips_unstarted_tasks_of_the_job(two_step):
     run_fail(claim_for(a))
     job.refresh_from_db()
     assert job.status == "error"
-    assert dict(Task.objects.filter(job=job).values_list("step_key", "status")) == {"first": "error", "second": "skipped"}
+    statuses = dict(Task.objects.filter(job=job).values_list("step_key", "status"))
+    assert statuses == {"first": "error", "second": "skipped"}
 
 
 def test_job_created_in_rolled_back_transaction_does_not_exist(make_service):
@@ -320,6 +323,7 @@ def test_progress_is_kept_on_the_task_and_only_quarter_milestones_reach_the_time
     for p in (0.05, 0.1, 0.2, 0.26, 0.3, 0.49, 0.51, 0.8, 0.9):
         assert transitions.report_progress([(task.id, task.attempt, p)], source="agent:test") == 1
     assert Task.objects.get(pk=task.id).progress == pytest.approx(0.9)
-    milestones = list(Event.objects.filter(task_id=task.id, type="progress").order_by("id").values_list("message", flat=True))
+    milestones = list(
+        Event.objects.filter(task_id=task.id, type="progress").order_by("id").values_list("message", flat=True))
     assert milestones == ["progress reached 25 %", "progress reached 50 %", "progress reached 75 %"]
     assert transitions.report_progress([(task.id, task.attempt + 1, 0.95)], source="agent:test") == 0, "fenced"

@@ -182,7 +182,8 @@ def test_four_agents_never_exceed_the_service_rate_limit(make_service, daemons, 
              message="24 tasks done through a 6-per-2s limit")
     daemons.stop_all()
     rows = starts(svc.id)
-    assert max_in_window([r[0] for r in rows], 2.0) == 6, "never more than 6 starts in any 2 s, and the limit was reached"
+    assert max_in_window([r[0] for r in rows], 2.0) == 6, (
+        "never more than 6 starts in any 2 s, and the limit was reached")
     assert len({r[2] for r in rows}) >= 2, "several agents took part"
 
 

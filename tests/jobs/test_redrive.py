@@ -37,7 +37,8 @@ def age(ids: list[UUID], *, hours: int) -> datetime:
         cur.execute("UPDATE accs_task SET finished_at = finished_at - make_interval(hours => %s)"
                     " WHERE id = ANY(%s::uuid[])", [hours, [str(i) for i in ids]])
         cur.execute("UPDATE accs_job SET finished_at = finished_at - make_interval(hours => %s)"
-                    " WHERE id IN (SELECT job_id FROM accs_task WHERE id = ANY(%s::uuid[]))", [hours, [str(i) for i in ids]])
+                    " WHERE id IN (SELECT job_id FROM accs_task WHERE id = ANY(%s::uuid[]))",
+                    [hours, [str(i) for i in ids]])
         cur.execute("SELECT now() - make_interval(hours => %s) / 2", [hours])
         return cur.fetchone()[0]
 

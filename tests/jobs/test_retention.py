@@ -121,7 +121,8 @@ def test_prune_deletes_exactly_the_jobs_past_their_tenants_retention_with_their_
         "acme active": api.start_service("ret-ok", tenant=acme),
     }
     with connection.cursor() as cur:
-        cur.execute("INSERT INTO test_job_ref (job_id) VALUES (%s)", [kept["acme done 11 days ago, still referenced"].id])
+        cur.execute("INSERT INTO test_job_ref (job_id) VALUES (%s)",
+                    [kept["acme done 11 days ago, still referenced"].id])
     old_object = output(gone["acme done 11 days ago"], "old/report.txt")
     young_object = output(kept["acme done 9 days ago"], "young/report.txt")
     gone_ids = [j.id for j in gone.values()]

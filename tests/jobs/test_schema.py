@@ -26,10 +26,11 @@ def _insert_jobs(url: str, tenant_id, service_id: int, count: int, out: list[int
         barrier.wait()
         for _ in range(count):
             row = conn.execute(
-                "INSERT INTO accs_job (id, tenant_id, service_id, status, progress, current_task_key, priority, options,"
-                " step_params, scheduled_at, error_code, error_message, source, source_ref, correlation_id,"
+                "INSERT INTO accs_job (id, tenant_id, service_id, status, progress, current_task_key, priority,"
+                " options, step_params, scheduled_at, error_code, error_message, source, source_ref, correlation_id,"
                 " approval_state, approved_by, created_at, updated_at)"
-                " VALUES (%s, %s, %s, 'queued', 0, '', 0, '{}', '{}', now(), '', '', 'manual', '', '', 'not_required', '', now(), now())"
+                " VALUES (%s, %s, %s, 'queued', 0, '', 0, '{}', '{}', now(), '', '', 'manual', '', '', 'not_required',"
+                " '', now(), now())"
                 " RETURNING order_seq",
                 (uuid.uuid4(), tenant_id, service_id),
             ).fetchone()
@@ -49,7 +50,8 @@ def test_order_seq_strictly_increases_across_four_concurrent_connections(db_url,
         t.join()
     for seqs in results:
         assert len(seqs) == 250
-        assert all(a < b for a, b in zip(seqs, seqs[1:], strict=False)), "each connection sees strictly increasing order_seq"
+        assert all(a < b for a, b in zip(seqs, seqs[1:], strict=False)), (
+            "each connection sees strictly increasing order_seq")
     everything = [s for seqs in results for s in seqs]
     assert len(set(everything)) == 1000, "no order_seq is handed out twice"
     stored = list(Job.objects.order_by("created_at", "order_seq").values_list("order_seq", flat=True))

@@ -79,7 +79,9 @@ SLEEP = {"executor": "python", "executor_config": {"callable": "tests.callables:
 
 
 @pytest.mark.slow
-def test_agents_and_builder_survive_connection_loss_and_outage_and_finish_every_task_once(make_service, daemons, db_url):
+def test_agents_and_builder_survive_connection_loss_and_outage_and_finish_every_task_once(
+    make_service, daemons, db_url
+):
     make_service("steady", **SLEEP, backoff_base_seconds=0, backoff_cap_seconds=0)
     with TcpProxy(0, "127.0.0.1", _db_port(db_url)) as proxy:
         env = _proxied_env(db_url, proxy)
@@ -108,7 +110,8 @@ def test_agents_and_builder_survive_connection_loss_and_outage_and_finish_every_
     assert Task.objects.filter(status="done").count() == 30
     attempts = list(Attempt.objects.values_list("task_id", "attempt_no", "status", "agent_id", "error_text"))
     again = {a[0] for a in attempts if a[1] > 1 or a[2] != "succeeded"}
-    assert len(attempts) == 30 and not again, ("no outcome was lost (nothing ran twice)", [a for a in attempts if a[0] in again],
+    assert len(attempts) == 30 and not again, (
+        "no outcome was lost (nothing ran twice)", [a for a in attempts if a[0] in again],
         list(Event.objects.filter(task_id__in=again).order_by("id").values_list("task_id", "type", "message")))
     assert not Event.objects.filter(type="fenced").exists()
 
@@ -124,7 +127,8 @@ BAD_OUTPUT = (
 
 
 def test_bad_output_fails_only_its_task_and_never_the_batch_or_the_agent(make_service, daemons, db_url):
-    make_service("printer", executor="command", executor_config={"argv": ["python", "-c", _literal(BAD_OUTPUT), "{mode}"]},
+    make_service("printer", executor="command",
+                 executor_config={"argv": ["python", "-c", _literal(BAD_OUTPUT), "{mode}"]},
                  params_schema={"type": "object", "properties": {"mode": {"type": "string"}}}, max_attempts=2,
                  backoff_base_seconds=0, backoff_cap_seconds=0)
     make_service("nan-python", executor_config={"callable": "tests.nodes.test_agent_faults:nan_result"}, max_attempts=2)
@@ -148,7 +152,8 @@ def test_bad_output_fails_only_its_task_and_never_the_batch_or_the_agent(make_se
         first_log = Event.objects.filter(task=task, type="log").order_by("id").values_list("id", flat=True).first()
         if first_log is not None:
             assert running and running[0] < first_log, "a task's log lines follow its running event"
-    leftovers = [p for t in tasks.values() for p in glob.glob(os.path.join(tempfile.gettempdir(), f"accs-{str(t.id)[:8]}-*"))]
+    leftovers = [p for t in tasks.values()
+                 for p in glob.glob(os.path.join(tempfile.gettempdir(), f"accs-{str(t.id)[:8]}-*"))]
     assert leftovers == [], "scratch folders are removed after each attempt"
 
 
@@ -171,8 +176,8 @@ def _timed_command(make_service, key: str, marks: str, *, first_seconds: float, 
         "(d / f'{n}.end').write_text(str(time.time()))\n"
         "print('{}')\n"
     )
-    make_service(key, executor="command", executor_config={"argv": ["python", "-c", _literal(script)]}, timeout_seconds=120,
-                 max_attempts=5, backoff_base_seconds=0, backoff_cap_seconds=0)
+    make_service(key, executor="command", executor_config={"argv": ["python", "-c", _literal(script)]},
+                 timeout_seconds=120, max_attempts=5, backoff_base_seconds=0, backoff_cap_seconds=0)
 
 
 def test_agent_stalled_past_its_lease_tracks_and_finishes_the_new_attempt(make_service, daemons, db_url, tmp_path):
@@ -241,7 +246,8 @@ def test_task_processes_die_with_their_agent_and_the_task_runs_again(make_servic
                  timeout_seconds=300, max_attempts=3, backoff_base_seconds=0, backoff_cap_seconds=0)
     job = api.start_service("orphan")
     victim = daemons.agent("n1", "orphan", "--lease-seconds", "3")
-    event = wait_until(lambda: Event.objects.filter(job_id=job.id, type="log", message__startswith="grandchild").first(),
+    event = wait_until(
+        lambda: Event.objects.filter(job_id=job.id, type="log", message__startswith="grandchild").first(),
                        timeout=20, message="the grandchild started")
     grandchild = int(event.message.split()[1])
     child = Attempt.objects.get(task__job=job, attempt_no=1).pid
@@ -289,7 +295,8 @@ def test_second_sigterm_interrupts_running_tasks_and_they_are_retried(make_servi
 def test_python_callable_timeout_and_cancel_are_enforced(make_service, daemons, db_url):
     make_service("spin", executor_config={"callable": "tests.nodes.test_agent_faults:spin"}, timeout_seconds=1,
                  max_attempts=1)
-    make_service("stuck", executor_config={"callable": "tests.nodes.test_agent_faults:block_in_c", "isolation": "process"},
+    make_service("stuck",
+                 executor_config={"callable": "tests.nodes.test_agent_faults:block_in_c", "isolation": "process"},
                  timeout_seconds=1, max_attempts=1)
     make_service("spin-long", executor_config={"callable": "tests.nodes.test_agent_faults:spin"}, timeout_seconds=600)
     spun, stuck = api.start_service("spin"), api.start_service("stuck")

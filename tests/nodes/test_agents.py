@@ -1,4 +1,6 @@
-"""Agents and builders as real processes: races, every claim limit (per node, service, host, key), crashes, fencing, timeouts."""
+"""Agents and builders as real processes: races, every claim limit (per node, service, host, key), crashes,
+fencing, timeouts.
+"""
 
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def test_per_node_per_service_cap(make_service, daemons, db_url):
     svc = sleep_service(make_service)
     Node.objects.create(name="n1", max_concurrency={"slow": 2})
     jobs_of("slow", 8)
-    with Sampler(db_url, f"SELECT count(*) FROM accs_task WHERE {HELD} AND node = 'n1' AND service_id = %s", (svc.id,)) as s:
+    held_on_n1 = f"SELECT count(*) FROM accs_task WHERE {HELD} AND node = 'n1' AND service_id = %s"
+    with Sampler(db_url, held_on_n1, (svc.id,)) as s:
         daemons.agent("n1", "slow", "--max-concurrent", "6")
         wait_all_final(db_url, timeout=60)
     assert s.maxima == [2]
@@ -130,7 +133,8 @@ def test_workflow_max_active_jobs_one_runs_strictly_one_job_oldest_first(make_se
     sleep_service(make_service)
     wf = create_workflow(name="serial", max_active_jobs=1,
                          steps=[{"key": "a", "service": "slow", "default_params": {"seconds": 0.2}},
-                                {"key": "b", "service": "slow", "depends_on": ["a"], "default_params": {"seconds": 0.1}}])
+                                {"key": "b", "service": "slow", "depends_on": ["a"],
+                                 "default_params": {"seconds": 0.1}}])
     jobs = [api.start_workflow("serial") for _ in range(4)]
     assert all(j.status == "queued" for j in jobs), "limited workflows are started by the builder"
     with Sampler(db_url, "SELECT count(*) FROM accs_job WHERE status = 'running' AND workflow_id = %s", (wf.id,)) as s:
@@ -146,7 +150,8 @@ def test_tenant_max_in_flight(make_service, daemons, db_url):
     sleep_service(make_service)
     tenant = Tenant.objects.create(slug="acme", name="Acme", max_in_flight=2)
     jobs_of("slow", 6, tenant=tenant)
-    with Sampler(db_url, "SELECT count(*) FROM accs_job WHERE status = 'running' AND tenant_id = %s", (tenant.id,)) as s:
+    with Sampler(db_url, "SELECT count(*) FROM accs_job WHERE status = 'running' AND tenant_id = %s",
+                 (tenant.id,)) as s:
         daemons.builder()
         daemons.agent("n1", "slow", "--max-concurrent", "6")
         wait_all_final(db_url, timeout=60)
@@ -158,7 +163,8 @@ def test_host_block_makes_task_blocked_and_it_never_runs(make_service, daemons, 
     node = Node.objects.create(name="n1")
     h1, _h2 = Host.objects.create(name="h1", node=node), Host.objects.create(name="h2", node=node)
     HostBlock.objects.create(host=h1, service=svc, reason="maintenance")
-    create_workflow(name="fleet", steps=[{"key": "op", "service": "slow", "fan_out": "hosts", "default_params": {"seconds": 0.05}}])
+    create_workflow(name="fleet", steps=[{"key": "op", "service": "slow", "fan_out": "hosts",
+                                          "default_params": {"seconds": 0.05}}])
     job = api.start_workflow("fleet", options={"hosts": ["h1", "h2"]})
     daemons.agent("n1", "slow")
     wait_all_final(db_url, timeout=30)
@@ -176,7 +182,8 @@ def test_quarantined_host_gets_no_work_until_cleared(make_service, daemons, db_u
     node = Node.objects.create(name="n1")
     bad = Host.objects.create(name="h1", node=node, status="error", quarantined_at=timezone.now())
     Host.objects.create(name="h2", node=node)
-    create_workflow(name="fleet", steps=[{"key": "op", "service": "slow", "fan_out": "hosts", "default_params": {"seconds": 0.05}}])
+    create_workflow(name="fleet", steps=[{"key": "op", "service": "slow", "fan_out": "hosts",
+                                          "default_params": {"seconds": 0.05}}])
     api.start_workflow("fleet", options={"hosts": ["h1", "h2"]})
     daemons.agent("n1", "slow", "--poll-interval", "0.2")
     wait_until(lambda: Task.objects.filter(task_key="op@h2", status="done").exists(), timeout=30, message="h2 done")
@@ -316,7 +323,8 @@ def test_command_contract_results_logs_progress(make_service, daemons, db_url):
     script = ("import sys, json; print('::progress:: 0.5', file=sys.stderr); print('line one', file=sys.stderr); "
               "print('token=s3cr3t-value', file=sys.stderr); print(json.dumps({{'n': int(sys.argv[1]) * 2}}))")
     make_service("dbl", executor="command", executor_config={"argv": ["python", "-c", script, "{n}"]},
-                 params_schema={"type": "object", "properties": {"n": {"type": "integer"}, "api_token": {"type": "string"}}})
+                 params_schema={"type": "object",
+                                "properties": {"n": {"type": "integer"}, "api_token": {"type": "string"}}})
     job = api.start_service("dbl", params={"n": 21, "api_token": "s3cr3t-value"})
     daemons.agent("n1", "dbl")
     wait_all_final(db_url, timeout=30)

@@ -335,7 +335,8 @@ def test_dashboard_page_and_json_show_cards_nodes_and_conditions(client, root, t
     pipeline_scene(tenants)
     page = client.get(reverse("ops:dashboard"))
     body = page.content.decode()
-    assert page.status_code == 200 and 'id="accs-cards"' in body and 'data-live-url="/admin/dashboard/data.json"' in body
+    assert page.status_code == 200
+    assert 'id="accs-cards"' in body and 'data-live-url="/admin/dashboard/data.json"' in body
     data = client.get(reverse("ops:dashboard_data")).json()
     by_tenant = {c["tenant"]: c for c in data["data"]["tenants"]}
     assert by_tenant["acme"]["dead_letter"] == 1 and by_tenant["globex"]["dead_letter"] == 1
@@ -417,7 +418,8 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
         insert_done_tasks(cur, job_id=job.pk, tenant_id=tenants.acme.pk, service_id=svc.pk)
         cur.execute("INSERT INTO accs_attempt (task_id, attempt_no, node, agent_id, status, started_at, finished_at,"
                     " stdout_tail, stderr_tail, error_text)"
-                    " SELECT id, 1, 'n', 'a', 'succeeded', now() - interval '1 day', now() - interval '1 day', '', '', ''"
+                    " SELECT id, 1, 'n', 'a', 'succeeded', now() - interval '1 day', now() - interval '1 day',"
+                    " '', '', ''"
                     " FROM accs_task WHERE step_key = 'h'")  # the history: older than the window read
         cur.execute("ANALYZE accs_task; ANALYZE accs_attempt; ANALYZE accs_job")
         plans = {}

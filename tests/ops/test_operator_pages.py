@@ -516,7 +516,8 @@ def test_running_attempt_log_tails_the_timeline_and_refreshes(client, root, tena
     assert attempt.status == "running"
     write_events([EventRow(type="log", message=text, job_id=job.pk, task_id=held.id, attempt=held.attempt,
                            source="agent:test", level=level)
-                  for level, text in (("info", "frame 1/3"), ("warn", "ERROR: disk almost full"), ("info", "frame 2/3"))])
+                  for level, text in (("info", "frame 1/3"), ("warn", "ERROR: disk almost full"),
+                                      ("info", "frame 2/3"))])
     url = reverse("ops:attempt_log", args=[job.pk, attempt.pk])
     page = client.get(url).content.decode()
     assert 'id="accs-log-live"' in page and "data-live-url=" in page and 'id="accs-log-problem"' not in page

@@ -1,1 +1,3 @@
-"""System tests across the apps: chaos, a fleet through PgBouncer, an embedding site, the browser, deploy files and scripts."""
+"""System tests across the apps: chaos, a fleet through PgBouncer, an embedding site, the browser, deploy files
+and scripts.
+"""

@@ -73,7 +73,8 @@ def test_job_page_progress_moves_without_reload_and_the_download_link_downloads(
 
     # The download link streams the file through Django.
     css(browser, "#accs-pause")[0].click()  # hold the sections still while clicking into them
-    browser.execute_script('document.querySelector(\'tr.accs-artifact[data-name="timings.csv"] a.accs-download\').click()')
+    browser.execute_script(
+        'document.querySelector(\'tr.accs-artifact[data-name="timings.csv"] a.accs-download\').click()')
     target = downloads / "timings.csv"
     wait(browser, lambda d: target.exists() and target.read_bytes() == report, "timings.csv in the download folder")
     css(browser, "#accs-pause")[0].click()

@@ -240,7 +240,8 @@ def report(title: str, found: set[tuple[str, ...]], allowed: Mapping[tuple[str, 
         lines.append(f"{title} ({len(new)} new; {hint}):")
         lines += [f"  {show(v)}" for v in new]
     if stale:
-        lines.append(f"{title}: {len(stale)} allowlist entries no longer occur, remove them from tests/system/test_layers.py:")
+        lines.append(f"{title}: {len(stale)} allowlist entries no longer occur,"
+                     " remove them from tests/system/test_layers.py:")
         lines += [f"  {show(v)}" for v in stale]
     return lines
 
@@ -313,7 +314,8 @@ def test_the_checker_reports_an_up_import_a_circle_and_an_uncommented_lazy_impor
     assert problems[0] == "imports up a floor (2 new; hint):"
     assert "  events.timeline (floor 1) -> jobs.models (floor 3)" in problems
     stale = report("import circles", set(), {("a", "b"): "gone"}, "hint", show=", ".join)
-    assert stale == ["import circles: 1 allowlist entries no longer occur, remove them from tests/system/test_layers.py:",
+    assert stale == ["import circles: 1 allowlist entries no longer occur,"
+                     " remove them from tests/system/test_layers.py:",
                      "  a, b"]
 
 

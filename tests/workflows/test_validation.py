@@ -40,8 +40,10 @@ def step(key, service="ingest", deps=(), params=None):
         ([step("a", service="nope")], "step 'a': unknown service 'nope'"),
         ([step("a", deps=["ghost"])], "step 'a': depends on unknown step 'ghost'"),
         ([step("a", deps=["a"])], "step 'a': depends on itself"),
-        ([step("a", "audio-norm", params={"lufs": -100})], "step 'a': default_params.lufs: -100 is less than the minimum of -70"),
-        ([step("a", "audio-norm", params={"bogus": 1})], "step 'a': default_params.(root): Additional properties are not allowed"),
+        ([step("a", "audio-norm", params={"lufs": -100})],
+         "step 'a': default_params.lufs: -100 is less than the minimum of -70"),
+        ([step("a", "audio-norm", params={"bogus": 1})],
+         "step 'a': default_params.(root): Additional properties are not allowed"),
         ([], "steps: a workflow needs a non-empty list of steps"),
         ([{"key": "a", "service": "ingest", "oops": 1}], "step 'a': unknown fields ['oops']"),
         ([step("a") | {"fan_out": "planets"}], "step 'a': fan_out must be one of ['hosts']"),
@@ -80,13 +82,17 @@ def test_all_problems_are_reported_together(services):
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
-        ({"executor": "command", "executor_config": {}}, "executor_config.argv: a command service needs a non-empty list"),
-        ({"executor": "command", "executor_config": {"argv": ["tool", "{missing}"]}, "params_schema": {"type": "object", "properties": {"x": {}}}},
+        ({"executor": "command", "executor_config": {}},
+         "executor_config.argv: a command service needs a non-empty list"),
+        ({"executor": "command", "executor_config": {"argv": ["tool", "{missing}"]},
+          "params_schema": {"type": "object", "properties": {"x": {}}}},
          "placeholders ['missing'] are not properties of params_schema"),
         ({"executor": "python", "executor_config": {"callable": "not a path"}}, "executor_config.callable"),
         ({"executor": "http", "executor_config": {"url": "http://10.1.2.3/run"}}, "must be a local service (loopback)"),
-        ({"executor": "python", "executor_config": {"callable": "m:f"}, "params_schema": {"type": "nonsense"}}, "params_schema: not a valid JSON Schema"),
-        ({"executor": "python", "executor_config": {"callable": "m:f"}, "cpu_weight": 9}, "cpu_weight: must be between 1 and 5"),
+        ({"executor": "python", "executor_config": {"callable": "m:f"}, "params_schema": {"type": "nonsense"}},
+         "params_schema: not a valid JSON Schema"),
+        ({"executor": "python", "executor_config": {"callable": "m:f"}, "cpu_weight": 9},
+         "cpu_weight: must be between 1 and 5"),
     ],
 )
 def test_invalid_service_is_rejected_and_not_saved(fields, expected):
@@ -115,7 +121,8 @@ def test_admin_form_runs_the_same_validation(admin_client, services):
     response = admin_client.post(
         "/admin/workflows/workflow/add/",
         {"name": "wf", "version": 1, "description": "", "is_active": "on", "max_active_jobs": 0,
-         "steps": '[{"key": "a", "service": "ingest", "depends_on": ["a"]}]', "created_at_0": "2026-01-01", "created_at_1": "00:00:00"},
+         "steps": '[{"key": "a", "service": "ingest", "depends_on": ["a"]}]',
+         "created_at_0": "2026-01-01", "created_at_1": "00:00:00"},
     )
     assert response.status_code == 200
     assert "step &#x27;a&#x27;: depends on itself" in response.content.decode()
