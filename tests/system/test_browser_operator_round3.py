@@ -154,31 +154,39 @@ def test_cancel_asks_first_then_history_and_recent_actions_name_the_operator(bro
     assert str(job.pk) in browser.current_url
 
 
+def job_moves_in_db(job: Job) -> int:
+    return Event.objects.filter(job_id=job.pk, task_id__isnull=True, type="status",
+                                data__from__in=["running", "waiting"], data__to__in=["running", "waiting"]).count()
+
+
 def test_one_task_job_timeline_hides_running_waiting_moves_until_asked(browser, live_server):
+    tenant = two_tenants().acme
     svc = _service("step")
+    single = api.start_service("step", tenant=tenant)
+    run_ok(claim_for(svc))
     create_workflow(name="pair", steps=[{"key": "a", "service": "step"},
                                         {"key": "b", "service": "step", "depends_on": ["a"]}])
-    job = api.start_workflow("pair", tenant=two_tenants().acme)
+    pair = api.start_workflow("pair", tenant=tenant)  # one task per step: the job waits between them
     for _ in range(2):
         run_ok(claim_for(svc))
-    moves = Event.objects.filter(job_id=job.pk, task_id__isnull=True, type="status",
-                                 data__from__in=["running", "waiting"], data__to__in=["running", "waiting"]).count()
-    assert moves >= 1, "each one-task step moves the job between running and waiting"
+    assert job_moves_in_db(single) == 1 and job_moves_in_db(pair) >= 2, "the job's moves around its tasks"
     base = logged_in(browser, live_server)
 
     def job_moves() -> list[str]:
         messages = [r.find_elements("css selector", "td")[-1].text for r in css(browser, "#accs-timeline tr.accs-event")]
         return [m for m in messages if m.startswith(("job running → waiting", "job waiting → running"))]
 
-    browser.get(f"{base}/admin/jobs/job/{job.pk}/change/")
-    wait(browser, lambda d: css(d, "#accs-timeline tr.accs-event"), "the timeline")
-    assert job_moves() == [], "hidden by default"
-    assert f"{moves} job running ↔ waiting change" in css(browser, "#accs-moves-hidden")[0].text
-    shown = [r.text for r in css(browser, "#accs-timeline tr.accs-event")]
-    assert any("job running → done" in r for r in shown), "the moves an operator acts on stay"
+    for job in (single, pair):
+        moves = job_moves_in_db(job)
+        browser.get(f"{base}/admin/jobs/job/{job.pk}/change/")
+        wait(browser, lambda d: css(d, "#accs-timeline tr.accs-event"), "the timeline")
+        assert job_moves() == [], "hidden by default"
+        assert f"{moves} job running ↔ waiting change" in css(browser, "#accs-moves-hidden")[0].text
+        shown = [r.text for r in css(browser, "#accs-timeline tr.accs-event")]
+        assert any("job running → done" in r for r in shown), "the moves an operator acts on stay"
 
-    css(browser, '#accs-moves-filter a[data-moves="all"]')[0].click()
-    wait(browser, lambda d: "moves=all" in d.current_url, "the filter")
-    wait(browser, lambda d: css(d, "#accs-timeline tr.accs-event"), "the full timeline")
-    assert len(job_moves()) == moves
-    assert not css(browser, "#accs-moves-hidden")
+        css(browser, '#accs-moves-filter a[data-moves="all"]')[0].click()
+        wait(browser, lambda d: "moves=all" in d.current_url, "the filter")
+        wait(browser, lambda d: css(d, "#accs-timeline tr.accs-event"), "the full timeline")
+        assert len(job_moves()) == moves, (job.target_name, job_moves())
+        assert not css(browser, "#accs-moves-hidden")
