@@ -173,7 +173,8 @@ def test_one_task_job_timeline_hides_running_waiting_moves_until_asked(browser, 
     base = logged_in(browser, live_server)
 
     def job_moves() -> list[str]:
-        messages = [r.find_elements("css selector", "td")[-1].text for r in css(browser, "#accs-timeline tr.accs-event")]
+        rows = css(browser, "#accs-timeline tr.accs-event")
+        messages = [r.find_elements("css selector", "td")[-1].text for r in rows]
         return [m for m in messages if m.startswith(("job running → waiting", "job waiting → running"))]
 
     for job in (single, pair):
