@@ -113,7 +113,7 @@ def _load_tenant(tenant: str | UUID | None) -> Tenant:
     if tenant is None or tenant == DEFAULT_TENANT_SLUG:
         return Tenant.objects.get_or_create(slug=DEFAULT_TENANT_SLUG, defaults={"name": "Default tenant"})[0]
     try:
-        lookup = {"id": UUID(str(tenant))}
+        lookup: dict[str, UUID | str] = {"id": UUID(str(tenant))}
     except ValueError:
         lookup = {"slug": str(tenant)}
     found = Tenant.objects.filter(**lookup).first()
@@ -164,7 +164,7 @@ class _Validators:
         self._slow: dict[int, Draft202012Validator] = {}
         self._resolved: dict[tuple, Any] = {}
 
-    def resolved(self, kind: str, key: Any, resolve, *args) -> Any:
+    def resolved(self, kind: str, key: Any, resolve: Callable[..., Any], *args: Any) -> Any:
         """Resolve ``key`` once per call (tenant, workflow, service lookups)."""
         cache_key = (kind, key if isinstance(key, (str, UUID, int, type(None))) else id(key), *args)
         if cache_key not in self._resolved:
@@ -369,6 +369,9 @@ def _job_fields(plan: _Plan, jid: UUID, *, for_json: bool) -> dict[str, Any]:
     """
     spec = plan.spec
     wf = plan.workflow.id if plan.workflow else None
+    ids: tuple[str | UUID, str | UUID, str | UUID | None]
+    opts: dict[str, Any] | str
+    sp: dict[str, dict[str, Any]] | str
     if for_json:
         ids = (jid.hex, plan.tenant.id.hex, wf.hex if wf else None)
         opts, sp = spec.options or {}, plan.step_params
@@ -641,7 +644,8 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     existing job's id. Raises JobConflict when a dedupe key is held, DefinitionError when any spec
     is invalid (then nothing is written).
     """
-    validators, services = _Validators(), {}
+    validators = _Validators()
+    services: dict[str, Service] = {}
     plans = [_plan(s, validators, services) for s in specs]
     out: list[UUID] = []
     # A savepoint (one per call, not per job): on JobConflict nothing of this call remains and the
