@@ -222,6 +222,7 @@ class _Plan:
     approval: str
     services: list[Service]
     priority: int  # the spec's, clamped into the tenant's band
+    job_id: UUID = field(default_factory=uuid.uuid4)  # drawn afresh by each insert attempt (see _insert)
 
 
 def _fan_out_steps(steps: list[dict[str, Any]]) -> list[str]:
@@ -417,7 +418,7 @@ SELECT id FROM ins
 def _insert(plans: Sequence[_Plan]) -> set[UUID]:
     rows = []
     for plan in plans:
-        plan.spec._id = jid = uuid.uuid4()  # type: ignore[attr-defined]
+        plan.job_id = jid = uuid.uuid4()
         rows.append(_job_fields(plan, jid, for_json=True))
     with connection.cursor() as cur:
         cur.execute(INSERT_JOBS_SQL, {"rows": json.dumps(rows, default=str)})
@@ -615,7 +616,7 @@ def start(spec: JobSpec) -> Job:
     with transaction.atomic():
         for _ in range(INSERT_ATTEMPTS):
             inserted = _insert([plan])
-            jid = plan.spec._id  # type: ignore[attr-defined]
+            jid = plan.job_id
             if jid in inserted:
                 break
             existing = _existing_for(plan)
@@ -655,7 +656,7 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
             chunk = plans[start_at:start_at + batch_size]
             inserted = _insert(chunk)
             for plan in chunk:
-                jid = plan.spec._id  # type: ignore[attr-defined]
+                jid = plan.job_id
                 if jid in inserted:
                     out.append(jid)
                     continue
@@ -664,7 +665,7 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
                     if existing is not None:
                         break
                     if _insert([plan]):
-                        existing = plan.spec._id  # type: ignore[attr-defined]
+                        existing = plan.job_id
                     else:
                         existing = _existing_for(plan)
                 if existing is None:  # pragma: no cover - see start()
