@@ -52,7 +52,7 @@ from jobs.enqueue import (
 from jobs.models import Job
 from tenants.models import Tenant
 from workflows import governor
-from workflows.models import Service, Workflow
+from workflows.models import GovernorCondition, Service, Workflow
 from workflows.validation import DefinitionError, Problem
 
 ActionResult = transitions.ActionResult
@@ -141,7 +141,7 @@ def redrive(flt: redrive_module.RedriveFilter, *, by: str = "", dry_run: bool = 
 # --------------------------------------------------------------------------------------------
 
 def emit_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tenant | str | UUID | None = None,
-               correlation_id: str = "", source: str = "app"):
+               correlation_id: str = "", source: str = "app") -> triggers.EmitResult:
     """Record an application event and start the jobs of the tenant's matching event triggers.
 
     Runs in the caller's transaction: the event and its jobs exist iff the caller commits. A
@@ -153,7 +153,8 @@ def emit_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tena
                                source=source)
 
 
-def raise_condition(name: str, *, reason: str, expires_at: datetime | None = None, by: str):
+def raise_condition(name: str, *, reason: str, expires_at: datetime | None = None,
+                    by: str) -> GovernorCondition:
     """Raise (or re-arm) a governor condition until ``expires_at`` or until cleared, with an event."""
     return governor.raise_condition(name, reason=reason, expires_at=expires_at, by=by)
 

@@ -113,7 +113,7 @@ def _load_tenant(tenant: str | UUID | None) -> Tenant:
     if tenant is None or tenant == DEFAULT_TENANT_SLUG:
         return Tenant.objects.get_or_create(slug=DEFAULT_TENANT_SLUG, defaults={"name": "Default tenant"})[0]
     try:
-        lookup = {"id": UUID(str(tenant))}
+        lookup: dict[str, UUID | str] = {"id": UUID(str(tenant))}
     except ValueError:
         lookup = {"slug": str(tenant)}
     found = Tenant.objects.filter(**lookup).first()
@@ -164,7 +164,7 @@ class _Validators:
         self._slow: dict[int, Draft202012Validator] = {}
         self._resolved: dict[tuple, Any] = {}
 
-    def resolved(self, kind: str, key: Any, resolve, *args) -> Any:
+    def resolved(self, kind: str, key: Any, resolve: Callable[..., Any], *args: Any) -> Any:
         """Resolve ``key`` once per call (tenant, workflow, service lookups)."""
         cache_key = (kind, key if isinstance(key, (str, UUID, int, type(None))) else id(key), *args)
         if cache_key not in self._resolved:
@@ -222,6 +222,7 @@ class _Plan:
     approval: str
     services: list[Service]
     priority: int  # the spec's, clamped into the tenant's band
+    job_id: UUID = field(default_factory=uuid.uuid4)  # drawn afresh by each insert attempt (see _insert)
 
 
 def _fan_out_steps(steps: list[dict[str, Any]]) -> list[str]:
@@ -369,6 +370,9 @@ def _job_fields(plan: _Plan, jid: UUID, *, for_json: bool) -> dict[str, Any]:
     """
     spec = plan.spec
     wf = plan.workflow.id if plan.workflow else None
+    ids: tuple[str | UUID, str | UUID, str | UUID | None]
+    opts: dict[str, Any] | str
+    sp: dict[str, dict[str, Any]] | str
     if for_json:
         ids = (jid.hex, plan.tenant.id.hex, wf.hex if wf else None)
         opts, sp = spec.options or {}, plan.step_params
@@ -414,7 +418,7 @@ SELECT id FROM ins
 def _insert(plans: Sequence[_Plan]) -> set[UUID]:
     rows = []
     for plan in plans:
-        plan.spec._id = jid = uuid.uuid4()  # type: ignore[attr-defined]
+        plan.job_id = jid = uuid.uuid4()
         rows.append(_job_fields(plan, jid, for_json=True))
     with connection.cursor() as cur:
         cur.execute(INSERT_JOBS_SQL, {"rows": json.dumps(rows, default=str)})
@@ -612,7 +616,7 @@ def start(spec: JobSpec) -> Job:
     with transaction.atomic():
         for _ in range(INSERT_ATTEMPTS):
             inserted = _insert([plan])
-            jid = plan.spec._id  # type: ignore[attr-defined]
+            jid = plan.job_id
             if jid in inserted:
                 break
             existing = _existing_for(plan)
@@ -641,7 +645,8 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     existing job's id. Raises JobConflict when a dedupe key is held, DefinitionError when any spec
     is invalid (then nothing is written).
     """
-    validators, services = _Validators(), {}
+    validators = _Validators()
+    services: dict[str, Service] = {}
     plans = [_plan(s, validators, services) for s in specs]
     out: list[UUID] = []
     # A savepoint (one per call, not per job): on JobConflict nothing of this call remains and the
@@ -651,7 +656,7 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
             chunk = plans[start_at:start_at + batch_size]
             inserted = _insert(chunk)
             for plan in chunk:
-                jid = plan.spec._id  # type: ignore[attr-defined]
+                jid = plan.job_id
                 if jid in inserted:
                     out.append(jid)
                     continue
@@ -660,7 +665,7 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
                     if existing is not None:
                         break
                     if _insert([plan]):
-                        existing = plan.spec._id  # type: ignore[attr-defined]
+                        existing = plan.job_id
                     else:
                         existing = _existing_for(plan)
                 if existing is None:  # pragma: no cover - see start()

@@ -138,6 +138,9 @@ class Job(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(default=now)
+    # Not a column: jobs.enqueue.start sets it on the job it returns (True for a new job, False when an
+    # external_id repeat returned the existing one); a job loaded any other way does not have it.
+    was_created: bool
 
     class Meta:
         db_table = "accs_job"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 from django.db import connection, transaction
 
@@ -70,7 +71,7 @@ def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportRe
     return result
 
 
-def _rescued(task_id, attempt: int, *, in_outage: bool) -> Outcome:
+def _rescued(task_id: UUID, attempt: int, *, in_outage: bool) -> Outcome:
     """The outcome the rescue records for an expired lease."""
     if in_outage:
         return Outcome(task_id=task_id, attempt=attempt, status="interrupted", error_code=INTERRUPTED_BY_OUTAGE,

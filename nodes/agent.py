@@ -40,9 +40,11 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
 from typing import Any
 from uuid import UUID
 
@@ -57,7 +59,7 @@ from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many, service_spec
 from jobs.notify import service_channel
 from jobs.outcomes import INTERRUPTED_BY_OUTAGE
-from jobs.transitions import Outcome
+from jobs.transitions import Outcome, ReportResult
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
 from nodes.disk import claiming_paused, sample_disk
 from nodes.executors import (
@@ -213,7 +215,7 @@ class Agent:
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
-        def handle(signum, frame) -> None:
+        def handle(signum: int, frame: FrameType | None) -> None:
             if self.stop_now:
                 self.abandon = True
                 log.warning("third signal: exiting without reporting; leases will expire", extra=self.extra)
@@ -345,14 +347,14 @@ class Agent:
             log.warning("drain time (%gs) is over: stopping %d running task(s) now; they are handed back as "
                         "interrupted and queued again", self.drain_seconds, len(self.running), extra=self.extra)
 
-    def _step(self, name: str, fn, *, default: Any = None) -> Any:
+    def _step(self, name: str, fn: Callable[[], object], *, default: Any = None) -> Any:
         """Run one guarded step; after a database failure in this pass, skip the remaining ones."""
         if self.guard.outage_this_pass:
             return default
         with self.stall.step(name):
             return self.guard.run(name, fn, default=default)
 
-    def _until_ok(self, name: str, fn) -> bool:
+    def _until_ok(self, name: str, fn: Callable[[], object]) -> bool:
         """Retry ``fn`` with backoff until it succeeds; False if the agent was stopped first."""
         while not self.stopping:
             self.guard.start_pass()
@@ -414,7 +416,7 @@ class Agent:
         After the orphans are ended, so no process of a dead agent still writes into them.
         """
         self._scratch_at = time.monotonic()
-        removed = self.guard.run("scratch sweep", remove_leftovers, default=[])
+        removed: list[Path] = self.guard.run("scratch sweep", remove_leftovers, default=[])
         if removed:
             log.warning("removed %d leftover scratch folder(s) of agents that are gone: %s", len(removed),
                         " ".join(p.name for p in removed), extra=self.extra)
@@ -721,7 +723,7 @@ class Agent:
             log.error("even the bad_output report of task %s was refused (%s); its lease will expire",
                       outcome.task_id, daemon.first_line(again), extra=self.extra)
 
-    def _account(self, result, outcomes) -> None:
+    def _account(self, result: ReportResult, outcomes: Iterable[Outcome]) -> None:
         self.stats["done"] += len(result.done)
         self.stats["failed"] += len(result.failed) + len(result.retried)
         self.stats["fenced"] += len(result.fenced)
@@ -827,7 +829,8 @@ class Agent:
             ready, _, _ = select.select(fds, [], [], timeout)
         except (OSError, ValueError):
             ready = []
-        if listen_fd is not None and listen_fd in ready:
+        # A file descriptor came from an open LISTEN connection, which nothing closed since.
+        if listen_fd is not None and listen_fd in ready and self._listen is not None:
             try:
                 for _ in self._listen.notifies(timeout=0, stop_after=1000):
                     pass
@@ -893,10 +896,11 @@ def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> No
     records = ctx.log_records + [{"ts": _now_iso(), "level": "info",
                                   "message": f"attempt {task.attempt} ended: {outcome.status}"}]
     # One upload each: output files the store refuses must not cost the attempt's log.
-    if ctx.output_dir:
+    output_dir = ctx.output_dir
+    if output_dir:
         _guarded_upload(task, lambda: artifacts.collect_outputs(
             job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt,
-            directory=ctx.output_dir))
+            directory=output_dir))
     _guarded_upload(task, lambda: artifacts.upload_attempt_log(
         job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt, records=records))
 

@@ -13,8 +13,11 @@ from workflows.models import Workflow
 
 def workflow_for(trigger: Trigger) -> Workflow:
     """The workflow a trigger starts: the latest active version of its workflow's name."""
-    latest = Workflow.objects.filter(name=trigger.workflow.name, is_active=True).order_by("-version").first()
-    return latest or trigger.workflow
+    workflow = trigger.workflow
+    if workflow is None:
+        raise ValueError(f"trigger {trigger.pk} starts a service, not a workflow")
+    latest = Workflow.objects.filter(name=workflow.name, is_active=True).order_by("-version").first()
+    return latest or workflow
 
 
 def base_context(trigger: Trigger) -> dict[str, Any]:
@@ -37,8 +40,10 @@ def schedule_context(trigger: Trigger, due: datetime, *, runs: int = 1) -> dict[
 def job_spec(trigger: Trigger, payload: Any, *, source: str, source_ref: str, external_id: str | None,
              correlation_id: str = "") -> JobSpec:
     """Return the job a firing starts: the trigger's service or workflow, with the rendered payload as params."""
-    common = dict(priority=trigger.priority, tenant=trigger.tenant, source=source, source_ref=source_ref,
-                  external_id=external_id, correlation_id=correlation_id, created_by=trigger.created_by_id)
+    spec = JobSpec(priority=trigger.priority, tenant=trigger.tenant, source=source, source_ref=source_ref,
+                   external_id=external_id, correlation_id=correlation_id, created_by=trigger.created_by_id)
     if trigger.service_id is not None:
-        return JobSpec(service=trigger.service, params=payload, **common)
-    return JobSpec(workflow=workflow_for(trigger), step_params=payload, **common)
+        spec.service, spec.params = trigger.service, payload
+    else:
+        spec.workflow, spec.step_params = workflow_for(trigger), payload
+    return spec

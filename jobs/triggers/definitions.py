@@ -48,8 +48,8 @@ def trigger_problems(trigger: Trigger) -> list[Problem]:
         problems.append(Problem("missed_run_policy", f"must be one of {MissedRunPolicy.values}"))
     if (trigger.workflow_id is None) == (trigger.service_id is None):
         problems.append(Problem("target", "give exactly one of workflow or service"))
-    elif trigger.service_id is not None and not trigger.service.is_active:
-        problems.append(Problem("service", f"service {trigger.service.key!r} is not active"))
+    elif (service := trigger.service) is not None and not service.is_active:
+        problems.append(Problem("service", f"service {service.key!r} is not active"))
     if not isinstance(trigger.priority, int) or isinstance(trigger.priority, bool) or abs(trigger.priority) > INT32:
         problems.append(Problem("priority", "must be a whole number"))
     window = trigger.dedupe_window_seconds
@@ -57,10 +57,11 @@ def trigger_problems(trigger: Trigger) -> list[Problem]:
         problems.append(Problem("dedupe_window_seconds", "must be a whole number of seconds, 0 or more"))
     problems += template_problems(trigger.payload_template, trigger_type=kind)
     if not problems and trigger.workflow_id is not None:
-        steps = {s.get("key") for s in workflow_for(trigger).steps if isinstance(s, dict)}
+        workflow = workflow_for(trigger)
+        steps = {s.get("key") for s in workflow.steps if isinstance(s, dict)}
         for key, value in trigger.payload_template.items():
             if key not in steps:
-                problems.append(Problem(f"payload_template.{key}", f"workflow {trigger.workflow.name!r} has no step "
+                problems.append(Problem(f"payload_template.{key}", f"workflow {workflow.name!r} has no step "
                                                                    f"{key!r}; a workflow trigger's template is "
                                                                    "{step: {params}}"))
             elif not isinstance(value, dict):
@@ -92,23 +93,23 @@ def _apply(trigger: Trigger, fields: dict[str, Any]) -> list[Problem]:
             elif isinstance(value, Workflow):
                 trigger.workflow = value
             else:
-                found = (Workflow.objects.filter(name=value, is_active=True).order_by("-version").first()
-                         if isinstance(value, str) else None)
-                if found is None:
+                found_workflow = (Workflow.objects.filter(name=value, is_active=True).order_by("-version").first()
+                                  if isinstance(value, str) else None)
+                if found_workflow is None:
                     problems.append(Problem("workflow", f"no active workflow {value!r}"))
                 else:
-                    trigger.workflow = found
+                    trigger.workflow = found_workflow
         elif name == "service":
             if value is None:
                 trigger.service = None
             elif isinstance(value, Service):
                 trigger.service = value
             else:
-                found = Service.objects.filter(key=value).first() if isinstance(value, str) else None
-                if found is None:
+                found_service = Service.objects.filter(key=value).first() if isinstance(value, str) else None
+                if found_service is None:
                     problems.append(Problem("service", f"no service {value!r}"))
                 else:
-                    trigger.service = found
+                    trigger.service = found_service
         elif name in TRIGGER_FIELDS:
             setattr(trigger, name, value)
     if trigger.trigger_type == TriggerType.EVENT:

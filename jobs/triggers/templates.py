@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from jobs.models import TriggerType
@@ -19,7 +20,8 @@ from workflows.validation import Problem
 PLACEHOLDER_RE = re.compile(r"\{\{(.*?)\}\}")
 ONLY_PLACEHOLDER_RE = re.compile(r"^\{\{(.*?)\}\}$")
 PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_-]+)*$")
-TEMPLATE_NAMESPACES = {
+# Per trigger type: namespace -> the names it holds (None: any path, the event's own payload).
+TEMPLATE_NAMESPACES: dict[str, dict[str, set[str] | None]] = {
     TriggerType.EVENT: {"event": None, "trigger": {"id", "label", "event_name"}, "tenant": {"id", "slug", "name"}},
     TriggerType.SCHEDULE: {
         "schedule": {"due_at", "due_local", "timezone", "cron", "runs_covered"},
@@ -38,7 +40,7 @@ class TemplateError(ValueError):
         super().__init__(f"payload_template.{where}: {{{{{placeholder}}}}} {reason}")
 
 
-def _walk(template: Any, where: str = "", depth: int = 0):
+def _walk(template: Any, where: str = "", depth: int = 0) -> Iterator[tuple[str, str]]:
     """Yield (where, string) for every string value of a JSON template."""
     if depth > MAX_TEMPLATE_DEPTH:
         raise TemplateError(where or "(root)", "", f"nests deeper than {MAX_TEMPLATE_DEPTH} levels")
@@ -78,8 +80,8 @@ def template_problems(template: Any, *, trigger_type: str) -> list[Problem]:
                                               f"{sorted(namespaces)} in a {trigger_type} trigger"))
             elif not rest:
                 problems.append(Problem(name, f"{{{{{path}}}}} names a namespace, not a value"))
-            elif namespaces[root] is not None and rest.split(".")[0] not in namespaces[root]:
-                problems.append(Problem(name, f"{{{{{path}}}}}: {root} has only {sorted(namespaces[root])}"))
+            elif (names := namespaces[root]) is not None and rest.split(".")[0] not in names:
+                problems.append(Problem(name, f"{{{{{path}}}}}: {root} has only {sorted(names)}"))
     return problems
 
 
