@@ -85,8 +85,10 @@ def test_a_lease_that_ended_while_postgresql_was_down_is_queued_again_without_us
     job = api.start_service("svc")
     (task,) = claim_for(svc)
     started, now = _server_times()
-    _expire(task.id, lease=timedelta(seconds=30), ended=started - timedelta(seconds=1))
-    result = rescue_expired(now=max(now, started + timedelta(seconds=31)))
+    # A short lease, so the restart's grace has passed by now even when an earlier test restarted
+    # PostgreSQL moments ago (a rescue "in the future" would also queue the task for the future).
+    _expire(task.id, lease=timedelta(seconds=3), ended=started - timedelta(seconds=1))
+    result = rescue_expired(now=max(now, started + timedelta(seconds=4)))
     assert result.retried == [task.id] and result.failed == []
     t = Task.objects.get(pk=task.id)
     assert (t.status, t.attempt, t.max_attempts, t.error_code) == ("queued", 1, 2, "outage")
