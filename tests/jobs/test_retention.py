@@ -26,19 +26,7 @@ from jobs.retention import ExportFailed, prune_finished_jobs
 from tenants.models import Tenant
 from tests.engine_helpers import claim_for, run_fail, run_ok
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _global_retention(monkeypatch):
-    """The global defaults, stated: 30 days for finished jobs, 90 for dead letters, no export."""
-    monkeypatch.setenv("ACC_RETENTION_DAYS", "30")
-    monkeypatch.setenv("ACC_RETENTION_DEAD_DAYS", "90")
-    monkeypatch.delenv("ACC_RETENTION_EXPORT", raising=False)
-    reload()
-    yield
-    monkeypatch.undo()
-    reload()
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("retention_defaults")]
 
 
 @pytest.fixture

@@ -6,27 +6,15 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
-from accs_site.conf import reload
 from jobs import api
 from jobs.models import Job, RetentionMark
 from jobs.retention import MARK_NAME, prune_finished_jobs
 from tests.engine_helpers import claim_for, run_ok
 from tests.ops_helpers import make_user, two_tenants
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("retention_defaults")]
 
 DASHBOARD = "/admin/dashboard/"
-
-
-@pytest.fixture(autouse=True)
-def _thirty_days(monkeypatch):
-    monkeypatch.setenv("ACC_RETENTION_DAYS", "30")
-    monkeypatch.setenv("ACC_RETENTION_DEAD_DAYS", "90")
-    monkeypatch.delenv("ACC_RETENTION_EXPORT", raising=False)
-    reload()
-    yield
-    monkeypatch.undo()
-    reload()
 
 
 def old_done_jobs(service, tenant, n: int) -> list[Job]:
