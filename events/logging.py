@@ -174,15 +174,20 @@ class EventBridgeHandler(logging.Handler):
             if time.monotonic() < self._retry_at:
                 self._add(row)
                 return
-            waiting = len(self.pending)
+            # Take the waiting lines: a thread that logs while this one writes must not write them again.
             batch = [*self.pending, row]
+            self.pending.clear()
+        waiting = len(batch) - 1
         try:
             # A savepoint inside the caller's transaction: a failed write must not break it.
             with transaction.atomic():
                 write_events(batch)
         except Exception as exc:  # noqa: BLE001 - logging must never break the caller
             with self._state:
-                self._add(row)
+                # Back in front of what other threads added meanwhile, within the same bound (the oldest kept).
+                kept = [*batch, *self.pending]
+                self.pending = deque(kept[:self.buffer_lines])
+                self.dropped += len(kept) - len(self.pending)
                 self._retry_at = time.monotonic() + self.retry_seconds
                 first = self._down_since is None
                 if first:
@@ -193,8 +198,6 @@ class EventBridgeHandler(logging.Handler):
             _close_if_unusable(connection)
             return
         with self._state:
-            for _ in range(waiting):
-                self.pending.popleft()
             dropped, self.dropped = self.dropped, 0
             down_since, self._down_since = self._down_since, None
         if down_since is None and not dropped:

@@ -5,6 +5,7 @@ the database is down."""
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 
 import psycopg
@@ -17,6 +18,7 @@ from jobs import api, transitions
 from jobs.models import Attempt, Task
 from jobs.outcomes import Outcome
 from jobs.rescue import rescue_expired
+from tests.daemons import wait_for
 from tests.engine_helpers import claim_for, run_ok
 
 pytestmark = pytest.mark.django_db
@@ -167,3 +169,52 @@ def test_a_lease_lost_report_after_a_restart_since_the_last_renewal_is_an_outage
     t = Task.objects.get(pk=task.id)
     assert (t.status, t.max_attempts, t.error_code) == ("queued", 2, "outage")
     assert Event.objects.filter(job_id=job.id, type="retry", message__contains="database outage").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_threads_logging_as_the_database_returns_write_each_waiting_line_once(make_service, monkeypatch):
+    make_service("svc")
+    job = api.start_service("svc")
+    handler = EventBridgeHandler(retry_seconds=0)
+    logger = logging.getLogger("accs.test.outage_race")
+    logger.addHandler(handler)
+    logger.propagate = False
+    import events.timeline
+
+    real = events.timeline.write_events
+    second_writes = threading.Event()
+    errors: list[BaseException] = []
+
+    def held_first(rows, *, cursor=None):
+        # The first writer stays in its write until the second thread is writing too, so both
+        # threads are inside the handler with the waiting lines at once.
+        if threading.current_thread().name == "second":
+            second_writes.set()
+        else:
+            assert second_writes.wait(10), "the second thread never wrote"
+        return real(rows, cursor=cursor)
+
+    def log(text: str) -> None:
+        try:
+            logger.warning(text, extra={"job_id": job.id})
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    try:
+        handler.pending.extend(handler._row(logging.makeLogRecord({"msg": f"waiting {i}", "job_id": job.id}),
+                                            job.id) for i in range(3))
+        monkeypatch.setattr(events.timeline, "write_events", held_first)
+        threads = [threading.Thread(target=log, args=(name,), name=name) for name in ("first", "second")]
+        threads[0].start()
+        wait_for(lambda: not handler.pending, timeout=10, message="the first thread took the waiting lines")
+        threads[1].start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        messages = sorted(Event.objects.filter(job_id=job.id, type="log").values_list("message", flat=True))
+        assert messages == ["first", "second", "waiting 0", "waiting 1", "waiting 2"]
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
