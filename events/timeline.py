@@ -60,3 +60,12 @@ def log_event(level: str, type: str, message: str, data: dict[str, Any] | None =
     """Append one event (one row of :func:`write_events`)."""
     write_events([EventRow(type=type, message=message, job_id=job_id, task_id=job_task_id, attempt=attempt,
                            source=source, level=level, data=data or {})])
+
+
+#: The ``source`` of what the builder writes.
+BUILDER = "builder"
+
+
+def operator_source(by: str) -> str:
+    """Return the ``source`` of an operator's action: ``user:<name>``, or ``api`` when no user is named."""
+    return f"user:{by}" if by else "api"

@@ -26,7 +26,7 @@ from uuid import UUID
 from django.db import connection, transaction
 
 from accs_site.clock import db_now
-from events.timeline import EventRow, write_events
+from events.timeline import BUILDER, EventRow, write_events
 from jobs.finalize import finalize_jobs
 from jobs.instantiate import HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, step_rows, steps_for
 from jobs.locks import advisory_locks, lock_jobs
@@ -37,7 +37,6 @@ from jobs.states import JOB_ADMITTED, sql_in
 
 log = logging.getLogger("accs.admission")
 
-BUILDER = "builder"
 
 DUE_UNLIMITED_SQL = """
 -- Due jobs whose admission needs no count (no workflow max_active_jobs, no tenant cap), in global

@@ -19,7 +19,7 @@ from uuid import UUID
 from django.db import connection, transaction
 
 from accs_site.clock import db_now
-from events.timeline import EventRow, write_events
+from events.timeline import BUILDER, EventRow, write_events
 from jobs.failure.apply import record_failures
 from jobs.finalize import finalize_jobs
 from jobs.locks import lock_jobs_of_tasks, lock_tasks
@@ -31,7 +31,6 @@ __all__ = ["Outcome", "ReportResult", "heartbeat", "mark_running", "promote_sche
 
 log = logging.getLogger("accs.reports")
 
-BUILDER = "builder"
 
 
 MARK_RUNNING_SQL = """

@@ -25,12 +25,11 @@ from django.db import connection, transaction
 
 from accs_site.clock import db_now
 from accs_site.conf import accs
+from events.timeline import BUILDER
 from jobs.failure.apply import record_failures
 from jobs.finalize import finalize_jobs
 from jobs.locks import lock_jobs_of_tasks
 from jobs.outcomes import INTERRUPTED_BY_OUTAGE, Outcome, ReportResult
-
-BUILDER = "builder"
 
 # The lease its holder was granted; the site's default for a row written before heartbeat_at was.
 LEASE_LENGTH = "coalesce(lease_expires_at - heartbeat_at, make_interval(secs => %(default_lease)s))"

@@ -20,7 +20,7 @@ from django.db import connection, transaction
 from accs_site.admin_kit import ActionResult
 from accs_site.clock import db_now
 from accs_site.conf import accs
-from events.timeline import EventRow, write_events
+from events.timeline import EventRow, operator_source, write_events
 from jobs.admission import readmit, tenant_lock_key, workflow_lock_key
 from jobs.finalize import JOB_FAILED_REASON, finalize_jobs, reset_step_flags, rewait_always, skip_unstarted
 from jobs.locks import advisory_locks, lock_jobs, lock_tasks_of_jobs
@@ -51,12 +51,8 @@ class Note:
 TASK_RETRY = Note(job="task retried")
 
 
-def _source(by: str) -> str:
-    return f"user:{by}" if by else "api"
-
-
 def _job_event(cur, job_id, message: str, *, by: str, level: str = "info", data: dict | None = None) -> None:
-    write_events([EventRow(type="status", message=message, job_id=job_id, source=_source(by), level=level,
+    write_events([EventRow(type="status", message=message, job_id=job_id, source=operator_source(by), level=level,
                            data=data or {})], cursor=cur)
 
 
@@ -74,7 +70,7 @@ def _admission_locks_for_jobs(cur, job_ids: Sequence[str]) -> None:
 
 def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Cancel a queued, waiting or running job: unstarted tasks are canceled, running ones told to stop."""
-    source = _source(by)
+    source = operator_source(by)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         if not lock_jobs(cur, [job_id]):
             return ActionResult(False, "no such job")
@@ -112,7 +108,7 @@ def _job_of_task(cur, task_id: UUID) -> UUID | None:
 
 def cancel_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Cancel one task: waiting/queued/scheduled → canceled; starting/running → the agent is told to stop."""
-    source = _source(by)
+    source = operator_source(by)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         job_id = _job_of_task(cur, task_id)
         if job_id is None:
@@ -208,7 +204,7 @@ def _notify_services(cur, service_ids: Iterable[int]) -> None:
 def _back_to_work(cur, job_id: UUID, job: tuple, *, by: str, now: datetime, why: Note) -> str:
     """Move a finished job back to waiting (or queued, through admission); return the new status."""
     status, _approval, instantiated, tenant_id, workflow_id = job[:5]
-    source = _source(by)
+    source = operator_source(by)
     if instantiated:
         new_status = readmit(cur, job_id, tenant_id=tenant_id, workflow_id=workflow_id, now=now, source=source)
     else:
@@ -287,7 +283,7 @@ def retry_jobs(job_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str = "
     ids, seen = _ids(job_ids)
     rule = JOB_VERBS["retry"]
     allowed = frozenset(statuses) & rule.statuses
-    source = _source(by)
+    source = operator_source(by)
     out: dict[UUID, ActionResult] = {}
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         jobs = _locked_jobs(cur, ids)
@@ -342,7 +338,7 @@ def retry_tasks(task_ids: Iterable[UUID] | Mapping[UUID, datetime], *, by: str =
     :func:`retry_jobs`; a task whose service is blocked on its host becomes ``blocked``.
     """
     ids, seen = _ids(task_ids)
-    source = _source(by)
+    source = operator_source(by)
     out: dict[UUID, ActionResult] = {}
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         cur.execute("SELECT id, job_id FROM accs_task WHERE id = ANY(%s::uuid[])", [[str(t) for t in ids]])
@@ -462,14 +458,14 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
         cur.execute("UPDATE accs_job SET approval_state = 'approved', approved_by = %s, approved_at = %s,"
                     " updated_at = %s WHERE id = %s", [by, now, now, job_id])
         write_events([EventRow(type="approval", message=f"job approved by {by or 'api'}", job_id=job_id,
-                               source=_source(by), data={"from": "pending", "to": "approved"})], cursor=cur)
+                               source=operator_source(by), data={"from": "pending", "to": "approved"})], cursor=cur)
         notify(cur, [builder_channel()])
     return ActionResult(True, "job approved")
 
 
 def reject(job_id: UUID, *, by: str = "", reason: str = "", now: datetime | None = None) -> ActionResult:
     """Reject a job waiting for approval: the job and its unstarted tasks are canceled."""
-    source = _source(by)
+    source = operator_source(by)
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         if not lock_jobs(cur, [job_id]):
             return ActionResult(False, "no such job")

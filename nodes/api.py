@@ -12,7 +12,7 @@ from django.db import connection, transaction
 
 from accs_site.clock import db_now
 from accs_site.conf import accs
-from events.timeline import EventRow, write_events
+from events.timeline import EventRow, operator_source, write_events
 from nodes.models import AwakeState, Node, Presence
 
 VERSION = "0.1.0"
@@ -157,7 +157,7 @@ def retire_nodes(names: list[str], *, by: str = "") -> tuple[list[str], dict[str
             Node.objects.filter(name=name).delete()  # its disk samples go with it
             retired.append(name)
         write_events([EventRow(type="node", message=f"node {name} retired (by {by or 'api'})", level="warn",
-                               source=f"user:{by}" if by else "api", data={"node": name, "to": "retired"})
+                               source=operator_source(by), data={"node": name, "to": "retired"})
                       for name in retired], cursor=cur)
     return retired, refused
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from django.db import connection, transaction
 
 from accs_site.admin_kit import ActionResult
-from events.timeline import EventRow, write_events
+from events.timeline import EventRow, operator_source, write_events
 from jobs.failure.apply import HostFailure
 from jobs.notify import notify, service_channel
 
@@ -54,10 +54,6 @@ def quarantine_hosts(cur: CursorWrapper, failures: Sequence[HostFailure], *, now
     return events
 
 
-def _source(by: str) -> str:
-    return f"user:{by}" if by else "api"
-
-
 def clear_quarantine(host_id: int, *, by: str = "") -> ActionResult:
     """Make a quarantined host eligible again and wake the services with tasks waiting on it."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
@@ -67,7 +63,7 @@ def clear_quarantine(host_id: int, *, by: str = "") -> ActionResult:
         if not row:
             return ActionResult(False, "host is not quarantined")
         write_events([EventRow(type="status", message=f"host {row[0]} error → ok (quarantine cleared by {by or 'api'})",
-                               source=_source(by), data={"host": row[0], "to": "ok"})], cursor=cur)
+                               source=operator_source(by), data={"host": row[0], "to": "ok"})], cursor=cur)
         cur.execute("SELECT DISTINCT s.key FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
                     " WHERE t.host_id = %s AND t.status = 'queued'", [host_id])
         notify(cur, [service_channel(r[0]) for r in cur.fetchall()])

@@ -10,14 +10,10 @@ from __future__ import annotations
 from django.db import connection, transaction
 
 from accs_site.admin_kit import ActionResult
-from events.timeline import EventRow, write_events
+from events.timeline import EventRow, operator_source, write_events
 from nodes.quarantine import clear_quarantine
 
 __all__ = ["clear_quarantine", "drain_node", "undrain_node"]
-
-
-def _source(by: str) -> str:
-    return f"user:{by}" if by else "api"
 
 
 def _set_node_state(name: str, *, to: str, by: str) -> ActionResult:
@@ -28,8 +24,8 @@ def _set_node_state(name: str, *, to: str, by: str) -> ActionResult:
             cur.execute("SELECT state FROM accs_node WHERE name = %s", [name])
             row = cur.fetchone()
             return ActionResult(False, f"node {name} is {row[0]}; nothing to do" if row else f"no node {name!r}")
-        write_events([EventRow(type="node", message=f"node {name} {frm} → {to} (by {by or 'api'})", source=_source(by),
-                               level="warn" if to == "draining" else "info",
+        write_events([EventRow(type="node", message=f"node {name} {frm} → {to} (by {by or 'api'})",
+                               source=operator_source(by), level="warn" if to == "draining" else "info",
                                data={"node": name, "from": frm, "to": to})], cursor=cur)
     return ActionResult(True, f"node {name} is {to}" + (": it claims nothing new" if to == "draining" else ""))
 

@@ -23,7 +23,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from accs_site.clock import db_now
-from events.timeline import EventRow, write_events
+from events.timeline import EventRow, operator_source, write_events
 from workflows.models import GovernorCondition
 from workflows.validation import DefinitionError, Problem
 
@@ -77,7 +77,7 @@ def raise_condition(name: str, *, reason: str, expires_at: datetime | None = Non
         until = f" until {expires_at.isoformat()}" if expires_at else " until cleared"
         verb = "re-raised" if was_holding else "raised"
         write_events([_event(f"governor condition {name} {verb} by {by or 'api'}{until}: {reason}".rstrip(": "),
-                             level="warn", source=f"user:{by}" if by else "api",
+                             level="warn", source=operator_source(by),
                              data={"condition": name, "to": "raised", "reason": reason,
                                    "expires_at": expires_at.isoformat() if expires_at else None})], cursor=cur)
     return GovernorCondition.objects.get(name=name)
@@ -92,7 +92,7 @@ def clear_condition(name: str, by: str = "", *, now: datetime | None = None) -> 
         if not cur.fetchone():
             return False
         write_events([_event(f"governor condition {name} cleared by {by or 'api'}",
-                             source=f"user:{by}" if by else "api", data={"condition": name, "to": "cleared"})],
+                             source=operator_source(by), data={"condition": name, "to": "cleared"})],
                      cursor=cur)
     return True
 

@@ -15,7 +15,7 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone as djtz
 
 from accs_site.admin_kit import ActionResult
-from events.timeline import EventRow, write_events
+from events.timeline import EventRow, operator_source, write_events
 from jobs import enqueue
 from jobs.models import Job, JobSource, MissedRunPolicy, Trigger, TriggerType
 from jobs.triggers.context import base_context, job_spec, schedule_context
@@ -265,7 +265,7 @@ def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> A
     if trigger.trigger_type != TriggerType.SCHEDULE:
         return ActionResult(False, f"event triggers start jobs when {trigger.event_name!r} is emitted; emit it instead")
     now = now or djtz.now()
-    source = f"user:{by}" if by else "api"
+    source = operator_source(by)
     try:
         payload = render(trigger.payload_template, schedule_context(trigger, now))
         with transaction.atomic():
