@@ -33,7 +33,7 @@ from django.urls import path
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from accs_site.counting import estimated_count
+from accs_site.counting import EXACT_COUNT_LIMIT, estimated_count
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
 
@@ -66,8 +66,6 @@ def human_age(seconds: float | None) -> str:
     return f"{hours // 24} d {hours % 24} h"
 
 
-#: Up to this many rows a list page counts exactly; beyond, it shows the planner's estimate.
-EXACT_COUNT_LIMIT = 10_000
 #: From this offset on, a list page picks its rows' keys first (EstimatedCountPaginator.page).
 DEFERRED_OFFSET = 1_000
 #: An action over "all N selected" acts on at most this many objects per click.

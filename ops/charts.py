@@ -16,8 +16,9 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
+from accs_site.admin_kit import human_age
 from accs_site.dbrouter import read_connection
-from ops.overview import _tenant_filter, human_age
+from ops.overview import _tenant_filter
 
 #: How far back the charts reach, and the width of one bar.
 CHART_SPAN, CHART_BUCKET = timedelta(hours=6), timedelta(minutes=10)

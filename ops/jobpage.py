@@ -31,14 +31,14 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import content_disposition_header, urlencode
 
-from accs_site.admin_kit import run_interval
+from accs_site.admin_kit import human_age, run_interval
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
 from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery, shown_progress
 from jobs.states import job_actions_for, task_actions_for
 from ops.dag import job_dag_svg
 from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
-from ops.overview import human_age, job_stuck_reasons
+from ops.overview import job_stuck_reasons
 from tenants.scoping import can_act, scope
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).

@@ -5,8 +5,7 @@ from __future__ import annotations
 from django import template
 from django.utils.html import format_html
 
-from accs_site.admin_kit import status_pill
-from ops.overview import human_age
+from accs_site.admin_kit import human_age, status_pill
 
 register = template.Library()
 
