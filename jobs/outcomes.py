@@ -10,6 +10,9 @@ from uuid import UUID
 # attempt does not use up the retry budget.
 INTERRUPTED_BY_SHUTDOWN = "interrupted"  # the agent shut down and stopped it (a second SIGTERM)
 INTERRUPTED_BY_OUTAGE = "outage"  # the database was unreachable, so its lease could not be renewed
+# Failures of a lease: the agent stopped work it could not renew, or the builder found the lease ended.
+LEASE_LOST = "lease_lost"
+LEASE_EXPIRED = "lease_expired"
 
 
 @dataclass

@@ -29,7 +29,7 @@ from events.timeline import BUILDER
 from jobs.failure.apply import record_failures
 from jobs.finalize import finalize_jobs
 from jobs.locks import lock_jobs_of_tasks
-from jobs.outcomes import INTERRUPTED_BY_OUTAGE, Outcome, ReportResult
+from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_EXPIRED, Outcome, ReportResult
 
 # The lease its holder was granted; the site's default for a row written before heartbeat_at was.
 LEASE_LENGTH = "coalesce(lease_expires_at - heartbeat_at, make_interval(secs => %(default_lease)s))"
@@ -76,5 +76,5 @@ def _rescued(task_id: UUID, attempt: int, *, in_outage: bool) -> Outcome:
         return Outcome(task_id=task_id, attempt=attempt, status="interrupted", error_code=INTERRUPTED_BY_OUTAGE,
                        error="outage: the lease ended while PostgreSQL was down; queued again without using the"
                              " retry budget")
-    return Outcome(task_id=task_id, attempt=attempt, status="failed", error="lease_expired: no heartbeat",
-                   error_code="lease_expired")
+    return Outcome(task_id=task_id, attempt=attempt, status="failed", error=f"{LEASE_EXPIRED}: no heartbeat",
+                   error_code=LEASE_EXPIRED)

@@ -58,7 +58,7 @@ from events.timeline import EventRow, write_events
 from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many, service_spec
 from jobs.notify import service_channel
-from jobs.outcomes import INTERRUPTED_BY_OUTAGE
+from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_LOST
 from jobs.transitions import Outcome, ReportResult
 from nodes.api import agent_identity, held_attempt_processes, register_node, sign_off, touch_node
 from nodes.disk import claiming_paused, sample_disk
@@ -876,7 +876,7 @@ def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> O
                              f"{lease_seconds:.0f}s) and stopped the attempt before another agent could take the task",
                        error_code=INTERRUPTED_BY_OUTAGE, exit_code=outcome.exit_code,
                        stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
-    return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="failed", error_code="lease_lost",
+    return Outcome(task_id=outcome.task_id, attempt=outcome.attempt, status="failed", error_code=LEASE_LOST,
                    error=f"lease_lost: the agent could not renew the lease (TTL {lease_seconds:.0f}s) and stopped "
                          "the attempt before another agent could take the task",
                    exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)

@@ -28,14 +28,12 @@ from typing import Any
 from uuid import UUID
 
 from jobs.backoff import backoff_delay
-from jobs.outcomes import INTERRUPTED_BY_OUTAGE, Outcome, attempt_ending
+from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_LOST, Outcome, attempt_ending
 
 # The step failure policies (workflows.models.StepFailurePolicy), as plain words: this module
 # needs no model.
 FAIL_JOB = "fail_job"
 CONTINUE = "continue"
-# The error code of an attempt the agent stopped because it could not renew its lease.
-LEASE_LOST = "lease_lost"
 
 
 class Action(str, Enum):
