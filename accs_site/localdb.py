@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DEFAULT_PORT = "54329"
+DEFAULT_PORT = "25329"
 
 
 def local_pg_dir(checkout: Path) -> Path:
@@ -18,7 +18,7 @@ def local_pg_dir(checkout: Path) -> Path:
 
 
 def local_pg_port(checkout: Path) -> str:
-    """Return ``ACC_PG_PORT``, else the port the script last started on, else 54329."""
+    """Return ``ACC_PG_PORT``, else the port the script last started on, else 25329."""
     raw = (os.environ.get("ACC_PG_PORT") or "").strip()
     if raw:
         return raw

@@ -9,7 +9,7 @@ are made once through the project's own functions.
 
     python bench/cockpit_data.py                         # 1M jobs, 10M events into accs_scale
     python bench/cockpit_data.py --jobs 200000 --events 2000000
-    python bench/cockpit_data.py --db-url postgres://postgres@127.0.0.1:54329/accs_scale
+    python bench/cockpit_data.py --db-url postgres://postgres@127.0.0.1:25329/accs_scale
 
 The database (default: ``accs_scale`` on the local cluster of ``scripts/pg_local.sh``) is created
 and migrated when missing; it is never the test database. A run refuses a database that already

@@ -12,9 +12,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BASE="${ACC_PG_DIR:-$ROOT/.local/pg}"
 case "$BASE" in /*) ;; *) BASE="$ROOT/$BASE" ;; esac  # .env.example writes it relative to the checkout
 # The port: ACC_PG_PORT, else the one this cluster was started on (remembered in $BASE/port), else
-# 54329. A start that finds the port taken by another server (say, a second checkout's cluster)
-# moves to the next free port and remembers it, so `url` keeps telling the truth.
-PORT="${ACC_PG_PORT:-$(cat "$BASE/port" 2>/dev/null || echo 54329)}"
+# 25329 (below Linux's ephemeral port range, so no client socket can hold it). A start that finds the
+# port taken by another server (say, a second checkout's cluster) moves to the next free port and
+# remembers it, so `url` keeps telling the truth.
+PORT="${ACC_PG_PORT:-$(cat "$BASE/port" 2>/dev/null || echo 25329)}"
 DBNAME="${ACC_PG_DBNAME:-accs}"
 
 set_paths() {

@@ -34,7 +34,7 @@ else
   as_pg() { "$@"; }
 fi
 
-primary_port() { cat "$PRIMARY_BASE/port" 2>/dev/null || echo 54329; }
+primary_port() { cat "$PRIMARY_BASE/port" 2>/dev/null || echo 25329; }
 port() { cat "$BASE/port" 2>/dev/null || echo "${ACC_PG_REPLICA_PORT:-$(( $(primary_port) + 100 ))}"; }
 url() { echo "postgres://postgres@127.0.0.1:$(port)/$DBNAME"; }
 is_running() { [ -f "$DATA/PG_VERSION" ] && as_pg "$PGBIN/pg_ctl" -D "$DATA" status >/dev/null 2>&1; }
