@@ -53,7 +53,7 @@ from accs_site.admin_kit import (
     uuid_or_none,
     uuid_prefix_range,
 )
-from jobs import redrive, transitions, triggers
+from jobs import ids, redrive, transitions, triggers
 from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
 from jobs.progress import attempt_text, job_progress, job_progress_subquery
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
@@ -208,7 +208,8 @@ class JobAdmin(RedriveAdmin):
     list_display_links = ("short_id",)
     list_filter = ("status", "approval_state", "source", TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
-    search_help_text = ("A job id or one of its tasks' ids, or a job id's first characters (4 or more hex digits), "
+    search_help_text = ("A job id or one of its tasks' ids, a job's short id (its id's last 10 hex digits) or a job "
+                        "id's first characters (4 or more hex digits), "
                         "else an exact external id / dedupe key / correlation id, workflow name or service key, "
                         "or a part (3+ characters, any case) of the job's or one of its tasks' errors.")
     list_select_related = ("tenant", "workflow", "service")
@@ -267,6 +268,10 @@ class JobAdmin(RedriveAdmin):
             # A task id finds its job (one primary-key lookup on tasks).
             of_task = Task.objects.filter(pk=as_uuid).values("job_id")
             return queryset.filter(Q(pk=as_uuid) | Q(pk__in=of_task)), False
+        if (tail := ids.short_id_term(term)) and (span := uuid_prefix_range(term)):
+            # A short id is the end of an id; the same digits may also begin an id (shortened the
+            # old way, to its first digits). No index holds ids by their end: this reads the job table.
+            return queryset.filter(Q(pk__endswith=tail) | Q(pk__gte=span[0], pk__lte=span[1])), False
         if span := uuid_prefix_range(term):
             # An id prefix is searched as an id range only: OR-ing it with the unindexed text
             # fields below would read every job.
@@ -293,7 +298,7 @@ class JobAdmin(RedriveAdmin):
 
     @admin.display(description="job", ordering="id")
     def short_id(self, obj: Job) -> str:
-        return str(obj.id)[:8]
+        return ids.short_id(obj.id)
 
     @admin.display(description="workflow / service")
     def target(self, obj: Job) -> str:
@@ -340,7 +345,7 @@ class JobAdmin(RedriveAdmin):
     }
 
     def action_subject(self, obj: Job) -> str:
-        return f"job {str(obj.pk)[:8]} ({obj.target_name})"
+        return f"job {ids.short_id(obj.pk)} ({obj.target_name})"
 
     def after_action_url(self, request: HttpRequest, obj: Job) -> str:
         return reverse("admin:jobs_job_change", args=[obj.pk])
@@ -362,8 +367,8 @@ class TaskAdmin(RedriveAdmin):
                     "finished_at", "last_error")
     list_filter: ClassVar[tuple[Any, ...]] = ("status", "service", TenantListFilter)  # by node: ops.admin
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
-    search_help_text = ("A task id or job id, or the first characters (4 or more hex digits) of either; else an "
-                        "exact task key or service key.")
+    search_help_text = ("A task id or job id, the short id (last 10 hex digits) or the first characters (4 or more "
+                        "hex digits) of either; else an exact task key or service key.")
     list_select_related = ("service", "host", "job__workflow")
     ordering = ("-pk",)  # the primary key is the only index covering every task
     actions = bulk_actions(TASK_ACTIONS, "tasks")
@@ -376,6 +381,12 @@ class TaskAdmin(RedriveAdmin):
         as_uuid = uuid_or_none(term)
         if as_uuid:
             return queryset.filter(Q(pk=as_uuid) | Q(job_id=as_uuid)), False
+        if (tail := ids.short_id_term(term)) and (span := uuid_prefix_range(term)):
+            # The short id (the end) of the task's or of its job's id, or their first digits. No
+            # index holds ids by their end: this reads the task table.
+            by_end = Q(pk__endswith=tail) | Q(job__id__endswith=tail)
+            by_start = Q(pk__gte=span[0], pk__lte=span[1]) | Q(job_id__gte=span[0], job_id__lte=span[1])
+            return queryset.filter(by_end | by_start), False
         if span := uuid_prefix_range(term):
             # Ranges on the primary key and on task_job_status_idx (job first), nothing else: an
             # OR with the unindexed fields below would read every task.
@@ -394,7 +405,7 @@ class TaskAdmin(RedriveAdmin):
     @admin.display(description="job")
     def job_link(self, obj: Task) -> str:
         return format_html('<a href="{}">{}</a>', reverse("admin:jobs_job_change", args=[obj.job_id]),
-                           str(obj.job_id)[:8])
+                           ids.short_id(obj.job_id))
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Task) -> str:
@@ -414,7 +425,7 @@ class TaskAdmin(RedriveAdmin):
                                "next heartbeat."}
 
     def action_subject(self, obj: Task) -> str:
-        return f"task {obj.task_key} (job {str(obj.job_id)[:8]})"
+        return f"task {obj.task_key} (job {ids.short_id(obj.job_id)})"
 
     def after_action_url(self, request: HttpRequest, obj: Task) -> str:
         return safe_next(request, reverse("admin:jobs_job_change", args=[obj.job_id]))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -39,6 +38,7 @@ from referencing.exceptions import Unresolvable
 
 from jobs.admission import read_hosts, start_jobs
 from jobs.definitions import definitions
+from jobs.ids import uuid7
 from jobs.instantiate import (
     InstantiationError,
     JobRow,
@@ -222,7 +222,7 @@ class _Plan:
     approval: str
     services: list[Service]
     priority: int  # the spec's, clamped into the tenant's band
-    job_id: UUID = field(default_factory=uuid.uuid4)  # drawn afresh by each insert attempt (see _insert)
+    job_id: UUID = field(default_factory=uuid7)  # drawn afresh by each insert attempt (see _insert)
 
 
 def _fan_out_steps(steps: list[dict[str, Any]]) -> list[str]:
@@ -418,7 +418,7 @@ SELECT id FROM ins
 def _insert(plans: Sequence[_Plan]) -> set[UUID]:
     rows = []
     for plan in plans:
-        plan.job_id = jid = uuid.uuid4()
+        plan.job_id = jid = uuid7()
         rows.append(_job_fields(plan, jid, for_json=True))
     with connection.cursor() as cur:
         cur.execute(INSERT_JOBS_SQL, {"rows": json.dumps(rows, default=str)})
@@ -561,7 +561,7 @@ def _start_now(plan: _Plan) -> Job | None:
         return None
     services = {s.key: ServiceInfo(s.id, s.key, s.base_priority, s.max_attempts, s.timeout_seconds,
                                    s.exclusive_per_host) for s in plan.services if s.is_active}
-    jid = uuid.uuid4()
+    jid = uuid7()
     row = JobRow(jid, plan.tenant.id, plan.workflow.id if plan.workflow else None,
                  plan.service.id if plan.service else None, plan.priority, 0, spec.options or {}, plan.step_params)
     try:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.ids import uuid7
 from jobs.models import TaskStatus
 from workflows.models import StepFailurePolicy
 
@@ -109,7 +110,7 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
             is_blocked = host is not None and (host.id, service.id) in blocked
             status = TaskStatus.BLOCKED if is_blocked else (TaskStatus.WAITING if deps else TaskStatus.QUEUED)
             rows.append({
-                "id": uuid.uuid4(), "job_id": job.id, "tenant_id": job.tenant_id,
+                "id": uuid7(), "job_id": job.id, "tenant_id": job.tenant_id,
                 "task_key": step["key"] if host is None else f"{step['key']}@{host.name}", "step_key": step["key"],
                 "service_id": service.id, "host_id": host.id if host else None, "exclusive": service.exclusive,
                 "status": str(status), "depends_on": deps, "max_attempts": service.max_attempts,

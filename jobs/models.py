@@ -6,7 +6,6 @@ Every status below is declared once as ``TextChoices`` and held by a CHECK const
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -18,6 +17,7 @@ from django.db.models.functions import Upper
 from django.utils.timezone import now
 
 from events._moved import forward_names
+from jobs.ids import uuid7
 from workflows.models import StepFailurePolicy
 
 JOB_ORDER_SEQUENCE = "accs_job_order_seq"
@@ -100,7 +100,7 @@ class ApprovalState(models.TextChoices):
 class Job(models.Model):
     """An instance of a workflow (or of one service) to run."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     # Covered by job_tenant_status_created_idx; a separate FK index would only slow inserts.
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="jobs", db_index=False)
     workflow = models.ForeignKey("workflows.Workflow", on_delete=models.PROTECT, null=True, blank=True,
@@ -222,7 +222,7 @@ TASK_UNSTARTED = (TaskStatus.WAITING, TaskStatus.QUEUED, TaskStatus.SCHEDULED)
 class Task(models.Model):
     """A claimable unit: one step of a job (one per host for a fan-out step)."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="tasks", db_index=False)
     # Task FKs carry no index of their own: the engine reads tasks through the partial indexes in
     # Meta, and every extra index is paid on each claim and report.
@@ -423,7 +423,7 @@ class MissedRunPolicy(models.TextChoices):
 class Trigger(models.Model):
     """Starts jobs on an application event or a cron schedule, within one tenant."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="triggers")
     label = models.CharField(max_length=200)
     is_enabled = models.BooleanField(default=True)

@@ -24,6 +24,7 @@ from django.utils import timezone
 from accs_site.conf import reload
 from events.models import Artifact
 from jobs import api
+from jobs.ids import short_id
 from jobs.models import JOB_ACTIVE, Job
 from nodes.models import Host, Node
 from workflows.api import import_definitions
@@ -125,7 +126,7 @@ class Demo:
         for job in jobs:
             note = " (render fails once, then retries)" if job.priority == 5 else ""
             note += " (scheduled +3 s)" if job.scheduled_at > timezone.now() else ""
-            self.say(f"  {str(job.id)[:8]}  {job.target_name:<22}{note}")
+            self.say(f"  {short_id(job.id)}  {job.target_name:<22}{note}")
         return jobs
 
     def wait(self, jobs: list[Job]) -> None:
@@ -150,13 +151,13 @@ class Demo:
 
     def summary(self, jobs: list[Job], since: datetime) -> None:
         self.say("")
-        self.say(f"{'job':<10}{'target':<22}{'status':<9}{'tasks':>6}{'attempts':>10}{'duration':>10}{'artifacts':>11}")
+        self.say(f"{'job':<12}{'target':<22}{'status':<9}{'tasks':>6}{'attempts':>10}{'duration':>10}{'artifacts':>11}")
         for job in Job.objects.filter(id__in=[j.id for j in jobs]).order_by("order_seq"):
             agg = job.tasks.aggregate(n=Count("id"), attempts=Sum("attempt"), last=Max("finished_at"))
             duration = (job.finished_at - job.created_at).total_seconds() if job.finished_at else 0.0
             artifacts = Artifact.objects.filter(job=job).count()
-            self.say(f"{str(job.id)[:8]:<10}{job.target_name:<22}{job.status:<9}{agg['n']:>6}{agg['attempts'] or 0:>10}"
-                     f"{duration:>9.1f}s{artifacts:>11}")
+            self.say(f"{short_id(job.id):<12}{job.target_name:<22}{job.status:<9}{agg['n']:>6}"
+                     f"{agg['attempts'] or 0:>10}{duration:>9.1f}s{artifacts:>11}")
         self.say("")
         self.say("Open the admin to explore: .venv/bin/python manage.py createsuperuser; make serve "
                  "(http://127.0.0.1:8000/admin/)")

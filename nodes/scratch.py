@@ -21,15 +21,17 @@ import time
 from pathlib import Path
 
 from jobs.claim import ClaimedTask
+from jobs.ids import short_id
 
-# accs-<first 8 of the task id>-<attempt>-<agent pid>-<random>; older ACCS: no agent pid.
-NAME = re.compile(r"accs-[0-9a-f]{8}-\d+-(?:(?P<pid>\d+)-)?[A-Za-z0-9_]+")
+# accs-<the task's short id>-<attempt>-<agent pid>-<random>; older ACCS: the id's first 8 hex digits, and
+# before that no agent pid.
+NAME = re.compile(r"accs-[0-9a-f]{8,12}-\d+-(?:(?P<pid>\d+)-)?[A-Za-z0-9_]+")
 UNKNOWN_OWNER_MAX_AGE_SECONDS = 86_400.0
 
 
 def scratch_dir(task: ClaimedTask) -> str:
     """Return a fresh folder for an attempt's files, named after the task, attempt and this agent."""
-    return tempfile.mkdtemp(prefix=f"accs-{str(task.id)[:8]}-{task.attempt}-{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"accs-{short_id(task.id)}-{task.attempt}-{os.getpid()}-")
 
 
 def leftovers(*, root: str | None = None, now: float | None = None) -> list[Path]:

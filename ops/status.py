@@ -14,6 +14,7 @@ from django.db import connection
 from django.utils import timezone
 
 from accs_site.admin_kit import human_age
+from jobs.ids import short_id
 from ops.overview import Overview
 
 
@@ -180,7 +181,7 @@ def _failures(data: Overview, style: Style, *, took: float) -> list[str]:
     lines: list[str] = []
     out = lines.append
     _heading(out, style, "Recent failures")
-    rows = [[timezone.localtime(f.at).strftime("%H:%M:%S") if f.at else "—", f.job_id[:8], f.task_key, f.service,
+    rows = [[timezone.localtime(f.at).strftime("%H:%M:%S") if f.at else "—", short_id(f.job_id), f.task_key, f.service,
              f.node, f"{f.attempt}/{f.max_attempts}" + (" DEAD" if f.final else ""),
              (f.status + (f" exit {f.exit_code}" if f.exit_code is not None else "") + ": " + f.error)[:70]]
             for f in data.failures]

@@ -17,6 +17,7 @@ from django.utils import timezone as djtz
 from accs_site.admin_kit import ActionResult
 from events.timeline import EventRow, operator_source, write_events
 from jobs import enqueue
+from jobs.ids import short_id
 from jobs.models import Job, JobSource, MissedRunPolicy, Trigger, TriggerType
 from jobs.triggers.context import base_context, job_spec, schedule_context
 from jobs.triggers.schedule import Schedule, ScheduleError
@@ -278,4 +279,4 @@ def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> A
     except (TemplateError, DefinitionError, LookupError, ScheduleError, enqueue.JobConflict) as exc:
         message = "; ".join(str(p) for p in exc.problems) if isinstance(exc, DefinitionError) else str(exc)
         return ActionResult(False, message)
-    return ActionResult(True, f"job {str(job.id)[:8]} started")
+    return ActionResult(True, f"job {short_id(job.id)} started")

@@ -1,4 +1,4 @@
-"""Template filters for the operators' pages: status pills, ages, durations, percentages."""
+"""Template filters for the operators' pages: status pills, ages, durations, percentages, short ids."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from django import template
 from django.utils.html import format_html
 
 from accs_site.admin_kit import human_age, status_pill
+from jobs import ids
 
 register = template.Library()
 
@@ -14,6 +15,12 @@ register = template.Library()
 def pill(status: str) -> str:
     """Render a status as a coloured pill (colours in admin/accs/_styles.html)."""
     return status_pill(status)
+
+
+@register.filter
+def short_id(value: object) -> str:
+    """Render a job's or task's id in its short form (the end of the id, see ``jobs.ids.short_id``)."""
+    return ids.short_id(str(value))
 
 
 @register.filter
