@@ -28,6 +28,10 @@ SELECT gen_random_uuid(), j.id, %(tenant)s, 'bench', 'bench', %(svc)s,
 """
 
 
-def fill_queue(cur, *, n: int, tenant_id, service_id: int, other_host_id: int) -> None:
-    """Queue ``n`` one-task jobs of ``service_id`` (see :data:`FILL_QUEUE_SQL`) on ``cur``."""
-    cur.execute(FILL_QUEUE_SQL, {"n": n, "tenant": tenant_id, "svc": service_id, "host": other_host_id})
+def fill_queue(cur, *, n: int, tenant_id, service_id: int, other_host_id: int, new_id: str | None = None) -> None:
+    """Queue ``n`` one-task jobs of ``service_id`` (see :data:`FILL_QUEUE_SQL`) on ``cur``.
+
+    ``new_id`` is the SQL expression that makes a job's or task's id (random ids by default).
+    """
+    sql = FILL_QUEUE_SQL if new_id is None else FILL_QUEUE_SQL.replace("gen_random_uuid()", new_id)
+    cur.execute(sql, {"n": n, "tenant": tenant_id, "svc": service_id, "host": other_host_id})
