@@ -30,6 +30,8 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from jobs.ids import short_id  # noqa: E402  (plain Python, no Django)
+
 PAGE_TARGET_MS = 300.0
 METRICS_TARGET_MS = 1000.0
 
@@ -69,6 +71,7 @@ def _pages(ids: dict[str, str]) -> list[tuple[str, str, str]]:
         ("job list", "/admin/jobs/job/", "admin"),
         ("job list, failed filter", "/admin/jobs/job/?status__exact=error", "admin"),
         ("job list, search", f"/admin/jobs/job/?q={ids['job'][:8]}", "admin"),
+        ("job list, short id search", f"/admin/jobs/job/?q={short_id(ids['job'])}", "admin"),
         ("job page (2k events)", f"/admin/jobs/job/{ids['job']}/change/", "admin"),
         ("job page data.json", f"/admin/job/{ids['job']}/data.json", "admin"),
         ("task list", "/admin/jobs/task/", "admin"),

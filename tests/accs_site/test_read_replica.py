@@ -20,6 +20,7 @@ from django.test import RequestFactory
 
 from accs_site import dbrouter
 from jobs import api
+from jobs.ids import short_id
 from jobs.models import Job
 from tests.api_helpers import client_for, user_with_token
 from tests.daemons import wait_for
@@ -90,7 +91,7 @@ def test_page_and_api_reads_go_to_the_replica_and_writes_to_the_primary(replica,
 
     client.force_login(root)  # the session and the user are the primary's: a login works at once
     listing = client.get("/admin/jobs/job/").content.decode()
-    assert str(seen.pk)[:8] in listing and str(hidden.pk)[:8] not in listing
+    assert short_id(seen.pk) in listing and short_id(hidden.pk) not in listing
     assert client.get(f"/admin/jobs/job/{hidden.pk}/change/").status_code == 302  # "doesn't exist" on the replica
     dashboard = client.get("/admin/dashboard/").content.decode()
     assert 'id="accs-replica"' in dashboard and "Read replica" in dashboard
@@ -111,7 +112,7 @@ def test_page_and_api_reads_go_to_the_replica_and_writes_to_the_primary(replica,
     replica.execute("SELECT pg_wal_replay_resume()")
     wait_for(lambda: http.get(f"/api/v1/jobs/{new_id}").status_code == 200, timeout=30,
              message="once replay resumes, the API reads the new job from the replica")
-    assert str(hidden.pk)[:8] in client.get("/admin/jobs/job/").content.decode()
+    assert short_id(hidden.pk) in client.get("/admin/jobs/job/").content.decode()
 
 
 def test_the_engine_never_reads_the_replica(replica):
@@ -148,7 +149,7 @@ def test_without_acc_read_db_url_nothing_changes(client, make_service):
     make_service("work")
     job = api.start_service("work")
     client.force_login(make_user("root", superuser=True))
-    assert str(job.pk)[:8] in client.get("/admin/jobs/job/").content.decode()
+    assert short_id(job.pk) in client.get("/admin/jobs/job/").content.decode()
     assert 'id="accs-replica"' not in client.get("/admin/dashboard/").content.decode()
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from events.models import Event
 from jobs import api, transitions
+from jobs.ids import short_id
 from jobs.models import Attempt, Job, Task
 from tests.daemons import ROOT, wait_all_final, wait_until
 from tests.tcp_proxy import TcpProxy
@@ -153,7 +154,7 @@ def test_bad_output_fails_only_its_task_and_never_the_batch_or_the_agent(make_se
         if first_log is not None:
             assert running and running[0] < first_log, "a task's log lines follow its running event"
     leftovers = [p for t in tasks.values()
-                 for p in glob.glob(os.path.join(tempfile.gettempdir(), f"accs-{str(t.id)[:8]}-*"))]
+                 for p in glob.glob(os.path.join(tempfile.gettempdir(), f"accs-{short_id(t.id)}-*"))]
     assert leftovers == [], "scratch folders are removed after each attempt"
 
 

@@ -13,6 +13,7 @@ from django.urls import reverse
 
 from events.models import Event
 from jobs import api
+from jobs.ids import short_id
 from jobs.models import Job, Task, Trigger
 from nodes.models import Host, Node
 from tests.engine_helpers import claim_for
@@ -65,7 +66,7 @@ def test_retry_button_requeues_the_failed_task_through_the_transition(client, ro
     job = failed_service_job(tenants.acme)
     response = client.post(reverse("admin:jobs_job_act", args=[job.pk, "retry"]), follow=True)
     assert response.status_code == 200
-    short = str(job.pk)[:8]
+    short = short_id(job.pk)
     assert f"Retry: job {short} (service flaky): job back to waiting; 1 task(s) reset" in messages_of(response)
     task = Task.objects.get(job=job)
     # The retry renews the budget; attempt numbers never go back (old attempts stay fenced).
@@ -112,8 +113,8 @@ def test_bulk_retry_reports_changed_and_unchanged_with_reasons(client, root, ten
     failed = failed_service_job(tenants.acme)
     queued = api.start_service("flaky", tenant=tenants.acme)
     msgs = _bulk(client, "job", "retry_jobs", [failed.pk, queued.pk])
-    assert msgs == [f"Retry: job {str(failed.pk)[:8]} (service flaky): job back to waiting; 1 task(s) reset; "
-                    f"unchanged: job {str(queued.pk)[:8]} (service flaky): job is waiting; only failed, partial or "
+    assert msgs == [f"Retry: job {short_id(failed.pk)} (service flaky): job back to waiting; 1 task(s) reset; "
+                    f"unchanged: job {short_id(queued.pk)} (service flaky): job is waiting; only failed, partial or "
                     "canceled jobs can be retried"]
     assert Task.objects.get(job=failed).status == "queued"
 
@@ -122,10 +123,10 @@ def test_bulk_approve_and_reject(client, root, tenants, make_service):
     make_service("gated", requires_approval=True)
     a, b = (api.start_service("gated", tenant=tenants.acme) for _ in range(2))
     assert _bulk(client, "job", "approve_jobs", [a.pk]) == [
-        f"Approve: job {str(a.pk)[:8]} (service gated): job approved"]
+        f"Approve: job {short_id(a.pk)} (service gated): job approved"]
     assert _bulk(client, "job", "reject_jobs", [a.pk, b.pk], confirm=True) == [
-        f"Reject: job {str(b.pk)[:8]} (service gated): job rejected and canceled; "
-        f"unchanged: job {str(a.pk)[:8]} (service gated): job is not waiting for approval"]
+        f"Reject: job {short_id(b.pk)} (service gated): job rejected and canceled; "
+        f"unchanged: job {short_id(a.pk)} (service gated): job is not waiting for approval"]
     a.refresh_from_db(), b.refresh_from_db()
     assert (a.approval_state, b.approval_state, b.status) == ("approved", "rejected", "canceled")
 
@@ -150,10 +151,10 @@ def test_tenant_admin_sees_only_own_jobs_tasks_events_and_tenants(client, tenant
     theirs = failed_service_job(tenants.globex, key="globex-svc")
     client.force_login(make_user("alice", tenants={tenants.acme: "admin"}))
     jobs = client.get(reverse("admin:jobs_job_changelist")).content.decode()
-    assert str(mine.pk)[:8] in jobs and str(theirs.pk)[:8] not in jobs
+    assert short_id(mine.pk) in jobs and short_id(theirs.pk) not in jobs
     assert "globex" not in jobs, "the tenant filter offers only the user's tenants"
     tasks = client.get(reverse("admin:jobs_task_changelist")).content.decode()
-    assert str(mine.pk)[:8] in tasks and str(theirs.pk)[:8] not in tasks
+    assert short_id(mine.pk) in tasks and short_id(theirs.pk) not in tasks
     events = client.get(reverse("admin:events_event_changelist")).content.decode()
     assert str(mine.pk) in events and str(theirs.pk) not in events
     assert client.get(reverse("admin:tenants_tenant_changelist")).status_code == 403, "no model permission on tenants"

