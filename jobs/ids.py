@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import datetime
 from uuid import UUID
 
 #: Hex digits in a short id: the counter's low 8 bits and the 32-bit random tail. Among a million
@@ -75,17 +76,25 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def id_range(start: datetime, end: datetime) -> tuple[UUID, UUID]:
+    """Return the lowest and the highest id :func:`uuid7` can make from ``start`` to ``end``."""
+    lo, hi = int(start.timestamp() * 1000), int(end.timestamp() * 1000)
+    return UUID(int=lo << 80), UUID(int=((hi + 1) << 80) - 1)
+
+
 def short_id(value: UUID | str) -> str:
     """Return the short form of an id, its last :data:`SHORT_ID_DIGITS` hex digits."""
     return str(value)[-SHORT_ID_DIGITS:]
 
 
-def short_id_term(text: str) -> str | None:
-    """Return ``text`` as the end of an id to search for, or None when it cannot be one.
+def short_id_term(text: str) -> bytes | None:
+    """Return ``text`` as the last bytes of an id to search for, or None when it cannot be one.
 
-    Accepted: :data:`SHORT_ID_DIGITS` to 12 hex digits (an id's last group), in any case.
+    Accepted: a short id or an id's whole last group (:data:`SHORT_ID_DIGITS` or 12 hex digits, in
+    any case). Bytes, because a search compares them with each id's bytes: formatting every id as
+    text to match its end costs three times as much.
     """
     digits = text.strip().lower()
-    if SHORT_ID_DIGITS <= len(digits) <= 12 and all(c in "0123456789abcdef" for c in digits):
-        return digits
+    if len(digits) in (SHORT_ID_DIGITS, 12) and all(c in "0123456789abcdef" for c in digits):
+        return bytes.fromhex(digits)
     return None

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from jobs import api, ids
+from jobs import admin as jobs_admin, api, ids
 from jobs.models import Job, Task
 
 
@@ -64,9 +67,10 @@ def test_short_ids_of_a_thousand_ids_made_in_the_same_millisecond_are_distinct(f
 
 def test_short_id_term_accepts_the_end_of_an_id_only():
     made = ids.uuid7()
-    assert ids.short_id_term(f" {ids.short_id(made).upper()} ") == ids.short_id(made)
-    assert ids.short_id_term(str(made)[-12:]) == str(made)[-12:]
+    assert ids.short_id_term(f" {ids.short_id(made).upper()} ") == made.bytes[-5:]
+    assert ids.short_id_term(str(made)[-12:]) == made.bytes[-6:]
     assert ids.short_id_term("abc123") is None, "too short: would match too many ids"
+    assert ids.short_id_term(str(made)[-11:]) is None, "not whole bytes"
     assert ids.short_id_term("zzzzzzzzzz") is None
     assert ids.short_id_term(str(made)[-13:]) is None, "crosses the id's last dash"
 
@@ -99,3 +103,26 @@ def test_the_job_list_finds_a_job_by_its_short_id(client, root, tenants, make_se
     for term in (ids.short_id(wanted.pk), ids.short_id(task.pk)):
         body = client.get(task_url, {"q": term}).content.decode()
         assert body.count('<th class="field-task_key">') == 1 and f"/admin/jobs/task/{task.pk}/" in body, term
+
+
+@pytest.mark.django_db
+def test_a_short_id_is_looked_for_among_recent_ids_first_then_among_all(tenants, make_service, monkeypatch):
+    make_service("ingest")
+    job = api.start_service("ingest", tenant=tenants.acme)
+    tail = ids.short_id_term(ids.short_id(job.pk))
+    with CaptureQueriesContext(connection) as queries:
+        assert jobs_admin.ids_ending(Job, tail) == [job.pk]
+    assert len(queries) == 1 and '"accs_job"."id" >= ' in queries[0]["sql"], "found among the recent ids"
+    assert jobs_admin.ids_ending(Job, ids.short_id_term("0123456789")) == []
+    # A job older than the recent window (or with an id from before ids were time-ordered).
+    monkeypatch.setattr(jobs_admin, "SHORT_ID_RECENT", timedelta(days=-1))
+    with CaptureQueriesContext(connection) as queries:
+        assert jobs_admin.ids_ending(Job, tail) == [job.pk]
+    assert len(queries) == 2, "the recent ids first, then all"
+
+
+def test_id_range_holds_the_ids_made_in_it(frozen_ms):
+    made = ids.uuid7()
+    at = made.int >> 80
+    lo, hi = ids.id_range(datetime.fromtimestamp(at / 1000, UTC), datetime.fromtimestamp(at / 1000, UTC))
+    assert lo <= made <= hi and lo.int >> 80 == hi.int >> 80 == at
