@@ -13,8 +13,9 @@ SQL from the row's time), or random (``--id-scheme v4``, the engine's ids before
 history for an A/B; ``--id-scheme both`` builds the two. The queued tasks take ids of the same
 scheme, made now. Each claim commits (its updates, attempts and events are written as in
 production). The databases take turns, ``--round`` (5) claims each, after a warm-up claim on each
-switch, until every database has had ``--claims`` (60); the figures are p50 and p95 per database
-and the ratio history ÷ fresh of the p50s (the target: at most 1.1).
+switch, until every database has had ``--claims`` (60); the figures are p50 and p95 per database,
+the WAL written and the blocks read from outside shared buffers per timed claim, and the ratio
+history ÷ fresh of the p50s (the target: at most 1.1).
 
     python bench/history_claim.py                                  # v7, 10M events
     python bench/history_claim.py --id-scheme both --events 2000000
@@ -197,6 +198,27 @@ def _sizes() -> dict:
     return {"events": events, "size": size}
 
 
+def _io_mark() -> tuple[str, int]:
+    """Return the WAL position and the blocks this database has read from outside shared buffers."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_stat_force_next_flush()")  # this backend's counts, up to now
+        cur.execute("SELECT pg_current_wal_lsn()::text, blks_read FROM pg_stat_database"
+                    " WHERE datname = current_database()")
+        return cur.fetchone()
+
+
+def _io_since(mark: tuple[str, int]) -> tuple[int, int]:
+    """Return the WAL bytes written and the blocks read since ``mark``."""
+    from django.db import connection
+
+    now = _io_mark()
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)", [now[0], mark[0]])
+        return int(cur.fetchone()[0]), now[1] - mark[1]
+
+
 def _claim_once(spec, limits, claim: int) -> float:
     from jobs.claim import claim_many
 
@@ -295,18 +317,26 @@ def main(argv: list[str] | None = None) -> int:
 
     limits = NodeLimits("bench-history", slot_cap=100_000, cpu_budget=1_000_000, per_service={})
     times: dict[str, list[float]] = {name: [] for _, _, name in dbs}
+    # Per database: WAL bytes and blocks read by its timed claims (the cluster is the bench's own:
+    # nothing else writes while a round runs).
+    io: dict[str, list[int]] = {name: [0, 0] for _, _, name in dbs}
     while any(len(t) < args.claims for t in times.values()):
         for _, _, name in dbs:
             _use(name)
             spec = service_spec(Service.objects.get(key="bench-noop"))
             _claim_once(spec, limits, args.claim)  # warm-up: a new connection, cold caches
+            mark = _io_mark()
             for _ in range(min(args.round, args.claims - len(times[name]))):
                 times[name].append(_claim_once(spec, limits, args.claim))
+            wal, read = _io_since(mark)
+            io[name][0] += wal
+            io[name][1] += read
 
     results: dict[str, object] = {"queued": args.queued, "claim": args.claim, "claims": args.claims,
                                   "events": args.events}
     print(f"\nclaim of {args.claim} with {args.queued:,} queued, {args.claims} claims per database (ms)")
-    print(f"{'scheme':<8}{'database':<28}{'events':>12}{'size':>10}{'p50':>9}{'p95':>9}")
+    print(f"{'scheme':<8}{'database':<28}{'events':>12}{'size':>10}{'p50':>9}{'p95':>9}"
+          f"{'WAL kB/claim':>14}{'reads/claim':>13}")
     for scheme in schemes:
         p50 = {}
         for s, kind, name in dbs:
@@ -315,10 +345,12 @@ def main(argv: list[str] | None = None) -> int:
             ms = sorted(times[name])
             p50[kind] = statistics.median(ms)
             p95 = ms[max(0, round(0.95 * len(ms)) - 1)]
+            wal_kb, reads = io[name][0] / 1024 / len(ms), io[name][1] / len(ms)
             results[f"{scheme}_{kind}"] = {"database": name, "p50_ms": round(p50[kind], 2), "p95_ms": round(p95, 2),
+                                           "wal_kb_per_claim": round(wal_kb, 1), "reads_per_claim": round(reads, 1),
                                            **sizes[name]}
             print(f"{scheme:<8}{name:<28}{sizes[name]['events']:>12,}{sizes[name]['size']:>10}"
-                  f"{p50[kind]:>9.2f}{p95:>9.2f}")
+                  f"{p50[kind]:>9.2f}{p95:>9.2f}{wal_kb:>14.1f}{reads:>13.1f}")
         ratio = p50["history"] / p50["fresh"]
         results[f"{scheme}_ratio"] = round(ratio, 3)
         print(f"{scheme:<8}history ÷ fresh (p50): {ratio:.2f} (target ≤ 1.1)")
