@@ -395,9 +395,9 @@ class AccsTaskBackend(BaseTaskBackend):
         params: dict[str, Any] = {"args": [_json_argument(value, f"argument {i}") for i, value in enumerate(args)],
                   "kwargs": {_json_key(name): _json_argument(value, f"keyword argument {name!r}")
                              for name, value in dict(kwargs).items()}}
-        options = {"params": params, "priority": task.priority, "scheduled_at": task.run_after,
-                   "tenant": self.tenant, "source": JobSource.SYSTEM,
-                   "source_ref": (SOURCE_REF_PREFIX + task.module_path)[:200]}
+        options: dict[str, Any] = {
+            "params": params, "priority": task.priority, "scheduled_at": task.run_after, "tenant": self.tenant,
+            "source": JobSource.SYSTEM, "source_ref": (SOURCE_REF_PREFIX + task.module_path)[:200]}
         service = self.service_for(task)
         try:
             job = api.start_service(service, **options)
