@@ -204,7 +204,7 @@ PROCESS_RUNNER = _RUNNER_IMPORTS + _RUNNER_PATH + _RUNNER_CANCEL + _RUNNER_DJANG
 # "code": n} when a fork ends. A fork is its own process group (the agent kills the group at a timeout)
 # and gets SIGKILL when the zygote dies; the zygote gets it when the agent dies.
 WARM_RUNNER = _RUNNER_IMPORTS + _RUNNER_PATH + _RUNNER_DJANGO + r"""
-import ctypes, select, socket
+import ctypes, gc, select, socket
 control = socket.socket(fileno=int(sys.argv[4]))
 for name in json.loads(sys.argv[5]):
     importlib.import_module(name)
@@ -218,8 +218,9 @@ wake_r, wake_w = os.pipe()
 os.set_blocking(wake_w, False)
 signal.set_wakeup_fd(wake_w)
 signal.signal(signal.SIGCHLD, lambda *_: None)
+gc.freeze()  # what the zygote holds stays shared with its forks: a fork's collections do not copy it
 
-def attempt(request, fds):
+def become_attempt_process():
     os.setpgid(0, 0)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the zygote
     if os.getppid() != zygote:
@@ -229,6 +230,8 @@ def attempt(request, fds):
     control.close()
     os.close(wake_r)
     os.close(wake_w)
+
+def attempt(request, fds):
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(fds[0], 1)
@@ -248,6 +251,36 @@ def attempt(request, fds):
     sys.stderr.flush()
     os._exit(code)
 
+def fork_spare():
+    # The next attempt's process, forked ahead: it opens its database connection and waits for its
+    # attempt, so an attempt pays neither the fork nor the connection.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        become_attempt_process()
+        db = None
+        if "django.db" in sys.modules:
+            from django.db import connection as db
+            try:
+                db.ensure_connection()
+            except Exception:  # the attempt connects (and reports the error) itself
+                db.close()
+        message, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 2)
+        if not message:
+            os._exit(0)
+        theirs.close()
+        if db is not None and db.connection is not None and not db.is_usable():
+            db.close()  # dropped while it waited: the attempt reconnects
+        attempt(json.loads(message), fds)
+    theirs.close()
+    try:
+        os.setpgid(pid, pid)  # also here: the agent may kill the group before the fork has run a line
+    except OSError:
+        pass
+    return pid, ours
+
+spare = fork_spare()
 control.send(b"ready")
 while True:
     readable = select.select([control, wake_r], [], [])[0]
@@ -268,16 +301,23 @@ while True:
         message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
         if not message:  # the agent closed the pool
             os._exit(0)
-        pid = os.fork()
-        if pid == 0:
-            attempt(json.loads(message), fds)
+        pid, channel = spare
         try:
-            os.setpgid(pid, pid)  # also here: the agent may kill the group before the fork has run a line
-        except OSError:
-            pass
+            socket.send_fds(channel, [message], fds)
+        except OSError:  # the spare is gone: fork this attempt now
+            pid = os.fork()
+            if pid == 0:
+                become_attempt_process()
+                attempt(json.loads(message), fds)
+            try:
+                os.setpgid(pid, pid)
+            except OSError:
+                pass
+        channel.close()
         for fd in fds:
             os.close(fd)
         control.send(json.dumps({"pid": pid}).encode())
+        spare = fork_spare()
 """
 _WARM_ATTEMPT = _RUNNER_IMPORTS + _RUNNER_CANCEL + _RUNNER_CALL
 ERROR_MARK = "::error:: "
