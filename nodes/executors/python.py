@@ -209,7 +209,12 @@ control = socket.socket(fileno=int(sys.argv[4]))
 for name in json.loads(sys.argv[5]):
     importlib.import_module(name)
 if "django.db" in sys.modules:
-    from django.db import connections
+    from django.db import connection, connections
+    try:  # a first connection and query load the database driver and its adapters here, once
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except Exception:
+        pass
     connections.close_all()  # each fork opens its own connection: a socket must never be shared
 ATTEMPT = compile(sys.argv[6], "<accs-attempt>", "exec")
 libc = ctypes.CDLL(None, use_errno=True)
