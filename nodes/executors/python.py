@@ -24,6 +24,7 @@ from collections.abc import Callable
 from hashlib import sha1
 from typing import IO
 
+from accs_site.conf import accs
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from nodes.executors.base import TAIL_CHARS, RunContext, _outcome, redact
@@ -502,7 +503,7 @@ class Zygote:
                 continue
             message = json.loads(data)
             with self._lock:
-                if "pid" in message:
+                if "pid" in message and self._pending:
                     pending = self._pending.popleft()
                     child = WarmChild(message["pid"], *pending.fds)
                     self._children[child.pid] = child
@@ -563,11 +564,7 @@ class WarmPool:
 
     @property
     def size(self) -> int:
-        if self._size is not None:
-            return self._size
-        from accs_site.conf import accs  # settings are read on first use, never at import
-
-        return accs.warm_pool_size
+        return self._size if self._size is not None else accs.warm_pool_size
 
     def start(self, argv: list[str], env: dict[str, str], attempt: dict[str, str]) -> WarmChild | None:
         """Fork the attempt from the zygote of (argv, env), starting that zygote when needed; None: start cold."""
