@@ -568,7 +568,7 @@ class WarmPool:
 
     def start(self, argv: list[str], env: dict[str, str], attempt: dict[str, str]) -> WarmChild | None:
         """Fork the attempt from the zygote of (argv, env), starting that zygote when needed; None: start cold."""
-        if self.size <= 0:
+        if self.size <= 0 or not sys.platform.startswith("linux"):  # the parent-death signal is Linux's
             return None
         key = sha1(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()
         now = time.monotonic()
