@@ -272,6 +272,11 @@ class AccsSettings:
         return _int("ACC_CPU_BUDGET", 8, minimum=1, maximum=1000)
 
     @cached_property
+    def warm_pool_size(self) -> int:
+        """Warm parents per agent for process-isolated python services (docs/executors.md); 0: none."""
+        return _int("ACC_WARM_POOL_SIZE", 4, minimum=0, maximum=64)
+
+    @cached_property
     def poll_interval_sec(self) -> float:
         return _float("ACC_POLL_INTERVAL_SEC", 2.0, minimum=0.01)
 

@@ -41,14 +41,18 @@ import builtins
 import math
 import re
 import sys
+import threading
+import time
 import traceback
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from hashlib import sha1
 from typing import Any, cast
 from uuid import UUID
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Field
+from django.db.models.signals import post_delete, post_migrate, post_save
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -74,6 +78,7 @@ except ImportError:
     from django_tasks.utils import normalize_json
 
 from jobs import api
+from jobs.definitions import TTL as DEFINITIONS_TTL
 from jobs.models import Attempt, AttemptStatus, Job, JobSource, JobStatus, Task as TaskRow, TaskStatus
 from workflows.models import Service
 
@@ -203,6 +208,55 @@ class AccsTaskResult(TaskResult):
             return None
 
 
+class TaskServices:
+    """This process's map of task (alias, module path, queue, options) to its service, with a time to live.
+
+    Cleared whenever this process saves or deletes a service (:func:`connect_invalidation`); an
+    entry older than ``ttl`` seconds is read again, so another process's edit is seen within that time.
+    """
+
+    def __init__(self, *, ttl: float = DEFINITIONS_TTL, clock: Callable[[], float] = time.monotonic,
+                 max_entries: int = 10_000) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._clock = clock
+        self._items: dict[Hashable, tuple[float, Service]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Service | None:
+        """Return the service cached for ``key``, or None when absent or older than the time to live."""
+        with self._lock:
+            hit = self._items.get(key)
+        if hit is None or self._clock() - hit[0] >= self.ttl:
+            return None
+        return hit[1]
+
+    def put(self, key: Hashable, service: Service) -> None:
+        with self._lock:
+            if len(self._items) >= self.max_entries:
+                self._items.clear()
+            self._items[key] = (self._clock(), service)
+
+    def clear(self, *_args: Any, **_kwargs: Any) -> None:
+        """Forget every mapping (connected to the services' save and delete signals)."""
+        with self._lock:
+            self._items.clear()
+
+
+task_services = TaskServices()
+
+
+def connect_invalidation() -> None:
+    """Forget the task → service mappings whenever this process saves, deletes or flushes services."""
+    post_save.connect(task_services.clear, sender=Service, dispatch_uid="accs-task-services-save")
+    post_delete.connect(task_services.clear, sender=Service, dispatch_uid="accs-task-services-delete")
+    # A flushed database (a test's teardown, ``manage.py flush``) loses every service without a delete signal.
+    post_migrate.connect(task_services.clear, dispatch_uid="accs-task-services-migrate")
+
+
+connect_invalidation()
+
+
 def service_key(task: Task) -> str:
     """Return the ACCS service key of a task function on its queue: distinct tasks get distinct keys.
 
@@ -240,6 +294,7 @@ class AccsTaskBackend(BaseTaskBackend):
         if problems:
             raise InvalidTask("; ".join(problems))
         self._importable: set[str] = set()
+        self._checked: set[Task] = set()
 
     def validate_task(self, task: Task) -> None:
         """Check the task as Django's backends do, and its ACCS options."""
@@ -303,19 +358,57 @@ class AccsTaskBackend(BaseTaskBackend):
     # The Tasks API
     # ----------------------------------------------------------------------------------------
 
+    def service_for(self, task: Task) -> Service:
+        """Return the task's service as :meth:`ensure_service` does, from this process's cache when it can.
+
+        The common path of ``enqueue()``: a task already mapped to its service costs no query. The
+        mapping (:data:`task_services`) is dropped at once when this process saves or deletes a
+        service (the admin's edit), and read again after the definitions' time to live (10 s) when
+        another process does, as :func:`jobs.api.start_service` resolves a service by key. It is
+        keyed by the task's options too, so changed options still reach the service. A service read
+        or created inside an uncommitted transaction is remembered only once that transaction
+        commits: a rollback must not leave a mapping to a row that does not exist. A service another
+        process deletes (possible only while no job names it) stays mapped here for up to the time
+        to live: in autocommit enqueue then looks it up again, inside a transaction the reference
+        fails at the caller's commit (an IntegrityError), as a start by key does.
+        """
+        options = self.task_options(task)
+        cache_key = (self.alias, task.module_path, task.queue_name, tuple(sorted(options.items())))
+        service = task_services.get(cache_key)
+        if service is not None:
+            return service
+        service = self.ensure_service(task)
+        if connection.in_atomic_block:
+            transaction.on_commit(lambda: task_services.put(cache_key, service))
+        else:
+            task_services.put(cache_key, service)
+        return service
+
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
-        """Start a one-task job for ``task(*args, **kwargs)`` in the caller's transaction."""
-        self.validate_task(task)
-        self._check_importable(task)
+        """Start a one-task job for ``task(*args, **kwargs)`` in the caller's transaction.
+
+        A task whose service this process already knows is started by one statement (jobs.enqueue's
+        one-statement start): no service lookup, no savepoint. Outside a transaction (autocommit) a
+        cached service that was deleted meanwhile by another process is looked up afresh once.
+        """
+        self._check_task(task)
         params: dict[str, Any] = {"args": [_json_argument(value, f"argument {i}") for i, value in enumerate(args)],
                   "kwargs": {_json_key(name): _json_argument(value, f"keyword argument {name!r}")
                              for name, value in dict(kwargs).items()}}
-        with transaction.atomic():
-            service = self.ensure_service(task)
-            job = api.start_service(
-                service, params=params, priority=task.priority, scheduled_at=task.run_after, tenant=self.tenant,
-                source=JobSource.SYSTEM, source_ref=(SOURCE_REF_PREFIX + task.module_path)[:200],
-            )
+        options: dict[str, Any] = {
+            "params": params, "priority": task.priority, "scheduled_at": task.run_after, "tenant": self.tenant,
+            "source": JobSource.SYSTEM, "source_ref": (SOURCE_REF_PREFIX + task.module_path)[:200]}
+        service = self.service_for(task)
+        try:
+            job = api.start_service(service, **options)
+        except IntegrityError:
+            # Only a service row deleted since it was cached breaks the insert's reference, checked at
+            # the end of the statement in autocommit (inside a transaction: at its commit, past here).
+            # Nothing was written, so forget the mapping and start with a fresh one.
+            if connection.in_atomic_block:
+                raise
+            task_services.clear()
+            job = api.start_service(self.service_for(task), **options)
         result = AccsTaskResult(
             task=task, id=str(job.id), status=TaskResultStatus.READY, enqueued_at=job.created_at,
             started_at=None, finished_at=None, last_attempted_at=None, args=params["args"],
@@ -323,6 +416,21 @@ class AccsTaskBackend(BaseTaskBackend):
         )
         task_enqueued.send(type(self), task_result=result)
         return result
+
+    def _check_task(self, task: Task) -> None:
+        """Validate the task and check that agents can import it, once per distinct task object."""
+        try:
+            if task in self._checked:
+                return
+        except TypeError:  # an unhashable field (a task class of another library): check every time
+            self.validate_task(task)
+            self._check_importable(task)
+            return
+        self.validate_task(task)
+        self._check_importable(task)
+        if len(self._checked) >= 1000:  # run_after makes a new object per call for some callers
+            self._checked.clear()
+        self._checked.add(task)
 
     def _check_importable(self, task: Task) -> None:
         """Refuse a task that agents could not import by its module path (a lambda, a nested function)."""

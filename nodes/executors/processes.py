@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any, Protocol
 
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
@@ -188,11 +188,20 @@ def service_env(config: dict[str, Any]) -> dict[str, str]:
 
 def task_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
     """Return the environment of a task's process: :func:`service_env` and the CLI contract's ACCS_* variables."""
-    env = service_env(ctx.service_config)
-    env.update(ACCS_JOB_ID=str(task.job_id), ACCS_TASK_ID=str(task.id), ACCS_TASK_KEY=task.task_key,
-               ACCS_ATTEMPT=str(task.attempt), ACCS_HOST=task.host or "", ACCS_PARAMS=json.dumps(task.params))
-    # Marks the process as the agent's, so the next agent on the node can find it if it is orphaned.
-    env.update(ACCS_NODE=ctx.node, ACCS_AGENT_ID=ctx.agent_id)
+    return {**service_env(ctx.service_config), **agent_marks(ctx), **attempt_env(task, ctx)}
+
+
+def agent_marks(ctx: RunContext) -> dict[str, str]:
+    """Return the names that mark a process as the agent's, so the next agent on the node can find it if
+    it is orphaned."""
+    return {"ACCS_NODE": ctx.node, "ACCS_AGENT_ID": ctx.agent_id}
+
+
+def attempt_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
+    """Return the CLI contract's ACCS_* variables of one attempt (a warm child receives them when it is handed
+    the attempt)."""
+    env = {"ACCS_JOB_ID": str(task.job_id), "ACCS_TASK_ID": str(task.id), "ACCS_TASK_KEY": task.task_key,
+           "ACCS_ATTEMPT": str(task.attempt), "ACCS_HOST": task.host or "", "ACCS_PARAMS": json.dumps(task.params)}
     if ctx.output_dir:
         env["ACCS_OUTPUT_DIR"] = ctx.output_dir
     if ctx.input_dir:
@@ -228,6 +237,25 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dic
     except OSError as exc:
         return _outcome(task, "failed", error=f"cannot start {argv[0]!r}: {exc}", error_code="spawn_failed")
     ctx.on_started(proc.pid)
+    return supervise(proc, task, ctx)
+
+
+class Process(Protocol):
+    """What :func:`supervise` needs of a process: a ``Popen``, or a warm child another process forked."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[str] | None
+    stderr: IO[str] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def supervise(proc: Process, task: ClaimedTask, ctx: RunContext) -> Outcome:
+    """Read a started attempt's output, stop its process group at the timeout or on cancel, and return
+    its outcome (stdout → results, stderr → log lines, exit code → status)."""
     stdout = _Capture(MAX_RESULTS_BYTES + 1)
     stderr_tail: deque[str] = deque(maxlen=200)
 
@@ -316,7 +344,7 @@ class _Capture:
         return "".join(self.parts)
 
 
-def _kill_group(proc: subprocess.Popen, *, grace: float = KILL_GRACE_SECONDS) -> None:
+def _kill_group(proc: Process, *, grace: float = KILL_GRACE_SECONDS) -> None:
     """Stop the whole process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
