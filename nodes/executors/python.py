@@ -258,26 +258,18 @@ def attempt(request, fds):
     os._exit(code)
 
 def fork_spare():
-    # The next attempt's process, forked ahead: it opens its database connection and waits for its
-    # attempt, so an attempt pays neither the fork nor the connection.
+    # The next attempt's process, forked ahead, so an attempt does not wait for the fork. It opens no
+    # database connection while it waits: a spare must not hold a server connection idle (the
+    # attempt connects when its code first queries, as a cold one does).
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         ours.close()
         become_attempt_process()
-        db = None
-        if "django.db" in sys.modules:
-            from django.db import connection as db
-            try:
-                db.ensure_connection()
-            except Exception:  # the attempt connects (and reports the error) itself
-                db.close()
         message, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 2)
         if not message:
             os._exit(0)
         theirs.close()
-        if db is not None and db.connection is not None and not db.is_usable():
-            db.close()  # dropped while it waited: the attempt reconnects
         attempt(json.loads(message), fds)
     theirs.close()
     try:
