@@ -8,7 +8,8 @@ the services' JSON Schemas before anything is written.
 Two insert paths, built from one column list (:data:`JOB_COLUMNS`) so they cannot drift apart:
 
 * :data:`START_NOW_SQL` starts a job that is due, needs no approval, is under no cap and has no
-  fan-out step in ONE statement (job row already ``waiting``, its tasks, step counts, events, NOTIFY);
+  fan-out step in ONE statement (job row already ``waiting``, its tasks, step counts, its one creation
+  event, NOTIFY);
 * :data:`INSERT_JOBS_SQL` inserts ``queued`` jobs in batches (:func:`start_many`, and every other
   :func:`start`); the builder admits and instantiates them (:mod:`jobs.admission`), or the caller's
   transaction does at once when nothing needs deciding.
@@ -37,6 +38,7 @@ from django.utils import timezone
 from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
+from events.timeline import CREATED, created_tasks, creation_level, creation_message
 from jobs.admission import read_hosts, start_jobs
 from jobs.definitions import definitions
 from jobs.instantiate import (
@@ -510,16 +512,10 @@ WITH j AS (
       FROM j, jsonb_to_recordset(%(steps)s::jsonb) AS r(step_key text, position int, total int, on_failure text,
                                                        always boolean)
 ), ev AS (
-    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT j.id, NULL::uuid, %(event_source)s, 'info', 'status', 'job created queued',
-           '{"from": "created", "to": "queued", "approval": "not_required"}'::jsonb FROM j
-    UNION ALL
-    SELECT j.id, NULL, %(source)s, 'info', 'status', 'job queued → waiting (tasks created)',
-           '{"from": "queued", "to": "waiting"}'
-      FROM j
-    UNION ALL
-    SELECT (SELECT id FROM j), t.id, %(source)s, 'info', 'status', 'task created ' || t.status,
-           jsonb_build_object('from', 'created', 'to', t.status, 'task_key', t.task_key) FROM t
+    -- ONE row records the job's creation with its tasks (events.timeline.creation_event's shape):
+    -- the job's move, each task's id, key and first status in data.tasks; readers unfold it.
+    INSERT INTO accs_event (job_id, source, level, type, message, data)
+    SELECT j.id, %(source)s, %(level)s, 'status', %(message)s, %(event_data)s::jsonb FROM j
 ), n AS (
     SELECT pg_notify(c, '') FROM unnest(%(channels)s::text[]) AS c
 )
@@ -528,7 +524,7 @@ SELECT j.id, j.order_seq, j.created_at, j.scheduled_at, (SELECT count(*) FROM n)
 
 
 def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channels: Sequence[str],
-                     source: str, event_source: str) -> tuple | None:
+                     source: str) -> tuple | None:
     """Insert and start one job in one statement; return (id, order_seq, created_at, scheduled_at).
 
     ``job`` holds the fields of :func:`_job_fields` (as bound parameters). None means
@@ -537,9 +533,13 @@ def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channe
     :func:`jobs.instantiate.build_task_rows` (no fan-out: hosts are resolved by the builder path).
     """
     first_key = min(tasks, key=lambda r: r["position"])["task_key"] if tasks else ""
+    created = created_tasks(tasks)
+    statuses = [t["to"] for t in created]
     params = {**job, "first_key": first_key, "tasks": json.dumps(tasks, default=str),
               "steps": json.dumps(step_rows(tasks)), "channels": sorted(set(channels)), "source": source,
-              "event_source": event_source}
+              "message": creation_message(CREATED, statuses), "level": creation_level(statuses),
+              "event_data": json.dumps({"from": CREATED, "to": "waiting", "approval": "not_required",
+                                        "tasks": created})}
     # A prepared statement on Django's own connection (so in the caller's transaction): planning
     # this statement costs more than running it.
     connection.ensure_connection()
@@ -570,12 +570,11 @@ def _start_now(plan: _Plan) -> Job | None:
     except InstantiationError:
         return None  # the general path fails the job with the reason
     for task in tasks:
-        task["id"] = task["id"].hex
+        task["id"] = str(task["id"])
     channels = {service_channel(key) for key in services if any(
         t["status"] == TaskStatus.QUEUED and t["service_id"] == services[key].id for t in tasks)}
     fields = _job_fields(plan, jid, for_json=False)
-    inserted = insert_and_start(job=fields, tasks=tasks, channels=sorted(channels), source=f"api:{spec.source}",
-                                event_source=f"api:{spec.source}")
+    inserted = insert_and_start(job=fields, tasks=tasks, channels=sorted(channels), source=f"api:{spec.source}")
     if inserted is None:
         return None
     jid, order_seq, created_at, scheduled_at = inserted[:4]
