@@ -51,7 +51,7 @@ from jobs.instantiate import (
     steps_for,
 )
 from jobs.models import JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus
-from jobs.notify import builder_channel, notify, service_channel
+from jobs.notify import builder_channel, not_yet_notified, notify, service_channel
 from tenants.models import DEFAULT_TENANT_SLUG, Tenant
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem
@@ -536,7 +536,7 @@ def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channe
     created = created_tasks(tasks)
     statuses = [t["to"] for t in created]
     params = {**job, "first_key": first_key, "tasks": json.dumps(tasks, default=str),
-              "steps": json.dumps(step_rows(tasks)), "channels": sorted(set(channels)), "source": source,
+              "steps": json.dumps(step_rows(tasks)), "channels": not_yet_notified(channels), "source": source,
               "message": creation_message(CREATED, statuses), "level": creation_level(statuses),
               "event_data": json.dumps({"from": CREATED, "to": "waiting", "approval": "not_required",
                                         "tasks": created})}
