@@ -58,7 +58,8 @@ def not_yet_notified(channels: Iterable[str]) -> list[str]:
     if not distinct or not connection.in_atomic_block:
         return distinct
     done: set[str] = set()
-    for _sids, func, _robust in connection.run_on_commit:
+    for entry in connection.run_on_commit:  # (savepoint ids, callback, robust)
+        func = entry[1]
         if isinstance(func, _Notified):
             done |= func.channels
     fresh = [c for c in distinct if c not in done]
