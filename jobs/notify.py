@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from accs_site.conf import accs
 
@@ -51,26 +52,29 @@ class _Notified:
         pass
 
 
-def not_yet_notified(channels: Iterable[str]) -> list[str]:
-    """Return the distinct channels (sorted) that Django's connection has not yet notified in this
-    transaction, and count them as notified; all of them outside a transaction (autocommit)."""
+def not_yet_notified(channels: Iterable[str], db: BaseDatabaseWrapper | None = None) -> list[str]:
+    """Return the distinct channels (sorted) that Django's connection ``db`` (the default one) has
+    not yet notified in this transaction, and count them as notified; all of them outside a
+    transaction (autocommit)."""
+    db = db or connections[DEFAULT_DB_ALIAS]
     distinct = sorted(set(channels))
-    if not distinct or not connection.in_atomic_block:
+    if not distinct or not db.in_atomic_block:
         return distinct
     done: set[str] = set()
-    for entry in connection.run_on_commit:  # (savepoint ids, callback, robust)
+    for entry in db.run_on_commit:  # (savepoint ids, callback, robust)
         func = entry[1]
         if isinstance(func, _Notified):
             done |= func.channels
     fresh = [c for c in distinct if c not in done]
     if fresh:
-        connection.on_commit(_Notified(set(fresh)))
+        db.on_commit(_Notified(set(fresh)))
     return fresh
 
 
 def notify(cursor, channels: Iterable[str]) -> None:
     """Send one empty notification per distinct channel, in the caller's transaction (on Django's
     connection, only for the channels not yet notified in it)."""
-    distinct = not_yet_notified(channels) if getattr(cursor, "db", None) is connection else sorted(set(channels))
+    db = getattr(cursor, "db", None)  # a Django cursor's connection; a bare psycopg cursor has none
+    distinct = not_yet_notified(channels, db) if isinstance(db, BaseDatabaseWrapper) else sorted(set(channels))
     if distinct:
         cursor.execute("SELECT pg_notify(c, '') FROM unnest(%s::text[]) AS c", [distinct])

@@ -9,7 +9,7 @@ import pytest
 from django.db import connection, transaction
 
 from jobs import api, enqueue
-from jobs.notify import not_yet_notified, service_channel
+from jobs.notify import not_yet_notified, notify, service_channel
 
 
 @pytest.fixture
@@ -64,3 +64,13 @@ def test_listeners_are_woken_by_each_commit_and_after_a_rolled_back_start(db_url
     assert got == [channel] * 3
     assert sent == [[channel]] * 4
     assert connection.in_atomic_block is False
+
+
+@pytest.mark.django_db
+def test_notify_on_a_django_cursor_skips_channels_already_notified_in_the_transaction():
+    a, b = service_channel("wake-e"), service_channel("wake-f")
+    with transaction.atomic(), connection.cursor() as cur:
+        notify(cur, [a])
+        assert not_yet_notified([a, b]) == [b], "notify() counted a as notified"
+        notify(cur, [a, b])  # nothing left to send
+        assert not_yet_notified([a, b]) == []
