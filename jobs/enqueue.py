@@ -597,7 +597,7 @@ def _start_now(plan: _Plan) -> Job | None:
         "finished_at": None, "updated_at": created_at,
     }
     # Built as a row read from the database is (positional values, no keyword or relation handling:
-    # a third of the call's Python time otherwise), with its tenant, workflow and service attached.
+    # half the cost of the keyword constructor), with its tenant, workflow and service attached.
     job = Job.from_db("default", _job_attnames(), [values[name] for name in _job_attnames()])
     job._state.fields_cache.update(tenant=plan.tenant, workflow=plan.workflow, service=plan.service)
     job.was_created = True
