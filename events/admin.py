@@ -53,7 +53,12 @@ class EventAdmin(ReadOnlyScopedAdmin):
     def get_search_results(self, request, queryset, search_term):
         as_uuid = uuid_or_none(search_term)
         if as_uuid:
-            return queryset.filter(Q(job_id=as_uuid) | Q(task_id=as_uuid)), False
+            # A task's creation is recorded in its job's creation row (events.timeline.creation_event),
+            # found through the task's job so the search stays on the job index.
+            tasks = Event._meta.get_field("task").related_model._default_manager
+            created = Q(task_id__isnull=True, job_id__in=tasks.filter(pk=as_uuid).values("job_id"),
+                        data__tasks__contains=[{"id": str(as_uuid)}])
+            return queryset.filter(Q(job_id=as_uuid) | Q(task_id=as_uuid) | created), False
         return super().get_search_results(request, queryset, search_term)
 
 

@@ -1,15 +1,24 @@
 """Writing the timeline. Events are rows of ``accs_event``; every status change writes one in the
-transaction that makes the change (callers pass their cursor)."""
+transaction that makes the change (callers pass their cursor).
+
+A job's creation with its tasks is ONE row (:func:`creation_event`), not one per job move and per
+task: the job's status change, with ``data["tasks"]`` naming each task created and its status. Readers
+that show the timeline line by line unfold it with :func:`unfold` into the job's moves and one
+"task created" line per task, so nothing is lost to operators.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
 from django.db import connection
+
+from events.models import Event, Level
 
 
 @dataclass
@@ -69,3 +78,79 @@ BUILDER = "builder"
 def operator_source(by: str) -> str:
     """Return the ``source`` of an operator's action: ``user:<name>``, or ``api`` when no user is named."""
     return f"user:{by}" if by else "api"
+
+
+# --------------------------------------------------------------------------------------------
+# A job's creation: one row for the job and its tasks
+# --------------------------------------------------------------------------------------------
+
+#: The job's creation started at once: the row is the job's move from nothing to ``waiting``.
+CREATED = "created"
+#: Admitted by the builder: the row is the job's move from ``queued`` to ``waiting``.
+ADMITTED = "queued"
+
+
+def created_tasks(tasks: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
+    """Return the ``data["tasks"]`` entries of a creation event: each task's id, key and first status."""
+    return [{"id": str(t["id"]), "task_key": t["task_key"], "to": str(t["status"])} for t in tasks]
+
+
+def tasks_summary(statuses: Sequence[str]) -> str:
+    """Return ``1 task queued`` or ``3 tasks: 2 queued, 1 waiting`` (first statuses, in order of appearance)."""
+    if len(statuses) == 1:
+        return f"1 task {statuses[0]}"
+    counts = Counter(statuses)
+    return f"{len(statuses)} tasks: " + ", ".join(f"{n} {status}" for status, n in counts.items())
+
+
+def creation_message(frm: str, statuses: Sequence[str]) -> str:
+    """Return the message of a creation event (``frm`` is :data:`CREATED` or :data:`ADMITTED`)."""
+    move = "job created waiting" if frm == CREATED else "job queued → waiting"
+    return f"{move}, {tasks_summary(statuses)}" if statuses else move
+
+
+def creation_level(statuses: Iterable[str]) -> str:
+    """A creation with a blocked task is a warning, as the blocked task's own line is."""
+    return Level.WARN if "blocked" in statuses else Level.INFO
+
+
+def creation_event(job_id: UUID | str, tasks: list[dict[str, Any]], *, source: str) -> EventRow:
+    """Return the one event recording the builder's admission of a queued job with its new tasks."""
+    entries = created_tasks(tasks)
+    statuses = [e["to"] for e in entries]
+    return EventRow(type="status", message=creation_message(ADMITTED, statuses), job_id=job_id, source=source,
+                    level=creation_level(statuses), data={"from": ADMITTED, "to": "waiting", "tasks": entries})
+
+
+def is_creation(event: Event) -> bool:
+    """Whether ``event`` is a job's compact creation row (a job move that lists the tasks it created)."""
+    data = event.data
+    return (event.task_id is None and event.type == "status" and isinstance(data, dict)
+            and isinstance(data.get("tasks"), list) and data.get("from") in (CREATED, ADMITTED))
+
+
+def unfold(event: Event) -> list[Event]:
+    """Return a creation row as the lines it stands for, oldest first; any other event as itself.
+
+    The lines are the job's moves (created → queued, queued → waiting) and one "task created" line
+    per task, with the row's time, source and id, and each task's id and key: what the timeline
+    showed when each was a row of its own. The lines are not saved.
+    """
+    if not is_creation(event):
+        return [event]
+    data = event.data
+
+    def line(message: str, level: str, line_data: dict[str, Any], task_id: Any = None) -> Event:
+        return Event(id=event.id, ts=event.ts, job_id=event.job_id, task_id=task_id, attempt=None,
+                     source=event.source, level=level, type=event.type, message=message, data=line_data)
+
+    lines = []
+    if data["from"] == CREATED:
+        lines.append(line("job created queued", Level.INFO,
+                          {"from": "created", "to": "queued", "approval": data.get("approval", "not_required")}))
+    lines.append(line("job queued → waiting (tasks created)", Level.INFO, {"from": "queued", "to": "waiting"}))
+    for task in data["tasks"]:
+        to = task.get("to", "")
+        lines.append(line(f"task created {to}", creation_level([to]),
+                          {"from": "created", "to": to, "task_key": task.get("task_key", "")}, UUID(task["id"])))
+    return lines

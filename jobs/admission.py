@@ -26,7 +26,7 @@ from uuid import UUID
 from django.db import connection, transaction
 
 from accs_site.clock import db_now
-from events.timeline import BUILDER, EventRow, write_events
+from events.timeline import BUILDER, EventRow, creation_event, write_events
 from jobs.finalize import finalize_jobs
 from jobs.instantiate import HostInfo, InstantiationError, JobRow, ServiceInfo, build_task_rows, step_rows, steps_for
 from jobs.locks import advisory_locks, lock_jobs
@@ -270,18 +270,15 @@ def _instantiate(cur, job_ids: list[UUID], *, now: datetime, source: str) -> lis
         moved = {r[0] for r in cur.fetchall()}
         started = [j for j in started if j in moved]
         readmitted = [j for j in readmitted if j in moved]
-        events += [EventRow(type="status", message="job queued → waiting (tasks created)", job_id=j, source=source,
-                            data={"from": "queued", "to": "waiting"}) for j in started]
+        # One event per admitted job records its move and the tasks it created (events.timeline), as
+        # the one-statement start in jobs.enqueue does.
+        created: dict[UUID, list[dict[str, Any]]] = {j: [] for j in started}
+        for row in task_rows:
+            if row["job_id"] in created:
+                created[row["job_id"]].append(row)
+        events += [creation_event(j, created[j], source=source) for j in started]
         events += [EventRow(type="status", message="job queued → waiting (admitted again after a retry)", job_id=j,
                             source=source, data={"from": "queued", "to": "waiting"}) for j in readmitted]
-        started_set = set(started)
-        for row in task_rows:
-            if row["job_id"] in started_set:
-                status = row["status"]
-                events.append(EventRow(type="status", message=f"task created {status}", job_id=row["job_id"],
-                                       task_id=row["id"], source=source,
-                                       level="warn" if status == TaskStatus.BLOCKED else "info",
-                                       data={"from": "created", "to": status, "task_key": row["task_key"]}))
     for jid, code, message in failed:
         cur.execute("UPDATE accs_job SET status = 'error', error_code = %s, error_message = %s, finished_at = %s,"
                     " updated_at = %s WHERE id = %s AND status = 'queued'", [code, message, now, now, jid])

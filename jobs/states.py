@@ -54,7 +54,8 @@ TASK_TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 JOB_TRANSITIONS: dict[str, frozenset[str]] = {
-    "created": frozenset({J.QUEUED}),
+    # created → waiting: started at once (due, no approval, no cap), its tasks created with it.
+    "created": frozenset({J.QUEUED, J.WAITING}),
     # queued → waiting: admitted, its tasks created.
     J.QUEUED: frozenset({J.WAITING, J.ERROR, J.CANCELED}),
     # waiting ⇄ running: a task of it started; its last starting or running task ended.

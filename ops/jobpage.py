@@ -33,6 +33,7 @@ from django.utils.http import content_disposition_header, urlencode
 
 from accs_site.admin_kit import human_age, run_interval
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
+from events.timeline import unfold
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
 from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery, shown_progress
 from jobs.states import job_actions_for, task_actions_for
@@ -173,8 +174,11 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         events = events.filter(level__in=levels_from(level))
     if event_type:
         events = events.filter(type=event_type)
-    timeline = [EventRow(event=event, task_key=task_keys.get(event.task_id, "") if event.task_id else "")
-                for event in events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS]]
+    # A job's creation is one row for the job and its tasks: shown as its lines, newest first like the rest.
+    shown_levels = levels_from(level)
+    timeline = [EventRow(event=line, task_key=task_keys.get(line.task_id, "") if line.task_id else "")
+                for event in events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS]
+                for line in reversed(unfold(event)) if line.level in shown_levels]
     artifacts = _artifacts(job)
     attempt_ids: dict[tuple[UUID | None, int | None], int] = {(a.task_id, a.attempt_no): a.pk for a in attempts}
     for row in artifacts:

@@ -63,7 +63,8 @@ WITH e AS (
              WHEN e.task_id IS NOT NULL AND e.data->>'to' = 'done' THEN 'done'
              WHEN e.task_id IS NOT NULL AND e.data->>'dead_letter' = 'true' THEN 'dead_letter'
              WHEN e.task_id IS NOT NULL AND e.attempt IS NOT NULL AND e.data->>'to' = 'canceled' THEN 'canceled'
-             WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' = 'queued'
+             -- a job started: admitted from queued, or created already waiting (the one-statement start)
+             WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' IN ('queued', 'created')
                   AND e.data->>'to' IN ('waiting', 'running') THEN 'job_started'
              WHEN e.task_id IS NULL AND e.job_id IS NOT NULL
                   AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected')

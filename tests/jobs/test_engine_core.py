@@ -10,6 +10,7 @@ from django.db import connection
 from django.utils import timezone
 
 from events.models import Event
+from events.timeline import unfold
 from jobs import api, transitions
 from jobs.backoff import backoff_delay
 from jobs.models import Attempt, Job, Task
@@ -68,7 +69,8 @@ def test_every_status_change_writes_an_event(two_step):
     job = api.start_workflow("two")
     run_ok(claim_for(a))
     run_ok(claim_for(b))
-    messages = list(Event.objects.filter(job_id=job.id).order_by("id").values_list("message", flat=True))
+    # A job's creation with its tasks is one row, shown as its lines (events.timeline.unfold).
+    messages = [line.message for e in Event.objects.filter(job_id=job.id).order_by("id") for line in unfold(e)]
     assert messages == [
         "job created queued", "job queued → waiting (tasks created)", "task created queued", "task created waiting",
         "task queued → starting", "job waiting → running", "task starting → running", "task running → done",
@@ -170,8 +172,9 @@ def test_a_start_already_recorded_does_not_fence_the_end_reported_with_it(make_s
     assert result.done == [tasks[0].id] and result.fenced == []
     job.refresh_from_db()
     assert job.status == "done"
-    status_events = Event.objects.filter(task_id=tasks[0].id, type="status").order_by("id")
-    assert list(status_events.values_list("message", flat=True)) == [
+    status_events = [line for e in Event.objects.filter(job_id=job.id, type="status").order_by("id")
+                     for line in unfold(e) if line.task_id == tasks[0].id]
+    assert [line.message for line in status_events] == [
         "task created queued", "task queued → starting", "task starting → running", "task running → done"]
 
 
@@ -310,8 +313,9 @@ def test_a_job_is_running_only_while_a_task_of_it_is_starting_or_running(make_se
     assert result.retried == [failing.id]
     assert _status(job) == "waiting", "its retry waits out its backoff: nothing of the job runs"
     assert {_status(j) for j in idle} == {"waiting"}, "never-claimed jobs never show running"
-    moves = list(Event.objects.filter(job_id=job.id, task_id=None, type="status").order_by("id")
-                 .values_list("data__from", "data__to"))
+    moves = [(line.data["from"], line.data["to"])
+             for e in Event.objects.filter(job_id=job.id, task_id=None, type="status").order_by("id")
+             for line in unfold(e) if line.task_id is None]
     assert moves == [("created", "queued"), ("queued", "waiting"), ("waiting", "running"), ("running", "waiting")]
 
 
