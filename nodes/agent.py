@@ -198,6 +198,7 @@ class Agent:
         # committed all the same), or starting a claimed task raised. The next pass adopts them.
         self._claim_in_doubt = False
         self._claim_filled = False  # the last claim took all it asked for (more may be queued)
+        self._notified = False  # the last wait ended with a NOTIFY
         self._listen: psycopg.Connection | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = daemon.Backoff(base=0.5, cap=10.0)
@@ -308,6 +309,12 @@ class Agent:
         if not self.guard.outage_this_pass:
             with self.stall.step("database probe"):
                 self.guard.probe()
+        # Woken by a NOTIFY (new work), claim before reporting what the workers finished: the new
+        # task waits for no report. Slots the unreported outcomes free are used by the next claim.
+        notified, self._notified = self._notified, False
+        claimed: int | None = None
+        if notified and self._node_at >= 0 and not self._claim_in_doubt and not self.stopping:
+            claimed = self._step("claim", self._claim, default=0)
         self._step("report", self._flush_reports)
         if self._node_at < 0:  # the first pass: the node's limits and pause before any claim
             self._refresh_node(time.monotonic())
@@ -317,7 +324,8 @@ class Agent:
                 item.ctx.stop("shutdown")
         if self._claim_in_doubt:
             self._step("adopt claimed tasks", self._adopt)
-        claimed = 0 if self.stopping else self._step("claim", self._claim, default=0)
+        if claimed is None:
+            claimed = 0 if self.stopping else self._step("claim", self._claim, default=0)
         # The periodic work comes after the claim, so a task whose NOTIFY woke the agent is claimed
         # without waiting for it (what it refreshes is up to a refresh period old either way).
         now = time.monotonic()
@@ -850,6 +858,7 @@ class Agent:
             ready = []
         # A file descriptor came from an open LISTEN connection, which nothing closed since.
         if listen_fd is not None and listen_fd in ready and self._listen is not None:
+            self._notified = True
             try:
                 for _ in self._listen.notifies(timeout=0, stop_after=1000):
                     pass
