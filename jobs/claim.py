@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -42,6 +43,7 @@ from uuid import UUID
 from django.db import connection, transaction
 
 from jobs.locks import advisory_locks
+from jobs.notify import service_channel
 from jobs.reports import promote_scheduled_in
 from jobs.sql import from_json
 
@@ -457,6 +459,151 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
                    for k in ("", "c", "r", "cr") for r in (False, True) for one in (False, True)}
 
 
+# The claim of services without a fleet-wide limit, as one server-side function (migration
+# 0018): the claim's hot path in one round trip (no BEGIN, no COMMIT, none of the reads and locks
+# of claim_many's general path as separate statements), and its statements planned once per
+# server connection (PL/pgSQL caches their plans) instead of at every claim: planning the claim
+# statement cost more than running it. Nothing here is session state a pooler could lose: the
+# function lives in the database, and a connection that never ran it just plans it once.
+#
+# It runs, in order: the promotion of due retries, a look at the services' current limits (a
+# service that has a fleet-wide limit now is left out and named in the answer, for the general
+# path to claim under its lock), the node's lock, the node's held work and hosts read after it
+# (each statement of a PL/pgSQL function sees the rows committed before it starts, so the counts
+# are exact under the lock), the room of each service, and the very claim statement above
+# (CLAIM_SQL) with its parameters bound to the function's variables. Its instant is taken once,
+# after the lock, as the general path's statement_timestamp() is.
+PLAIN_CLAIM_FUNCTION = "accs_claim_plain"
+
+_PLAIN_PARAMS = {
+    "svc_ids": "v_ids", "rooms": "v_rooms", "weights": "v_weights", "adjust": "v_adjust", "scans": "v_rooms",
+    "rpaths": "v_texts", "rlimits": "v_zeros", "cpaths": "v_texts", "climits": "v_zeros", "periods": "v_zeros",
+    "rated": "v_falses", "exclude": "p_exclude", "hosts": "v_hosts", "slots": "v_slots", "cpu": "v_cpu",
+    "agent": "p_agent", "node": "p_node", "leases": "v_leases", "lease": "p_lease", "pid": "p_pid",
+    "source": "p_source",
+}
+
+
+def plain_claim_function_sql() -> str:
+    """Return the CREATE FUNCTION statement of :data:`PLAIN_CLAIM_FUNCTION`, built from CLAIM_SQL.
+
+    A migration holds a copy; a test compares the database's function with this text, so a
+    change to the claim statement cannot leave the function running the old one unnoticed.
+    """
+    body = CLAIM_SQL.replace(STAMP_SQL, "v_stamp")
+    body = re.sub(r"%\((\w+)\)s", lambda m: _PLAIN_PARAMS[m.group(1)], body)
+    tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
+            " upd.service_id\n")
+    if tail not in body:
+        raise AssertionError("the claim statement's final SELECT changed: update plain_claim_function_sql")
+    # The function's columns have exact types: the varchar columns are cast, and each task's lease is added.
+    body = body.replace(tail, "SELECT upd.id, upd.job_id, upd.task_key::text, upd.attempt, upd.params,"
+                              " upd.timeout_seconds, h.name::text, upd.service_id,\n"
+                              "       coalesce((v_leases ->> upd.service_id::text)::float8, p_lease)\n")
+    return f"""CREATE OR REPLACE FUNCTION {PLAIN_CLAIM_FUNCTION}(
+    p_svc_ids bigint[], p_weights int[], p_adjust int[], p_node_caps int[], p_channels text[],
+    p_node text, p_agent text, p_pid int, p_source text, p_now timestamptz, p_free int, p_slot_cap int,
+    p_cpu_budget int, p_lease float8, p_blocked bigint[], p_exclude uuid[], p_promote_limit int)
+RETURNS TABLE (id uuid, job_id uuid, task_key text, attempt int, params jsonb, timeout_seconds int,
+               host text, service_id bigint, lease float8)
+LANGUAGE plpgsql VOLATILE
+-- One plan per server connection for each statement, made at its first call: planning a custom plan
+-- at every call (the default until PostgreSQL trusts a generic one) is what the function is for
+-- avoiding. The claim statement's shape does not depend on its parameters' values (ids go through
+-- arrays, scans are bounded per service), so the generic plan is the plan.
+SET plan_cache_mode = force_generic_plan
+AS $claim$
+#variable_conflict use_column
+DECLARE
+    v_stamp timestamptz;
+    v_promoted bigint[];
+    v_limited bigint[];
+    v_hosts_all int;
+    v_hosts_ok int;
+    v_hosts bigint[];
+    v_held int;
+    v_held_cpu int;
+    v_slots int;
+    v_cpu int;
+    v_ids bigint[];
+    v_rooms int[];
+    v_weights int[];
+    v_adjust int[];
+    v_leases jsonb;
+    v_texts text[];
+    v_zeros int[];
+    v_falses bool[];
+BEGIN
+    -- Retries of these services whose backoff is over (PROMOTE_SCHEDULED_SQL's statement).
+    WITH due AS (
+        SELECT t.id FROM accs_task t
+         WHERE t.status = 'scheduled' AND t.next_attempt_at <= coalesce(p_now, now())
+           AND t.service_id = ANY(p_svc_ids)
+         ORDER BY t.next_attempt_at LIMIT p_promote_limit
+           FOR UPDATE SKIP LOCKED
+    ), up AS (
+        UPDATE accs_task t SET status = 'queued', updated_at = now() FROM due WHERE t.id = due.id
+        RETURNING t.id, t.job_id, t.attempt, t.service_id
+    ), ev AS (
+        INSERT INTO accs_event (job_id, task_id, attempt, source, level, type, message, data)
+        SELECT up.job_id, up.id, up.attempt, p_source, 'info', 'status', 'task scheduled → queued (backoff over)',
+               '{{"from": "scheduled", "to": "queued"}}'::jsonb FROM up
+    )
+    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;
+    IF v_promoted IS NOT NULL THEN
+        PERFORM pg_notify(c.ch, '') FROM (SELECT DISTINCT x.ch FROM unnest(p_channels, p_svc_ids) AS x(ch, sid)
+                                          WHERE x.sid = ANY(v_promoted) ORDER BY 1) c;
+    END IF;
+    -- The services as the database holds them now: one with a fleet-wide limit is not claimed here.
+    SELECT coalesce(array_agg(s.id), '{{}}') INTO v_limited FROM accs_service s
+     WHERE s.id = ANY(p_svc_ids) AND (s.max_concurrent > 0 OR s.rate_limit > 0 OR s.rate_key_limit > 0
+                                      OR s.concurrency_key_limit > 0);
+    -- The node's lock (jobs.locks.advisory_locks takes the same one for the key 'accs:node:<name>').
+    PERFORM pg_advisory_xact_lock(hashtext('accs:node:' || p_node));
+    v_stamp := coalesce(p_now, clock_timestamp());
+    SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
+           coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')
+      INTO v_hosts_all, v_hosts_ok, v_hosts
+      FROM accs_host h WHERE h.node_id = p_node;
+    -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
+    SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
+      FROM accs_task t JOIN accs_service s ON s.id = t.service_id
+     WHERE t.status IN ('starting', 'running') AND t.node = p_node;
+    v_slots := least(p_free, CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
+    v_cpu := p_cpu_budget - v_held_cpu;
+    IF v_slots > 0 THEN
+        -- Each service's room (service_room): the node's slots and CPU, and its per-node cap.
+        SELECT array_agg(r.id ORDER BY r.ord), array_agg(r.room ORDER BY r.ord), array_agg(r.weight ORDER BY r.ord),
+               array_agg(r.adjust ORDER BY r.ord),
+               coalesce(jsonb_object_agg(r.id::text, r.lease::float8) FILTER (WHERE r.lease > 0), '{{}}')
+          INTO v_ids, v_rooms, v_weights, v_adjust, v_leases
+          FROM (SELECT u.id, u.ord, greatest(u.weight, 1) AS weight, u.adjust, s.lease_seconds AS lease,
+                       least(v_slots, v_cpu / greatest(u.weight, 1),
+                             CASE WHEN u.cap > 0 THEN u.cap - (SELECT count(*) FROM accs_task t
+                                                                WHERE t.status IN ('starting', 'running')
+                                                                  AND t.node = p_node AND t.service_id = u.id)
+                             END) AS room
+                  FROM unnest(p_svc_ids, p_weights, p_adjust, p_node_caps) WITH ORDINALITY
+                       AS u(id, weight, adjust, cap, ord)
+                  JOIN accs_service s ON s.id = u.id
+                 WHERE u.id <> ALL(v_limited)) r
+         WHERE r.room > 0;
+        IF v_ids IS NOT NULL THEN
+            v_texts := array_fill(''::text, ARRAY[cardinality(v_ids)]);
+            v_zeros := array_fill(0, ARRAY[cardinality(v_ids)]);
+            v_falses := array_fill(false, ARRAY[cardinality(v_ids)]);
+            RETURN QUERY
+{body.strip()};
+        END IF;
+    END IF;
+    -- The services left out, each as a row without a task.
+    RETURN QUERY SELECT NULL::uuid, NULL::uuid, NULL::text, NULL::int, NULL::jsonb, NULL::int, NULL::text, l.id,
+                        NULL::float8
+                   FROM unnest(v_limited) AS l(id);
+END
+$claim$"""
+
+
 def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
                     adjust: Mapping[int, int]) -> tuple[str, dict[str, Any]]:
     """Return the claim statement these services need and its per-service parameters."""
@@ -585,6 +732,57 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
     if free_slots <= 0 or not services:
         return []
     adjust = priority_adjust or {}
+    if not any(s.fleet_limited for s in services):
+        # The common case, in one round trip; a service that gained a fleet-wide limit since the
+        # agent's cache was read is left to the general path below, under its lock.
+        tasks, limited = _claim_plain(services, limits, agent_id=agent_id, free_slots=free_slots,
+                                      lease_seconds=lease_seconds, pid=pid, now=now, blocked_hosts=blocked_hosts,
+                                      exclude=exclude, adjust=adjust)
+        if not limited or free_slots <= len(tasks):
+            return tasks
+        return tasks + _claim_general([s for s in services if s.id in limited], limits, agent_id=agent_id,
+                                      free_slots=free_slots - len(tasks), lease_seconds=lease_seconds, pid=pid,
+                                      now=now, blocked_hosts=blocked_hosts,
+                                      exclude=[*exclude, *(t.id for t in tasks)], adjust=adjust)
+    return _claim_general(services, limits, agent_id=agent_id, free_slots=free_slots, lease_seconds=lease_seconds,
+                          pid=pid, now=now, blocked_hosts=blocked_hosts, exclude=exclude, adjust=adjust)
+
+
+PLAIN_CLAIM_CALL = f"""
+SELECT * FROM {PLAIN_CLAIM_FUNCTION}(%(svc_ids)s::bigint[], %(weights)s::int[], %(adjust)s::int[], %(caps)s::int[],
+    %(channels)s::text[], %(node)s, %(agent)s, %(pid)s, %(source)s, %(now)s::timestamptz, %(free)s, %(slot_cap)s,
+    %(cpu_budget)s, %(lease)s::float8, %(blocked)s::bigint[], %(exclude)s::uuid[], %(promote_limit)s)
+"""
+
+
+def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
+                 lease_seconds: float, pid: int | None, now: datetime | None, blocked_hosts: frozenset[int],
+                 exclude: Collection[UUID], adjust: Mapping[int, int]) -> tuple[list[ClaimedTask], set[int]]:
+    """Claim services without fleet-wide limits in one call; return the tasks and the services left out.
+
+    One statement, so outside a transaction it is its own (one round trip, committed by the server).
+    """
+    caps = [limits.per_service.get(s.key) or 0 for s in services]
+    with connection.cursor() as cur:
+        cur.execute(PLAIN_CLAIM_CALL, {
+            "svc_ids": [s.id for s in services], "weights": [max(s.cpu_weight, 1) for s in services],
+            "adjust": [adjust.get(s.id, 0) for s in services], "caps": [max(c, 0) for c in caps],
+            "channels": [service_channel(s.key) for s in services], "node": limits.name, "agent": agent_id,
+            "pid": pid, "source": f"agent:{limits.name}", "now": now, "free": free_slots, "slot_cap": limits.slot_cap,
+            "cpu_budget": limits.cpu_budget, "lease": float(lease_seconds), "blocked": sorted(blocked_hosts),
+            "exclude": [str(t) for t in exclude], "promote_limit": max(free_slots, 100)})
+        rows = cur.fetchall()
+    by_id = {s.id: s for s in services}
+    tasks = [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
+                         service_key=by_id[row[7]].key, lease_seconds=float(row[8]))
+             for row in rows if row[0] is not None]
+    return tasks, {row[7] for row in rows if row[0] is None}
+
+
+def _claim_general(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
+                   lease_seconds: float, pid: int | None, now: datetime | None, blocked_hosts: frozenset[int],
+                   exclude: Collection[UUID], adjust: Mapping[int, int]) -> list[ClaimedTask]:
+    """Claim under every limit: reads, locks and the claim statement in one short transaction."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         # The agent's specs may be up to its cache's age old; the limits come from the database.
         services = current_limits(cur, services)

@@ -22,6 +22,7 @@ already read.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from uuid import UUID
@@ -97,7 +98,7 @@ p AS (
     SELECT job_id, id, %(source)s, 'info', 'status', 'task waiting → queued',
            '{{"from": "waiting", "to": "queued"}}'::jsonb FROM p
 )
-SELECT DISTINCT s.key FROM p JOIN accs_service s ON s.id = p.service_id
+SELECT DISTINCT s.key::text FROM p JOIN accs_service s ON s.id = p.service_id
 """
 
 FINISH_SQL = f"""
@@ -177,21 +178,10 @@ def finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, r
     """
     if not job_ids:
         return
-    jobs = sorted({str(j) for j in job_ids})
-    for _ in range(MAX_DAG_DEPTH):
-        cur.execute(POISON_STEPS_SQL, {"jobs": jobs})
-        poisoned = cur.fetchall()
-        if not poisoned:
-            break
-        cur.execute(SKIP_DEPENDENTS_SQL, {"job_ids": [str(p[0]) for p in poisoned], "steps": [p[1] for p in poisoned],
-                                          "now": now, "source": source})
-    cur.execute(RELEASE_STEPS_SQL, {"jobs": jobs})
-    released = cur.fetchall()
-    if released or roots:
-        cur.execute(PROMOTE_SQL, {"job_ids": [str(r[0]) for r in released], "steps": [r[1] for r in released],
-                                  "roots": jobs if roots else [], "now": now, "source": source})
-        notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
-    cur.execute(FINISH_SQL, {"jobs": jobs, "now": now, "source": source})
+    # One call of the server-side function that runs the statements above (see finalize_function_sql).
+    cur.execute(f"SELECT * FROM {FINALIZE_FUNCTION}(%s::uuid[], %s::timestamptz, %s, %s)",
+                [sorted({str(j) for j in job_ids}), now, source, roots])
+    notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
 
 
 # The reason jobs.failure.apply gives the tasks it skips when a fail_job failure fails their job.
@@ -250,3 +240,66 @@ def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, 
     return [EventRow(type="status", job_id=jid, task_id=tid, source=source, level="warn",
                      message=f"task {frm} → {to} ({reason})", data={"from": frm, "to": to, "reason": reason})
             for tid, jid, frm in cur.fetchall()]
+
+
+# finalize_jobs as one server-side function (migration 0019): its statements in one round trip
+# instead of four or more, each planned once per server connection (PL/pgSQL caches the plans)
+# rather than at every call. The function runs the statements above, their parameters bound to
+# its variables; a test compares the database's function with finalize_function_sql(), so a change
+# to a statement comes with a migration that replaces the function. It returns the keys of the
+# services whose tasks it promoted, for the caller's NOTIFY (the channel names are the caller's).
+FINALIZE_FUNCTION = "accs_finalize_jobs"
+
+_FINALIZE_PARAMS = {"jobs": "p_jobs", "job_ids": "v_job_ids", "steps": "v_steps", "now": "p_now",
+                    "source": "p_source", "roots": "v_roots"}
+
+
+def _bind(sql: str) -> str:
+    """Return ``sql`` with its ``%(name)s`` parameters replaced by the function's variables."""
+    return re.sub(r"%\((\w+)\)s", lambda m: _FINALIZE_PARAMS[m.group(1)], sql).strip()
+
+
+def _into(sql: str, last_select: str, target: str) -> str:
+    """Return ``sql`` whose final ``last_select`` stores its row into ``target`` (PL/pgSQL's INTO)."""
+    if not sql.rstrip().endswith(last_select):
+        raise AssertionError(f"the statement no longer ends with {last_select!r}: update finalize_function_sql")
+    head, _, rest = sql.rpartition(last_select)
+    select_list, _, from_part = last_select.partition(" FROM ")
+    return f"{head}{select_list} INTO {target} FROM {from_part}{rest}"
+
+
+def finalize_function_sql() -> str:
+    """Return the CREATE FUNCTION statement of :data:`FINALIZE_FUNCTION`, built from the statements above."""
+    poison = _bind(f"WITH x AS ({POISON_STEPS_SQL.strip()})\n"
+                   "SELECT array_agg(x.job_id), array_agg(x.step_key) INTO v_job_ids, v_steps FROM x")
+    skip = _into(_bind(SKIP_DEPENDENTS_SQL), "SELECT count(DISTINCT id) FROM sk", "v_n")
+    release = _bind(f"WITH x AS ({RELEASE_STEPS_SQL.strip()})\n"
+                    "SELECT coalesce(array_agg(x.job_id), '{}'), coalesce(array_agg(x.step_key), '{}')"
+                    " INTO v_job_ids, v_steps FROM x")
+    return f"""CREATE OR REPLACE FUNCTION {FINALIZE_FUNCTION}(p_jobs uuid[], p_now timestamptz, p_source text,
+                                              p_roots bool)
+RETURNS SETOF text
+LANGUAGE plpgsql VOLATILE
+-- One plan per server connection for each statement (see jobs.claim's claim function).
+SET plan_cache_mode = force_generic_plan
+AS $finalize$
+#variable_conflict use_column
+DECLARE
+    v_job_ids uuid[];
+    v_steps text[];
+    v_roots uuid[];
+    v_n bigint;
+BEGIN
+    FOR i IN 1..{MAX_DAG_DEPTH} LOOP
+        {poison};
+        EXIT WHEN v_job_ids IS NULL;
+        {skip};
+    END LOOP;
+    {release};
+    v_roots := CASE WHEN p_roots THEN p_jobs ELSE '{{}}'::uuid[] END;
+    IF cardinality(v_job_ids) > 0 OR p_roots THEN
+        RETURN QUERY {_bind(PROMOTE_SQL)};
+    END IF;
+    {_bind(FINISH_SQL)};
+END
+$finalize$"""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from uuid import UUID
@@ -132,6 +133,99 @@ SELECT id, job_id FROM done
 """
 
 
+# The report of attempts that succeeded (with the starts reported beside them), as one server-side
+# function (migration 0019): the locks, the jobs' and tasks' transitions, their events and the jobs'
+# finalisation (finalize_jobs' function) in one round trip, each statement planned once per server
+# connection. It runs the statements above in report()'s order, their parameters bound to its
+# variables; a test compares the database's function with report_function_sql(). Failed,
+# interrupted and canceled attempts take report()'s general path (their failure policy is decided in
+# Python, jobs.failure.decide).
+REPORT_FUNCTION = "accs_report_succeeded"
+
+_REPORT_PARAMS = {"ids": "v_ids", "attempts": "v_attempts", "results": "v_results", "codes": "v_codes",
+                  "outs": "v_outs", "errs": "v_errs", "pids": "v_pids", "now": "v_now", "source": "p_source",
+                  "agent": "p_agent", "from_status": "v_from"}
+
+
+def _bind_report(sql: str) -> str:
+    return re.sub(r"%\((\w+)\)s", lambda m: _REPORT_PARAMS[m.group(1)], sql).strip()
+
+
+def _select_into(sql: str, last: str, into: str) -> str:
+    if not sql.endswith(last):
+        raise AssertionError(f"the statement no longer ends with {last!r}: update report_function_sql")
+    return sql[: -len(last)] + into
+
+
+def report_function_sql() -> str:
+    """Return the CREATE FUNCTION statement of :data:`REPORT_FUNCTION`, built from the statements above."""
+    mark = _select_into(_bind_report(MARK_RUNNING_SQL), "SELECT id FROM run", "SELECT count(*) INTO v_n FROM run")
+    complete = _select_into(_bind_report(COMPLETE_SQL), "SELECT id, job_id FROM done",
+                            "SELECT coalesce(array_agg(id), '{}'), coalesce(array_agg(job_id), '{}')"
+                            " INTO v_done, v_jobs FROM done")
+    return f"""CREATE OR REPLACE FUNCTION {REPORT_FUNCTION}(
+    p_start_ids uuid[], p_start_attempts int[], p_start_pids int[],
+    p_ids uuid[], p_attempts int[], p_results text[], p_codes int[], p_outs text[], p_errs text[], p_pids int[],
+    p_started bool[], p_agent text, p_source text, p_now timestamptz)
+RETURNS TABLE (kind text, value text)
+LANGUAGE plpgsql VOLATILE
+-- One plan per server connection for each statement (see jobs.claim's claim function).
+SET plan_cache_mode = force_generic_plan
+AS $report$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_from text;
+    v_ids uuid[];
+    v_attempts int[];
+    v_results text[];
+    v_codes int[];
+    v_outs text[];
+    v_errs text[];
+    v_pids int[];
+    v_done uuid[];
+    v_jobs uuid[];
+    v_all_done uuid[] := '{{}}';
+    v_all_jobs uuid[] := '{{}}';
+    v_n bigint;
+BEGIN
+    -- The lock order (jobs.locks): the jobs of the reported tasks, then the tasks, each sorted by id.
+    PERFORM 1 FROM accs_job WHERE id IN (SELECT t.job_id FROM accs_task t WHERE t.id = ANY(p_ids || p_start_ids))
+     ORDER BY id FOR NO KEY UPDATE;
+    PERFORM 1 FROM accs_task WHERE id = ANY(p_ids || p_start_ids) ORDER BY id FOR UPDATE;
+    -- Starts of attempts still running (mark_running).
+    IF cardinality(p_start_ids) > 0 THEN
+        v_ids := p_start_ids;
+        v_attempts := p_start_attempts;
+        v_pids := p_start_pids;
+        {_bind_report(JOBS_RUNNING_SQL)};
+        {mark};
+    END IF;
+    -- Successes whose start is in this report go starting → done, the others running → done.
+    FOREACH v_from IN ARRAY ARRAY['starting', 'running'] LOOP
+        SELECT array_agg(v.id), array_agg(v.attempt), array_agg(v.results), array_agg(v.code), array_agg(v.out),
+               array_agg(v.err), array_agg(v.pid)
+          INTO v_ids, v_attempts, v_results, v_codes, v_outs, v_errs, v_pids
+          FROM unnest(p_ids, p_attempts, p_results, p_codes, p_outs, p_errs, p_pids, p_started)
+               AS v(id, attempt, results, code, out, err, pid, started)
+         WHERE v.started = (v_from = 'starting');
+        CONTINUE WHEN v_ids IS NULL;
+        IF v_from = 'starting' THEN
+            {_bind_report(JOBS_RUNNING_SQL)};
+        END IF;
+        {complete};
+        v_all_done := v_all_done || v_done;
+        v_all_jobs := v_all_jobs || v_jobs;
+    END LOOP;
+    RETURN QUERY SELECT 'done', d::text FROM unnest(v_all_done) AS d;
+    IF cardinality(v_all_jobs) > 0 THEN
+        RETURN QUERY SELECT 'notify', k FROM accs_finalize_jobs(
+            ARRAY(SELECT DISTINCT j FROM unnest(v_all_jobs) AS j ORDER BY 1), v_now, p_source, false) AS k;
+    END IF;
+END
+$report$"""
+
+
 def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[UUID, int, int | None]] = (),
            agent_id: str = "", now: datetime | None = None) -> ReportResult:
     """Record how attempts ended, in one transaction: done, retry with backoff, final error, canceled.
@@ -139,6 +233,8 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
     ``started`` optionally moves tasks to running first (in the same transaction), so an agent
     reports a short task's start and end together.
     """
+    if all(o.status == "succeeded" for o in outcomes):
+        return _report_succeeded(outcomes, source=source, started=started, agent_id=agent_id, now=now)
     result = ReportResult()
     started_pid = {(tid, att): pid for tid, att, pid in started}
     # Successes whose start is in this same report go starting → done in one statement.
@@ -186,6 +282,51 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
                 result.fenced = [o.task_id for o in fenced]
                 _record_fenced(cur, fenced, source=source)
         finalize_jobs(cur, sorted(touched_jobs, key=str), now=now, source=source)
+    return result
+
+
+REPORT_CALL = f"""
+SELECT * FROM {REPORT_FUNCTION}(%(start_ids)s::uuid[], %(start_attempts)s::int[], %(start_pids)s::int[],
+    %(ids)s::uuid[], %(attempts)s::int[], %(results)s::text[], %(codes)s::int[], %(outs)s::text[], %(errs)s::text[],
+    %(pids)s::int[], %(started)s::bool[], %(agent)s, %(source)s, %(now)s::timestamptz)
+"""
+
+
+def _report_succeeded(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[UUID, int, int | None]],
+                      agent_id: str, now: datetime | None) -> ReportResult:
+    """Report successes (and starts) with one call of the report function; see :func:`report`.
+
+    Outside a transaction the call is its own, committed by the server: one round trip. Reports
+    it refuses (fenced, or repeats of a report whose answer was lost) are sorted out afterwards.
+    """
+    result = ReportResult()
+    started_pid = {(tid, att): pid for tid, att, pid in started}
+    reported = {(o.task_id, o.attempt) for o in outcomes}
+    only_started = [s for s in started if (s[0], s[1]) not in reported]
+    with connection.cursor() as cur:
+        cur.execute(REPORT_CALL, {
+            "start_ids": [s[0] for s in only_started], "start_attempts": [s[1] for s in only_started],
+            "start_pids": [s[2] for s in only_started],
+            "ids": [o.task_id for o in outcomes], "attempts": [o.attempt for o in outcomes],
+            "results": [json.dumps(o.results if o.results is not None else {}, default=str) for o in outcomes],
+            "codes": [o.exit_code for o in outcomes], "outs": [o.stdout_tail for o in outcomes],
+            "errs": [o.stderr_tail for o in outcomes],
+            "pids": [started_pid.get((o.task_id, o.attempt)) for o in outcomes],
+            "started": [(o.task_id, o.attempt) in started_pid for o in outcomes],
+            "agent": agent_id, "source": source, "now": now})
+        rows = cur.fetchall()
+        result.done = [UUID(value) for kind, value in rows if kind == "done"]
+        notify(cur, [service_channel(value) for kind, value in rows if kind == "notify"])
+    done = set(result.done)
+    rejected = [o for o in outcomes if o.task_id not in done]
+    if rejected:
+        with transaction.atomic(savepoint=False), connection.cursor() as cur:
+            recorded = _already_recorded(cur, rejected)
+            result.repeated = [o.task_id for o in rejected if o.task_id in recorded]
+            fenced = [o for o in rejected if o.task_id not in recorded]
+            if fenced:
+                result.fenced = [o.task_id for o in fenced]
+                _record_fenced(cur, fenced, source=source)
     return result
 
 

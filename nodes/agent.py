@@ -197,6 +197,8 @@ class Agent:
         # Tasks may be claimed for this agent that it does not run: a claim raised (it may have
         # committed all the same), or starting a claimed task raised. The next pass adopts them.
         self._claim_in_doubt = False
+        self._claim_filled = False  # the last claim took all it asked for (more may be queued)
+        self._notified = False  # the last wait ended with a NOTIFY
         self._listen: psycopg.Connection | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = daemon.Backoff(base=0.5, cap=10.0)
@@ -296,7 +298,9 @@ class Agent:
                 self._sleep(self.backoff.next_delay())
             else:
                 self.backoff.reset()
-                if not claimed:
+                # A claim that filled its batch may have left more work queued: claim again at once.
+                # One that took less found the queue empty; a new task's NOTIFY ends the wait.
+                if not claimed or not self._claim_filled:
                     self._wait()
 
     def _pass(self) -> int:
@@ -305,14 +309,28 @@ class Agent:
         if not self.guard.outage_this_pass:
             with self.stall.step("database probe"):
                 self.guard.probe()
+        # Woken by a NOTIFY (new work), claim before reporting what the workers finished: the new
+        # task waits for no report. Slots the unreported outcomes free are used by the next claim.
+        notified, self._notified = self._notified, False
+        claimed: int | None = None
+        if notified and self._node_at >= 0 and not self._claim_in_doubt and not self.stopping:
+            claimed = self._step("claim", self._claim, default=0)
         self._step("report", self._flush_reports)
+        if self._node_at < 0:  # the first pass: the node's limits and pause before any claim
+            self._refresh_node(time.monotonic())
+        self._check_drain_deadline()
+        if self.stop_now:
+            for item in self._running_items():
+                item.ctx.stop("shutdown")
+        if self._claim_in_doubt:
+            self._step("adopt claimed tasks", self._adopt)
+        if claimed is None:
+            claimed = 0 if self.stopping else self._step("claim", self._claim, default=0)
+        # The periodic work comes after the claim, so a task whose NOTIFY woke the agent is claimed
+        # without waiting for it (what it refreshes is up to a refresh period old either way).
         now = time.monotonic()
         if now - self._node_at >= NODE_REFRESH_SECONDS:
-            self._node_at = now
-            self._step("node heartbeat", self._touch_node)
-            self._step("services", self._load_services)
-            self._step("claiming pause", self._refresh_pause)
-            self._step("governor", self._refresh_governor)
+            self._refresh_node(now)
         if self.running and now - self._heartbeat_at >= self._heartbeat_every():
             self._heartbeat_at = now
             self._step("heartbeat", self._heartbeat)
@@ -321,15 +339,15 @@ class Agent:
             self._step("disk sample", self._sample_disk)
         if now - self._scratch_at >= SCRATCH_SWEEP_SECONDS:
             self._sweep_scratch()
-        self._check_drain_deadline()
-        if self.stop_now:
-            for item in self._running_items():
-                item.ctx.stop("shutdown")
-        if self._claim_in_doubt:
-            self._step("adopt claimed tasks", self._adopt)
-        if self.stopping:
-            return 0
-        return self._step("claim", self._claim, default=0)
+        return claimed
+
+    def _refresh_node(self, now: float) -> None:
+        """Renew the node's heartbeat and re-read its limits, pause, services and governor conditions."""
+        self._node_at = now
+        self._step("node heartbeat", self._touch_node)
+        self._step("services", self._load_services)
+        self._step("claiming pause", self._refresh_pause)
+        self._step("governor", self._refresh_governor)
 
     def _heartbeat_every(self) -> float:
         """Renew every third of the shortest lease held (at most every third of the agent's own).
@@ -460,6 +478,7 @@ class Agent:
     def _claim(self) -> int:
         """Claim across this agent's services in the one global order, in one statement."""
         free = min(self.max_concurrent - len(self.running), self.claim_batch)
+        self._claim_filled = False
         if free <= 0 or self._paused:
             return 0
         services, adjust = [], {}
@@ -488,6 +507,7 @@ class Agent:
         for task in tasks:
             self._start(task, by_key[task.service_key], renewed_at=renewed_at)
         self._claim_in_doubt = False
+        self._claim_filled = len(tasks) >= free
         if tasks:
             self.stats["claimed"] += len(tasks)
             log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
@@ -634,13 +654,20 @@ class Agent:
         progress = dict(self.pending_progress)
         logs = list(self.pending_logs)
         try:
-            with transaction.atomic():
-                if logs:
-                    write_events(logs)
+            if logs or progress:
+                with transaction.atomic():
+                    if logs:
+                        write_events(logs)
+                    result = transitions.report(list(outcomes.values()), started=_started_items(started),
+                                                agent_id=self.agent_id, source=self.source)
+                    if progress:
+                        transitions.report_progress([(k[0], k[1], v) for k, v in progress.items()],
+                                                    source=self.source)
+            else:
+                # Outcomes and starts alone: the report is one transaction by itself (for successes,
+                # one round trip), without a BEGIN and a COMMIT of its own around it.
                 result = transitions.report(list(outcomes.values()), started=_started_items(started),
                                             agent_id=self.agent_id, source=self.source)
-                if progress:
-                    transitions.report_progress([(k[0], k[1], v) for k, v in progress.items()], source=self.source)
         except Exception as exc:  # noqa: BLE001 - sorted below
             if daemon.is_transient(exc):
                 raise
@@ -831,6 +858,7 @@ class Agent:
             ready = []
         # A file descriptor came from an open LISTEN connection, which nothing closed since.
         if listen_fd is not None and listen_fd in ready and self._listen is not None:
+            self._notified = True
             try:
                 for _ in self._listen.notifies(timeout=0, stop_after=1000):
                     pass

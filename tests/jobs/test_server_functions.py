@@ -1,0 +1,148 @@
+"""The claim, the report of successes and job finalisation as server-side functions.
+
+Each function is built from the statements its module holds and created by a migration; these
+tests keep the two the same, pin the hot paths to one statement each, and check the behaviour the
+functions must share with the general paths (the lock order, fencing, every transition's event).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+from django.db import connection, connections
+
+from events.models import Event
+from jobs import api, transitions
+from jobs.claim import PLAIN_CLAIM_FUNCTION, NodeLimits, claim_many, plain_claim_function_sql, service_spec
+from jobs.finalize import FINALIZE_FUNCTION, finalize_function_sql
+from jobs.models import Task
+from jobs.reports import REPORT_FUNCTION, report_function_sql
+from tests.engine_helpers import NODE, claim_for, run_ok
+from workflows.api import create_workflow
+from workflows.models import Service
+
+pytestmark = pytest.mark.django_db
+
+
+def _body(create_sql: str) -> str:
+    """Return the body of a CREATE FUNCTION statement (between its dollar quotes)."""
+    match = re.search(r"AS \$(\w+)\$\n(.*)\$\1\$", create_sql, re.S)
+    assert match, "no dollar-quoted body"
+    return match.group(2)
+
+
+@pytest.mark.parametrize(("name", "build"), [(PLAIN_CLAIM_FUNCTION, plain_claim_function_sql),
+                                             (FINALIZE_FUNCTION, finalize_function_sql),
+                                             (REPORT_FUNCTION, report_function_sql)])
+def test_the_database_function_runs_the_statements_the_code_holds_now(name, build):
+    """A change to a statement the function copies needs a migration that replaces the function."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [name])
+        rows = cur.fetchall()
+    assert len(rows) == 1, f"{name} is missing or overloaded: {len(rows)} definitions"
+    assert rows[0][0].strip() == _body(build()).strip(), (
+        f"{name} differs from what the code builds: add a migration replacing it")
+
+
+def test_a_plain_claim_is_one_statement(make_service, django_assert_num_queries):
+    svc = make_service("fn-plain")
+    for i in range(3):
+        api.start_service("fn-plain", params={"n": i})
+    with django_assert_num_queries(1):
+        tasks = claim_many([service_spec(svc)], NODE, agent_id="agent-fn", free_slots=2, lease_seconds=60)
+    assert len(tasks) == 2
+    claimed = Task.objects.filter(id__in=[t.id for t in tasks])
+    assert {t.status for t in claimed} == {"starting"} and {t.claimed_by for t in claimed} == {"agent-fn"}
+    assert Event.objects.filter(task_id__in=[t.id for t in tasks], message="task queued → starting").count() == 2
+
+
+def test_a_report_of_successes_is_one_statement_and_writes_every_transition(make_service, django_assert_num_queries):
+    make_service("fn-a"), make_service("fn-b")
+    create_workflow(name="fn-wf", steps=[{"key": "a", "service": "fn-a", "depends_on": []},
+                                         {"key": "b", "service": "fn-b", "depends_on": ["a"]}])
+    job = api.start_workflow("fn-wf")
+    tasks = claim_for(Service.objects.get(key="fn-a"))
+    with django_assert_num_queries(2):  # the function, and the NOTIFY for the promoted step
+        result = run_ok(tasks)
+    assert result.done == [tasks[0].id]
+    messages = list(Event.objects.filter(job_id=job.id).order_by("id").values_list("message", flat=True))
+    for expected in ("job waiting → running", "task starting → running", "task running → done",
+                     "task waiting → queued"):
+        assert expected in messages, (expected, messages)
+    b = Task.objects.get(job=job, step_key="b")
+    assert b.status == "queued"
+    run_ok(claim_for(Service.objects.get(key="fn-b")))
+    job.refresh_from_db()
+    assert job.status == "done" and job.progress == 1
+
+
+def test_a_late_success_from_a_fenced_attempt_changes_nothing_and_is_recorded(make_service):
+    svc = make_service("fn-fence")
+    api.start_service("fn-fence")
+    first = claim_for(svc)
+    Task.objects.filter(id=first[0].id).update(attempt=first[0].attempt + 1)  # a newer attempt took over
+    result = run_ok(first)
+    assert result.done == [] and result.fenced == [first[0].id]
+    assert Task.objects.get(id=first[0].id).status == "starting"
+    assert Event.objects.filter(task_id=first[0].id, type="fenced").count() == 1
+
+
+def test_a_repeated_success_report_is_known_as_a_repeat(make_service):
+    svc = make_service("fn-repeat")
+    api.start_service("fn-repeat")
+    tasks = claim_for(svc)
+    assert run_ok(tasks).done == [tasks[0].id]
+    again = run_ok(tasks)
+    assert again.done == [] and again.repeated == [tasks[0].id] and again.fenced == []
+
+
+def test_a_service_that_gained_a_cap_is_claimed_under_it_despite_a_stale_spec(make_service):
+    svc = make_service("fn-capped")
+    for i in range(4):
+        api.start_service("fn-capped", params={"n": i})
+    stale = service_spec(svc)
+    Service.objects.filter(id=svc.id).update(max_concurrent=1)
+    tasks = claim_many([stale], NODE, agent_id="agent-fn", free_slots=4, lease_seconds=60)
+    assert len(tasks) == 1
+
+
+def test_the_node_slot_cap_counts_work_held_by_the_nodes_other_agents(make_service):
+    svc = make_service("fn-slots")
+    for i in range(6):
+        api.start_service("fn-slots", params={"n": i})
+    limits = NodeLimits(name="node-fn", slot_cap=3, cpu_budget=100, per_service={})
+    first = claim_many([service_spec(svc)], limits, agent_id="agent-1", free_slots=2, lease_seconds=60)
+    second = claim_many([service_spec(svc)], limits, agent_id="agent-2", free_slots=5, lease_seconds=60)
+    assert (len(first), len(second)) == (2, 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_agents_claiming_at_once_never_take_the_same_task(make_service):
+    svc = make_service("fn-race")
+    api.start_many([api.JobSpec(service="fn-race", params={"n": i}) for i in range(40)])
+    while transitions.start_due_jobs(limit=100):
+        pass
+    got: dict[str, list] = {}
+    barrier = threading.Barrier(2)
+
+    def agent(name: str) -> None:
+        try:
+            barrier.wait()
+            tasks = []
+            for _ in range(10):
+                tasks += claim_many([service_spec(svc)], NodeLimits(name=f"node-{name}", slot_cap=100, cpu_budget=100,
+                                                                     per_service={}),
+                                    agent_id=name, free_slots=3, lease_seconds=60)
+            got[name] = tasks
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=agent, args=(n,)) for n in ("a1", "a2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    ids = [t.id for tasks in got.values() for t in tasks]
+    assert len(ids) == len(set(ids)) == 40
