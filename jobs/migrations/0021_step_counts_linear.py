@@ -59,6 +59,6 @@ $$;
 
 
 class Migration(migrations.Migration):
-    dependencies = [("jobs", "0019_report_functions")]
+    dependencies = [("jobs", "0020_report_functions")]
 
     operations = [migrations.RunSQL(LINEAR, JOINED)]

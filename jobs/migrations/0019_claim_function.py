@@ -239,6 +239,6 @@ DROP = """DROP FUNCTION IF EXISTS accs_claim_plain(bigint[], int[], int[], int[]
 
 
 class Migration(migrations.Migration):
-    dependencies = [("jobs", "0017_cockpit_scale")]
+    dependencies = [("jobs", "0018_time_ordered_ids")]
 
     operations = [migrations.RunSQL(CREATE, DROP)]

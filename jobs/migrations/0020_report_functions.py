@@ -284,6 +284,6 @@ DROP_REPORT = """DROP FUNCTION IF EXISTS accs_report_succeeded(uuid[], int[], in
 
 
 class Migration(migrations.Migration):
-    dependencies = [("jobs", "0018_claim_function")]
+    dependencies = [("jobs", "0019_claim_function")]
 
     operations = [migrations.RunSQL(FINALIZE, DROP_FINALIZE), migrations.RunSQL(REPORT, DROP_REPORT)]
