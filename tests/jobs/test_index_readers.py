@@ -270,7 +270,6 @@ def test_the_reader_uses_its_index(history, reader, statement, indexes):
     assert "job_created_idx" not in used, f"{reader}:\n{plan}"
 
 
-
 def test_finished_work_is_not_in_the_hot_indexes(history):
     """The indexes the claim, the rescue, promotion and settlement read hold the backlog only."""
     hot = ["task_claim_idx", "task_claim_host_idx", "task_scheduled_idx", "task_lease_idx", "task_held_node_idx",
