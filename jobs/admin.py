@@ -418,7 +418,7 @@ class TaskAdmin(RedriveAdmin):
             by_start = Q(pk__gte=span[0], pk__lte=span[1]) | Q(job_id__gte=span[0], job_id__lte=span[1])
             return queryset.filter(by_end | by_start), False
         if span := uuid_prefix_range(term):
-            # Ranges on the primary key and on task_job_status_idx (job first), nothing else: an
+            # Ranges on the primary key and on task_job_key_unique (job first), nothing else: an
             # OR with the unindexed fields below would read every task.
             in_span = Q(pk__gte=span[0], pk__lte=span[1]) | Q(job_id__gte=span[0], job_id__lte=span[1])
             return queryset.filter(in_span), False

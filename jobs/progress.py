@@ -26,7 +26,7 @@ def job_progress_subquery() -> Subquery:
     100 % for a failed job and 0 % for a job whose only task is half done; operators see this.
     """
     tasks = (Task.objects.filter(job_id=OuterRef("pk")).order_by().values("job_id")
-             .annotate(share=Avg(_task_share())).values("share"))  # task_job_status_idx
+             .annotate(share=Avg(_task_share())).values("share"))  # task_job_key_unique (job first)
     return Subquery(tasks, output_field=FloatField())
 
 

@@ -246,7 +246,7 @@ def tasks_stopping(job: Job) -> int:
     """Return how many tasks of a finished job an agent still holds (told to stop, not stopped yet)."""
     if job.status in JOB_ACTIVE:
         return 0
-    return Task.objects.filter(job_id=job.pk, status__in=TASK_HELD).count()  # task_job_status_idx
+    return Task.objects.filter(job_id=job.pk, status__in=TASK_HELD).count()  # task_job_open_idx
 
 
 def _tasks(job: Job, *, stopping: int, can_act: bool) -> list[TaskRow]:

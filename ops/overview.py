@@ -565,7 +565,7 @@ class FlowLimit:
 def _task_filter(tenant_ids: set[UUID] | None, job_id: UUID | None) -> tuple[str, dict[str, Any]]:
     """Return the SQL condition on queued tasks ``t``: one job's (its page), or the viewer's tenants'."""
     if job_id is not None:
-        return "t.job_id = %(job)s", {"job": str(job_id)}  # task_job_status_idx
+        return "t.job_id = %(job)s", {"job": str(job_id)}  # task_job_open_idx (queued tasks)
     return _tenant_filter("t.tenant_id", tenant_ids)
 
 
@@ -737,7 +737,7 @@ def job_stuck_reasons(job: Any, *, show_nodes: bool = True, now: datetime | None
         return _job_queued_reasons(job, target=target, now=now)
     if job.status not in ("waiting", "running"):
         return []
-    if not job.tasks.filter(status__in=("queued", "scheduled")).exists():  # task_job_status_idx
+    if not job.tasks.filter(status__in=("queued", "scheduled")).exists():  # task_job_open_idx
         return []  # nothing queued: a running job's page asks this on every refresh
     reasons = stuck_reasons(nodes=node_health(now=now), conditions=governor_conditions(now=now), job_id=job.pk,
                             show_nodes=show_nodes)
