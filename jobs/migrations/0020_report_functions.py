@@ -76,7 +76,7 @@ SELECT DISTINCT s.key::text FROM p JOIN accs_service s ON s.id = p.service_id;
     END IF;
     -- Progress, current step and status of admitted jobs. A job whose tasks are all final ends; any
 -- other admitted job is "running" while a task of it is starting or running and "waiting"
--- otherwise (task_job_status_idx answers the EXISTS with two index probes). How it ends follows
+-- otherwise (task_job_open_idx answers the EXISTS with two index probes). How it ends follows
 -- the steps' failure policies: a failed task of a "fail_job" step makes it "error", else a canceled
 -- task "canceled", else failed tasks of "continue" steps or blocked hosts "partial", else "done".
 WITH agg AS (
