@@ -275,12 +275,7 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
         accepted = set(result.done) | set(result.retried) | set(result.failed) | set(result.canceled)
         rejected = [o for o in outcomes if o.task_id not in accepted]
         if rejected:
-            recorded = _already_recorded(cur, rejected)
-            result.repeated = [o.task_id for o in rejected if o.task_id in recorded]
-            fenced = [o for o in rejected if o.task_id not in recorded]
-            if fenced:
-                result.fenced = [o.task_id for o in fenced]
-                _record_fenced(cur, fenced, source=source)
+            _sort_rejected(cur, rejected, result, source=source)
         finalize_jobs(cur, sorted(touched_jobs, key=str), now=now, source=source)
     return result
 
@@ -321,13 +316,18 @@ def _report_succeeded(outcomes: Sequence[Outcome], *, source: str, started: Sequ
     rejected = [o for o in outcomes if o.task_id not in done]
     if rejected:
         with transaction.atomic(savepoint=False), connection.cursor() as cur:
-            recorded = _already_recorded(cur, rejected)
-            result.repeated = [o.task_id for o in rejected if o.task_id in recorded]
-            fenced = [o for o in rejected if o.task_id not in recorded]
-            if fenced:
-                result.fenced = [o.task_id for o in fenced]
-                _record_fenced(cur, fenced, source=source)
+            _sort_rejected(cur, rejected, result, source=source)
     return result
+
+
+def _sort_rejected(cur, rejected: Sequence[Outcome], result: ReportResult, *, source: str) -> None:
+    """Tell the reports the database refused into repeats (already recorded) and fenced ones (recorded now)."""
+    recorded = _already_recorded(cur, rejected)
+    result.repeated = [o.task_id for o in rejected if o.task_id in recorded]
+    fenced = [o for o in rejected if o.task_id not in recorded]
+    if fenced:
+        result.fenced = [o.task_id for o in fenced]
+        _record_fenced(cur, fenced, source=source)
 
 
 def _already_recorded(cur, outcomes: Sequence[Outcome]) -> set[UUID]:
