@@ -460,7 +460,7 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
 
 
 # The claim of services without a fleet-wide limit, as one server-side function (migration
-# 0018): the claim's hot path in one round trip (no BEGIN, no COMMIT, none of the reads and locks
+# 0019): the claim's hot path in one round trip (no BEGIN, no COMMIT, none of the reads and locks
 # of claim_many's general path as separate statements), and its statements planned once per
 # server connection (PL/pgSQL caches their plans) instead of at every claim: planning the claim
 # statement cost more than running it. Nothing here is session state a pooler could lose: the

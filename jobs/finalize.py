@@ -242,7 +242,7 @@ def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, 
             for tid, jid, frm in cur.fetchall()]
 
 
-# finalize_jobs as one server-side function (migration 0019): its statements in one round trip
+# finalize_jobs as one server-side function (migration 0020): its statements in one round trip
 # instead of four or more, each planned once per server connection (PL/pgSQL caches the plans)
 # rather than at every call. The function runs the statements above, their parameters bound to
 # its variables; a test compares the database's function with finalize_function_sql(), so a change

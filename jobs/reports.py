@@ -134,7 +134,7 @@ SELECT id, job_id FROM done
 
 
 # The report of attempts that succeeded (with the starts reported beside them), as one server-side
-# function (migration 0019): the locks, the jobs' and tasks' transitions, their events and the jobs'
+# function (migration 0020): the locks, the jobs' and tasks' transitions, their events and the jobs'
 # finalisation (finalize_jobs' function) in one round trip, each statement planned once per server
 # connection. It runs the statements above in report()'s order, their parameters bound to its
 # variables; a test compares the database's function with report_function_sql(). Failed,
