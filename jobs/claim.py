@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import textwrap
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -44,7 +45,7 @@ from django.db import connection, transaction
 
 from jobs.locks import advisory_locks
 from jobs.notify import service_channel
-from jobs.reports import promote_scheduled_in
+from jobs.reports import PROMOTE_DUE_SQL, promote_scheduled_in
 from jobs.sql import from_json
 
 log = logging.getLogger("accs.claim")
@@ -483,6 +484,9 @@ _PLAIN_PARAMS = {
     "source": "p_source",
 }
 
+# The builder's promotion of due retries, bound to the function's arguments (its own services only).
+_PROMOTE_PARAMS = {"now": "p_now", "services": "p_svc_ids", "limit": "p_promote_limit", "source": "p_source"}
+
 
 def plain_claim_function_sql() -> str:
     """Return the CREATE FUNCTION statement of :data:`PLAIN_CLAIM_FUNCTION`, built from CLAIM_SQL.
@@ -492,6 +496,9 @@ def plain_claim_function_sql() -> str:
     """
     body = CLAIM_SQL.replace(STAMP_SQL, "v_stamp")
     body = re.sub(r"%\((\w+)\)s", lambda m: _PLAIN_PARAMS[m.group(1)], body)
+    promote = re.sub(r"%\((\w+)\)s", lambda m: _PROMOTE_PARAMS[m.group(1)], PROMOTE_DUE_SQL)
+    promote = (textwrap.indent(promote, "    ")
+               + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
     tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
             " upd.service_id\n")
     if tail not in body:
@@ -512,6 +519,10 @@ LANGUAGE plpgsql VOLATILE
 -- avoiding. The claim statement's shape does not depend on its parameters' values (ids go through
 -- arrays, scans are bounded per service), so the generic plan is the plan.
 SET plan_cache_mode = force_generic_plan
+-- No JIT: a generic plan cannot see the scans' limits, so its estimated cost passes jit_above_cost
+-- once the backlog is large (100k queued) and every call would compile its expressions
+-- (1.4 s) to run them on a few rows.
+SET jit = off
 AS $claim$
 #variable_conflict use_column
 DECLARE
@@ -534,22 +545,8 @@ DECLARE
     v_zeros int[];
     v_falses bool[];
 BEGIN
-    -- Retries of these services whose backoff is over (PROMOTE_SCHEDULED_SQL's statement).
-    WITH due AS (
-        SELECT t.id FROM accs_task t
-         WHERE t.status = 'scheduled' AND t.next_attempt_at <= coalesce(p_now, now())
-           AND t.service_id = ANY(p_svc_ids)
-         ORDER BY t.next_attempt_at LIMIT p_promote_limit
-           FOR UPDATE SKIP LOCKED
-    ), up AS (
-        UPDATE accs_task t SET status = 'queued', updated_at = now() FROM due WHERE t.id = due.id
-        RETURNING t.id, t.job_id, t.attempt, t.service_id
-    ), ev AS (
-        INSERT INTO accs_event (job_id, task_id, attempt, source, level, type, message, data)
-        SELECT up.job_id, up.id, up.attempt, p_source, 'info', 'status', 'task scheduled → queued (backoff over)',
-               '{{"from": "scheduled", "to": "queued"}}'::jsonb FROM up
-    )
-    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;
+    -- Retries of these services whose backoff is over (the builder's promotion, PROMOTE_DUE_SQL).
+{promote}
     IF v_promoted IS NOT NULL THEN
         PERFORM pg_notify(c.ch, '') FROM (SELECT DISTINCT x.ch FROM unnest(p_channels, p_svc_ids) AS x(ch, sid)
                                           WHERE x.sid = ANY(v_promoted) ORDER BY 1) c;

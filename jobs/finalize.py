@@ -282,6 +282,7 @@ RETURNS SETOF text
 LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement (see jobs.claim's claim function).
 SET plan_cache_mode = force_generic_plan
+SET jit = off  -- as the claim function: a generic plan's cost must not start a compile per call
 AS $finalize$
 #variable_conflict use_column
 DECLARE

@@ -171,6 +171,7 @@ RETURNS TABLE (kind text, value text)
 LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement (see jobs.claim's claim function).
 SET plan_cache_mode = force_generic_plan
+SET jit = off  -- as the claim function: a generic plan's cost must not start a compile per call
 AS $report$
 #variable_conflict use_column
 DECLARE
@@ -447,10 +448,11 @@ def report_progress(items: Sequence[tuple[UUID, int, float]], *, source: str, no
         return cur.fetchone()[0]
 
 
-PROMOTE_SCHEDULED_SQL = """
--- Retries whose backoff is over become claimable (scheduled → queued), oldest due first.
--- Served by task_scheduled_idx; SKIP LOCKED lets concurrent promoters share the work.
-WITH due AS (
+# Retries whose backoff is over become claimable (scheduled → queued), oldest due first, each
+# with its event; ``up`` returns the promoted tasks. Served by task_scheduled_idx; SKIP LOCKED lets
+# concurrent promoters share the work. The builder's duty runs it below; the claim function
+# (jobs.claim.plain_claim_function_sql) runs the same text with its own variables bound.
+PROMOTE_DUE_SQL = """WITH due AS (
     SELECT id FROM accs_task
      WHERE status = 'scheduled' AND next_attempt_at <= coalesce(%(now)s::timestamptz, now())
        AND (%(services)s::bigint[] IS NULL
@@ -464,7 +466,10 @@ WITH due AS (
     INSERT INTO accs_event (job_id, task_id, attempt, source, level, type, message, data)
     SELECT job_id, id, attempt, %(source)s, 'info', 'status', 'task scheduled → queued (backoff over)',
            '{"from": "scheduled", "to": "queued"}'::jsonb FROM up
-)
+)"""
+
+PROMOTE_SCHEDULED_SQL = f"""
+{PROMOTE_DUE_SQL}
 SELECT s.key, count(*) FROM up JOIN accs_service s ON s.id = up.service_id GROUP BY s.key
 """
 

@@ -39,11 +39,23 @@ def _body(create_sql: str) -> str:
 def test_the_database_function_runs_the_statements_the_code_holds_now(name, build):
     """A change to a statement the function copies needs a migration that replaces the function."""
     with connection.cursor() as cur:
-        cur.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [name])
+        cur.execute("SELECT prosrc, proconfig FROM pg_proc WHERE proname = %s", [name])
         rows = cur.fetchall()
     assert len(rows) == 1, f"{name} is missing or overloaded: {len(rows)} definitions"
     assert rows[0][0].strip() == _body(build()).strip(), (
         f"{name} differs from what the code builds: add a migration replacing it")
+    # The settings the function runs under (its SET clauses) are the code's too.
+    settings = dict(item.split("=", 1) for item in rows[0][1] or [])
+    assert settings == dict(re.findall(r"^SET (\w+) = (\w+)", build().split("\nAS $")[0], re.M)), settings
+
+
+@pytest.mark.parametrize("build", [plain_claim_function_sql, finalize_function_sql, report_function_sql])
+def test_the_functions_plan_once_and_never_compile(build):
+    """Generic plans (planned once per connection) whose estimated cost grows with the backlog: with
+    JIT on, a claim with 100k tasks queued compiled its expressions at every call (1.4 s instead of 3 ms)."""
+    header = build().split("\nAS $")[0]
+    assert re.search(r"^SET plan_cache_mode = force_generic_plan$", header, re.M)
+    assert re.search(r"^SET jit = off\b", header, re.M)
 
 
 def test_a_plain_claim_is_one_statement(make_service, django_assert_num_queries):
