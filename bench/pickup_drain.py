@@ -46,6 +46,15 @@ def wait_for_agent(run, node: str) -> None:
     raise RuntimeError(f"agent of node {node} did not start")
 
 
+def stamp_jobs(run) -> None:
+    """Once the agent of node ``lat`` is up, start the pick-up's jobs LAT_GAP apart and wait for them."""
+    wait_for_agent(run, "lat")
+    for _ in range(run.LAT_JOBS):
+        run.api.start_service("bench-stamp", params={"t0": time.time()})
+        time.sleep(run.LAT_GAP)
+    run.progress_wait("pick-up", run.LAT_JOBS, "SELECT count(*) FROM accs_job WHERE status = 'done'")
+
+
 def pickup(run) -> tuple[float, float]:
     """``run.pickup()``, waiting for the agent to be up before the first job (not a fixed 3 s)."""
     run.reset()
@@ -53,11 +62,7 @@ def pickup(run) -> tuple[float, float]:
              run.spawn("runagent", "--node", "lat", "--services", "bench-stamp", "--max-concurrent", "4",
                        env={"ACC_POLL_INTERVAL_SEC": "5"})]
     try:
-        wait_for_agent(run, "lat")
-        for _ in range(run.LAT_JOBS):
-            run.api.start_service("bench-stamp", params={"t0": time.time()})
-            time.sleep(run.LAT_GAP)
-        run.progress_wait("pick-up", run.LAT_JOBS, "SELECT count(*) FROM accs_job WHERE status = 'done'")
+        stamp_jobs(run)
     finally:
         run.stop(procs)
     with run.connection.cursor() as cur:

@@ -178,13 +178,9 @@ def main() -> int:
              subprocess.Popen([sys.executable, __file__, "agent", "--node", "lat", "--services", "bench-stamp",
                                "--max-concurrent", "4"], cwd=ROOT, env=env)]
     try:
-        from bench.pickup_drain import wait_for_agent
+        from bench.pickup_drain import stamp_jobs
 
-        wait_for_agent(run, "lat")
-        for _ in range(run.LAT_JOBS):
-            run.api.start_service("bench-stamp", params={"t0": time.time()})
-            time.sleep(run.LAT_GAP)
-        run.progress_wait("pick-up", run.LAT_JOBS, "SELECT count(*) FROM accs_job WHERE status = 'done'")
+        stamp_jobs(run)
     finally:
         run.stop(procs)
     analyse()
