@@ -1,7 +1,9 @@
 """Compare ACCS with its peers measured in the same session (``make bench-compare``).
 
 Runs ``../shared/bench-peers/run_all.sh`` with one repetition on a copy of that folder (the
-original is never written), then ``bench/run.py``, then writes ``bench/results/compare.json`` and
+original is never written), then ``bench/run.py`` and ``bench/tasks_api.py`` (Django's Tasks
+framework on ACCS, beside django-tasks' database backend from the same run), then writes
+``bench/results/compare.json`` and
 a table of ratios (ACCS ÷ best peer) and puts that table, with the date and machine, into the
 README between the ``bench:start`` and ``bench:end`` markers.
 
@@ -48,6 +50,14 @@ MEASURES = [
     ("pick-up p95 (ms)", "pickup_p95_ms", False,
      [("Procrastinate", "procrastinate.json", ("latency", "p95_ms")),
       ("django-tasks", "django_tasks.json", ("latency", "p95_ms"))]),
+    # Django's Tasks framework: ``task.enqueue()`` and a task's pick-up (process isolation, the
+    # default of a Tasks service), beside django-tasks' database backend doing the same.
+    ("Tasks API: task.enqueue() one by one (jobs/s)", "tasks_enqueue_one_by_one", True,
+     [("django-tasks", "django_tasks.json", ("enqueue", "one_by_one", "median"))]),
+    ("Tasks API: pick-up p50 (ms)", "tasks_pickup_process_p50_ms", False,
+     [("django-tasks", "django_tasks.json", ("latency", "p50_ms"))]),
+    ("Tasks API: pick-up p95 (ms)", "tasks_pickup_process_p95_ms", False,
+     [("django-tasks", "django_tasks.json", ("latency", "p95_ms"))]),
 ]
 
 
@@ -70,11 +80,19 @@ def run_peers() -> None:
 
 def run_accs() -> None:
     subprocess.run([sys.executable, str(ROOT / "bench" / "run.py")], cwd=ROOT, check=True)
+    # As many enqueues as the peers make, and the pick-up of the default (process) isolation.
+    env = {**os.environ, "BENCH_PEERS_DIR": str(PEERS_COPY), "BENCH_TASKS_PARTS": "enqueue,process",
+           "BENCH_TASKS_N": os.environ.get("BENCH_TASKS_N", "20000")}
+    subprocess.run([sys.executable, str(ROOT / "bench" / "tasks_api.py")], cwd=ROOT, env=env, check=True)
 
 
 def compare(peers_dir: Path) -> dict:
     """Return the comparison document from ACCS's latest.json and the peers' results folder."""
     accs = json.loads((RESULTS / "latest.json").read_text())
+    tasks_api = RESULTS / "tasks_api.json"
+    if tasks_api.exists():  # the Tasks framework's figures, under keys of their own
+        accs.update({f"tasks_{key}": value for key, value in json.loads(tasks_api.read_text()).items()
+                     if isinstance(value, (int, float))})
     peers = {p.name: json.loads(p.read_text()) for p in peers_dir.glob("*.json")}
     rows = []
     for label, key, higher, sources in MEASURES:

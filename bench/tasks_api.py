@@ -15,7 +15,8 @@ bench/results/tasks_api.json:
 Before each pick-up run one task is enqueued alone and waited for (pickup_*_first_ms): it pays the
 agent's start and, for process isolation, its warm parent's. BENCH_TASKS_PARTS
 (``enqueue,thread,process``) chooses what runs.
-django-tasks' figures come from bench-peers' stored results (not the same run), for the table beside them.
+django-tasks' figures are read from bench-peers' results folder (BENCH_PEERS_DIR): its stored results
+when run alone, the same session's when ``make bench-compare`` runs this after the peers.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main() -> int:
         say(f"pick-up ({name}): p50 {p50:.1f} ms, p95 {p95:.1f} ms, first task {first:.1f} ms")
     doc["django_tasks"] = {"enqueue_one_by_one": peer(("enqueue", "one_by_one", "median")),
                            "pickup_p50_ms": peer(("latency", "p50_ms")), "pickup_p95_ms": peer(("latency", "p95_ms")),
-                           "source": "bench-peers results/django_tasks.json (a separate run)"}
+                           "source": str(PEERS / "results" / "django_tasks.json")}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "tasks_api.json").write_text(json.dumps(doc, indent=2) + "\n")
     say(json.dumps(doc["django_tasks"]))
