@@ -460,20 +460,24 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
                    for k in ("", "c", "r", "cr") for r in (False, True) for one in (False, True)}
 
 
-# The claim of services without a fleet-wide limit, as one server-side function (migration
-# 0019): the claim's hot path in one round trip (no BEGIN, no COMMIT, none of the reads and locks
-# of claim_many's general path as separate statements), and its statements planned once per
-# server connection (PL/pgSQL caches their plans) instead of at every claim: planning the claim
-# statement cost more than running it. Nothing here is session state a pooler could lose: the
-# function lives in the database, and a connection that never ran it just plans it once.
+# The claim of services without a rate or per-key limit (a fleet-wide cap included), as one
+# server-side function (migrations 0019, 0023): the claim's hot path in one round trip (no BEGIN,
+# no COMMIT, none of the reads and locks of claim_many's general path as separate statements),
+# and its statements planned once per server connection (PL/pgSQL caches their plans) instead
+# of at every claim: planning the claim statement cost more than running it. Nothing here is
+# session state a pooler could lose: the function lives in the database, and a connection that
+# never ran it just plans it once.
 #
 # It runs, in order: the promotion of due retries, a look at the services' current limits (a
-# service that has a fleet-wide limit now is left out and named in the answer, for the general
-# path to claim under its lock), the node's lock, the node's held work and hosts read after it
-# (each statement of a PL/pgSQL function sees the rows committed before it starts, so the counts
-# are exact under the lock), the room of each service, and the very claim statement above
-# (CLAIM_SQL) with its parameters bound to the function's variables. Its instant is taken once,
-# after the lock, as the general path's statement_timestamp() is.
+# service that has a rate or per-key limit now is left out and named in the answer, for the
+# general path to claim under its lock; a capped service whose cap is full now is left out of
+# this claim), the locks (the node's, and each capped service's, shared with every claimer of
+# it), the node's held work and hosts read after them (each statement of a PL/pgSQL function
+# sees the rows committed before it starts, so the counts are exact under the locks), the room of
+# each service, and the very claim statement above (CLAIM_SQL) with its parameters bound to the
+# function's variables. Its instant is taken once, after the locks, as the general path's
+# statement_timestamp() is. Under a capped service's lock the function makes no round trip to the
+# client, so the claimers of a busy capped service wait for each other as little as they can.
 PLAIN_CLAIM_FUNCTION = "accs_claim_plain"
 
 _PLAIN_PARAMS = {
@@ -529,6 +533,9 @@ DECLARE
     v_stamp timestamptz;
     v_promoted bigint[];
     v_limited bigint[];
+    v_capped bigint[];
+    v_caps int[];
+    v_full bigint[];  -- capped services left out: cap full, or nothing queued
     v_hosts_all int;
     v_hosts_ok int;
     v_hosts bigint[];
@@ -551,12 +558,36 @@ BEGIN
         PERFORM pg_notify(c.ch, '') FROM (SELECT DISTINCT x.ch FROM unnest(p_channels, p_svc_ids) AS x(ch, sid)
                                           WHERE x.sid = ANY(v_promoted) ORDER BY 1) c;
     END IF;
-    -- The services as the database holds them now: one with a fleet-wide limit is not claimed here.
+    -- The services as the database holds them now: one with a rate or per-key limit is not claimed
+    -- here; a capped one is, under its lock, with the cap read now.
     SELECT coalesce(array_agg(s.id), '{{}}') INTO v_limited FROM accs_service s
-     WHERE s.id = ANY(p_svc_ids) AND (s.max_concurrent > 0 OR s.rate_limit > 0 OR s.rate_key_limit > 0
-                                      OR s.concurrency_key_limit > 0);
-    -- The node's lock (jobs.locks.advisory_locks takes the same one for the key 'accs:node:<name>').
-    PERFORM pg_advisory_xact_lock(hashtext('accs:node:' || p_node));
+     WHERE s.id = ANY(p_svc_ids) AND (s.rate_limit > 0 OR s.rate_key_limit > 0 OR s.concurrency_key_limit > 0);
+    -- A look at the capped services without their locks: one whose cap is full now stays full for
+    -- this claim (claims only fill it; a finish frees room for the next claim), and one with no
+    -- queued task this node could take has nothing to claim now (a new task's NOTIFY wakes the
+    -- claimers again). Either is left out of this claim, so its claimers do not queue for its lock
+    -- only to find nothing (task_held_service_idx, task_claim_idx, task_claim_host_idx).
+    SELECT coalesce(array_agg(c.id) FILTER (WHERE c.held < c.cap AND c.queued), '{{}}'),
+           coalesce(array_agg(c.cap) FILTER (WHERE c.held < c.cap AND c.queued), '{{}}'),
+           coalesce(array_agg(c.id) FILTER (WHERE c.held >= c.cap OR NOT c.queued), '{{}}')
+      INTO v_capped, v_caps, v_full
+      FROM (SELECT s.id, s.max_concurrent AS cap,
+                   (SELECT count(*) FROM accs_task t
+                     WHERE t.status IN ('starting', 'running') AND t.service_id = s.id) AS held,
+                   EXISTS (SELECT 1 FROM accs_task t
+                            WHERE t.service_id = s.id AND t.status = 'queued' AND t.host_id IS NULL)
+                   OR EXISTS (SELECT 1 FROM accs_task t JOIN accs_host h ON h.id = t.host_id
+                               WHERE h.node_id = p_node AND t.service_id = s.id AND t.status = 'queued')
+                   AS queued
+              FROM accs_service s
+             WHERE s.id = ANY(p_svc_ids) AND s.id <> ALL(v_limited) AND s.max_concurrent > 0) c;
+    -- The locks, in jobs.locks.advisory_locks' order (by the key's hash): the node's
+    -- ('accs:node:<name>') and each capped service's ('accs:service:<id>').
+    PERFORM pg_advisory_xact_lock(k.h)
+       FROM (SELECT DISTINCT hashtext(x.key) AS h
+               FROM unnest(ARRAY['accs:node:' || p_node]
+                           || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)) AS x(key)
+              ORDER BY 1) k;
     v_stamp := coalesce(p_now, clock_timestamp());
     SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
            coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')
@@ -569,7 +600,8 @@ BEGIN
     v_slots := least(p_free, CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
     v_cpu := p_cpu_budget - v_held_cpu;
     IF v_slots > 0 THEN
-        -- Each service's room (service_room): the node's slots and CPU, and its per-node cap.
+        -- Each service's room (service_room): the node's slots and CPU, its per-node cap, and its
+        -- fleet-wide cap as the look read it, less what the whole fleet holds now (under its lock).
         SELECT array_agg(r.id ORDER BY r.ord), array_agg(r.room ORDER BY r.ord), array_agg(r.weight ORDER BY r.ord),
                array_agg(r.adjust ORDER BY r.ord),
                coalesce(jsonb_object_agg(r.id::text, r.lease::float8) FILTER (WHERE r.lease > 0), '{{}}')
@@ -579,11 +611,14 @@ BEGIN
                              CASE WHEN u.cap > 0 THEN u.cap - (SELECT count(*) FROM accs_task t
                                                                 WHERE t.status IN ('starting', 'running')
                                                                   AND t.node = p_node AND t.service_id = u.id)
-                             END) AS room
+                             END,
+                             (SELECT c.cap - (SELECT count(*) FROM accs_task t
+                                               WHERE t.status IN ('starting', 'running') AND t.service_id = u.id)
+                                FROM unnest(v_capped, v_caps) AS c(id, cap) WHERE c.id = u.id)) AS room
                   FROM unnest(p_svc_ids, p_weights, p_adjust, p_node_caps) WITH ORDINALITY
                        AS u(id, weight, adjust, cap, ord)
                   JOIN accs_service s ON s.id = u.id
-                 WHERE u.id <> ALL(v_limited)) r
+                 WHERE u.id <> ALL(v_limited) AND u.id <> ALL(v_full)) r
          WHERE r.room > 0;
         IF v_ids IS NOT NULL THEN
             v_texts := array_fill(''::text, ARRAY[cardinality(v_ids)]);
@@ -729,9 +764,10 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
     if free_slots <= 0 or not services:
         return []
     adjust = priority_adjust or {}
-    if not any(s.fleet_limited for s in services):
-        # The common case, in one round trip; a service that gained a fleet-wide limit since the
-        # agent's cache was read is left to the general path below, under its lock.
+    if not any(s.rated or s.keyed for s in services):
+        # The common case, in one round trip, capped services included (under their locks, in the
+        # function); a service that gained a rate or per-key limit since the agent's cache was
+        # read is left to the general path below, under its lock.
         tasks, limited = _claim_plain(services, limits, agent_id=agent_id, free_slots=free_slots,
                                       lease_seconds=lease_seconds, pid=pid, now=now, blocked_hosts=blocked_hosts,
                                       exclude=exclude, adjust=adjust)

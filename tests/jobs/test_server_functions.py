@@ -158,3 +158,47 @@ def test_two_agents_claiming_at_once_never_take_the_same_task(make_service):
         t.join(timeout=60)
     ids = [t.id for tasks in got.values() for t in tasks]
     assert len(ids) == len(set(ids)) == 40
+
+
+def test_a_capped_claim_is_one_statement_and_stops_at_the_cap(make_service, django_assert_num_queries):
+    svc = make_service("fn-cap-one", max_concurrent=3)
+    for i in range(5):
+        api.start_service("fn-cap-one", params={"n": i})
+    with django_assert_num_queries(1):
+        first = claim_many([service_spec(svc)], NODE, agent_id="agent-fn", free_slots=2, lease_seconds=60)
+    with django_assert_num_queries(1):
+        second = claim_many([service_spec(svc)], NODE, agent_id="agent-fn", free_slots=5, lease_seconds=60)
+    assert (len(first), len(second)) == (2, 1), "the fleet-wide cap of 3 leaves room for one more"
+    assert claim_many([service_spec(svc)], NODE, agent_id="agent-fn", free_slots=5, lease_seconds=60) == []
+    run_ok(first[:1])  # a finish frees room for the next claim
+    assert len(claim_many([service_spec(svc)], NODE, agent_id="agent-fn", free_slots=5, lease_seconds=60)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claimers_of_a_capped_service_racing_from_many_nodes_never_pass_its_cap(make_service):
+    """Eight claimers on eight nodes, each with room for 5, race for a service capped at 12."""
+    svc = make_service("fn-cap-race", max_concurrent=12)
+    api.start_many([api.JobSpec(service="fn-cap-race", params={"n": i}) for i in range(60)])
+    while transitions.start_due_jobs(limit=100):
+        pass
+    got: dict[str, list] = {}
+    barrier = threading.Barrier(8)
+
+    def agent(name: str) -> None:
+        try:
+            barrier.wait()
+            got[name] = claim_many([service_spec(svc)], NodeLimits(name=f"node-{name}", slot_cap=100, cpu_budget=100,
+                                                                   per_service={}),
+                                   agent_id=name, free_slots=5, lease_seconds=60)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=agent, args=(f"c{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(got) == 8, "every claimer answered"
+    ids = [t.id for tasks in got.values() for t in tasks]
+    assert len(ids) == len(set(ids)) == 12, "exactly the cap, each task once"
+    assert Task.objects.filter(service=svc, status__in=["starting", "running"]).count() == 12
