@@ -202,3 +202,38 @@ def test_claimers_of_a_capped_service_racing_from_many_nodes_never_pass_its_cap(
     ids = [t.id for tasks in got.values() for t in tasks]
     assert len(ids) == len(set(ids)) == 12, "exactly the cap, each task once"
     assert Task.objects.filter(service=svc, status__in=["starting", "running"]).count() == 12
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_capped_service_with_nothing_to_claim_does_not_wait_for_its_lock(make_service, db_url):
+    """Its claimers look first: with the cap full, or nothing queued, they leave it out at once
+    instead of queueing for the lock another claimer holds, only to find nothing."""
+    import psycopg
+
+    empty = make_service("fn-cap-empty", max_concurrent=5)
+    full = make_service("fn-cap-full", max_concurrent=1)
+    api.start_many([api.JobSpec(service="fn-cap-full", params={"n": i}) for i in range(2)])
+    while transitions.start_due_jobs(limit=100):
+        pass
+    assert len(claim_many([service_spec(full)], NODE, agent_id="agent-fn", free_slots=5, lease_seconds=60)) == 1
+    holder = psycopg.connect(db_url)
+    try:
+        for svc in (empty, full):
+            holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:service:{svc.id}"])
+        out: dict = {}
+
+        def claim() -> None:
+            try:
+                out["tasks"] = claim_many([service_spec(empty), service_spec(full)], NODE, agent_id="agent-fn2",
+                                          free_slots=5, lease_seconds=60)
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=claim, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the claim queued for a lock it had no use for"
+        assert out["tasks"] == []
+    finally:
+        holder.rollback()
+        holder.close()
