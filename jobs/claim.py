@@ -470,14 +470,15 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
 #
 # It runs, in order: the promotion of due retries, a look at the services' current limits (a
 # service that has a rate or per-key limit now is left out and named in the answer, for the
-# general path to claim under its lock; a capped service whose cap is full now is left out of
-# this claim), the locks (the node's, and each capped service's, shared with every claimer of
-# it), the node's held work and hosts read after them (each statement of a PL/pgSQL function
-# sees the rows committed before it starts, so the counts are exact under the locks), the room of
-# each service, and the very claim statement above (CLAIM_SQL) with its parameters bound to the
-# function's variables. Its instant is taken once, after the locks, as the general path's
-# statement_timestamp() is. Under a capped service's lock the function makes no round trip to the
-# client, so the claimers of a busy capped service wait for each other as little as they can.
+# general path to claim under its lock; a capped service whose cap is full now, or with nothing
+# queued that this node could take, is left out of this claim), the locks (the node's, and each
+# capped service's, shared with every claimer of it), the node's held work and hosts read after
+# them (each statement of a PL/pgSQL function sees the rows committed before it starts, so the
+# counts are exact under the locks), the room of each service, and the very claim statement above
+# (CLAIM_SQL) with its parameters bound to the function's variables. Its instant is taken once,
+# after the locks, as the general path's statement_timestamp() is. Under a capped service's lock
+# the function makes no round trip to the client, so the claimers of a busy capped service wait
+# for each other as little as they can.
 PLAIN_CLAIM_FUNCTION = "accs_claim_plain"
 
 _PLAIN_PARAMS = {
