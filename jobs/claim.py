@@ -43,7 +43,7 @@ from uuid import UUID
 
 from django.db import connection, transaction
 
-from jobs.locks import advisory_locks
+from jobs.locks import ADVISORY_LOCKS_SQL, advisory_locks
 from jobs.notify import service_channel
 from jobs.reports import PROMOTE_DUE_SQL, promote_scheduled_in
 from jobs.sql import from_json
@@ -502,6 +502,8 @@ def plain_claim_function_sql() -> str:
     body = CLAIM_SQL.replace(STAMP_SQL, "v_stamp")
     body = re.sub(r"%\((\w+)\)s", lambda m: _PLAIN_PARAMS[m.group(1)], body)
     promote = re.sub(r"%\((\w+)\)s", lambda m: _PROMOTE_PARAMS[m.group(1)], PROMOTE_DUE_SQL)
+    locks = ADVISORY_LOCKS_SQL.format(keys="ARRAY['accs:node:' || p_node]"
+                                           " || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
     promote = (textwrap.indent(promote, "    ")
                + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
     tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
@@ -582,13 +584,9 @@ BEGIN
                    AS queued
               FROM accs_service s
              WHERE s.id = ANY(p_svc_ids) AND s.id <> ALL(v_limited) AND s.max_concurrent > 0) c;
-    -- The locks, in jobs.locks.advisory_locks' order (by the key's hash): the node's
-    -- ('accs:node:<name>') and each capped service's ('accs:service:<id>').
-    PERFORM pg_advisory_xact_lock(k.h)
-       FROM (SELECT DISTINCT hashtext(x.key) AS h
-               FROM unnest(ARRAY['accs:node:' || p_node]
-                           || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)) AS x(key)
-              ORDER BY 1) k;
+    -- The locks, as jobs.locks.advisory_locks takes them: the node's ('accs:node:<name>') and each
+    -- capped service's ('accs:service:<id>').
+    PERFORM {locks};
     v_stamp := coalesce(p_now, clock_timestamp());
     SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
            coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')

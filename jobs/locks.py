@@ -18,15 +18,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from uuid import UUID
 
+# Transaction-scoped advisory locks on the keys of the text array {keys}, taken in the order of the
+# lock's identity (the key's hash), so two keys whose hashes collide cannot invert the order between
+# two transactions. The claim function (jobs.claim) takes its locks with the same text.
+ADVISORY_LOCKS_SQL = ("pg_advisory_xact_lock(k.h) FROM (SELECT DISTINCT hashtext(x.key) AS h"
+                      " FROM unnest({keys}) AS x(key) ORDER BY 1) k")
+
 
 def advisory_locks(cur, keys: Iterable[str]) -> None:
     """Take transaction-scoped advisory locks on ``keys`` in sorted order."""
     ordered = sorted(set(keys))
     if ordered:
-        # Sorted by the lock's identity (the hash), so two keys whose hashes collide cannot
-        # invert the order between two transactions.
-        cur.execute("SELECT pg_advisory_xact_lock(h) FROM (SELECT DISTINCT hashtext(k) AS h"
-                    " FROM unnest(%s::text[]) AS k ORDER BY 1) s", [ordered])
+        cur.execute("SELECT " + ADVISORY_LOCKS_SQL.format(keys="%s::text[]"), [ordered])
 
 
 def lock_jobs(cur, job_ids: Iterable[UUID | str]) -> list[UUID]:

@@ -100,13 +100,9 @@ BEGIN
                    AS queued
               FROM accs_service s
              WHERE s.id = ANY(p_svc_ids) AND s.id <> ALL(v_limited) AND s.max_concurrent > 0) c;
-    -- The locks, in jobs.locks.advisory_locks' order (by the key's hash): the node's
-    -- ('accs:node:<name>') and each capped service's ('accs:service:<id>').
-    PERFORM pg_advisory_xact_lock(k.h)
-       FROM (SELECT DISTINCT hashtext(x.key) AS h
-               FROM unnest(ARRAY['accs:node:' || p_node]
-                           || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)) AS x(key)
-              ORDER BY 1) k;
+    -- The locks, as jobs.locks.advisory_locks takes them: the node's ('accs:node:<name>') and each
+    -- capped service's ('accs:service:<id>').
+    PERFORM pg_advisory_xact_lock(k.h) FROM (SELECT DISTINCT hashtext(x.key) AS h FROM unnest(ARRAY['accs:node:' || p_node] || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)) AS x(key) ORDER BY 1) k;
     v_stamp := coalesce(p_now, clock_timestamp());
     SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
            coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{}')
