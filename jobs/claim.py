@@ -570,20 +570,30 @@ BEGIN
     -- queued task this node could take has nothing to claim now (a new task's NOTIFY wakes the
     -- claimers again). Either is left out of this claim, so its claimers do not queue for its lock
     -- only to find nothing (task_held_service_idx, task_claim_idx, task_claim_host_idx).
-    SELECT coalesce(array_agg(c.id) FILTER (WHERE c.held < c.cap AND c.queued), '{{}}'),
-           coalesce(array_agg(c.cap) FILTER (WHERE c.held < c.cap AND c.queued), '{{}}'),
-           coalesce(array_agg(c.id) FILTER (WHERE c.held >= c.cap OR NOT c.queued), '{{}}')
+    -- (OFFSET 0 keeps each count a single evaluation: flattened into the aggregates' filters, it
+    -- would be counted once per filter. The held tasks are counted only when some are queued.)
+    SELECT coalesce(array_agg(c.id) FILTER (WHERE c.room), '{{}}'),
+           coalesce(array_agg(c.cap) FILTER (WHERE c.room), '{{}}'),
+           coalesce(array_agg(c.id) FILTER (WHERE NOT c.room), '{{}}')
       INTO v_capped, v_caps, v_full
       FROM (SELECT s.id, s.max_concurrent AS cap,
-                   (SELECT count(*) FROM accs_task t
-                     WHERE t.status IN ('starting', 'running') AND t.service_id = s.id) AS held,
-                   EXISTS (SELECT 1 FROM accs_task t
-                            WHERE t.service_id = s.id AND t.status = 'queued' AND t.host_id IS NULL)
-                   OR EXISTS (SELECT 1 FROM accs_task t JOIN accs_host h ON h.id = t.host_id
-                               WHERE h.node_id = p_node AND t.service_id = s.id AND t.status = 'queued')
-                   AS queued
+                   (EXISTS (SELECT 1 FROM accs_task t
+                             WHERE t.service_id = s.id AND t.status = 'queued' AND t.host_id IS NULL)
+                    OR EXISTS (SELECT 1 FROM accs_task t JOIN accs_host h ON h.id = t.host_id
+                                WHERE h.node_id = p_node AND t.service_id = s.id AND t.status = 'queued'))
+                   AND (SELECT count(*) FROM accs_task t
+                         WHERE t.status IN ('starting', 'running') AND t.service_id = s.id) < s.max_concurrent
+                   AS room
               FROM accs_service s
-             WHERE s.id = ANY(p_svc_ids) AND s.id <> ALL(v_limited) AND s.max_concurrent > 0) c;
+             WHERE s.id = ANY(p_svc_ids) AND s.id <> ALL(v_limited) AND s.max_concurrent > 0
+            OFFSET 0) c;
+    -- Nothing to claim when every service was left out (the usual idle poll): no lock, no scan.
+    IF cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids) THEN
+        RETURN QUERY SELECT NULL::uuid, NULL::uuid, NULL::text, NULL::int, NULL::jsonb, NULL::int, NULL::text,
+                            l.id, NULL::float8
+                       FROM unnest(v_limited) AS l(id);
+        RETURN;
+    END IF;
     -- The locks, as jobs.locks.advisory_locks takes them: the node's ('accs:node:<name>') and each
     -- capped service's ('accs:service:<id>').
     PERFORM {locks};
@@ -617,7 +627,8 @@ BEGIN
                   FROM unnest(p_svc_ids, p_weights, p_adjust, p_node_caps) WITH ORDINALITY
                        AS u(id, weight, adjust, cap, ord)
                   JOIN accs_service s ON s.id = u.id
-                 WHERE u.id <> ALL(v_limited) AND u.id <> ALL(v_full)) r
+                 WHERE u.id <> ALL(v_limited) AND u.id <> ALL(v_full)
+                OFFSET 0) r  -- each count once (the filter below would repeat them)
          WHERE r.room > 0;
         IF v_ids IS NOT NULL THEN
             v_texts := array_fill(''::text, ARRAY[cardinality(v_ids)]);

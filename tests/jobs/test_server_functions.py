@@ -204,6 +204,24 @@ def test_claimers_of_a_capped_service_racing_from_many_nodes_never_pass_its_cap(
     assert Task.objects.filter(service=svc, status__in=["starting", "running"]).count() == 12
 
 
+def _claim_beside_held_locks(services, *, agent_id: str) -> list | None:
+    """Claim ``services`` on NODE from a thread while the caller's connection holds some locks;
+    None if the claim was still waiting for them 30 s later."""
+    out: dict = {}
+
+    def claim() -> None:
+        try:
+            out["tasks"] = claim_many([service_spec(s) for s in services], NODE, agent_id=agent_id, free_slots=5,
+                                      lease_seconds=60)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=claim, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    return None if thread.is_alive() else out["tasks"]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_capped_service_with_nothing_to_claim_does_not_wait_for_its_lock(make_service, db_url):
     """Its claimers look first: with the cap full, or nothing queued, they leave it out at once
@@ -220,20 +238,27 @@ def test_a_capped_service_with_nothing_to_claim_does_not_wait_for_its_lock(make_
     try:
         for svc in (empty, full):
             holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:service:{svc.id}"])
-        out: dict = {}
-
-        def claim() -> None:
-            try:
-                out["tasks"] = claim_many([service_spec(empty), service_spec(full)], NODE, agent_id="agent-fn2",
-                                          free_slots=5, lease_seconds=60)
-            finally:
-                connections.close_all()
-
-        thread = threading.Thread(target=claim, daemon=True)
-        thread.start()
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the claim queued for a lock it had no use for"
-        assert out["tasks"] == []
+        assert _claim_beside_held_locks([empty, full], agent_id="agent-fn2") == [], (
+            "the claim queued for a lock it had no use for")
     finally:
         holder.rollback()
         holder.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_poll_of_capped_services_takes_no_lock_at_all(make_service, db_url):
+    """With nothing queued for any of its services, a claim returns before taking even its node's
+    lock: the idle polls of a large fleet cost a look each, and never queue behind a busy claimer."""
+    import psycopg
+
+    idle = make_service("fn-cap-idle", max_concurrent=5)
+    holder = psycopg.connect(db_url)
+    try:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:node:{NODE.name}"])
+        assert _claim_beside_held_locks([idle], agent_id="agent-idle") == [], "the idle poll queued for its node's lock"
+    finally:
+        holder.rollback()
+        holder.close()
+    # Once a task is queued, the same claim takes it.
+    api.start_service("fn-cap-idle", params={})
+    assert len(claim_many([service_spec(idle)], NODE, agent_id="agent-idle", free_slots=5, lease_seconds=60)) == 1
