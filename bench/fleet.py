@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "accs_site.settings")
 
+from bench.scale import wait_ready  # noqa: E402
+
 SERVICE = "bench-scale"  # the service bench/scale.py's workers claim
 CONNECTIONS_SQL = """
 SELECT count(*), count(*) FILTER (WHERE state <> 'idle')
@@ -38,8 +40,8 @@ SELECT count(*), count(*) FILTER (WHERE state <> 'idle')
  WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()
    AND coalesce(application_name, '') NOT LIKE 'bench driver%%'
 """
-HELD_SQL = ("SELECT count(*) FROM accs_task t JOIN accs_service s ON s.id = t.service_id"
-            " WHERE s.key = %s AND t.status IN ('starting', 'running')")
+# The service's held tasks (task_held_service_idx), by id so the plan is the same at every sample.
+HELD_SQL = "SELECT count(*) FROM accs_task WHERE service_id = %s AND status IN ('starting', 'running')"
 
 
 def _quantiles(values: list[float]) -> tuple[float, float]:
@@ -50,11 +52,15 @@ def _quantiles(values: list[float]) -> tuple[float, float]:
 
 
 class Sampler(threading.Thread):
-    """Sample server connections and held tasks every 20 ms on a connection of its own."""
+    """Sample server connections and held tasks every 20 ms on a connection of its own.
 
-    def __init__(self, url: str, cap: int) -> None:
+    Its statements are prepared once: planned at every sample, they cost PostgreSQL a tenth of a
+    core, taken from the fleet it measures.
+    """
+
+    def __init__(self, url: str, cap: int, service_id: int) -> None:
         super().__init__(daemon=True)
-        self.url, self.cap = url, cap
+        self.url, self.cap, self.service_id = url, cap, service_id
         self.stop = threading.Event()
         self.peak_connections = self.peak_in_use = self.peak_held = self.violations = 0
         self.samples = 0
@@ -64,14 +70,55 @@ class Sampler(threading.Thread):
 
         with psycopg.connect(self.url, autocommit=True, application_name="bench driver sampler") as conn:
             while not self.stop.is_set():
-                total, in_use = conn.execute(CONNECTIONS_SQL).fetchone()
-                held = conn.execute(HELD_SQL, [SERVICE]).fetchone()[0]
+                total, in_use = conn.execute(CONNECTIONS_SQL, prepare=True).fetchone()
+                held = conn.execute(HELD_SQL, [self.service_id], prepare=True).fetchone()[0]
                 self.peak_connections = max(self.peak_connections, total)
                 self.peak_in_use = max(self.peak_in_use, in_use)
                 self.peak_held = max(self.peak_held, held)
                 self.violations += int(self.cap > 0 and held > self.cap)
                 self.samples += 1
                 time.sleep(0.02)
+
+
+def _postgres_kind(cmd: str) -> str:
+    """A PostgreSQL process's kind: the server connections, autovacuum, or the other background work."""
+    if "autovacuum worker" in cmd:
+        return "postgres autovacuum"
+    title = cmd.split(":", 1)[1].strip() if ":" in cmd else ""
+    background = ("checkpointer", "background writer", "walwriter", "autovacuum launcher", "logical replication",
+                  "stats", "archiver", "walsender")
+    return "postgres background" if not title or title.startswith(background) else "postgres connections"
+
+
+def _cpu_by_kind() -> tuple[float, dict[str, tuple[str, int]]]:
+    """Now, and the CPU time (clock ticks) each process on this machine has used, with its kind."""
+    ticks: dict[str, tuple[str, int]] = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        kind = ("agents" if "scale.py worker" in cmd else "pgbouncer" if "pgbouncer" in cmd
+                else "driver" if "fleet.py" in cmd else _postgres_kind(cmd) if "postgres" in cmd else "other")
+        ticks[pid] = (kind, int(fields[11]) + int(fields[12]))  # utime + stime
+    return time.monotonic(), ticks
+
+
+def _cpu_cores(before: tuple[float, dict[str, tuple[str, int]]],
+               after: tuple[float, dict[str, tuple[str, int]]]) -> dict[str, float]:
+    """Cores busy on average between two readings, per kind of process and in all.
+
+    Whether the offered load is below the machine's saturation: the agents share its cores with
+    PostgreSQL here, so a total near the core count means every figure measures a queue for CPU.
+    A process that ended between the readings is not counted.
+    """
+    hz = os.sysconf("SC_CLK_TCK") * (after[0] - before[0])
+    cores: dict[str, float] = {}
+    for pid, (kind, ticks) in after[1].items():
+        cores[kind] = cores.get(kind, 0.0) + (ticks - before[1].get(pid, (kind, 0))[1]) / hz
+    rounded = {kind: round(n, 2) for kind, n in sorted(cores.items())}
+    return {**rounded, "all": round(sum(cores.values()), 2), "of": os.cpu_count() or 0}
 
 
 def _feed(*, rate: float, seconds: float) -> int:
@@ -98,7 +145,7 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
     with connection.cursor() as cur:
         cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event CASCADE")
         cur.execute("DELETE FROM accs_node WHERE name LIKE 'bench-scale-%%'")
-    save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
+    service = save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
                  params_schema={"type": "object"}, max_concurrent=cap)
     env = {**os.environ, "ACC_LOG_LEVEL": "WARNING"}
     if mode == "pgbouncer":
@@ -115,11 +162,13 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
                                "--slots", str(slots), "--seconds", str(seconds + 8), "--go", str(go),
                                "--out", str(run_dir / f"{i}.txt")], cwd=ROOT, env=env)
              for i in range(agents)]
-    time.sleep(min(90.0, 0.8 * agents))  # let the interpreters start and import Django
-    sampler = Sampler(direct_url, cap)
+    wait_ready(run_dir, procs)
+    sampler = Sampler(direct_url, cap, service.id)
     sampler.start()
     go.touch()
+    cpu_before = _cpu_by_kind()
     fed = _feed(rate=rate, seconds=seconds)
+    cpu = _cpu_cores(cpu_before, _cpu_by_kind())
     for proc in procs:
         proc.wait(timeout=180)
     sampler.stop.set()
@@ -141,7 +190,8 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
             "pickup_p50_ms": pickup_p50, "pickup_p95_ms": pickup_p95,
             "server_connections_peak": sampler.peak_connections, "server_connections_in_use_peak": sampler.peak_in_use,
             "held_peak": sampler.peak_held, "cap": cap, "cap_violations": sampler.violations,
-            "double_claims": twice, "workers_failed": sum(1 for p in procs if p.returncode != 0)}
+            "double_claims": twice, "workers_failed": sum(1 for p in procs if p.returncode != 0),
+            "cpu_cores_busy": cpu}
 
 
 def main() -> int:

@@ -48,6 +48,7 @@ def worker(args: argparse.Namespace) -> int:
     agent_id = f"{node}:{os.getpid()}"
     rng = random.Random(args.index)
     go = Path(args.go)
+    Path(args.out).with_suffix(".ready").touch()  # set up: the driver starts the clock once all are
     while not go.exists():
         time.sleep(0.05)
     until = time.monotonic() + args.seconds
@@ -73,6 +74,21 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def wait_ready(run_dir: Path, procs: list[subprocess.Popen], *, timeout: float = 600.0) -> None:
+    """Wait until every worker has set up (imported Django, read its service), then 2 s more.
+
+    A hundred interpreters importing Django take minutes of CPU on a small machine; a run whose
+    clock starts before they are done measures their start-up, not the claims.
+    """
+    deadline = time.monotonic() + timeout
+    while sum(1 for _ in run_dir.glob("*.ready")) < len(procs):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise SystemExit(f"workers not ready after {time.monotonic() - deadline + timeout:.0f} s"
+                             f" ({sum(p.poll() is not None for p in procs)} exited)")
+        time.sleep(0.2)
+    time.sleep(2.0)
+
+
 def scale(*, agents: int, slots: int, seconds: float, cap: int, say, reset, make_tasks) -> dict[str, float]:
     """Run ``agents`` simulated agents of ``slots`` each for ``seconds``; return the figures.
 
@@ -96,7 +112,7 @@ def scale(*, agents: int, slots: int, seconds: float, cap: int, say, reset, make
                                "--seconds", str(seconds), "--go", str(go), "--out", str(run_dir / f"{i}.txt")],
                               cwd=ROOT, env={**os.environ, "ACC_LOG_LEVEL": "WARNING"})
              for i in range(agents)]
-    time.sleep(min(60.0, 0.6 * agents))  # let the interpreters start and import Django
+    wait_ready(run_dir, procs)
     go.touch()
     peak = 0
     deadline = time.monotonic() + seconds
