@@ -461,7 +461,7 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
 
 
 # The claim of services without a rate or per-key limit (a fleet-wide cap included), as one
-# server-side function (migrations 0019, 0023): the claim's hot path in one round trip (no BEGIN,
+# server-side function (migrations 0019, 0023, 0024): the claim's hot path in one round trip (no BEGIN,
 # no COMMIT, none of the reads and locks of claim_many's general path as separate statements),
 # and its statements planned once per server connection (PL/pgSQL caches their plans) instead
 # of at every claim: planning the claim statement cost more than running it. Nothing here is
@@ -470,9 +470,11 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
 #
 # It runs, in order: the promotion of due retries, a look at the services' current limits (a
 # service that has a rate or per-key limit now is left out and named in the answer, for the
-# general path to claim under its lock; a capped service whose cap is full now, or with nothing
-# queued that this node could take, is left out of this claim), the locks (the node's, and each
-# capped service's, shared with every claimer of it), the node's held work and hosts read after
+# general path to claim under its lock; a service with nothing queued that this node could take,
+# or a capped one whose cap is full now, is left out of this claim, and a claim with every service
+# left out returns there, having taken no lock: the idle poll), the locks (the node's, and each
+# capped service's, shared with every claimer of it; then the look for queued work again, since
+# the lock's previous holder may have taken it all), the node's held work and hosts read after
 # them (each statement of a PL/pgSQL function sees the rows committed before it starts, so the
 # counts are exact under the locks), the room of each service, and the very claim statement above
 # (CLAIM_SQL) with its parameters bound to the function's variables. Its instant is taken once,
@@ -488,6 +490,13 @@ _PLAIN_PARAMS = {
     "agent": "p_agent", "node": "p_node", "leases": "v_leases", "lease": "p_lease", "pid": "p_pid",
     "source": "p_source",
 }
+
+# Whether the service {svc} has a task queued that this node could take: one bound to no host, or
+# to one of the node's hosts (task_claim_idx, task_claim_host_idx).
+_QUEUED_HERE = """(EXISTS (SELECT 1 FROM accs_task t
+                     WHERE t.service_id = {svc} AND t.status = 'queued' AND t.host_id IS NULL)
+            OR EXISTS (SELECT 1 FROM accs_task t JOIN accs_host h ON h.id = t.host_id
+                        WHERE h.node_id = p_node AND t.service_id = {svc} AND t.status = 'queued'))"""
 
 # The builder's promotion of due retries, bound to the function's arguments (its own services only).
 _PROMOTE_PARAMS = {"now": "p_now", "services": "p_svc_ids", "limit": "p_promote_limit", "source": "p_source"}
@@ -506,6 +515,7 @@ def plain_claim_function_sql() -> str:
                                            " || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
     promote = (textwrap.indent(promote, "    ")
                + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
+    queued = _QUEUED_HERE
     tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
             " upd.service_id\n")
     if tail not in body:
@@ -538,7 +548,7 @@ DECLARE
     v_limited bigint[];
     v_capped bigint[];
     v_caps int[];
-    v_full bigint[];  -- capped services left out: cap full, or nothing queued
+    v_full bigint[];  -- services left out: nothing queued, or a capped one's cap full
     v_hosts_all int;
     v_hosts_ok int;
     v_hosts bigint[];
@@ -565,79 +575,82 @@ BEGIN
     -- here; a capped one is, under its lock, with the cap read now.
     SELECT coalesce(array_agg(s.id), '{{}}') INTO v_limited FROM accs_service s
      WHERE s.id = ANY(p_svc_ids) AND (s.rate_limit > 0 OR s.rate_key_limit > 0 OR s.concurrency_key_limit > 0);
-    -- A look at the capped services without their locks: one whose cap is full now stays full for
-    -- this claim (claims only fill it; a finish frees room for the next claim), and one with no
-    -- queued task this node could take has nothing to claim now (a new task's NOTIFY wakes the
-    -- claimers again). Either is left out of this claim, so its claimers do not queue for its lock
-    -- only to find nothing (task_held_service_idx, task_claim_idx, task_claim_host_idx).
+    -- A look at the services without any lock: one with no queued task this node could take has
+    -- nothing to claim now (a new task's NOTIFY wakes the claimers again), and a capped one whose
+    -- cap is full now stays full for this claim (claims only fill it; a finish frees room for the
+    -- next claim). Either is left out of this claim, so its claimers do not queue for a lock only
+    -- to find nothing (task_claim_idx, task_claim_host_idx, task_held_service_idx).
     -- (OFFSET 0 keeps each count a single evaluation: flattened into the aggregates' filters, it
     -- would be counted once per filter. The held tasks are counted only when some are queued.)
-    SELECT coalesce(array_agg(c.id) FILTER (WHERE c.room), '{{}}'),
-           coalesce(array_agg(c.cap) FILTER (WHERE c.room), '{{}}'),
+    SELECT coalesce(array_agg(c.id) FILTER (WHERE c.room AND c.cap > 0), '{{}}'),
+           coalesce(array_agg(c.cap) FILTER (WHERE c.room AND c.cap > 0), '{{}}'),
            coalesce(array_agg(c.id) FILTER (WHERE NOT c.room), '{{}}')
       INTO v_capped, v_caps, v_full
       FROM (SELECT s.id, s.max_concurrent AS cap,
-                   (EXISTS (SELECT 1 FROM accs_task t
-                             WHERE t.service_id = s.id AND t.status = 'queued' AND t.host_id IS NULL)
-                    OR EXISTS (SELECT 1 FROM accs_task t JOIN accs_host h ON h.id = t.host_id
-                                WHERE h.node_id = p_node AND t.service_id = s.id AND t.status = 'queued'))
-                   AND (SELECT count(*) FROM accs_task t
-                         WHERE t.status IN ('starting', 'running') AND t.service_id = s.id) < s.max_concurrent
+                   {queued.format(svc="s.id")}
+                   AND (s.max_concurrent <= 0
+                        OR (SELECT count(*) FROM accs_task t
+                             WHERE t.status IN ('starting', 'running') AND t.service_id = s.id) < s.max_concurrent)
                    AS room
               FROM accs_service s
-             WHERE s.id = ANY(p_svc_ids) AND s.id <> ALL(v_limited) AND s.max_concurrent > 0
+             WHERE s.id = ANY(p_svc_ids) AND s.id <> ALL(v_limited)
             OFFSET 0) c;
     -- Nothing to claim when every service was left out (the usual idle poll): no lock, no scan.
-    IF cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids) THEN
-        RETURN QUERY SELECT NULL::uuid, NULL::uuid, NULL::text, NULL::int, NULL::jsonb, NULL::int, NULL::text,
-                            l.id, NULL::float8
-                       FROM unnest(v_limited) AS l(id);
-        RETURN;
-    END IF;
-    -- The locks, as jobs.locks.advisory_locks takes them: the node's ('accs:node:<name>') and each
-    -- capped service's ('accs:service:<id>').
-    PERFORM {locks};
-    v_stamp := coalesce(p_now, clock_timestamp());
-    SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
-           coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')
-      INTO v_hosts_all, v_hosts_ok, v_hosts
-      FROM accs_host h WHERE h.node_id = p_node;
-    -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
-    SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
-      FROM accs_task t JOIN accs_service s ON s.id = t.service_id
-     WHERE t.status IN ('starting', 'running') AND t.node = p_node;
-    v_slots := least(p_free, CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
-    v_cpu := p_cpu_budget - v_held_cpu;
-    IF v_slots > 0 THEN
-        -- Each service's room (service_room): the node's slots and CPU, its per-node cap, and its
-        -- fleet-wide cap as the look read it, less what the whole fleet holds now (under its lock).
-        SELECT array_agg(r.id ORDER BY r.ord), array_agg(r.room ORDER BY r.ord), array_agg(r.weight ORDER BY r.ord),
-               array_agg(r.adjust ORDER BY r.ord),
-               coalesce(jsonb_object_agg(r.id::text, r.lease::float8) FILTER (WHERE r.lease > 0), '{{}}')
-          INTO v_ids, v_rooms, v_weights, v_adjust, v_leases
-          FROM (SELECT u.id, u.ord, greatest(u.weight, 1) AS weight, u.adjust, s.lease_seconds AS lease,
-                       least(v_slots, v_cpu / greatest(u.weight, 1),
-                             CASE WHEN u.cap > 0 THEN u.cap - (SELECT count(*) FROM accs_task t
-                                                                WHERE t.status IN ('starting', 'running')
-                                                                  AND t.node = p_node AND t.service_id = u.id)
-                             END,
-                             (SELECT c.cap - (SELECT count(*) FROM accs_task t
-                                               WHERE t.status IN ('starting', 'running') AND t.service_id = u.id)
-                                FROM unnest(v_capped, v_caps) AS c(id, cap) WHERE c.id = u.id)) AS room
-                  FROM unnest(p_svc_ids, p_weights, p_adjust, p_node_caps) WITH ORDINALITY
-                       AS u(id, weight, adjust, cap, ord)
-                  JOIN accs_service s ON s.id = u.id
-                 WHERE u.id <> ALL(v_limited) AND u.id <> ALL(v_full)
-                OFFSET 0) r  -- each count once (the filter below would repeat them)
-         WHERE r.room > 0;
-        IF v_ids IS NOT NULL THEN
-            v_texts := array_fill(''::text, ARRAY[cardinality(v_ids)]);
-            v_zeros := array_fill(0, ARRAY[cardinality(v_ids)]);
-            v_falses := array_fill(false, ARRAY[cardinality(v_ids)]);
-            RETURN QUERY
+    <<claiming>>
+    BEGIN
+        EXIT claiming WHEN cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids);
+        -- The locks, as jobs.locks.advisory_locks takes them: the node's ('accs:node:<name>') and each
+        -- capped service's ('accs:service:<id>').
+        PERFORM {locks};
+        -- Under the locks, the look for queued work again: the claimer that held a service's lock
+        -- before this one may have taken all of it. The claimers that queued behind it then leave
+        -- before counting anything, and the lock passes on at once.
+        SELECT v_full || coalesce(array_agg(c.id) FILTER (WHERE NOT {queued.format(svc="c.id")}), '{{}}')
+          INTO v_full FROM unnest(v_capped) AS c(id);
+        EXIT claiming WHEN cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids);
+        v_stamp := coalesce(p_now, clock_timestamp());
+        SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
+               coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')
+          INTO v_hosts_all, v_hosts_ok, v_hosts
+          FROM accs_host h WHERE h.node_id = p_node;
+        -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
+        SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
+          FROM accs_task t JOIN accs_service s ON s.id = t.service_id
+         WHERE t.status IN ('starting', 'running') AND t.node = p_node;
+        v_slots := least(p_free,
+                         CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
+        v_cpu := p_cpu_budget - v_held_cpu;
+        IF v_slots > 0 THEN
+            -- Each service's room (service_room): the node's slots and CPU, its per-node cap, and its
+            -- fleet-wide cap as the look read it, less what the whole fleet holds now (under its lock).
+            SELECT array_agg(r.id ORDER BY r.ord), array_agg(r.room ORDER BY r.ord), array_agg(r.weight ORDER BY r.ord),
+                   array_agg(r.adjust ORDER BY r.ord),
+                   coalesce(jsonb_object_agg(r.id::text, r.lease::float8) FILTER (WHERE r.lease > 0), '{{}}')
+              INTO v_ids, v_rooms, v_weights, v_adjust, v_leases
+              FROM (SELECT u.id, u.ord, greatest(u.weight, 1) AS weight, u.adjust, s.lease_seconds AS lease,
+                           least(v_slots, v_cpu / greatest(u.weight, 1),
+                                 CASE WHEN u.cap > 0 THEN u.cap - (SELECT count(*) FROM accs_task t
+                                                                    WHERE t.status IN ('starting', 'running')
+                                                                      AND t.node = p_node AND t.service_id = u.id)
+                                 END,
+                                 (SELECT c.cap - (SELECT count(*) FROM accs_task t
+                                                   WHERE t.status IN ('starting', 'running') AND t.service_id = u.id)
+                                    FROM unnest(v_capped, v_caps) AS c(id, cap) WHERE c.id = u.id)) AS room
+                      FROM unnest(p_svc_ids, p_weights, p_adjust, p_node_caps) WITH ORDINALITY
+                           AS u(id, weight, adjust, cap, ord)
+                      JOIN accs_service s ON s.id = u.id
+                     WHERE u.id <> ALL(v_limited) AND u.id <> ALL(v_full)
+                    OFFSET 0) r  -- each count once (the filter below would repeat them)
+             WHERE r.room > 0;
+            IF v_ids IS NOT NULL THEN
+                v_texts := array_fill(''::text, ARRAY[cardinality(v_ids)]);
+                v_zeros := array_fill(0, ARRAY[cardinality(v_ids)]);
+                v_falses := array_fill(false, ARRAY[cardinality(v_ids)]);
+                RETURN QUERY
 {body.strip()};
+            END IF;
         END IF;
-    END IF;
+    END claiming;
     -- The services left out, each as a row without a task.
     RETURN QUERY SELECT NULL::uuid, NULL::uuid, NULL::text, NULL::int, NULL::jsonb, NULL::int, NULL::text, l.id,
                         NULL::float8

@@ -246,19 +246,25 @@ def test_a_capped_service_with_nothing_to_claim_does_not_wait_for_its_lock(make_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_idle_poll_of_capped_services_takes_no_lock_at_all(make_service, db_url):
-    """With nothing queued for any of its services, a claim returns before taking even its node's
-    lock: the idle polls of a large fleet cost a look each, and never queue behind a busy claimer."""
+def test_an_idle_poll_takes_no_lock_at_all(make_service, db_url):
+    """With nothing queued for any of its services, capped or not, a claim returns before taking
+    even its node's lock: the idle polls of a large fleet cost a look each, and never queue behind
+    a busy claimer."""
     import psycopg
 
-    idle = make_service("fn-cap-idle", max_concurrent=5)
+    capped = make_service("fn-idle-capped", max_concurrent=5)
+    plain = make_service("fn-idle-plain")
     holder = psycopg.connect(db_url)
     try:
         holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:node:{NODE.name}"])
-        assert _claim_beside_held_locks([idle], agent_id="agent-idle") == [], "the idle poll queued for its node's lock"
+        assert _claim_beside_held_locks([capped, plain], agent_id="agent-idle") == [], (
+            "the idle poll queued for its node's lock")
     finally:
         holder.rollback()
         holder.close()
-    # Once a task is queued, the same claim takes it.
-    api.start_service("fn-cap-idle", params={})
-    assert len(claim_many([service_spec(idle)], NODE, agent_id="agent-idle", free_slots=5, lease_seconds=60)) == 1
+    # Once tasks are queued, the same claim takes them.
+    api.start_service("fn-idle-capped", params={})
+    api.start_service("fn-idle-plain", params={})
+    got = claim_many([service_spec(capped), service_spec(plain)], NODE, agent_id="agent-idle", free_slots=5,
+                     lease_seconds=60)
+    assert sorted(t.service_key for t in got) == ["fn-idle-capped", "fn-idle-plain"]
