@@ -14,7 +14,7 @@ and the job's start to its end with two agents).
 Every claim, transition and event is written as in production. Environment: BENCH_N (20000),
 BENCH_REPS (1), BENCH_LAT_JOBS (200), BENCH_LAT_GAP (0.05), BENCH_FANOUT_HOSTS (1000),
 BENCH_CLAIM_SIZES (10000,100000,1000000), BENCH_SCALE_AGENTS (100; 0 skips), BENCH_SCALE_SLOTS (20),
-BENCH_SCALE_SECONDS (60), BENCH_SCALE_CAP (1500), BENCH_FLEET_RATE (200).
+BENCH_SCALE_SECONDS (60), BENCH_SCALE_CAP (1500), BENCH_FLEET_RATE (100).
 
 enqueue_rate_single_atomic: 20,000 start_service calls inside one atomic(). fleet_100_agents_*:
 100 simulated agent processes x 20 slots (bench/scale.py's worker) at an offered load of
@@ -58,7 +58,7 @@ SCALE_AGENTS = int(os.environ.get("BENCH_SCALE_AGENTS", "100"))
 SCALE_SLOTS = int(os.environ.get("BENCH_SCALE_SLOTS", "20"))
 SCALE_SECONDS = float(os.environ.get("BENCH_SCALE_SECONDS", "60"))
 SCALE_CAP = int(os.environ.get("BENCH_SCALE_CAP", "1500"))
-FLEET_RATE = float(os.environ.get("BENCH_FLEET_RATE", "200"))  # offered tasks/s, below saturation
+FLEET_RATE = float(os.environ.get("BENCH_FLEET_RATE", "100"))  # offered tasks/s: 200 saturates 2 cores
 OUT = ROOT / "bench" / "results"
 
 
