@@ -1,8 +1,8 @@
 """The claim function leaves out services with nothing queued before any lock, and counts held tasks once.
 
 An idle poll (nothing queued for any of the claimer's services, capped or not) now returns after a
-look that takes no lock, not even the node's: 1.3 ms to 0.3 ms per idle poll of a capped service
-at 800 held tasks. Two statements read a capped service's held count from a subquery that the
+look that takes no lock, not even the node's: 1.3 ms to 0.3-0.5 ms per idle poll of a capped
+service at 800 held tasks. Two statements read a capped service's held count from a subquery that the
 planner flattened into several filters, so each claim counted the same tasks up to five times, two
 of them while holding the service's lock; each count is now made once (OFFSET 0 keeps the subquery
 whole), and only for a service with queued work. Under the locks the function looks for queued
