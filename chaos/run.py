@@ -309,8 +309,13 @@ def _inject(kind: str, elapsed: float, sc: Scenario, agents: list[Daemon], build
     return conn
 
 
-def _wait_holding(conn: psycopg.Connection, agent: Daemon, *, timeout: float = 8.0) -> list[tuple[str, int]]:
-    """Wait (bounded) until ``agent``'s node holds a task, so the fault hits running work; return what it holds."""
+def _wait_holding(conn: psycopg.Connection, agent: Daemon, *, timeout: float = 30.0) -> list[tuple[str, int]]:
+    """Wait (bounded) until ``agent``'s node holds a task, so the fault hits running work; return what it holds.
+
+    The bound is generous: a freeze comes 2-6 s after the start, and on a loaded machine an agent
+    (just started, or restarted by an earlier kill) can take longer than that to import Django and
+    claim. With nothing held, the fault would cost no lease and test nothing.
+    """
     node = agent.args[agent.args.index("--node") + 1]
     deadline = time.monotonic() + timeout
     while True:
