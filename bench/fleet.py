@@ -148,7 +148,7 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
         cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event CASCADE")
         cur.execute("DELETE FROM accs_node WHERE name LIKE 'bench-scale-%%'")
     service = save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
-                 params_schema={"type": "object"}, max_concurrent=cap)
+                           params_schema={"type": "object"}, max_concurrent=cap)
     env = {**os.environ, "ACC_LOG_LEVEL": "WARNING"}
     if mode == "pgbouncer":
         script = str(ROOT / "scripts" / "pgbouncer_local.sh")

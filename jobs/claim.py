@@ -515,7 +515,6 @@ def plain_claim_function_sql() -> str:
                                            " || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
     promote = (textwrap.indent(promote, "    ")
                + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
-    queued = _QUEUED_HERE
     tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
             " upd.service_id\n")
     if tail not in body:
@@ -587,7 +586,7 @@ BEGIN
            coalesce(array_agg(c.id) FILTER (WHERE NOT c.room), '{{}}')
       INTO v_capped, v_caps, v_full
       FROM (SELECT s.id, s.max_concurrent AS cap,
-                   {queued.format(svc="s.id")}
+                   {_QUEUED_HERE.format(svc="s.id")}
                    AND (s.max_concurrent <= 0
                         OR (SELECT count(*) FROM accs_task t
                              WHERE t.status IN ('starting', 'running') AND t.service_id = s.id) < s.max_concurrent)
@@ -605,7 +604,7 @@ BEGIN
         -- Under the locks, the look for queued work again: the claimer that held a service's lock
         -- before this one may have taken all of it. The claimers that queued behind it then leave
         -- before counting anything, and the lock passes on at once.
-        SELECT v_full || coalesce(array_agg(c.id) FILTER (WHERE NOT {queued.format(svc="c.id")}), '{{}}')
+        SELECT v_full || coalesce(array_agg(c.id) FILTER (WHERE NOT {_QUEUED_HERE.format(svc="c.id")}), '{{}}')
           INTO v_full FROM unnest(v_capped) AS c(id);
         EXIT claiming WHEN cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids);
         v_stamp := coalesce(p_now, clock_timestamp());
