@@ -3,18 +3,24 @@
 Unlike a saturated run (every slot busy, every claim racing), this is what a fleet sees in
 production: work arrives at a steady rate (``--rate`` tasks per second), lower than the fleet's
 capacity, and many agents wait for it. Each simulated agent is a ``bench/scale.py worker``
-process (the real ``claim_many`` and ``report``, tasks of 2–6 s simulated by a timer, polling
-every 0.5 s), connected straight to PostgreSQL or through a transaction-mode PgBouncer
+process (the real ``claim_round`` and ``report``, tasks of 2–6 s simulated by a timer, polling
+every 0.5 s; through PgBouncer, claiming again after 5–10 ms, then longer, when the capped
+service's lock was busy), connected straight to PostgreSQL or through a transaction-mode PgBouncer
 (scripts/pgbouncer_local.sh, ``ACC_DB_POOLER=pgbouncer``). Figures per mode: claim p50/p95 (one
 claim statement, as the agent times it), pick-up p50/p95 (task created → claimed, PostgreSQL's
-clock), server connections (peak of all, and of those in use: not idle), cap violations (held
-tasks sampled every 20 ms against the service's cap) and double claims (a task with two attempts:
-the simulated work never fails). Written to bench/results/fleet.json.
+clock), claims that found the lock busy (``contended_claims``; each is also a claim, a short one,
+in the claim figures), server connections (peak of all, and of those in use: not idle), cap
+violations (held tasks sampled every 20 ms against the service's cap) and double claims (a task
+with two attempts: the simulated work never fails). Written to bench/results/fleet.json.
 
-Defaults are the issue's fleet (100 agents × 20 slots for 60 s) at 100 tasks/s: on 2 cores, 200
-tasks/s saturates the machine (1.7-1.8 cores busy, an uncapped claim's p95 above 100 ms), so it is
-not the load below saturation the figures are meant for; ``cpu_cores_busy`` says how close a run
-came. A 2-core machine shared with other work wants ``--agents 20 --rate 40 --seconds 30``.
+Each mode starts on emptied tables, runs ``--warmup`` seconds (15) of load, analyzes the engine's
+tables and only then measures for ``--seconds``: until the first analyze, every connection's claim
+and report run plans made for empty tables, and autovacuum's analyze comes at any point of the
+first minute, so without the warm-up one run and the next measured different plans.
+
+Defaults are the issue's fleet (100 agents × 20 slots for 60 s) at 100 tasks/s; 200 tasks/s keeps
+1.4–1.7 of 2 cores busy. ``cpu_cores_busy`` says how close a run came to the machine's saturation.
+A 2-core machine shared with other work wants ``--agents 20 --rate 40 --seconds 30``.
 """
 
 from __future__ import annotations
@@ -123,6 +129,15 @@ def _cpu_cores(before: tuple[float, dict[str, tuple[str, int]]],
     return {**rounded, "all": round(sum(cores.values()), 2), "of": os.cpu_count() or 0}
 
 
+def _autoanalyzes() -> int:
+    """How many times autovacuum has analyzed the engine's tables (each analyze re-plans the claims)."""
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT coalesce(sum(autoanalyze_count), 0) FROM pg_stat_user_tables WHERE relname LIKE 'accs%%'")
+        return int(cur.fetchone()[0])
+
+
 def _feed(*, rate: float, seconds: float) -> int:
     """Start ``rate`` one-task jobs a second for ``seconds`` (in tenths of a second); return how many."""
     from jobs import api, transitions
@@ -139,7 +154,12 @@ def _feed(*, rate: float, seconds: float) -> int:
     return fed
 
 
-def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float, cap: int, direct_url: str) -> dict:
+# The engine's tables the claim and the report read, analyzed once the warm-up has filled them.
+ANALYZE_SQL = "ANALYZE accs_job, accs_task, accs_attempt, accs_event"
+
+
+def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float, cap: int, direct_url: str,
+             warmup: float = 15.0) -> dict:
     from django.db import connection
 
     from workflows.api import save_service
@@ -158,18 +178,31 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
                                              text=True).stdout.strip(), ACC_DB_POOLER="pgbouncer")
     run_dir = ROOT / ".local" / "bench" / f"fleet-{mode}-{time.time_ns()}"
     run_dir.mkdir(parents=True)
-    go = run_dir / "go"
+    go, measure = run_dir / "go", run_dir / "measure"
     # The workers stop claiming a few seconds after the feed ends, once the last tasks are picked up.
     procs = [subprocess.Popen([sys.executable, str(ROOT / "bench" / "scale.py"), "worker", "--index", str(i),
-                               "--slots", str(slots), "--seconds", str(seconds + 8), "--go", str(go),
-                               "--out", str(run_dir / f"{i}.txt")], cwd=ROOT, env=env)
+                               "--slots", str(slots), "--seconds", str(warmup + seconds + 8), "--go", str(go),
+                               "--measure", str(measure), "--out", str(run_dir / f"{i}.txt")], cwd=ROOT, env=env)
              for i in range(agents)]
     wait_ready(run_dir, procs)
     sampler = Sampler(direct_url, cap, service.id)
     sampler.start()
     go.touch()
+    # The warm-up: the tables start empty (truncated), and until they are analyzed with work in
+    # them, every connection's claim and report run plans made for empty tables (a PL/pgSQL
+    # function plans its statements once per connection; ANALYZE makes them plan again). A fleet in
+    # production runs on analyzed tables, and autovacuum's analyze comes at any point of the first
+    # minute, so without this the figures of one run and the next differ by the time it came.
+    fed = _feed(rate=rate, seconds=warmup)
+    with connection.cursor() as cur:
+        cur.execute(ANALYZE_SQL)
+        cur.execute("SELECT now()")
+        measured_from = cur.fetchone()[0]
+    measure.touch()
+    analyzes = _autoanalyzes()
     cpu_before = _cpu_by_kind()
-    fed = _feed(rate=rate, seconds=seconds)
+    fed += _feed(rate=rate, seconds=seconds)
+    analyzes = _autoanalyzes() - analyzes
     cpu = _cpu_cores(cpu_before, _cpu_by_kind())
     for proc in procs:
         proc.wait(timeout=180)
@@ -177,23 +210,27 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
     sampler.join(5)
     claims = sorted(float(x) for i in range(agents) if (run_dir / f"{i}.txt").exists()
                     for x in (run_dir / f"{i}.txt").read_text().split())
+    contended = sum(int(p.read_text() or 0) for p in run_dir.glob("*.contended"))
     with connection.cursor() as cur:
         cur.execute("SELECT count(*) FROM (SELECT task_id FROM accs_attempt GROUP BY task_id HAVING count(*) > 1) d")
         twice = cur.fetchone()[0]
         cur.execute("SELECT count(*) FILTER (WHERE status = 'done'),"
                     " array_agg(extract(epoch FROM claimed_at - created_at) * 1000)"
-                    " FILTER (WHERE claimed_at IS NOT NULL)"
-                    " FROM accs_task t WHERE service_id = (SELECT id FROM accs_service WHERE key = %s)", [SERVICE])
+                    " FILTER (WHERE claimed_at IS NOT NULL AND created_at >= %s)"
+                    " FROM accs_task t WHERE service_id = (SELECT id FROM accs_service WHERE key = %s)",
+                    [measured_from, SERVICE])
         done, pickups = cur.fetchone()
     claim_p50, claim_p95 = _quantiles(claims)
     pickup_p50, pickup_p95 = _quantiles(sorted(float(p) for p in pickups or []))
     return {"mode": mode, "agents": agents, "slots": slots, "offered_tasks_per_s": rate, "seconds": seconds,
-            "fed": fed, "done": done, "claims": len(claims), "claim_p50_ms": claim_p50, "claim_p95_ms": claim_p95,
+            "warmup_seconds": warmup,
+            "fed": fed, "done": done, "claims": len(claims), "contended_claims": contended,
+            "claim_p50_ms": claim_p50, "claim_p95_ms": claim_p95,
             "pickup_p50_ms": pickup_p50, "pickup_p95_ms": pickup_p95,
             "server_connections_peak": sampler.peak_connections, "server_connections_in_use_peak": sampler.peak_in_use,
             "held_peak": sampler.peak_held, "cap": cap, "cap_violations": sampler.violations,
             "double_claims": twice, "workers_failed": sum(1 for p in procs if p.returncode != 0),
-            "cpu_cores_busy": cpu}
+            "cpu_cores_busy": cpu, "autoanalyzes_measured": analyzes}
 
 
 def main() -> int:
@@ -201,7 +238,9 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=100)
     parser.add_argument("--slots", type=int, default=20)
     parser.add_argument("--rate", type=float, default=100.0, help="offered tasks per second")
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured, after the warm-up")
+    parser.add_argument("--warmup", type=float, default=15.0,
+                        help="seconds of load before the tables are analyzed and the measure starts")
     parser.add_argument("--cap", type=int, default=1500, help="the service's max_concurrent")
     parser.add_argument("--modes", default="direct,pgbouncer")
     args = parser.parse_args()
@@ -218,7 +257,7 @@ def main() -> int:
     results = []
     for mode in args.modes.split(","):
         figures = run_mode(mode, agents=args.agents, slots=args.slots, rate=args.rate, seconds=args.seconds,
-                           cap=args.cap, direct_url=direct_url)
+                           cap=args.cap, direct_url=direct_url, warmup=args.warmup)
         print(json.dumps(figures), flush=True)
         results.append(figures)
     out = ROOT / "bench" / "results"

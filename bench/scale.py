@@ -1,10 +1,12 @@
 """Many agents on one PostgreSQL: claim latency, cap and double-claim checks (``make bench``).
 
 ``python bench/scale.py worker ...`` is one simulated agent process: it claims through the real
-``claim_many`` (the agent's one claim statement, with every limit and the advisory locks) and reports
-through the real ``report``, but its "work" is a timer of 2–6 s instead of an executor thread, so a
-2-core machine can host a hundred of them. It writes each claim's duration, in milliseconds, to
-its output file.
+``claim_round`` (the agent's one claim statement, with every limit and the advisory locks; behind a
+pooler, a claim that found the capped service's lock busy is made again after a short delay, as
+the agent does) and
+reports through the real ``report``, but its "work" is a timer of 2–6 s instead of an executor
+thread, so a 2-core machine can host a hundred of them. It writes each claim's duration, in
+milliseconds, to its output file, and how many claims found the lock busy to ``<output>.contended``.
 
 The driver (:func:`scale`) fills the queue, starts the workers, lets them go together, samples how
 many tasks of the capped service are held (one snapshot every 20 ms) and then checks the attempts:
@@ -37,7 +39,8 @@ def worker(args: argparse.Namespace) -> int:
     import django
 
     django.setup()
-    from jobs.claim import NodeLimits, claim_many, service_spec
+    from accs_site.daemon import Backoff, db_pooler
+    from jobs.claim import NodeLimits, claim_round, service_spec
     from jobs.reports import Outcome, report
     from workflows.models import Service
 
@@ -52,8 +55,13 @@ def worker(args: argparse.Namespace) -> int:
     while not go.exists():
         time.sleep(0.05)
     until = time.monotonic() + args.seconds
+    measure = Path(args.measure) if args.measure else None
+    measuring = measure is None
     running: list[tuple[float, object]] = []
     durations: list[float] = []
+    contended = 0  # claims that found the capped service's lock busy: claimed again after a short delay
+    backoff = Backoff(base=0.01, cap=args.poll)
+    pooled = db_pooler() is not None  # as the agent: behind a pooler, a capped service's lock is only tried
     while time.monotonic() < until:
         now = time.monotonic()
         finished = [task for deadline, task in running if deadline <= now]
@@ -62,15 +70,26 @@ def worker(args: argparse.Namespace) -> int:
             report([Outcome(task_id=t.id, attempt=t.attempt, status="succeeded") for t in finished],
                    started=[(t.id, t.attempt, None) for t in finished], agent_id=agent_id, source=f"agent:{node}")
         free = args.slots - len(running)
+        busy = False
+        measuring = measuring or (measure is not None and measure.exists())
         if free > 0:
             started = time.perf_counter()
-            got = claim_many([spec], limits, agent_id=agent_id, free_slots=free, lease_seconds=600)
-            durations.append((time.perf_counter() - started) * 1000)
+            answer = claim_round([spec], limits, agent_id=agent_id, free_slots=free, lease_seconds=600,
+                                 try_capped=pooled)
+            took = (time.perf_counter() - started) * 1000
             now = time.monotonic()
-            running += [(now + rng.uniform(args.work_min, args.work_max), task) for task in got]
-        next_end = min((deadline for deadline, _ in running), default=now + args.poll)
-        time.sleep(max(0.0, min(next_end - time.monotonic(), args.poll)))
+            running += [(now + rng.uniform(args.work_min, args.work_max), task) for task in answer.tasks]
+            busy = bool(answer.contended)
+            if measuring:
+                durations.append(took)
+                contended += busy
+        wait = backoff.next_delay() if busy else args.poll  # as the agent does: claim again shortly
+        if not busy:
+            backoff.reset()
+        next_end = min((deadline for deadline, _ in running), default=now + wait)
+        time.sleep(max(0.0, min(next_end - time.monotonic(), wait)))
     Path(args.out).write_text("\n".join(f"{d:.3f}" for d in durations))
+    Path(args.out).with_suffix(".contended").write_text(str(contended))
     return 0
 
 
@@ -148,6 +167,7 @@ def main() -> int:
     w.add_argument("--seconds", type=float, default=60)
     w.add_argument("--go", required=True)
     w.add_argument("--out", required=True)
+    w.add_argument("--measure", help="record claims only once this file exists (after a warm-up)")
     w.add_argument("--poll", type=float, default=0.5)
     w.add_argument("--work-min", type=float, default=2.0)
     w.add_argument("--work-max", type=float, default=6.0)

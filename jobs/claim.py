@@ -461,7 +461,7 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
 
 
 # The claim of services without a rate or per-key limit (a fleet-wide cap included), as one
-# server-side function (migrations 0019, 0023, 0024): the claim's hot path in one round trip (no BEGIN,
+# server-side function (migrations 0019, 0023-0025): the claim's hot path in one round trip (no BEGIN,
 # no COMMIT, none of the reads and locks of claim_many's general path as separate statements),
 # and its statements planned once per server connection (PL/pgSQL caches their plans) instead
 # of at every claim: planning the claim statement cost more than running it. Nothing here is
@@ -473,14 +473,15 @@ _CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
 # general path to claim under its lock; a service with nothing queued that this node could take,
 # or a capped one whose cap is full now, is left out of this claim, and a claim with every service
 # left out returns there, having taken no lock: the idle poll), the locks (the node's, and each
-# capped service's, shared with every claimer of it; then the look for queued work again, since
-# the lock's previous holder may have taken it all), the node's held work and hosts read after
-# them (each statement of a PL/pgSQL function sees the rows committed before it starts, so the
-# counts are exact under the locks), the room of each service, and the very claim statement above
-# (CLAIM_SQL) with its parameters bound to the function's variables. Its instant is taken once,
-# after the locks, as the general path's statement_timestamp() is. Under a capped service's lock
-# the function makes no round trip to the client, so the claimers of a busy capped service wait
-# for each other as little as they can.
+# capped service's, shared with every claimer of it: waited for, or, when the caller asks, as
+# agents behind a pooler do, only tried, a busy one left out and named in the answer for the caller
+# to claim again soon; then the look for queued work again, since the lock's previous holder may
+# have taken it all), the node's held work and hosts read after them (each statement of a PL/pgSQL
+# function sees the rows committed before it starts, so the counts are exact under the locks),
+# the room of each service, and the very claim statement above (CLAIM_SQL) with its parameters
+# bound to the function's variables. Its instant is taken once, after the locks, as the general
+# path's statement_timestamp() is. Under a capped service's lock the function makes no round trip
+# to the client, so it holds the lock as briefly as it can.
 PLAIN_CLAIM_FUNCTION = "accs_claim_plain"
 
 _PLAIN_PARAMS = {
@@ -511,8 +512,9 @@ def plain_claim_function_sql() -> str:
     body = CLAIM_SQL.replace(STAMP_SQL, "v_stamp")
     body = re.sub(r"%\((\w+)\)s", lambda m: _PLAIN_PARAMS[m.group(1)], body)
     promote = re.sub(r"%\((\w+)\)s", lambda m: _PROMOTE_PARAMS[m.group(1)], PROMOTE_DUE_SQL)
-    locks = ADVISORY_LOCKS_SQL.format(keys="ARRAY['accs:node:' || p_node]"
-                                           " || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
+    node_lock = ADVISORY_LOCKS_SQL.format(keys="ARRAY['accs:node:' || p_node]")
+    all_locks = ADVISORY_LOCKS_SQL.format(keys="ARRAY['accs:node:' || p_node]"
+                                               " || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
     promote = (textwrap.indent(promote, "    ")
                + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
     tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
@@ -522,13 +524,14 @@ def plain_claim_function_sql() -> str:
     # The function's columns have exact types: the varchar columns are cast, and each task's lease is added.
     body = body.replace(tail, "SELECT upd.id, upd.job_id, upd.task_key::text, upd.attempt, upd.params,"
                               " upd.timeout_seconds, h.name::text, upd.service_id,\n"
-                              "       coalesce((v_leases ->> upd.service_id::text)::float8, p_lease)\n")
+                              "       coalesce((v_leases ->> upd.service_id::text)::float8, p_lease), NULL::text\n")
     return f"""CREATE OR REPLACE FUNCTION {PLAIN_CLAIM_FUNCTION}(
     p_svc_ids bigint[], p_weights int[], p_adjust int[], p_node_caps int[], p_channels text[],
     p_node text, p_agent text, p_pid int, p_source text, p_now timestamptz, p_free int, p_slot_cap int,
-    p_cpu_budget int, p_lease float8, p_blocked bigint[], p_exclude uuid[], p_promote_limit int)
+    p_cpu_budget int, p_lease float8, p_blocked bigint[], p_exclude uuid[], p_promote_limit int,
+    p_try_capped boolean)
 RETURNS TABLE (id uuid, job_id uuid, task_key text, attempt int, params jsonb, timeout_seconds int,
-               host text, service_id bigint, lease float8)
+               host text, service_id bigint, lease float8, left_out text)
 LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement, made at its first call: planning a custom plan
 -- at every call (the default until PostgreSQL trusts a generic one) is what the function is for
@@ -547,7 +550,8 @@ DECLARE
     v_limited bigint[];
     v_capped bigint[];
     v_caps int[];
-    v_full bigint[];  -- services left out: nothing queued, or a capped one's cap full
+    v_full bigint[];  -- services left out: nothing queued, a capped one's cap full, or its lock busy
+    v_busy bigint[] := '{{}}';  -- capped services whose lock another claimer held
     v_hosts_all int;
     v_hosts_ok int;
     v_hosts bigint[];
@@ -598,14 +602,29 @@ BEGIN
     <<claiming>>
     BEGIN
         EXIT claiming WHEN cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids);
-        -- The locks, as jobs.locks.advisory_locks takes them: the node's ('accs:node:<name>') and each
-        -- capped service's ('accs:service:<id>').
-        PERFORM {locks};
+        IF p_try_capped THEN
+            -- Behind a pooler: the node's lock ('accs:node:<name>', shared by the node's agents only)
+            -- is waited for, holding no other meanwhile; each capped service's ('accs:service:<id>'),
+            -- shared by every claimer of the fleet, is only tried. A service whose lock another
+            -- claimer holds is left out of this claim and named in the answer ('busy'), and the
+            -- caller claims again a moment later: in line for it, each claimer would hold one of the
+            -- pool's few server connections through the wait, and the reports would queue behind
+            -- them. A try never waits, so it adds no lock-order cycle.
+            PERFORM {node_lock};
+            SELECT coalesce(array_agg(c.id) FILTER (WHERE NOT c.got), '{{}}') INTO v_busy
+              FROM (SELECT c.id, pg_try_advisory_xact_lock(hashtext('accs:service:' || c.id)) AS got
+                      FROM unnest(v_capped) AS c(id) OFFSET 0) c;
+        ELSE
+            -- Direct: the node's and each capped service's lock, waited for as
+            -- jobs.locks.advisory_locks takes them (sorted by key hash). A waiter sleeps on its own
+            -- connection; claimers retrying instead would take the CPU the lock's holder needs.
+            PERFORM {all_locks};
+        END IF;
         -- Under the locks, the look for queued work again: the claimer that held a service's lock
-        -- before this one may have taken all of it. The claimers that queued behind it then leave
-        -- before counting anything, and the lock passes on at once.
-        SELECT v_full || coalesce(array_agg(c.id) FILTER (WHERE NOT {_QUEUED_HERE.format(svc="c.id")}), '{{}}')
-          INTO v_full FROM unnest(v_capped) AS c(id);
+        -- before this one may have taken all of it.
+        SELECT v_full || v_busy
+               || coalesce(array_agg(c.id) FILTER (WHERE NOT {_QUEUED_HERE.format(svc="c.id")}), '{{}}')
+          INTO v_full FROM unnest(v_capped) AS c(id) WHERE c.id <> ALL(v_busy);
         EXIT claiming WHEN cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids);
         v_stamp := coalesce(p_now, clock_timestamp());
         SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
@@ -650,10 +669,13 @@ BEGIN
             END IF;
         END IF;
     END claiming;
-    -- The services left out, each as a row without a task.
+    -- The services left out for the caller to handle, each as a row without a task: those with a
+    -- rate or per-key limit ('limited': the general path claims them) and the capped ones whose lock
+    -- was busy ('busy': claim them again soon).
     RETURN QUERY SELECT NULL::uuid, NULL::uuid, NULL::text, NULL::int, NULL::jsonb, NULL::int, NULL::text, l.id,
-                        NULL::float8
-                   FROM unnest(v_limited) AS l(id);
+                        NULL::float8, l.why
+                   FROM (SELECT x, 'limited' FROM unnest(v_limited) AS x
+                         UNION ALL SELECT x, 'busy' FROM unnest(v_busy) AS x) AS l(id, why);
 END
 $claim$"""
 
@@ -771,49 +793,82 @@ def labels_satisfied(required: Mapping[str, Any], labels: Mapping[str, Any]) -> 
     return all(str(labels.get(k)) == str(v) for k, v in (required or {}).items())
 
 
+@dataclass(frozen=True)
+class ClaimRound:
+    """What one claim took, and the capped services it left out because another claimer held
+    their lock at that moment (``contended``): those may still have room, so claim again soon."""
+
+    tasks: list[ClaimedTask]
+    contended: frozenset[int] = frozenset()
+
+
 def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
                lease_seconds: float, pid: int | None = None, now: datetime | None = None,
                blocked_hosts: frozenset[int] = frozenset(), exclude: Collection[UUID] = (),
                priority_adjust: Mapping[int, int] | None = None) -> list[ClaimedTask]:
+    """Claim across ``services`` in the global order, within every limit, waiting for the locks of
+    capped services; see :func:`claim_round`."""
+    return claim_round(services, limits, agent_id=agent_id, free_slots=free_slots, lease_seconds=lease_seconds,
+                       pid=pid, now=now, blocked_hosts=blocked_hosts, exclude=exclude,
+                       priority_adjust=priority_adjust).tasks
+
+
+def claim_round(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
+                lease_seconds: float, pid: int | None = None, now: datetime | None = None,
+                blocked_hosts: frozenset[int] = frozenset(), exclude: Collection[UUID] = (),
+                priority_adjust: Mapping[int, int] | None = None, try_capped: bool = False) -> ClaimRound:
     """Claim across ``services`` in the global order, within every limit; one short transaction.
 
     ``priority_adjust`` maps a service id to a priority shift (governor conditions). ``exclude``
     names tasks the agent is still running (any attempt): they are never claimed again. The
     fleet-wide limits (``max_concurrent``, rates, per-key caps) are read from the database in the
     claim's transaction; the rest of each :class:`ServiceSpec` is taken as given.
+
+    Every claimer of a capped service shares its lock. With ``try_capped`` (agents behind a
+    pooler, where a claimer waiting in line would hold one of the pool's few server connections)
+    the claim does not wait for it: a capped service whose lock another claimer holds is left out
+    and named in the answer's ``contended``, for the caller to claim again a moment later.
+    Otherwise it waits, sleeping on its own connection (claimers retrying instead take the CPU the
+    lock's holder needs: measured in docs/performance.md).
     """
     services = [s for s in services if labels_satisfied(s.required_labels, limits.labels)]
     if free_slots <= 0 or not services:
-        return []
+        return ClaimRound([])
     adjust = priority_adjust or {}
     if not any(s.rated or s.keyed for s in services):
         # The common case, in one round trip, capped services included (under their locks, in the
         # function); a service that gained a rate or per-key limit since the agent's cache was
         # read is left to the general path below, under its lock.
-        tasks, limited = _claim_plain(services, limits, agent_id=agent_id, free_slots=free_slots,
-                                      lease_seconds=lease_seconds, pid=pid, now=now, blocked_hosts=blocked_hosts,
-                                      exclude=exclude, adjust=adjust)
+        tasks, limited, busy = _claim_plain(services, limits, agent_id=agent_id, free_slots=free_slots,
+                                            lease_seconds=lease_seconds, pid=pid, now=now,
+                                            blocked_hosts=blocked_hosts, exclude=exclude, adjust=adjust,
+                                            try_capped=try_capped)
         if not limited or free_slots <= len(tasks):
-            return tasks
-        return tasks + _claim_general([s for s in services if s.id in limited], limits, agent_id=agent_id,
-                                      free_slots=free_slots - len(tasks), lease_seconds=lease_seconds, pid=pid,
-                                      now=now, blocked_hosts=blocked_hosts,
-                                      exclude=[*exclude, *(t.id for t in tasks)], adjust=adjust)
-    return _claim_general(services, limits, agent_id=agent_id, free_slots=free_slots, lease_seconds=lease_seconds,
-                          pid=pid, now=now, blocked_hosts=blocked_hosts, exclude=exclude, adjust=adjust)
+            return ClaimRound(tasks, busy)
+        more = _claim_general([s for s in services if s.id in limited], limits, agent_id=agent_id,
+                              free_slots=free_slots - len(tasks), lease_seconds=lease_seconds, pid=pid, now=now,
+                              blocked_hosts=blocked_hosts, exclude=[*exclude, *(t.id for t in tasks)],
+                              adjust=adjust)
+        return ClaimRound(tasks + more, busy)
+    return ClaimRound(_claim_general(services, limits, agent_id=agent_id, free_slots=free_slots,
+                                     lease_seconds=lease_seconds, pid=pid, now=now, blocked_hosts=blocked_hosts,
+                                     exclude=exclude, adjust=adjust))
 
 
 PLAIN_CLAIM_CALL = f"""
 SELECT * FROM {PLAIN_CLAIM_FUNCTION}(%(svc_ids)s::bigint[], %(weights)s::int[], %(adjust)s::int[], %(caps)s::int[],
     %(channels)s::text[], %(node)s, %(agent)s, %(pid)s, %(source)s, %(now)s::timestamptz, %(free)s, %(slot_cap)s,
-    %(cpu_budget)s, %(lease)s::float8, %(blocked)s::bigint[], %(exclude)s::uuid[], %(promote_limit)s)
+    %(cpu_budget)s, %(lease)s::float8, %(blocked)s::bigint[], %(exclude)s::uuid[], %(promote_limit)s,
+    %(try_capped)s)
 """
 
 
 def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
                  lease_seconds: float, pid: int | None, now: datetime | None, blocked_hosts: frozenset[int],
-                 exclude: Collection[UUID], adjust: Mapping[int, int]) -> tuple[list[ClaimedTask], set[int]]:
-    """Claim services without fleet-wide limits in one call; return the tasks and the services left out.
+                 exclude: Collection[UUID], adjust: Mapping[int, int],
+                 try_capped: bool) -> tuple[list[ClaimedTask], set[int], frozenset[int]]:
+    """Claim services without a rate or per-key limit in one call; return the tasks, the services
+    left out for the general path (they have such a limit now) and the capped ones whose lock was busy.
 
     One statement, so outside a transaction it is its own (one round trip, committed by the server).
     """
@@ -825,13 +880,14 @@ def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_i
             "channels": [service_channel(s.key) for s in services], "node": limits.name, "agent": agent_id,
             "pid": pid, "source": f"agent:{limits.name}", "now": now, "free": free_slots, "slot_cap": limits.slot_cap,
             "cpu_budget": limits.cpu_budget, "lease": float(lease_seconds), "blocked": sorted(blocked_hosts),
-            "exclude": [str(t) for t in exclude], "promote_limit": max(free_slots, 100)})
+            "exclude": [str(t) for t in exclude], "promote_limit": max(free_slots, 100), "try_capped": try_capped})
         rows = cur.fetchall()
     by_id = {s.id: s for s in services}
     tasks = [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
                          service_key=by_id[row[7]].key, lease_seconds=float(row[8]))
              for row in rows if row[0] is not None]
-    return tasks, {row[7] for row in rows if row[0] is None}
+    return (tasks, {row[7] for row in rows if row[0] is None and row[9] == "limited"},
+            frozenset(row[7] for row in rows if row[0] is None and row[9] == "busy"))
 
 
 def _claim_general(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,

@@ -10,7 +10,9 @@ for each other in a cycle:
 3. task rows, sorted by id.
 
 A verb that needs no job lock (heartbeats, marking a task running) still takes its task locks
-sorted by id. Claims never wait on a row (``SKIP LOCKED``).
+sorted by id. Claims never wait on a row (``SKIP LOCKED``). Behind a pooler the claim function
+waits for its node's lock only, then merely tries each capped service's
+(``pg_try_advisory_xact_lock``): a try never waits, so it cannot close a cycle.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from accs_site.conf import accs
 from events import artifacts
 from events.timeline import EventRow, write_events
 from jobs import transitions
-from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_many, service_spec
+from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_round, service_spec
 from jobs.notify import service_channel
 from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_LOST
 from jobs.transitions import Outcome, ReportResult
@@ -198,6 +198,12 @@ class Agent:
         # committed all the same), or starting a claimed task raised. The next pass adopts them.
         self._claim_in_doubt = False
         self._claim_filled = False  # the last claim took all it asked for (more may be queued)
+        # The last claim left a capped service out because another claimer held its lock: claim
+        # again after a short delay, doubling while the lock stays busy (5-10 ms, 10-20 ms, ... the poll).
+        self._claim_contended = False
+        # Behind a pooler a claim only tries a capped service's lock (jobs.claim.claim_round).
+        self._pooled = daemon.db_pooler() is not None
+        self._contended_backoff = daemon.Backoff(base=0.01, cap=self.poll_interval)
         self._notified = False  # the last wait ended with a NOTIFY
         self._listen: psycopg.Connection | None = None
         self._listen_retry_at = 0.0
@@ -209,7 +215,8 @@ class Agent:
         self.stall = daemon.StallBreaker(limit=STALL_LIMIT_SECONDS, connections=lambda: [self._db], logger=log,
                                          extra=self.extra)
         self._closed = threading.Event()
-        self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "repeated": 0, "expired": 0}
+        self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "repeated": 0, "expired": 0,
+                      "contended": 0}
         self.known_services: list[str] = []
         self.unknown_services: list[str] = []
         self.registered = False  # the node row is ours to sign off only once we registered it
@@ -299,8 +306,13 @@ class Agent:
             else:
                 self.backoff.reset()
                 # A claim that filled its batch may have left more work queued: claim again at once.
-                # One that took less found the queue empty; a new task's NOTIFY ends the wait.
-                if not claimed or not self._claim_filled:
+                # One that found a capped service's lock busy claims again shortly. One that took
+                # less found the queue empty; a new task's NOTIFY ends the wait.
+                if claimed and self._claim_filled:
+                    pass
+                elif self._claim_contended:
+                    self._wait(limit=self._contended_backoff.next_delay())
+                else:
                     self._wait()
 
     def _pass(self) -> int:
@@ -478,7 +490,7 @@ class Agent:
     def _claim(self) -> int:
         """Claim across this agent's services in the one global order, in one statement."""
         free = min(self.max_concurrent - len(self.running), self.claim_batch)
-        self._claim_filled = False
+        self._claim_filled = self._claim_contended = False
         if free <= 0 or self._paused:
             return 0
         services, adjust = [], {}
@@ -501,13 +513,19 @@ class Agent:
         # answer may not arrive, or starting one may raise (a full disk) and leave the rest of the
         # answer unstarted. The flag stays up until then, so the next pass adopts what is left.
         self._claim_in_doubt = True
-        tasks = claim_many([s.spec for s in services], self._limits(), agent_id=self.agent_id, free_slots=free,
-                           lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude,
-                           priority_adjust=adjust)
+        answer = claim_round([s.spec for s in services], self._limits(), agent_id=self.agent_id, free_slots=free,
+                             lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude,
+                             priority_adjust=adjust, try_capped=self._pooled)
+        tasks = answer.tasks
         for task in tasks:
             self._start(task, by_key[task.service_key], renewed_at=renewed_at)
         self._claim_in_doubt = False
         self._claim_filled = len(tasks) >= free
+        self._claim_contended = bool(answer.contended)
+        if not answer.contended:
+            self._contended_backoff.reset()
+        else:
+            self.stats["contended"] += 1
         if tasks:
             self.stats["claimed"] += len(tasks)
             log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
@@ -842,8 +860,11 @@ class Agent:
             self._close_listen()
             return None
 
-    def _wait(self) -> None:
+    def _wait(self, *, limit: float | None = None) -> None:
+        """Sleep until a NOTIFY, a worker's news or the jittered poll timer (at most ``limit`` seconds)."""
         timeout = self.poll_interval * random.uniform(0.8, 1.2)
+        if limit is not None:
+            timeout = min(timeout, limit)
         if self.running:
             timeout = min(timeout, self._heartbeat_every())
         if self._drain_deadline is not None and not self.stop_now:  # wake up when the drain time is over

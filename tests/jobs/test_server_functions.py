@@ -15,7 +15,7 @@ from django.db import connection, connections
 
 from events.models import Event
 from jobs import api, transitions
-from jobs.claim import PLAIN_CLAIM_FUNCTION, NodeLimits, claim_many, plain_claim_function_sql, service_spec
+from jobs.claim import PLAIN_CLAIM_FUNCTION, NodeLimits, claim_many, claim_round, plain_claim_function_sql, service_spec
 from jobs.finalize import FINALIZE_FUNCTION, finalize_function_sql
 from jobs.models import Task
 from jobs.reports import REPORT_FUNCTION, report_function_sql
@@ -175,8 +175,10 @@ def test_a_capped_claim_is_one_statement_and_stops_at_the_cap(make_service, djan
 
 
 @pytest.mark.django_db(transaction=True)
-def test_claimers_of_a_capped_service_racing_from_many_nodes_never_pass_its_cap(make_service):
-    """Eight claimers on eight nodes, each with room for 5, race for a service capped at 12."""
+@pytest.mark.parametrize("try_capped", [False, True], ids=["waiting", "trying"])
+def test_claimers_of_a_capped_service_racing_from_many_nodes_never_pass_its_cap(make_service, try_capped):
+    """Eight claimers on eight nodes, each with room for 5, race for a service capped at 12, waiting
+    for its lock (direct) or trying it (behind a pooler) and claiming again while it is busy."""
     svc = make_service("fn-cap-race", max_concurrent=12)
     api.start_many([api.JobSpec(service="fn-cap-race", params={"n": i}) for i in range(60)])
     while transitions.start_due_jobs(limit=100):
@@ -185,11 +187,17 @@ def test_claimers_of_a_capped_service_racing_from_many_nodes_never_pass_its_cap(
     barrier = threading.Barrier(8)
 
     def agent(name: str) -> None:
+        limits = NodeLimits(name=f"node-{name}", slot_cap=100, cpu_budget=100, per_service={})
         try:
             barrier.wait()
-            got[name] = claim_many([service_spec(svc)], NodeLimits(name=f"node-{name}", slot_cap=100, cpu_budget=100,
-                                                                   per_service={}),
-                                   agent_id=name, free_slots=5, lease_seconds=60)
+            # As an agent does: a claim that found the service's lock busy is made again.
+            got[name] = []
+            while True:
+                answer = claim_round([service_spec(svc)], limits, agent_id=name, free_slots=5 - len(got[name]),
+                                     lease_seconds=60, try_capped=try_capped)
+                got[name] += answer.tasks
+                if not answer.contended:
+                    break
         finally:
             connections.close_all()
 
@@ -243,6 +251,55 @@ def test_a_capped_service_with_nothing_to_claim_does_not_wait_for_its_lock(make_
     finally:
         holder.rollback()
         holder.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claimer_trying_a_busy_capped_lock_leaves_the_service_out_and_says_so(make_service, db_url):
+    """Behind a pooler a claimer only tries a capped service's lock (in line, it would hold a pooled
+    server connection through the wait): it claims the rest of its services and names the busy
+    one, to claim it again soon. Without ``try_capped`` the same claim waits for the lock."""
+    import psycopg
+
+    capped = make_service("fn-busy-capped", max_concurrent=5)
+    plain = make_service("fn-busy-plain")
+    api.start_service("fn-busy-capped", params={})
+    api.start_service("fn-busy-plain", params={})
+    both = [service_spec(capped), service_spec(plain)]
+    out: dict = {}
+
+    def claim(name: str, *, try_capped: bool) -> threading.Thread:
+        def run() -> None:
+            try:
+                out[name] = claim_round(both, NODE, agent_id=name, free_slots=5, lease_seconds=60,
+                                        try_capped=try_capped)
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    holder = psycopg.connect(db_url)
+    try:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:service:{capped.id}"])
+        trying = claim("agent-try", try_capped=True)
+        trying.join(timeout=30)
+        assert not trying.is_alive(), "the claim queued for the capped service's lock"
+        waiting = claim("agent-wait", try_capped=False)
+        waiting.join(timeout=1)
+        assert waiting.is_alive(), "without try_capped the claim waits for the lock"
+    finally:
+        holder.rollback()
+        holder.close()
+    waiting.join(timeout=30)
+    assert [t.service_key for t in out["agent-try"].tasks] == ["fn-busy-plain"]
+    assert out["agent-try"].contended == {capped.id}
+    assert ([t.service_key for t in out["agent-wait"].tasks], out["agent-wait"].contended) == (
+        ["fn-busy-capped"], frozenset()), "the waiting claim took the capped task once the lock was free"
+    # With the lock free, a claim that tries it takes the capped service's work too.
+    api.start_service("fn-busy-capped", params={})
+    again = claim_round(both, NODE, agent_id="agent-try", free_slots=5, lease_seconds=60, try_capped=True)
+    assert ([t.service_key for t in again.tasks], again.contended) == (["fn-busy-capped"], frozenset())
 
 
 @pytest.mark.django_db(transaction=True)

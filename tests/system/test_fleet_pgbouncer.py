@@ -25,8 +25,9 @@ import requests
 from django.db import connections
 
 from jobs import api
+from jobs.models import Job, Task
 from tests.api_helpers import user_with_token
-from tests.daemons import free_port, http_server, stop_process, wait_for
+from tests.daemons import free_port, http_server, stop_process, wait_for, wait_until
 from tests.jobs.test_builder_faults import overlapping_terms
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -230,3 +231,27 @@ def test_pickup_through_pgbouncer_with_a_direct_listen_is_within_twice_direct(ma
     print(f"pick-up p50: direct {direct:.1f} ms, through PgBouncer with a direct LISTEN {pooled:.1f} ms")
     # NOTIFY wakes both (a poll would take seconds); a few ms of slack for a loaded machine's noise.
     assert pooled <= 2 * direct + 5, (direct, pooled)
+
+
+def test_behind_pgbouncer_a_busy_capped_lock_is_claimed_again_soon_not_at_the_next_poll(make_service, daemons,
+                                                                                          db_url, pooled_env):
+    """Behind a pooler, a claim that finds a capped service's lock held by another transaction does
+    not wait for it (that would hold a pooled server connection): its other services are claimed
+    meanwhile, and the agent claims again after a short, growing delay, so the capped task starts
+    soon after the lock is free although the agent polls every 30 s and no NOTIFY says so."""
+    capped = make_service("capped-busy", max_concurrent=2)
+    make_service("quick")
+    daemons.agent("n1", "capped-busy,quick", "--poll-interval", "30", env=pooled_env)
+    first = api.start_service("quick")
+    wait_until(lambda: Job.objects.filter(pk=first.pk, status="done").exists(), timeout=30,
+               message="the agent runs work (and LISTENs once it first waits)")
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"accs:service:{capped.id}"])
+        waiting = api.start_service("capped-busy")
+        other = api.start_service("quick")
+        wait_until(lambda: Job.objects.filter(pk=other.pk, status="done").exists(), timeout=10,
+                   message="the other service's job ran while the capped service's lock was held")
+        assert Task.objects.get(job=waiting).status == "queued", "claimed past a lock another transaction held"
+        holder.rollback()  # the lock is free again; no NOTIFY tells the agent so
+    wait_until(lambda: Job.objects.filter(pk=waiting.pk, status="done").exists(), timeout=10,
+               message="the capped job ran within 10 s of the lock's release, not at the 30 s poll")
