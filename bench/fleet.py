@@ -14,9 +14,10 @@ violations (held tasks sampled every 20 ms against the service's cap) and double
 with two attempts: the simulated work never fails). Written to bench/results/fleet.json.
 
 Each mode starts on emptied tables, runs ``--warmup`` seconds (15) of load, analyzes the engine's
-tables and only then measures for ``--seconds``: until the first analyze, every connection's claim
-and report run plans made for empty tables, and autovacuum's analyze comes at any point of the
-first minute, so without the warm-up one run and the next measured different plans.
+tables and only then measures for ``--seconds``. The first minute is not the fleet's steady state:
+every connection plans its first claim at the go signal, for tables without statistics, and keeps
+those plans until autovacuum's analyze, which comes at any point of that minute; without the
+warm-up one run and the next measured very different first minutes.
 
 Defaults are the issue's fleet (100 agents × 20 slots for 60 s) at 100 tasks/s; 200 tasks/s keeps
 1.4–1.7 of 2 cores busy. ``cpu_cores_busy`` says how close a run came to the machine's saturation.
@@ -190,9 +191,9 @@ def run_mode(mode: str, *, agents: int, slots: int, rate: float, seconds: float,
     go.touch()
     # The warm-up: the tables start empty (truncated), and until they are analyzed with work in
     # them, every connection's claim and report run plans made for empty tables (a PL/pgSQL
-    # function plans its statements once per connection; ANALYZE makes them plan again). A fleet in
-    # production runs on analyzed tables, and autovacuum's analyze comes at any point of the first
-    # minute, so without this the figures of one run and the next differ by the time it came.
+    # function plans its statements once per connection; ANALYZE makes them plan again). Those
+    # first plans are all made at the go signal. A fleet in production runs on analyzed tables and
+    # warm connections; autovacuum's analyze comes at any point of the first minute.
     fed = _feed(rate=rate, seconds=warmup)
     with connection.cursor() as cur:
         cur.execute(ANALYZE_SQL)
