@@ -3,9 +3,8 @@
 ``python bench/scale.py worker ...`` is one simulated agent process: it claims through the real
 ``claim_round`` (the agent's one claim statement, with every limit and the advisory locks; behind a
 pooler, a claim that found the capped service's lock busy is made again after a short delay, as
-the agent does) and
-reports through the real ``report``, but its "work" is a timer of 2–6 s instead of an executor
-thread, so a 2-core machine can host a hundred of them. It writes each claim's duration, in
+the agent does) and reports through the real ``report``, but its "work" is a timer of 2–6 s
+instead of an executor thread, so a 2-core machine can host a hundred of them. It writes each claim's duration, in
 milliseconds, to its output file, and how many claims found the lock busy to ``<output>.contended``.
 
 The driver (:func:`scale`) fills the queue, starts the workers, lets them go together, samples how
