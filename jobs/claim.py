@@ -43,7 +43,7 @@ from uuid import UUID
 
 from django.db import connection, transaction
 
-from jobs.locks import ADVISORY_LOCKS_SQL, advisory_locks
+from jobs.locks import ADVISORY_LOCKS_SQL, TRY_ADVISORY_LOCK_SQL, advisory_locks
 from jobs.notify import service_channel
 from jobs.reports import PROMOTE_DUE_SQL, promote_scheduled_in
 from jobs.sql import from_json
@@ -512,9 +512,11 @@ def plain_claim_function_sql() -> str:
     body = CLAIM_SQL.replace(STAMP_SQL, "v_stamp")
     body = re.sub(r"%\((\w+)\)s", lambda m: _PLAIN_PARAMS[m.group(1)], body)
     promote = re.sub(r"%\((\w+)\)s", lambda m: _PROMOTE_PARAMS[m.group(1)], PROMOTE_DUE_SQL)
-    node_lock = ADVISORY_LOCKS_SQL.format(keys="ARRAY['accs:node:' || p_node]")
-    all_locks = ADVISORY_LOCKS_SQL.format(keys="ARRAY['accs:node:' || p_node]"
-                                               " || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
+    node_key = "ARRAY['accs:node:' || p_node]"
+    node_lock = ADVISORY_LOCKS_SQL.format(keys=node_key)
+    all_locks = ADVISORY_LOCKS_SQL.format(
+        keys=f"{node_key} || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
+    try_service_lock = TRY_ADVISORY_LOCK_SQL.format(key="'accs:service:' || c.id")
     promote = (textwrap.indent(promote, "    ")
                + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
     tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
@@ -612,7 +614,7 @@ BEGIN
             -- them. A try never waits, so it adds no lock-order cycle.
             PERFORM {node_lock};
             SELECT coalesce(array_agg(c.id) FILTER (WHERE NOT c.got), '{{}}') INTO v_busy
-              FROM (SELECT c.id, pg_try_advisory_xact_lock(hashtext('accs:service:' || c.id)) AS got
+              FROM (SELECT c.id, {try_service_lock} AS got
                       FROM unnest(v_capped) AS c(id) OFFSET 0) c;
         ELSE
             -- Direct: the node's and each capped service's lock, waited for as

@@ -25,6 +25,9 @@ from uuid import UUID
 # two transactions. The claim function (jobs.claim) takes its locks with the same text.
 ADVISORY_LOCKS_SQL = ("pg_advisory_xact_lock(k.h) FROM (SELECT DISTINCT hashtext(x.key) AS h"
                       " FROM unnest({keys}) AS x(key) ORDER BY 1) k")
+# The same lock on the text key {key}, only tried: true if taken, false at once if another
+# transaction holds it. A try never waits, so it needs no place in the order.
+TRY_ADVISORY_LOCK_SQL = "pg_try_advisory_xact_lock(hashtext({key}))"
 
 
 def advisory_locks(cur, keys: Iterable[str]) -> None:
