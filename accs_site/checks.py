@@ -8,7 +8,7 @@ start without the secret key and the metrics token.
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from accs_site.conf import ANY, SettingError, accs, is_placeholder, is_weak_secret_key
+from accs_site.conf import ANY, SettingError, accs, is_placeholder, is_set, is_weak_secret_key
 
 
 @register()
@@ -121,7 +121,8 @@ def check_ops_urls(app_configs=None, **kwargs) -> list[Warning]:
 
 @register(deploy=True)
 def check_allow_lists(app_configs=None, **kwargs) -> list[Warning]:
-    """Warn (under ``check --deploy``) when agents may run any program or any Python callable."""
+    """Warn (under ``check --deploy``) when agents may run any program or any Python callable, and when
+    an allow-list is unset, so agents run nothing of the site's own (only the demo tool)."""
     warnings: list[Warning] = []
     for variable, name in (("ACC_ALLOWED_EXECUTABLES", "allowed_executables"),
                            ("ACC_ALLOWED_CALLABLES", "allowed_callables")):
@@ -129,16 +130,20 @@ def check_allow_lists(app_configs=None, **kwargs) -> list[Warning]:
             entries = getattr(accs, name)
         except SettingError:
             continue  # check_accs_settings reports it
+        example = "/opt/accs/tools/" if name == "allowed_executables" else "myapp.tasks,myapp.jobs"
         if ANY in entries:
-            warnings.append(
-                Warning(
-                    f"{variable} allows anything (*): whoever may define services chooses what agents run",
-                    hint=f"List what your services need, e.g. {variable}="
-                         + ("python,/opt/tools/" if name == "allowed_executables" else "myapp.tasks,myapp.jobs")
-                         + " (docs/executors.md, Site allow-lists).",
-                    id="accs.W020",
-                )
-            )
+            warnings.append(Warning(
+                f"{variable} allows anything (*): whoever may define services chooses what agents run",
+                hint=f"List what your services need, e.g. {variable}={example} (docs/executors.md, Site allow-lists).",
+                id="accs.W020"))
+        elif not is_set(variable):
+            refused = ("every program but the project's demo tool" if name == "allowed_executables"
+                       else "every Python callable, the Tasks framework's @task functions included")
+            warnings.append(Warning(
+                f"{variable} is not set, so agents refuse {refused} (not_allowed)",
+                hint=f"List what your services need, e.g. {variable}={example}; * allows anything, and only "
+                     "when written (docs/executors.md, Site allow-lists).",
+                id="accs.W021"))
     return warnings
 
 

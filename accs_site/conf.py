@@ -26,11 +26,15 @@ from django.core.exceptions import ImproperlyConfigured
 LOG_FORMATS = ("auto", "text", "json")
 DB_POOLERS = ("none", "pgbouncer")
 ANY = "*"
+#: The default of the executable allow-list: nothing but the project's own demo tool
+#: (``python -m workflows.demo.tool``), so a site that never set the list runs no one's program by accident.
+DEMO_ONLY = "@demo"
 # The hosts a default site lets http services live on: the agent's own machine.
 LOOPBACK_URL_PREFIXES = ("http://127.0.0.1", "http://localhost", "http://[::1]",
                          "https://127.0.0.1", "https://localhost", "https://[::1]")
 _BARE_EXECUTABLE_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _MODULE_PREFIX_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_ENV_ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\*?$")
 
 
 class SettingError(ImproperlyConfigured):
@@ -47,6 +51,11 @@ def _raw(name: str) -> str | None:
     if value is None or value.strip() == "":
         value = _from_django_settings(name)
     return None if value is None or value.strip() == "" else value.strip()
+
+
+def is_set(name: str) -> bool:
+    """Return whether the setting ``name`` is given (environment or ``settings.ACCS``), not left to its default."""
+    return _raw(name) is not None
 
 
 def _django_settings_names() -> list[str]:
@@ -137,7 +146,7 @@ def _entries(name: str, default: tuple[str, ...]) -> tuple[str, ...]:
 
 def _executable_entry(name: str, entry: str) -> str:
     """Accept ``*``, a bare program name, an absolute path, or a directory ending in ``/``."""
-    if entry == ANY or _BARE_EXECUTABLE_RE.match(entry):
+    if entry in (ANY, DEMO_ONLY) or _BARE_EXECUTABLE_RE.match(entry):
         return entry
     if not entry.startswith("/"):
         raise SettingError(name, f"{entry!r} is neither a program name (no '/') nor an absolute path")
@@ -376,19 +385,33 @@ class AccsSettings:
 
     @cached_property
     def allowed_executables(self) -> tuple[str, ...]:
-        """What a command's argv[0] and an http service's start command may name.
+        """What a command's argv[0], an http service's start command and a node's wake script may name.
 
         Program names (looked up on the agent's PATH), absolute paths, directories ending in
-        ``/``, or ``*`` for anything (the default, for development).
+        ``/``, or ``*`` for anything, only when written. Unset, nothing runs but the project's own
+        demo tool (``@demo``, which may also be written beside other entries).
         """
         name = "ACC_ALLOWED_EXECUTABLES"
-        return tuple(_executable_entry(name, e) for e in _entries(name, (ANY,)))
+        return tuple(_executable_entry(name, e) for e in _entries(name, (DEMO_ONLY,)))
 
     @cached_property
     def allowed_callables(self) -> tuple[str, ...]:
-        """Module prefixes a python service's callable may come from (``*``, the default, allows any)."""
+        """Module prefixes a python service's callable may come from (``*`` allows any, only when written;
+        unset, none)."""
         name = "ACC_ALLOWED_CALLABLES"
-        return tuple(_module_entry(name, e) for e in _entries(name, (ANY,)))
+        return tuple(_module_entry(name, e) for e in _entries(name, ()))
+
+    @cached_property
+    def allowed_task_env(self) -> tuple[str, ...]:
+        """Names a service's ``env`` may set in its tasks' environment: names, or prefixes ending in ``*``
+        (``MYAPP_*``). Unset, none. Loader variables (``LD_*``, ``PYTHON*``, ``BASH_ENV``, ``PATH``…)
+        are refused whatever this lists."""
+        name = "ACC_ALLOWED_TASK_ENV"
+        entries = _entries(name, ())
+        for entry in entries:
+            if not _ENV_ENTRY_RE.match(entry):
+                raise SettingError(name, f"{entry!r} is not a variable name or a prefix ending in * (MYAPP_*)")
+        return entries
 
     @cached_property
     def allowed_http_urls(self) -> tuple[str, ...]:

@@ -122,8 +122,13 @@ class Scenario:
         self.rng = random.Random(self.seed)
 
 
+# What the chaos service needs of the site's allow-lists: its tool runs under the agent's interpreter
+# and its env passes the ledger's path and the run's marker.
+ALLOW_LISTS = {"ACC_ALLOWED_EXECUTABLES": "python", "ACC_ALLOWED_TASK_ENV": "CHAOS_LEDGER,CHAOS_RUN_ID"}
+
+
 def _daemon_env(url: str, run_id: str, ledger: Path) -> dict[str, str]:
-    return {**os.environ, "ACC_DB_URL": url, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+    return {**os.environ, **ALLOW_LISTS, "ACC_DB_URL": url, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
             "ACC_POLL_INTERVAL_SEC": "0.5", "ACC_LOG_LEVEL": "INFO", "CHAOS_RUN_ID": run_id,
             "CHAOS_LEDGER": str(ledger), "ACC_BACKOFF_BASE_SEC": "0.5"}
 
@@ -134,7 +139,7 @@ def _setup(url: str, tasks: int, rng: random.Random, *, ledger: Path, run_id: st
     Tasks get only what their service grants, not the agent's environment: the service passes the
     ledger's path and the run's marker (which the orphan count looks for) in its ``env``.
     """
-    env = {**os.environ, "ACC_DB_URL": url, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **ALLOW_LISTS, "ACC_DB_URL": url, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, str(ROOT / "manage.py"), "migrate", "--noinput", "-v0"], cwd=ROOT, env=env,
                    check=True)
     code = f"""

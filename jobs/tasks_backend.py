@@ -81,11 +81,12 @@ from jobs import api
 from jobs.definitions import TTL as DEFINITIONS_TTL
 from jobs.models import Attempt, AttemptStatus, Job, JobSource, JobStatus, Task as TaskRow, TaskStatus
 from workflows.models import Service
+from workflows.validation import TASKS_ADAPTER
 
 # Named here so the linter sees the re-exports above as used.
 REEXPORTED = (default_task_backend, task, task_backends, TaskResultMismatch)
 
-ADAPTER = "jobs.tasks_backend:run_task"
+ADAPTER = TASKS_ADAPTER  # the callable of every Tasks service (workflows.validation allows it by name)
 SOURCE_REF_PREFIX = "django-tasks:"
 # PostgreSQL channel names stop at 63 bytes and agents listen on prefix + key, so keys stay short.
 MAX_KEY = 55

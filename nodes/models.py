@@ -3,9 +3,12 @@ disk samples."""
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+
+from workflows.validation import wake_problems
 
 
 def _choices_check(field: str, choices: type[models.TextChoices], name: str) -> models.CheckConstraint:
@@ -83,6 +86,12 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """Refuse a wake script or provider URL this site's allow-lists do not name."""
+        problems = wake_problems(method=self.wake_method, script=self.script, provider_ref=self.provider_ref)
+        if problems:
+            raise ValidationError({p.where: p.message for p in problems})
 
 
 class HostStatus(models.TextChoices):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import urllib.request
@@ -13,8 +14,13 @@ from typing import Protocol
 from django.db import connection
 from django.utils import timezone
 
+from accs_site.conf import accs
 from events.timeline import EventRow, write_events
+from nodes.executors.base import INHERITED_ENV
+from nodes.executors.guard import Refused, check_process
+from nodes.executors.http import local_opener
 from nodes.models import Node, WakeMethod
+from workflows.validation import url_allowed
 
 log = logging.getLogger("accs.wake")
 
@@ -47,21 +53,38 @@ class WakeOnLan:
 
 
 class ProviderApi:
-    """POST ``{"node": name, "action": "wake"}`` to the provider URL in ``provider_ref``."""
+    """POST ``{"node": name, "action": "wake"}`` to the provider URL in ``provider_ref``.
+
+    The URL must start with one ``ACC_ALLOWED_HTTP_URLS`` lists, checked when it is used; redirects
+    are not followed and proxy variables are ignored, so the request goes to that URL and nowhere else.
+    """
 
     def wake(self, node: Node) -> bool:
+        if not url_allowed(node.provider_ref, accs.allowed_http_urls):
+            raise Refused(f"{node.provider_ref!r} does not start with a URL this site allows"
+                          f" (ACC_ALLOWED_HTTP_URLS={','.join(accs.allowed_http_urls)})")
         body = json.dumps({"node": node.name, "action": "wake"}).encode()
         request = urllib.request.Request(node.provider_ref, data=body,
                                          headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - operator-configured URL
+        with local_opener.open(request, timeout=10) as response:  # noqa: S310 - checked against the allow-list
             return 200 <= response.status < 300
 
 
 class ShellScript:
-    """Run the node's ``script`` with the node name as its only argument (argv, no shell)."""
+    """Run the node's ``script`` with the node name as its only argument (argv, no shell).
+
+    The script is checked like a task's program (``ACC_ALLOWED_EXECUTABLES``, resolved through
+    symlinks) and runs with a task's inherited environment, never the builder's own settings (its
+    database URL and keys).
+    """
 
     def wake(self, node: Node) -> bool:
-        return subprocess.run([node.script, node.name], timeout=30, capture_output=True).returncode == 0
+        if node.name.startswith("-"):
+            raise Refused(f"node name {node.name!r} starts with '-' and would be read as an option of the script")
+        argv = [node.script, node.name]
+        env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
+        check_process(argv, env)
+        return subprocess.run(argv, env=env, timeout=30, capture_output=True).returncode == 0
 
 
 PROVIDERS: dict[str, WakeProvider] = {WakeMethod.WOL: WakeOnLan(), WakeMethod.PROVIDER: ProviderApi(),

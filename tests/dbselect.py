@@ -56,6 +56,12 @@ def choose_database() -> tuple[str, str]:
     return _start_local(), "local server (scripts/pg_local.sh)"
 
 
+# Agents run nothing but the demo tool unless the site lists what its services run: the suite's
+# services run any program and callable of the tests, and the daemons it starts inherit this.
+os.environ.setdefault("ACC_ALLOWED_EXECUTABLES", "*")
+os.environ.setdefault("ACC_ALLOWED_CALLABLES", "*")
+os.environ.setdefault("ACC_ALLOWED_TASK_ENV", "GREETING,COLOUR")
+
 _url, _how = choose_database()
 os.environ["ACC_DB_URL"] = _url
 print(f"accs tests: PostgreSQL from {_how}", file=sys.stderr)

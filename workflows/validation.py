@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import string
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from django.db import models
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from accs_site.conf import ANY, accs
+from accs_site.conf import ANY, DEMO_ONLY, accs
 
 STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
@@ -34,6 +35,22 @@ STEP_FIELDS = frozenset({"key", "service", "depends_on", "default_params", "fan_
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names the agent sets itself (the task contract) or keeps for itself (its settings).
 RESERVED_ENV_PREFIXES = ("ACC_", "ACCS_")
+# Variables that make a program load or run other code than the one allowed (a dynamic loader's
+# preload, an interpreter's start-up file or warnings hook, a shell's start-up file, the search path
+# that decides which program a name is, a browser or pager a library may launch). A service's env
+# never sets them, whatever ACC_ALLOWED_TASK_ENV lists: the agent passes its own PATH, PYTHONPATH and
+# DJANGO_SETTINGS_MODULE, and a task that needs another must be a program that sets it itself.
+LOADER_ENV_NAMES = frozenset({
+    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "IFS", "CDPATH", "GLOBIGNORE",
+    "PATH", "BROWSER", "PAGER", "EDITOR", "VISUAL", "LESSOPEN", "LESSCLOSE", "MANPAGER", "GIT_PAGER",
+    "GIT_SSH", "GIT_SSH_COMMAND", "GIT_EXEC_PATH", "GIT_CONFIG_GLOBAL", "GIT_ASKPASS", "SSH_ASKPASS",
+    "DJANGO_SETTINGS_MODULE", "NODE_OPTIONS", "NODE_PATH", "RUBYOPT", "RUBYLIB", "JAVA_TOOL_OPTIONS",
+    "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH", "OPENSSL_CONF", "OPENSSL_ENGINES", "GCONV_PATH",
+    "LOCPATH", "NLSPATH", "HOSTALIASES", "RES_OPTIONS", "LOCALDOMAIN", "TMPDIR", "HOME", "SHELL",
+    "MALLOC_CONF", "MALLOC_CHECK_", "TERMINFO", "TERMCAP", "XDG_CONFIG_HOME", "XDG_CONFIG_DIRS",
+})
+LOADER_ENV_PREFIXES = ("LD_", "DYLD_", "PYTHON", "PERL", "BASH_FUNC_", "LUA_", "R_", "TCL", "GLIBC_",
+                       "GCONV_", "ACC_", "ACCS_")
 
 
 class StepFailurePolicy(models.TextChoices):
@@ -123,6 +140,30 @@ def argv_placeholders(argv: Iterable[str]) -> set[str]:
     return {name for arg in argv for _, name in argv_fields(arg) if name}
 
 
+def program_problems(argv: list[str], *, field: str) -> list[Problem]:
+    """Refuse a placeholder in argv[0]: params choose arguments, never the program that runs."""
+    try:
+        pieces = argv_fields(argv[0]) if argv else []
+    except ValueError:
+        return []  # the placeholder syntax problem is reported once, by the caller
+    if any(name for _, name in pieces):
+        return [Problem(field, f"argv[0] {argv[0]!r} has a placeholder: params may fill arguments, never choose"
+                               " the program (list each program as its own service)")]
+    return []
+
+
+def option_params_problems(value: Any, used: set[str]) -> list[Problem]:
+    """Check ``option_params``: the params whose values may start with '-' (become options of the tool)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return [Problem("executor_config.option_params", 'expected a list of param names, e.g. ["flags"]')]
+    unknown = sorted(set(value) - used)
+    if unknown:
+        return [Problem("executor_config.option_params", f"{unknown} are not placeholders of argv")]
+    return []
+
+
 # Argv elements are rendered with str.format, so literal braces (JSON, shell-like ${VAR}) are doubled.
 LITERAL_BRACES_HINT = ('write literal braces doubled ({{ for {, }} for }): '
                        'the element {{"mode": "fast"}} renders {"mode": "fast"}')
@@ -160,6 +201,8 @@ def service_problems(service) -> list[Problem]:
                 problems.append(
                     Problem("executor_config.argv", f"placeholders {unknown} are not properties of params_schema")
                 )
+            problems += program_problems(argv, field="executor_config.argv")
+            problems += option_params_problems(config.get("option_params"), used)
     elif executor == "python":
         target = config.get("callable")
         if not isinstance(target, str) or not CALLABLE_RE.match(target):
@@ -172,6 +215,8 @@ def service_problems(service) -> list[Problem]:
         start = config.get("start_command")
         if start is not None and (not isinstance(start, list) or not all(isinstance(a, str) for a in start)):
             problems.append(Problem("executor_config.start_command", "must be a list of strings (argv, no shell)"))
+        elif start:
+            problems += program_problems(start, field="executor_config.start_command")
     elif executor == "simulate":
         for rate in ("error_rate", "timeout_rate"):
             value = config.get(rate, 0)
@@ -218,34 +263,67 @@ def local_url_problems(url: Any, *, field: str) -> list[Problem]:
 
 
 def env_problems(env: Any) -> list[Problem]:
-    """Check a service's extra environment: ``{"NAME": "value"}``, never the agent's own names."""
+    """Check a service's extra environment: ``{"NAME": "value"}`` with names the site allows
+    (ACC_ALLOWED_TASK_ENV), never a loader variable nor the agent's own names."""
     if env is None:
         return []
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         return [Problem("executor_config.env", 'expected {"NAME": "text value", ...}')]
     problems = []
     for name in env:
-        if not ENV_NAME_RE.match(name):
-            problems.append(Problem("executor_config.env", f"{name!r} is not an environment variable name"))
-        elif name.startswith(RESERVED_ENV_PREFIXES):
-            problems.append(Problem("executor_config.env", f"{name!r}: names starting with ACC_ or ACCS_ are the"
-                                                           " agent's (its settings and the task contract)"))
+        refusal = env_name_refusal(name)
+        if refusal:
+            problems.append(Problem("executor_config.env", refusal))
     return problems
+
+
+def env_name_refusal(name: str) -> str | None:
+    """Return why a service's env may not set ``name`` (None when it may)."""
+    if not ENV_NAME_RE.match(name):
+        return f"{name!r} is not an environment variable name"
+    if name.startswith(RESERVED_ENV_PREFIXES):
+        return f"{name!r}: names starting with ACC_ or ACCS_ are the agent's (its settings and the task contract)"
+    if name in LOADER_ENV_NAMES or name.upper().startswith(LOADER_ENV_PREFIXES):
+        return (f"{name!r} changes which code a program loads or runs (a loader, interpreter or shell "
+                "variable); no service may set it")
+    if not env_name_allowed(name, accs.allowed_task_env):
+        listed = ",".join(accs.allowed_task_env) or "unset"
+        return f"{name!r} is not a variable this site lets services set (ACC_ALLOWED_TASK_ENV={listed})"
+    return None
+
+
+def env_name_allowed(name: str, allowed: Iterable[str]) -> bool:
+    """Return whether ``name`` is listed, or starts with a listed prefix written ``PREFIX*``."""
+    return any(name == entry or (entry.endswith("*") and name.startswith(entry[:-1])) for entry in allowed)
 
 
 # --------------------------------------------------------------------------------------------
 # Site allow-lists: what this site lets agents run, whatever a definition says
 # --------------------------------------------------------------------------------------------
 
-def executable_allowed(program: str, allowed: Iterable[str]) -> bool:
-    """Return whether argv[0] ``program`` is a listed name, a listed path or inside a listed directory."""
+DEMO_TOOL_ARGS = ["-m", "workflows.demo.tool"]
+#: The Tasks framework's adapter (``jobs.tasks_backend.ADAPTER``): a service that names it runs the
+#: ``@task`` function in its ``task`` key, which the allow-list must name.
+TASKS_ADAPTER = "jobs.tasks_backend:run_task"
+
+
+def is_demo_tool(argv: list[str]) -> bool:
+    """Return whether ``argv`` runs the project's own demo tool with the agent's interpreter."""
+    return (len(argv) >= 3 and argv[0] in ("python", sys.executable) and argv[1:3] == DEMO_TOOL_ARGS)
+
+
+def executable_allowed(program: str, allowed: Iterable[str], *, argv: list[str] | None = None) -> bool:
+    """Return whether argv[0] ``program`` is a listed name, a listed path or inside a listed directory
+    (``@demo``: the demo tool, when ``argv`` is that tool's)."""
     allowed = tuple(allowed)
     if ANY in allowed:
+        return True
+    if DEMO_ONLY in allowed and argv is not None and is_demo_tool(argv):
         return True
     if "/" not in program:
         return program in allowed
     path = os.path.normpath(program)
-    if not os.path.isabs(path):
+    if not os.path.isabs(path) or program.startswith("//"):
         return False  # a relative path depends on the agent's working directory; list it as a name or path
     return any(path == entry or (entry.endswith("/") and path.startswith(entry)) for entry in allowed)
 
@@ -282,12 +360,15 @@ def not_allowed_problems(executor: str, config: Mapping[str, Any]) -> list[Probl
         argv_fields_ = (("executor_config.start_command", config.get("start_command")),)
     for where, argv in argv_fields_:
         if isinstance(argv, list) and argv and isinstance(argv[0], str):
-            if not executable_allowed(argv[0], accs.allowed_executables):
+            if not executable_allowed(argv[0], accs.allowed_executables, argv=argv):
                 problems.append(Problem(where, f"{argv[0]!r} is not an executable this site allows"
                                                f" (ACC_ALLOWED_EXECUTABLES={','.join(accs.allowed_executables)})"))
-    # "task" is the function a Django Tasks service's adapter callable runs: both must be allowed.
+    # "task" is the function a Django Tasks service's adapter callable runs: it must be allowed, and so
+    # must the callable unless it is ACCS's own adapter (which runs nothing but that allowed function).
     for key in ("callable", "task") if executor == "python" else ():
         target = config.get(key)
+        if key == "callable" and target == TASKS_ADAPTER and isinstance(config.get("task"), str):
+            continue
         if isinstance(target, str) and not callable_allowed(target, accs.allowed_callables):
             listed = ",".join(accs.allowed_callables)
             problems.append(Problem(f"executor_config.{key}", f"{target!r} is not from a module this site allows"
@@ -299,6 +380,22 @@ def not_allowed_problems(executor: str, config: Mapping[str, Any]) -> list[Probl
             problems.append(Problem(f"executor_config.{key}",
                                     f"{url!r} does not start with a URL this site allows "
                                     f"(ACC_ALLOWED_HTTP_URLS={listed})"))
+    return problems
+
+
+def wake_problems(*, method: str, script: str, provider_ref: str) -> list[Problem]:
+    """Return what this site's allow-lists refuse in a node's wake settings (its script is a program the
+    builder runs; its provider URL is a request the builder sends)."""
+    problems: list[Problem] = []
+    if method == "script":
+        if not script or not os.path.isabs(script):
+            problems.append(Problem("script", "expected the absolute path of the wake script"))
+        elif not executable_allowed(script, accs.allowed_executables):
+            problems.append(Problem("script", f"{script!r} is not an executable this site allows"
+                                              f" (ACC_ALLOWED_EXECUTABLES={','.join(accs.allowed_executables)})"))
+    if method == "provider" and not url_allowed(provider_ref, accs.allowed_http_urls):
+        problems.append(Problem("provider_ref", f"{provider_ref!r} does not start with a URL this site allows"
+                                                f" (ACC_ALLOWED_HTTP_URLS={','.join(accs.allowed_http_urls)})"))
     return problems
 
 

@@ -207,29 +207,55 @@ def _outcome(task: ClaimedTask, status: str, **fields: Any) -> Outcome:
     return Outcome(task_id=task.id, attempt=task.attempt, status=status, **fields)
 
 
-def render_argv(template: list[str], params: dict[str, Any]) -> list[str]:
+class OptionInjection(ValueError):
+    """A param whose value would be read as an option of the tool (it starts with '-')."""
+
+
+def render_argv(template: list[str], params: dict[str, Any], *, option_params: Iterable[str] = ()) -> list[str]:
     """Render each argv element's plain ``{name}`` fields from params; each stays one argument.
 
     Anything but a plain name (attributes, indexing, conversions, format specs) is refused, even in
-    a row written to the database without validation.
+    a row written to the database without validation. Params never choose the program (a placeholder
+    in argv[0] is refused) and never become options: an element whose leading ``-`` comes from a
+    param is refused unless it follows a literal ``--`` element or the param is one of
+    ``option_params`` (the service's ``executor_config.option_params``).
     """
     values = {
         k: (json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else str(v)))
         for k, v in params.items()
     }
+    options = set(option_params)
     out = []
-    for arg in template:
+    after_separator = False
+    for index, arg in enumerate(template):
+        pieces = argv_fields(arg)
+        if index == 0 and any(name for _, name in pieces):
+            raise ValueError(f"argv[0] {arg!r} has a placeholder: params may fill arguments, never choose the program")
         rendered = []
-        for literal, name in argv_fields(arg):
+        leader: str | None = None  # the param that put the element's first character there
+        for literal, name in pieces:
             rendered.append(literal)
             if name is not None:
                 if name not in values:
                     raise ValueError(f"argv placeholder {name!r} has no value in params")
+                if leader is None and not "".join(rendered) and values[name]:
+                    leader = name
                 rendered.append(values[name])
-        out.append("".join(rendered))
+        text = "".join(rendered)
+        if leader is not None and text.startswith("-") and not after_separator and leader not in options:
+            raise OptionInjection(
+                f"param {leader!r} is {_clip(values[leader])!r}, which starts with '-' and would be read as an"
+                " option of the tool; put '--' before it in argv or list it in executor_config.option_params")
+        after_separator = after_separator or arg == "--"
+        out.append(text)
     if out and out[0] == "python":
         out[0] = sys.executable  # the agent's own interpreter, so demo tools need no PATH set-up
     return out
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
 
 def not_allowed(task: ClaimedTask, executor: str, config: dict[str, Any]) -> Outcome | None:
     """Return a final failure (``not_allowed``) when this site's allow-lists refuse the service's

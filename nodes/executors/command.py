@@ -17,7 +17,9 @@ class CommandExecutor:
 
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         try:
-            argv = render_argv(ctx.service_config.get("argv", []), task.params)
+            options = ctx.service_config.get("option_params")
+            argv = render_argv(ctx.service_config.get("argv", []), task.params,
+                               option_params=options if isinstance(options, list) else ())
         except ValueError as exc:
             return _outcome(task, "failed", error=str(exc), retryable=False, error_code="bad_params")
         return run_process(task, ctx, argv)

@@ -19,6 +19,7 @@ from typing import IO, Any
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from nodes.executors.base import MAX_RESULTS_BYTES, TAIL_CHARS, BadOutput, RunContext, _outcome, redact, render_argv
+from nodes.executors.guard import Refused, check_process
 from nodes.executors.processes import _kill_group, service_env
 
 
@@ -31,7 +32,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 # No proxies either: an http_proxy variable would send "local" requests across the network.
-_local_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+local_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
 
 def _read_capped(response: Any, limit: int) -> bytes:
@@ -62,8 +63,9 @@ class HttpExecutor:
         with self._lock:
             proc = self._started.get(key)
             if proc is None or proc.poll() is not None:
-                self._started[key] = subprocess.Popen(render_argv(command, {}), start_new_session=True,
-                                                      env=service_env(config),
+                argv, env = render_argv(command, {}), service_env(config)
+                check_process(argv, env)  # Refused fails the attempt as not_allowed (run)
+                self._started[key] = subprocess.Popen(argv, start_new_session=True, env=env,
                                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 self._wait_ready(config)
             self._last_used[key] = time.monotonic()
@@ -74,7 +76,7 @@ class HttpExecutor:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                _local_opener.open(url, timeout=1).close()  # noqa: S310 - loopback only (validated)
+                local_opener.open(url, timeout=1).close()  # noqa: S310 - loopback only (validated)
                 return
             except urllib.error.HTTPError:
                 return  # it answers
@@ -93,6 +95,8 @@ class HttpExecutor:
         config = ctx.service_config
         try:
             self._ensure_started(config)
+        except Refused as exc:
+            return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
         except (OSError, ValueError) as exc:
             return _outcome(task, "failed", error=f"cannot start the service: {exc}", error_code="spawn_failed")
         ctx.on_started(None)
@@ -101,7 +105,7 @@ class HttpExecutor:
         request = urllib.request.Request(config["url"], data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
         try:
-            with _local_opener.open(request, timeout=task.timeout_seconds) as response:  # noqa: S310
+            with local_opener.open(request, timeout=task.timeout_seconds) as response:  # noqa: S310
                 payload = _read_capped(response, MAX_RESULTS_BYTES).decode(errors="replace")
         except urllib.error.HTTPError as exc:
             text = exc.read(TAIL_CHARS * 4).decode(errors="replace")[-TAIL_CHARS:]

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import IO, Any, Literal, Protocol
 
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
@@ -42,6 +42,7 @@ from nodes.executors.base import (
     parse_results,
     redact,
 )
+from nodes.executors.guard import Refused, check_process
 
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")
 #: A line of stderr that names no level is stored at this one: stderr is where programs complain,
@@ -224,14 +225,22 @@ def _stderr_line(line: str) -> tuple[str, str]:
     return stderr_level(line), line
 
 
-def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dict[str, str] | None = None) -> Outcome:
+def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dict[str, str] | None = None,
+                program: Literal["service", "agent"] = "service") -> Outcome:
     """Run ``argv`` as the attempt: stdout → results, stderr → log lines, exit code → status.
 
-    ``env`` replaces :func:`task_env` (a python callable that runs the site's own Django code).
+    ``env`` replaces :func:`task_env` (a python callable that runs the site's own Django code);
+    ``program="agent"``: argv[0] is the agent's own interpreter running its own runner. What is about
+    to run is checked against the site's allow-lists first (:func:`nodes.executors.guard.check_process`).
     """
+    env = env if env is not None else task_env(task, ctx)
+    try:
+        check_process(argv, env, program=program)
+    except Refused as exc:
+        return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env=env if env is not None else task_env(task, ctx), start_new_session=True,
+                                env=env, start_new_session=True,
                                 preexec_fn=die_with_parent(),
                                 text=True, errors="replace")
     except OSError as exc:

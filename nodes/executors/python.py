@@ -28,6 +28,7 @@ from accs_site.conf import accs
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from nodes.executors.base import TAIL_CHARS, RunContext, _outcome, redact
+from nodes.executors.guard import Refused, check_process
 from nodes.executors.processes import (
     agent_marks,
     attempt_env,
@@ -651,6 +652,14 @@ class PythonExecutor:
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config
         if config.get("isolation") == "process":
+            # The warm child gets the same environment as a cold one: checked once, before either starts.
+            cold_env = {**os.environ, **task_env(task, ctx)} if config.get("inherit_env") is True else None
+            try:
+                check_process([sys.executable], cold_env if cold_env is not None else task_env(task, ctx),
+                              program="agent")
+            except Refused as exc:
+                return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed",
+                                retryable=False)
             if config.get("warm", True) is not False:
                 child = self._start_warm(task, ctx)
                 if child is not None:
@@ -662,8 +671,7 @@ class PythonExecutor:
             argv = [sys.executable, "-c", PROCESS_RUNNER, config["callable"], json.dumps(config), json.dumps(sys.path)]
             # "inherit_env": the child runs the agent's own Django code (a site's @task functions), which
             # needs the agent's settings and database; any other child gets only task_env's few names.
-            env = {**os.environ, **task_env(task, ctx)} if config.get("inherit_env") is True else None
-            return _process_error(run_process(task, ctx, argv, env=env))
+            return _process_error(run_process(task, ctx, argv, env=cold_env, program="agent"))
         return self._run_in_thread(task, ctx)
 
     def _start_warm(self, task: ClaimedTask, ctx: RunContext) -> WarmChild | None:

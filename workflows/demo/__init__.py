@@ -18,7 +18,7 @@ def definitions() -> dict:
             },
             {
                 "key": "audio-norm", "description": "Normalise loudness", "executor": "command",
-                "executor_config": {"argv": [*TOOL, "audio", "--lufs", "{lufs}"]},
+                "executor_config": {"argv": [*TOOL, "audio", "--lufs={lufs}"]},
                 "params_schema": {"type": "object",
                                   "properties": {"lufs": {"type": "number", "minimum": -70, "maximum": 0}}},
                 "timeout_seconds": 60, "cpu_weight": 2,
