@@ -118,5 +118,7 @@ check: install
 	@$(PY) manage.py makemigrations --check --dry-run
 
 stop:
+	@scripts/pgbouncer_local.sh stop
+	@scripts/pg_replica_local.sh stop
 	@scripts/pg_local.sh stop
 	@scripts/s3_local.sh stop

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -38,7 +39,7 @@ def _local_port() -> str:
 
 
 @pytest.fixture(scope="module")
-def replica_port(django_db_blocker) -> str:
+def replica_port(django_db_blocker) -> Iterator[str]:
     """Start the local streaming replica of the cluster the tests use; return its port."""
     with django_db_blocker.unblock():
         primary = connection.settings_dict
@@ -48,7 +49,9 @@ def replica_port(django_db_blocker) -> str:
     done = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, f"scripts/pg_replica_local.sh start failed:\n{done.stderr}"
     url = subprocess.run([str(SCRIPT), "url"], capture_output=True, text=True, check=True).stdout.strip()
-    return url.rsplit(":", 1)[1].split("/", 1)[0]
+    yield url.rsplit(":", 1)[1].split("/", 1)[0]
+    # The suite leaves nothing running that it started.
+    subprocess.run([str(SCRIPT), "stop"], capture_output=True, timeout=120, check=False)
 
 
 @pytest.fixture
