@@ -366,8 +366,9 @@ class WarmChild:
     def __init__(self, pid: int, stdout_fd: int, stderr_fd: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self.stdout: IO[str] | None = open(stdout_fd, errors="replace")  # noqa: SIM115 - closed with the process
-        self.stderr: IO[str] | None = open(stderr_fd, errors="replace")  # noqa: SIM115
+        # Unbuffered bytes: supervise reads them in bounded chunks.
+        self.stdout: IO[bytes] | None = open(stdout_fd, "rb", buffering=0)  # noqa: SIM115 - closed with the process
+        self.stderr: IO[bytes] | None = open(stderr_fd, "rb", buffering=0)  # noqa: SIM115
         self._done = threading.Event()
 
     def exited(self, code: int) -> None:
