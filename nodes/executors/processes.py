@@ -47,6 +47,7 @@ from nodes.executors.base import (
     parse_results,
     redact,
 )
+from nodes.executors.sandbox import SandboxUnavailable, wrap
 
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")
 #: A line of stderr that names no level is stored at this one: stderr is where programs complain,
@@ -244,9 +245,12 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dic
     ``env`` replaces :func:`task_env` (a python callable that runs the site's own Django code).
     """
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(wrap(argv, config=ctx.service_config, folders=(ctx.output_dir, ctx.input_dir)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 env=env if env is not None else task_env(task, ctx), start_new_session=True,
                                 preexec_fn=die_with_parent())
+    except SandboxUnavailable as exc:
+        return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
     except OSError as exc:
         return _outcome(task, "failed", error=f"cannot start {argv[0]!r}: {exc}", error_code="spawn_failed")
     ctx.on_started(proc.pid)

@@ -37,6 +37,7 @@ from nodes.executors.processes import (
     supervise,
     task_env,
 )
+from nodes.executors.sandbox import refusal
 
 # --------------------------------------------------------------------------------------------
 
@@ -651,6 +652,9 @@ class PythonExecutor:
 
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config
+        refused = refusal("python", config)
+        if refused:
+            return _outcome(task, "failed", error=refused, error_code="not_allowed", retryable=False)
         if config.get("isolation") == "process":
             if config.get("warm", True) is not False:
                 child = self._start_warm(task, ctx)
