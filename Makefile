@@ -40,16 +40,18 @@ lint: install
 	@$(VENV)/bin/ruff check .
 	@$(PY) -m mypy $(LINT_APPS)
 
-# The browser tests need Debian's chromium and chromedriver, the fleet test PgBouncer: installed here when
-# missing (root or sudo).
+# The browser tests need Debian's chromium and chromedriver, the fleet test PgBouncer, the sandbox tests
+# bubblewrap: installed here when missing (root or sudo).
 test: install
 	@scripts/browser_deps.sh
+	@scripts/sandbox_deps.sh
 	@scripts/pgbouncer_local.sh install || echo "the fleet test through PgBouncer will be skipped"
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 # Skip the slow chaos/race tests locally.
 test-fast: install
 	@scripts/browser_deps.sh
+	@scripts/sandbox_deps.sh
 	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Django 6.1 (its built-in django.tasks, no django-tasks backport) in a second virtualenv, .venv-dj61: the

@@ -76,6 +76,7 @@ from nodes.executors import (
     sanitize_outcome,
     secrets_in,
 )
+from nodes.executors.sandbox import close_agent_process
 from nodes.scratch import remove_leftovers, scratch_dir
 from workflows.governor import active_conditions, claim_adjustments
 from workflows.models import Service as ServiceModel
@@ -257,6 +258,7 @@ class Agent:
 
     def run(self) -> int:
         """Run until stopped (or, with ``once``, until no work is left). Return an exit code."""
+        close_agent_process()  # tasks run as this OS user: they must not read its environment or memory
         daemon.configure_daemon_session(application_name=f"accs agent {self.node}")
         # Before anything else: a database that never answers or is not migrated is one line and an
         # exit code, with nothing to report or sign off.

@@ -84,7 +84,8 @@ class ShellScript:
         argv = [node.script, node.name]
         env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
         check_process(argv, env)
-        return subprocess.run(argv, env=env, timeout=30, capture_output=True).returncode == 0
+        return subprocess.run(argv, env=env, timeout=30, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL).returncode == 0
 
 
 PROVIDERS: dict[str, WakeProvider] = {WakeMethod.WOL: WakeOnLan(), WakeMethod.PROVIDER: ProviderApi(),

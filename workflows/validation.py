@@ -245,6 +245,41 @@ def service_problems(service) -> list[Problem]:
         problems.append(Problem("priority_adjust_during", 'expected {"condition": integer, ...}'))
     problems += flow_control_problems(service)
     problems += key_change_problems(service)
+    problems += sandbox_problems(executor, config)
+    return problems
+
+
+#: The sandboxes a service may ask for (``"sandbox": "bwrap"``), by the name of the tool that makes them;
+#: nodes.executors.sandbox makes them.
+SANDBOXES = ("bwrap",)
+#: What a sandbox has its own of, or hides: "sandbox_paths" may not show the host's.
+SANDBOX_HIDDEN = ("/proc", "/sys", "/dev", "/tmp")
+
+
+def sandbox_problems(executor: str, config: Mapping[str, Any]) -> list[Problem]:
+    """Check a service's sandbox settings: a known sandbox, on a command service, with absolute read-only paths."""
+    kind = config.get("sandbox")
+    if kind is None:
+        return [Problem(f"executor_config.{key}", 'only means something with "sandbox": "bwrap"')
+                for key in ("sandbox_paths", "sandbox_network") if key in config]
+    if kind not in SANDBOXES:
+        return [Problem("executor_config.sandbox", f"expected one of {list(SANDBOXES)}, got {kind!r}")]
+    problems = []
+    if executor != "command":
+        problems.append(Problem("executor_config.sandbox",
+                                f"the sandbox runs command services; a {executor} service cannot have one"))
+    extra = config.get("sandbox_paths", [])
+    if not isinstance(extra, list) or not all(
+            isinstance(p, str) and os.path.isabs(p) and os.path.normpath(p) == p for p in extra):
+        problems.append(Problem("executor_config.sandbox_paths", "expected a list of absolute, normalised paths"))
+    else:
+        shown = [p for p in extra if p == "/" or any(p == h or p.startswith(h + "/") for h in SANDBOX_HIDDEN)]
+        if shown:
+            problems.append(Problem("executor_config.sandbox_paths",
+                                    f"{shown} would show the sandbox what it hides (the whole file system, or "
+                                    f"one of {list(SANDBOX_HIDDEN)}: processes, devices, other attempts' folders)"))
+    if not isinstance(config.get("sandbox_network", False), bool):
+        problems.append(Problem("executor_config.sandbox_network", "expected true or false"))
     return problems
 
 

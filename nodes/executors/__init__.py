@@ -9,6 +9,8 @@
 * :mod:`~nodes.executors.python`: ``python``, a dotted callable, in the worker thread or a child process;
 * :mod:`~nodes.executors.http`: ``http``, a POST to a local service started on demand;
 * :mod:`~nodes.executors.simulate`: ``simulate``, an unstable network with seeded delays and errors.
+* :mod:`~nodes.executors.sandbox`: what a task can reach of the agent (not dumpable) and of other
+  attempts (the opt-in bubblewrap sandbox of a command service).
 
 Every name is importable from ``nodes.executors`` as before the package split.
 """

@@ -21,6 +21,7 @@ from jobs.transitions import Outcome
 from nodes.executors.base import MAX_RESULTS_BYTES, TAIL_CHARS, BadOutput, RunContext, _outcome, redact, render_argv
 from nodes.executors.guard import Refused, check_process
 from nodes.executors.processes import _kill_group, service_env
+from nodes.executors.sandbox import refusal
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -93,6 +94,9 @@ class HttpExecutor:
 
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config
+        refused = refusal("http", config)
+        if refused:
+            return _outcome(task, "failed", error=refused, error_code="not_allowed", retryable=False)
         try:
             self._ensure_started(config)
         except Refused as exc:

@@ -6,6 +6,11 @@ lines → log events (at warn, or at the level a line starts with: :func:`stderr
 group. A task's process gets an allow-listed environment (:func:`service_env`), never the agent's
 ``ACC_*`` settings.
 
+Whatever a task writes costs the agent bounded memory: streams are read in chunks
+(:data:`READ_CHUNK_BYTES`), a stderr line longer than :data:`MAX_LINE_BYTES` is cut (and says so)
+and the rest of it discarded up to its newline (:func:`bounded_lines`), and stdout beyond the
+results limit is drained without being kept (:class:`_Capture`).
+
 Every process a task starts dies with the agent: the direct child gets a parent-death signal, and
 an agent that starts on a node ends the process groups its dead predecessor left
 (:func:`orphans_on_node`, :func:`end_orphan_groups`; see :mod:`nodes.agent`).
@@ -24,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any, Literal, Protocol
 
 from jobs.claim import ClaimedTask
@@ -43,6 +48,7 @@ from nodes.executors.base import (
     redact,
 )
 from nodes.executors.guard import Refused, check_process
+from nodes.executors.sandbox import SandboxUnavailable, wrap
 
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")
 #: A line of stderr that names no level is stored at this one: stderr is where programs complain,
@@ -55,6 +61,15 @@ STDERR_LEVELS = {"debug": "debug", "info": "info", "warn": "warn", "warning": "w
 LEVEL_PREFIX_RE = re.compile(r"^\s*(?:\[\s*([A-Za-z]+)\s*\]|([A-Za-z]+)\s*:|([A-Z]+)\s)")
 #: How the python executor's child process hands over a ``ctx.log`` line with its level.
 LOG_MARK_RE = re.compile(r"^::log::(debug|info|warn|error)::(.*)$", re.S)
+#: How much of a task's output stream is read at once.
+READ_CHUNK_BYTES = 65536
+#: The most of one stderr line (log or progress) the agent holds: UTF-8 takes at most four bytes a
+#: character, so a kept line still fills a log line. The rest of a longer line is discarded.
+MAX_LINE_BYTES = MAX_LOG_LINE_CHARS * 4
+#: What ends a line that was cut.
+CUT_MARK = " [cut: the line was longer than {limit} bytes]"
+#: The most of a process's /proc environ or cmdline the agent reads (a task may set a huge environment).
+MAX_PROC_FILE_BYTES = 4 * 1024 * 1024
 
 # --------------------------------------------------------------------------------------------
 # Processes that die with the agent
@@ -91,7 +106,7 @@ def ours(pid: int, *, task_id: str) -> bool:
     """Return whether process ``pid`` was started for task ``task_id`` (never a stranger's pid)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read().split(b"\0")
+            env = fh.read(MAX_PROC_FILE_BYTES).split(b"\0")
     except OSError:
         return False
     return f"ACCS_TASK_ID={task_id}".encode() in env
@@ -118,7 +133,7 @@ def processes_in_group(pgid: int) -> list[int]:
 def _environ(pid: int) -> dict[bytes, bytes]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
-            raw = fh.read()
+            raw = fh.read(MAX_PROC_FILE_BYTES)
     except OSError:
         return {}
     return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
@@ -136,7 +151,7 @@ def agent_alive(agent_id: str) -> bool:
         return True
     try:
         with open(f"/proc/{pid_text}/cmdline", "rb") as fh:
-            return b"runagent" in fh.read()
+            return b"runagent" in fh.read(MAX_PROC_FILE_BYTES)
     except OSError:
         return False
 
@@ -239,10 +254,12 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dic
     except Refused as exc:
         return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True,
-                                preexec_fn=die_with_parent(),
-                                text=True, errors="replace")
+        # The sandbox (when the service asks for one) wraps the argv the guard checked above.
+        proc = subprocess.Popen(wrap(argv, config=ctx.service_config, folders=(ctx.output_dir, ctx.input_dir)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True, preexec_fn=die_with_parent())
+    except SandboxUnavailable as exc:
+        return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
     except OSError as exc:
         return _outcome(task, "failed", error=f"cannot start {argv[0]!r}: {exc}", error_code="spawn_failed")
     ctx.on_started(proc.pid)
@@ -254,8 +271,8 @@ class Process(Protocol):
 
     pid: int
     returncode: int | None
-    stdout: IO[str] | None
-    stderr: IO[str] | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
 
     def poll(self) -> int | None: ...
 
@@ -273,12 +290,12 @@ def supervise(proc: Process, task: ClaimedTask, ctx: RunContext) -> Outcome:
     assert proc_stdout is not None and proc_stderr is not None
 
     def read_stdout() -> None:
-        for chunk in iter(lambda: proc_stdout.read(65536), ""):
+        for chunk in chunks(proc_stdout):
             stdout.add(chunk)
 
     def read_stderr() -> None:
-        for line in proc_stderr:
-            line = clean_text(line.rstrip("\n"))[:MAX_LOG_LINE_CHARS]
+        for raw, cut in bounded_lines(chunks(proc_stderr)):
+            line = clean_text(line_text(raw, cut=cut))
             match = PROGRESS_RE.match(line)
             if match:
                 ctx.progress(float(match.group(1)))
@@ -331,26 +348,79 @@ def supervise(proc: Process, task: ClaimedTask, ctx: RunContext) -> Outcome:
     return _outcome(task, "succeeded", results=results, **tails)
 
 
+def chunks(stream: IO[bytes]) -> Iterator[bytes]:
+    """Yield what a pipe delivers, at most :data:`READ_CHUNK_BYTES` at a time, as soon as it arrives."""
+    fd = stream.fileno()
+    while chunk := os.read(fd, READ_CHUNK_BYTES):
+        yield chunk
+
+
+def bounded_lines(pieces: Iterator[bytes], *, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[bytes, bool]]:
+    """Yield ``(line, cut)`` for each newline-ended line of a byte stream (and a last unended one).
+
+    A line holds at most ``limit`` bytes: a longer one is yielded as soon as it passes the limit,
+    with ``cut`` true, and its rest is discarded up to the next newline. Memory stays bounded by
+    ``limit`` and one piece, however long a line without a newline a task writes.
+    """
+    held = bytearray()
+    discarding = False
+    for piece in pieces:
+        start = 0
+        while True:
+            end = piece.find(b"\n", start)
+            part = piece[start:] if end < 0 else piece[start:end]
+            if not discarding:
+                room = limit - len(held)
+                held += part[:room]
+                if len(part) > room:
+                    yield bytes(held), True
+                    held.clear()
+                    discarding = True
+            if end < 0:
+                break
+            if not discarding:
+                yield bytes(held), False
+            held.clear()
+            discarding = False
+            start = end + 1
+    if held:
+        yield bytes(held), False
+
+
+def line_text(raw: bytes, *, cut: bool) -> str:
+    """Return a line read by :func:`bounded_lines` as text of at most MAX_LOG_LINE_CHARS, a cut one marked."""
+    text = raw.decode(errors="replace")
+    if not cut:
+        return text[:MAX_LOG_LINE_CHARS]
+    mark = CUT_MARK.format(limit=MAX_LINE_BYTES)
+    return text[:MAX_LOG_LINE_CHARS - len(mark)] + mark
+
+
 class _Capture:
-    """Keep the first ``limit`` characters of a stream (for results) and its last TAIL_CHARS."""
+    """Keep the first ``limit`` bytes of a stream (for results) and its last TAIL_CHARS bytes; drain the rest."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.parts: list[str] = []
+        self.parts: list[bytes] = []
         self.size = 0
         self.overflow = False
-        self.tail = ""
+        self._tail = b""
 
-    def add(self, chunk: str) -> None:
-        self.tail = (self.tail + chunk)[-TAIL_CHARS:]
-        if self.size + len(chunk) > self.limit:
+    def add(self, chunk: bytes) -> None:
+        self._tail = (self._tail + chunk)[-TAIL_CHARS:]
+        if self.overflow or self.size + len(chunk) > self.limit:
             self.overflow = True
+            self.parts.clear()  # results that cannot be used need not be held
             return
         self.parts.append(chunk)
         self.size += len(chunk)
 
+    @property
+    def tail(self) -> str:
+        return self._tail.decode(errors="replace")
+
     def text(self) -> str:
-        return "".join(self.parts)
+        return b"".join(self.parts).decode(errors="replace")
 
 
 def _kill_group(proc: Process, *, grace: float = KILL_GRACE_SECONDS) -> None:

@@ -38,6 +38,7 @@ from nodes.executors.processes import (
     supervise,
     task_env,
 )
+from nodes.executors.sandbox import refusal
 
 # --------------------------------------------------------------------------------------------
 
@@ -367,8 +368,9 @@ class WarmChild:
     def __init__(self, pid: int, stdout_fd: int, stderr_fd: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self.stdout: IO[str] | None = open(stdout_fd, errors="replace")  # noqa: SIM115 - closed with the process
-        self.stderr: IO[str] | None = open(stderr_fd, errors="replace")  # noqa: SIM115
+        # Unbuffered bytes: supervise reads them in bounded chunks.
+        self.stdout: IO[bytes] | None = open(stdout_fd, "rb", buffering=0)  # noqa: SIM115 - closed with the process
+        self.stderr: IO[bytes] | None = open(stderr_fd, "rb", buffering=0)  # noqa: SIM115
         self._done = threading.Event()
 
     def exited(self, code: int) -> None:
@@ -651,6 +653,9 @@ class PythonExecutor:
 
     def run(self, task: ClaimedTask, ctx: RunContext) -> Outcome:
         config = ctx.service_config
+        refused = refusal("python", config)
+        if refused:
+            return _outcome(task, "failed", error=refused, error_code="not_allowed", retryable=False)
         if config.get("isolation") == "process":
             # The warm child gets the same environment as a cold one: checked once, before either starts.
             cold_env = {**os.environ, **task_env(task, ctx)} if config.get("inherit_env") is True else None

@@ -154,7 +154,7 @@ def test_bad_output_fails_only_its_task_and_never_the_batch_or_the_agent(make_se
         if first_log is not None:
             assert running and running[0] < first_log, "a task's log lines follow its running event"
     leftovers = [p for t in tasks.values()
-                 for p in glob.glob(os.path.join(tempfile.gettempdir(), f"accs-{short_id(t.id)}-*"))]
+                 for p in glob.glob(os.path.join(tempfile.gettempdir(), "accs-scratch-*", f"accs-{short_id(t.id)}-*"))]
     assert leftovers == [], "scratch folders are removed after each attempt"
 
 
@@ -523,8 +523,8 @@ def test_a_new_agent_removes_the_scratch_folders_a_killed_agent_left_and_keeps_l
     live.mkdir()
     job = api.start_service("writer")
     victim = daemons.agent("n1", "writer", env=env)
-    left = wait_until(lambda: [p for p in tmp.glob("accs-*") if (p / "partial.txt").exists()], timeout=30,
-                      message="the attempt wrote into its scratch folder")
+    left = wait_until(lambda: [p for p in tmp.glob("accs-scratch-*/accs-*") if (p / "partial.txt").exists()],
+                      timeout=30, message="the attempt wrote into its scratch folder")
     assert Task.objects.filter(job=job, status__in=("starting", "running")).exists()
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=10)
