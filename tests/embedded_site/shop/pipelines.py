@@ -14,9 +14,8 @@ ORDER = {"type": "object", "properties": {"reference": {"type": "string"}, "item
 
 pick = code.service("shop-pick", executor="python", executor_config={"callable": "shop.work:pick"},
                     params_schema=ORDER, max_attempts=2)
-label = code.service("shop-label", executor="command", params_schema=ORDER, timeout_seconds=30,
-                     executor_config={"argv": ["python3", "-c", "import sys; print('label', sys.argv[1])",
-                                               "{reference}"]})
+label = code.service("shop-label", executor="command", params_schema=ORDER, timeout_seconds=30, executor_config={
+    "argv": ["python3", "-c", "import json, sys; print(json.dumps(dict(label=sys.argv[1])))", "{reference}"]})
 finish = code.service("shop-finish", executor="python", executor_config={"callable": "shop.work:finish"},
                       params_schema=ORDER)
 
