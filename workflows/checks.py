@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from django.apps import AppConfig
 from django.core.checks import Warning, register
 from django.db import DatabaseError
 
@@ -9,7 +13,7 @@ from workflows.validation import DefinitionError
 
 
 @register("accs", deploy=True)
-def check_code_definitions(app_configs=None, **kwargs) -> list[Warning]:
+def check_code_definitions(app_configs: Sequence[AppConfig] | None = None, **kwargs: Any) -> list[Warning]:
     """Warn (under ``check --deploy``) when the definitions in code and the database differ."""
     from workflows.code import app_modules, discover
     from workflows.sync import plan

@@ -15,11 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
-from django.db.models import Max
+from django.db.models import Field, Max
 
 from workflows.code import Definitions, Origin, ServiceDef, WorkflowDef
 from workflows.diff import steps_diff
@@ -98,7 +99,7 @@ def _service_row(definition: ServiceDef, stored: Service | None) -> tuple[Servic
     row = Service.objects.get(pk=stored.pk) if stored else Service(key=definition.key)
     unknown = sorted(set(definition.fields) - set(SERVICE_FIELDS) - {"is_active"})
     for name in SERVICE_FIELDS:
-        model_field = Service._meta.get_field(name)
+        model_field = cast("Field[Any, Any]", Service._meta.get_field(name))
         setattr(row, name, definition.fields.get(name, model_field.get_default()))
     row.is_active = definition.fields.get("is_active", True)
     row.defined_in = definition.origin.label
@@ -160,7 +161,7 @@ def _service_actions(definitions: Definitions, stored: dict[str, Service],
             known[key] = gone
             actions.append(Action("deactivate", f"service {key}", f"no longer in code (was {current.defined_in})",
                                   destructive=", ".join(users),
-                                  write=lambda gone=gone: gone.save(update_fields=["is_active", "updated_at"])))
+                                  write=partial(gone.save, update_fields=["is_active", "updated_at"])))
     return actions, known
 
 
@@ -192,8 +193,7 @@ def _workflow_actions(definitions: Definitions, known: dict[str, Service],
                 "" if latest.is_active else ", active again")
             latest.defined_in, latest.is_active = row.defined_in, True
             actions.append(Action("mark", f"workflow {latest}", detail, definition.origin,
-                                  write=lambda w=latest: w.save(update_fields=["defined_in", "is_active",
-                                                                               "updated_at"])))
+                                  write=partial(latest.save, update_fields=["defined_in", "is_active", "updated_at"])))
         else:
             actions.append(Action("unchanged", f"workflow {latest}", origin=definition.origin))
     gone = (Workflow.objects.exclude(defined_in="").filter(is_active=True)
@@ -201,7 +201,7 @@ def _workflow_actions(definitions: Definitions, known: dict[str, Service],
     for stale in gone:
         stale.is_active = False
         actions.append(Action("deactivate", f"workflow {stale}", f"no longer in code (was {stale.defined_in})",
-                              write=lambda w=stale: w.save(update_fields=["is_active", "updated_at"])))
+                              write=partial(stale.save, update_fields=["is_active", "updated_at"])))
     return actions
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from argparse import ArgumentParser
+from typing import Any
+
 from django.core.management.base import BaseCommand, CommandError
 
 from workflows.code import discover
@@ -13,15 +16,16 @@ class Command(BaseCommand):
     help = ("Compare the services and workflows defined in each installed app's pipelines module with the "
             "database, print the plan and apply it in one transaction (a changed workflow becomes a new version).")
 
-    def add_arguments(self, parser) -> None:
-        parser.add_argument("modules", nargs="*", help="Dotted modules to read (default: <app>.pipelines of every app).")
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("modules", nargs="*",
+                            help="Dotted modules to read (default: <app>.pipelines of every app).")
         parser.add_argument("--plan", action="store_true", help="Print the plan; write nothing.")
         parser.add_argument("--check", action="store_true",
                             help="Write nothing; exit with status 1 when the database differs from the code.")
         parser.add_argument("--allow-destructive", action="store_true",
                             help="Deactivate code-defined services that unfinished jobs or triggers still name.")
 
-    def handle(self, *args, **options) -> None:
+    def handle(self, *args: str, **options: Any) -> None:
         definitions = discover(options["modules"] or None)
         try:
             if options["plan"] or options["check"]:
