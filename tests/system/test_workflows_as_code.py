@@ -6,32 +6,14 @@ from __future__ import annotations
 
 import uuid
 
-import psycopg
-import pytest
-
 from tests.daemons import Daemons, wait_for
-from tests.system.test_embedded_site import MANAGE, _server_url, manage, query
+from tests.system import test_embedded_site as embedded
+from tests.system.test_embedded_site import MANAGE, manage, query
+
+site_env = embedded.site_env  # a fresh database migrated by the site's manage.py, for this module
 
 WORKFLOW_LINE = 'code.workflow("ship-order"'
 SERVICES = "shop-pick,shop-label,shop-finish,task-default-shop-tasks-receipt"
-
-
-@pytest.fixture
-def site_env():
-    """A fresh, migrated database for the site (dropped afterwards)."""
-    import os
-
-    name = f"accs_code_{uuid.uuid4().hex[:8]}"
-    admin_url = os.environ["ACC_DB_URL"]
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACC_", "DJANGO_SETTINGS", "SHOP_"))}
-    env.update(SHOP_DB_URL=_server_url(name), PYTHONUNBUFFERED="1")
-    migrated = manage(env, "migrate", "--noinput")
-    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
-    yield env
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _line_of(text: str) -> int:
