@@ -80,6 +80,7 @@ except ImportError:
 from jobs import api
 from jobs.definitions import TTL as DEFINITIONS_TTL
 from jobs.models import Attempt, AttemptStatus, Job, JobSource, JobStatus, Task as TaskRow, TaskStatus
+from workflows.code import ServiceDef, task_origin
 from workflows.models import Service
 
 # Named here so the linter sees the re-exports above as used.
@@ -702,6 +703,15 @@ def _step_result(task: Task, ctx: Any) -> TaskResult:
         started_at=row.started_at, finished_at=None, last_attempted_at=row.started_at,
         args=params.get("args", []), kwargs=params.get("kwargs", {}), backend=task.backend, errors=[],
         worker_ids=[row.node] if row.node else [])
+
+
+def task_step_service(task: Task) -> ServiceDef:
+    """Return the service a ``@task`` used as a workflow step runs as (workflows.code), as enqueue makes it."""
+    backend = task.get_backend()
+    if not isinstance(backend, AccsTaskBackend):
+        raise TypeError(f"@task {task.module_path} does not use an ACCS Tasks backend (TASKS[{task.backend!r}])")
+    fields = backend.service_fields(task)
+    return ServiceDef(key=fields.pop("key"), fields=fields, origin=task_origin(task.func))
 
 
 def tasks_in(module: Any, *, backend: str | None = None) -> list[Task]:

@@ -9,15 +9,14 @@ from django.apps import AppConfig
 from django.core.checks import Warning, register
 from django.db import DatabaseError
 
+from workflows.code import app_modules, discover
+from workflows.sync import plan
 from workflows.validation import DefinitionError
 
 
 @register("accs", deploy=True)
 def check_code_definitions(app_configs: Sequence[AppConfig] | None = None, **kwargs: Any) -> list[Warning]:
     """Warn (under ``check --deploy``) when the definitions in code and the database differ."""
-    from workflows.code import app_modules, discover
-    from workflows.sync import plan
-
     modules = app_modules()
     if not modules:
         return []

@@ -29,7 +29,7 @@ from types import FrameType
 from typing import Any
 
 from django.apps import apps
-from django.utils.module_loading import module_has_submodule
+from django.utils.module_loading import import_string, module_has_submodule
 
 #: The module of each installed app that holds its definitions.
 MODULE_NAME = "pipelines"
@@ -141,17 +141,28 @@ def _is_django_task(value: Any) -> bool:
         getattr(value, "get_backend", None))
 
 
+# The function that turns a Django ``@task`` into the service it runs as, by dotted path: the Tasks
+# side lives in the jobs app above this one, which registers it from its AppConfig.ready().
+_task_service_path: str | None = None
+
+
+def register_task_services(path: str) -> None:
+    """Name the function (``module.function``) that returns a ``@task``'s :class:`ServiceDef`."""
+    global _task_service_path
+    _task_service_path = path
+
+
 def task_service(task: Any) -> ServiceDef:
     """Return the service a Django ``@task`` function runs as, placed where the function is defined."""
-    from jobs.tasks_backend import AccsTaskBackend, service_key  # the Tasks side lives in jobs
+    if _task_service_path is None:
+        raise TypeError(f"@task {task.module_path}: no Tasks backend is registered (is the jobs app installed?)")
+    return import_string(_task_service_path)(task)
 
-    backend = task.get_backend()
-    if not isinstance(backend, AccsTaskBackend):
-        raise TypeError(f"@task {task.module_path} does not use an ACCS Tasks backend (TASKS[{task.backend!r}])")
-    func = inspect.unwrap(task.func)
-    origin = Origin(func.__module__, inspect.getsourcefile(func) or "?", func.__code__.co_firstlineno)
-    fields = backend.service_fields(task)
-    return ServiceDef(key=service_key(task), fields={k: v for k, v in fields.items() if k != "key"}, origin=origin)
+
+def task_origin(func: Any) -> Origin:
+    """Return where a function is defined (a ``@task`` step's service is placed there)."""
+    func = inspect.unwrap(func)
+    return Origin(func.__module__, inspect.getsourcefile(func) or "?", func.__code__.co_firstlineno)
 
 
 def step(key: str, service: ServiceDef | str | Any, *, depends_on: Sequence[str] = (),

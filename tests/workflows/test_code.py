@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api as jobs_api
-from workflows import code, sync
+from workflows import checks, code, sync
 from workflows.api import create_workflow
 from workflows.checks import check_code_definitions
 from workflows.models import Service, Workflow
@@ -186,7 +186,7 @@ def test_removing_a_code_workflow_deactivates_it(write):
 
 def test_deploy_check_warns_on_drift_and_is_quiet_once_synced(write, monkeypatch):
     name, _ = write(f'code.service("checked", executor="python", executor_config={NOOP})\n')
-    monkeypatch.setattr(code, "app_modules", lambda: [name])
+    monkeypatch.setattr(checks, "app_modules", lambda: [name])
     (warning,) = check_code_definitions()
     assert warning.id == "accs.W030" and "create service checked" in warning.msg
     sync.apply(code.discover([name]))
