@@ -23,7 +23,9 @@ class JobsConfig(AccsAppConfig):
         super().ready()
         # Imported here, not at the top: models may be imported only once every app is loaded.
         from jobs.definitions import connect_invalidation, jobs_naming_service
+        from workflows.code import register_task_services
         from workflows.validation import register_service_users
 
         connect_invalidation()
         register_service_users(jobs_naming_service)
+        register_task_services("jobs.tasks_backend.task_step_service")

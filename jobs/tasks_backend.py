@@ -80,6 +80,7 @@ except ImportError:
 from jobs import api
 from jobs.definitions import TTL as DEFINITIONS_TTL
 from jobs.models import Attempt, AttemptStatus, Job, JobSource, JobStatus, Task as TaskRow, TaskStatus
+from workflows.code import ServiceDef, task_origin
 from workflows.models import Service
 from workflows.validation import TASKS_ADAPTER
 
@@ -679,6 +680,8 @@ def _class_path_of(exc: BaseException, ctx: Any) -> str:
 def _running_result(task: Task, ctx: Any) -> TaskResult:
     """Return the result as the task itself sees it while it runs (status RUNNING, attempts so far)."""
     backend = task.get_backend()
+    if not Job.objects.filter(pk=ctx.task.job_id, service__isnull=False).exists():
+        return _step_result(task, ctx)
     job = _task_job(str(ctx.task.job_id))
     row = TaskRow.objects.filter(pk=ctx.task.id).first()
     attempts = list(Attempt.objects.filter(task_id=ctx.task.id, attempt_no__lte=ctx.task.attempt)
@@ -689,6 +692,27 @@ def _running_result(task: Task, ctx: Any) -> TaskResult:
     object.__setattr__(result, "status", TaskResultStatus.RUNNING)
     object.__setattr__(result, "finished_at", None)
     return result
+
+
+def _step_result(task: Task, ctx: Any) -> TaskResult:
+    """Return the running result of a ``@task`` run as a step of a workflow (workflows.code): its id is the
+    task row's, since the job is the workflow's, not the function's."""
+    row = TaskRow.objects.get(pk=ctx.task.id)
+    params = row.params or {}
+    return AccsTaskResult(
+        task=task, id=str(row.id), status=TaskResultStatus.RUNNING, enqueued_at=row.created_at,
+        started_at=row.started_at, finished_at=None, last_attempted_at=row.started_at,
+        args=params.get("args", []), kwargs=params.get("kwargs", {}), backend=task.backend, errors=[],
+        worker_ids=[row.node] if row.node else [])
+
+
+def task_step_service(task: Task) -> ServiceDef:
+    """Return the service a ``@task`` used as a workflow step runs as (workflows.code), as enqueue makes it."""
+    backend = task.get_backend()
+    if not isinstance(backend, AccsTaskBackend):
+        raise TypeError(f"@task {task.module_path} does not use an ACCS Tasks backend (TASKS[{task.backend!r}])")
+    fields = backend.service_fields(task)
+    return ServiceDef(key=fields.pop("key"), fields=fields, origin=task_origin(task.func))
 
 
 def tasks_in(module: Any, *, backend: str | None = None) -> list[Task]:

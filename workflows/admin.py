@@ -73,27 +73,41 @@ class ServiceForm(ProblemsByFieldForm):
 
 class DefinitionAdmin(admin.ModelAdmin):
     """Services and workflows decide what code agents run: only superusers add, change or delete them,
-    as the HTTP API requires (a model permission given to a staff user is not enough)."""
+    as the HTTP API requires (a model permission given to a staff user is not enough).
+
+    A definition stored by ``manage.py accs_sync`` (``defined_in`` set) is read-only here: its code is
+    where it changes, and the next sync would undo an edit made in the admin.
+    """
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return request.user.is_active and request.user.is_superuser
 
     def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
-        return request.user.is_active and request.user.is_superuser
+        return request.user.is_active and request.user.is_superuser and not _in_code(obj)
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
-        return request.user.is_active and request.user.is_superuser
+        return request.user.is_active and request.user.is_superuser and not _in_code(obj)
+
+    @admin.display(description="defined")
+    def origin(self, obj: Service | Workflow) -> str:
+        return f"in code: {obj.defined_in}" if obj.defined_in else "in the admin"
+
+
+def _in_code(obj: Model | None) -> bool:
+    return bool(getattr(obj, "defined_in", ""))
 
 
 @admin.register(Service)
 class ServiceAdmin(DefinitionAdmin):
     form = ServiceForm
     list_display = ("key", "executor", "is_active", "max_concurrent", "cpu_weight", "base_priority",
-                    "requires_approval", "exclusive_per_host", "timeout_seconds", "max_attempts")
+                    "requires_approval", "exclusive_per_host", "timeout_seconds", "max_attempts", "origin")
     list_filter = ("executor", "is_active", "requires_approval", "exclusive_per_host")
     search_fields = ("key", "description")
+    readonly_fields = ("origin",)
     fieldsets = (
-        (None, {"fields": ("key", "description", "is_active", "executor", "executor_config", "params_schema")}),
+        (None, {"fields": ("key", "description", "origin", "is_active", "executor", "executor_config",
+                           "params_schema")}),
         ("Retries and limits", {"fields": ("timeout_seconds", "max_attempts", "backoff_base_seconds",
                                            "backoff_cap_seconds", "lease_seconds", "cpu_weight", "max_concurrent",
                                            "base_priority")}),
@@ -195,11 +209,11 @@ class WorkflowAdmin(DefinitionAdmin):
 
     form = WorkflowForm
     save_as = True
-    list_display = ("name", "version", "is_active", "max_active_jobs", "step_count", "updated_at")
+    list_display = ("name", "version", "is_active", "max_active_jobs", "step_count", "origin", "updated_at")
     list_filter = ("is_active",)
     search_fields = ("name", "description")
-    readonly_fields = ("picture",)
-    fields = ("name", "version", "description", "is_active", "max_active_jobs", "steps", "picture")
+    readonly_fields = ("picture", "origin")
+    fields = ("name", "version", "description", "origin", "is_active", "max_active_jobs", "steps", "picture")
     change_form_template = "admin/workflows/workflow/change_form.html"
 
     def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "",

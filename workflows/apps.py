@@ -9,6 +9,7 @@ class WorkflowsConfig(AccsAppConfig):
     def ready(self) -> None:
         super().ready()
         # Imported here, not at the top: models may be imported only once every app is loaded.
+        from workflows import checks  # noqa: F401 - registers the deploy check of definitions in code
         from workflows.models import workflows_naming_service
         from workflows.validation import register_service_users
 

@@ -91,6 +91,10 @@ class Service(models.Model):
         default=0, help_text="Tasks held (starting or running) at once for each value of concurrency_key; 0 = none."
     )
     is_active = models.BooleanField(default=True)
+    defined_in = models.CharField(
+        max_length=300, blank=True, default="", db_default="", editable=False,
+        help_text="module:line of the code that defines it (manage.py accs_sync); empty when made in the admin.",
+    )
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -136,6 +140,10 @@ class Workflow(models.Model):
     )
     max_active_jobs = models.PositiveIntegerField(
         default=0, help_text="Jobs of this workflow running at once; 0 = unlimited, 1 = strictly one, oldest first."
+    )
+    defined_in = models.CharField(
+        max_length=300, blank=True, default="", db_default="", editable=False,
+        help_text="module:line of the code that defines it (manage.py accs_sync); empty when made in the admin.",
     )
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
