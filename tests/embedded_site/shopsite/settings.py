@@ -61,7 +61,10 @@ USE_TZ = True
 STATIC_URL = "static/"
 
 # ACCS reads ACC_* from the environment first, then from this dict.
-ACCS = {"ACC_POLL_INTERVAL_SEC": "0.5", "ACC_NODE_LABELS": "site=shop", "ACC_METRICS_TOKEN": "shop-scrape-token"}
+# What agents may run is the site's to list (unset, they run nothing of the site's): its own modules'
+# callables and @task functions, and the interpreter its label step runs.
+ACCS = {"ACC_POLL_INTERVAL_SEC": "0.5", "ACC_NODE_LABELS": "site=shop", "ACC_METRICS_TOKEN": "shop-scrape-token",
+        "ACC_ALLOWED_CALLABLES": "shop", "ACC_ALLOWED_EXECUTABLES": "python3"}
 
 # Django's Tasks API on ACCS agents.
 TASKS = {"default": {"BACKEND": "jobs.tasks_backend.AccsTaskBackend", "OPTIONS": {"TENANT": "default"}}}
