@@ -81,6 +81,30 @@ def test_interrupted_attempt_is_queued_again_at_once_without_using_its_budget(ma
     assert job.status == "done"
 
 
+@pytest.mark.parametrize("code", ["interrupted", "outage"])
+def test_refunds_are_bounded_then_interruptions_count_until_the_task_dead_letters(make_service, two_refunds, code):
+    """Two refunds, then each interrupted attempt spends the budget of two: the fourth interruption is final."""
+    svc = make_service(f"int-bound-{code}", max_attempts=2, backoff_base_seconds=0, backoff_cap_seconds=0)
+    job = api.start_service(svc.key)
+    counted: list[bool] = []
+    for _ in range(10):  # unbounded refunds would requeue forever
+        claimed = claim_for(svc)
+        if not claimed:
+            break
+        [task] = claimed
+        transitions.report([transitions.Outcome(task_id=task.id, attempt=task.attempt, status="interrupted",
+                                                error_code=code)],
+                           started=[(task.id, task.attempt, 1)], agent_id="agent-t", source="agent:test")
+        ev = Event.objects.filter(task_id=task.id, attempt=task.attempt, data__has_key="counted").get()
+        counted.append(ev.data["counted"])
+    assert counted == [False, False, True, True], counted
+    row = Task.objects.get(job=job)
+    assert (row.status, row.error_code, row.attempt, row.max_attempts) == ("error", code, 4, 4)
+    assert set(Attempt.objects.filter(task=row).values_list("status", flat=True)) == {"interrupted"}
+    final = Event.objects.filter(task_id=row.id, data__dead_letter=True).get()
+    assert final.data["counted"] is True and "it counts" in final.message, final.message
+
+
 def test_an_operators_cancel_stays_a_cancel_even_when_the_agent_reports_interrupted(make_service):
     svc = make_service("int-c")
     job = api.start_service("int-c")
