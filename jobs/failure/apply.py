@@ -25,6 +25,7 @@ from events.timeline import EventRow, write_events
 from jobs.failure.decide import FAIL_JOB, Action, Decision, RetryDefaults, TaskFacts, decide
 from jobs.finalize import JOB_FAILED_REASON, finished, skip_unstarted
 from jobs.outcomes import Outcome, ReportResult
+from jobs.pulse import RESTARTED_AT_SQL
 from jobs.states import JOB_ADMITTED, sql_in
 
 if TYPE_CHECKING:
@@ -54,10 +55,15 @@ def register_host_quarantine(fn: HostQuarantine) -> None:
     _host_quarantine = fn
 
 
-FACTS_SQL = """
+FACTS_SQL = f"""
 SELECT t.id, t.job_id, t.attempt, t.max_attempts, t.status, s.max_attempts, s.backoff_base_seconds,
        s.backoff_cap_seconds, t.host_id, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL,
-       t.step_key, js.on_failure, coalesce(t.heartbeat_at < pg_postmaster_start_time(), false),
+       t.step_key, js.on_failure,
+       -- An outage (jobs.pulse) began before the lease ended and ended after its last renewal,
+       -- or PostgreSQL restarted since that renewal (a report can come before a builder stamped).
+       coalesce(t.heartbeat_at < {RESTARTED_AT_SQL}, false)
+           OR EXISTS (SELECT 1 FROM accs_outage o WHERE o.ended_at > t.heartbeat_at
+                         AND o.began_at <= t.lease_expires_at),
        -- The task's earlier interrupted attempts: the bound of refunds counts them (task_id, attempt_no index).
        (SELECT count(*) FROM accs_attempt a WHERE a.task_id = t.id AND a.attempt_no < t.attempt
            AND a.status = 'interrupted')

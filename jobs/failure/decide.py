@@ -60,7 +60,7 @@ class TaskFacts:
     host_id: int | None = None
     quarantine_on_final_failure: bool = False
     cancel_requested: bool = False
-    # Its lease was last renewed before PostgreSQL's last start: the server went away under it.
+    # An outage (jobs.pulse) or a restart of PostgreSQL came after its last renewal: the server went away under it.
     held_across_restart: bool = False
     # Earlier attempts of this task that ended interrupted (each refunded while under the bound).
     interrupted_before: int = 0
