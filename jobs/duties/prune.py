@@ -2,12 +2,12 @@
 
 Four duties of one concern. The objects of pruned artifacts are deleted after the prune's
 transaction commits; ``delete_pruned_objects`` finishes those a crash or a storage failure left
-in the to-do table (:func:`events.artifacts.delete_scheduled_objects`). Pruning runs often in small batches, so a steady stream of finished
-jobs leaves as steadily as it arrives. The sweep lists one page of artifact keys per pass and
-deletes the objects no row records (uploads whose database write failed, deletions that failed
-after a prune); it remembers where it stopped, so a large bucket is covered over several passes.
-The place is kept by this builder only: a new leader starts over, which costs a repeated listing,
-never a wrong deletion.
+in the to-do table (:func:`events.artifacts.delete_scheduled_objects`). Pruning runs often in
+small batches, so a steady stream of finished jobs leaves as steadily as it arrives. The sweep
+lists one page of artifact keys per pass and deletes the objects no row records (uploads whose
+database write failed); it remembers where it stopped, so a large bucket is covered over several
+passes. The place is kept by this builder only: a new leader starts over, which costs a repeated
+listing, never a wrong deletion.
 """
 
 from __future__ import annotations

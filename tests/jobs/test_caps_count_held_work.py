@@ -7,17 +7,13 @@ runs still takes one slot until that task ends, whatever the job's own status.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from django.db import connections
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions
 from jobs.models import Job, Task
 from tenants.models import Tenant
-from tests.engine_helpers import claim_for, run_fail, run_ok
+from tests.engine_helpers import claim_for, racing_builders, run_fail, run_ok
 from workflows.api import create_workflow
 from workflows.models import Service, Workflow
 
@@ -79,26 +75,7 @@ def test_builders_racing_never_admit_past_a_held_task_of_a_canceled_job(make_ser
     _end_job_while_a_task_runs("canceled", first, svc)
     for _ in range(6):
         api.start_workflow("held-race")
-    barrier = threading.Barrier(3)
-    admitted: list = []
-    errors: list[BaseException] = []
-
-    def builder() -> None:
-        try:
-            barrier.wait()
-            for _ in range(4):
-                admitted.extend(transitions.start_due_jobs(limit=2))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=builder) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    admitted = racing_builders(rounds=4, limit=2)
     assert admitted == [], "no builder may admit while the canceled job's task runs"
 
 

@@ -23,7 +23,7 @@ from jobs.models import Attempt, Job, JobStep, Task
 from jobs.notify import notify, service_channel
 from nodes.models import Host, HostBlock, Node
 from tenants.models import Tenant
-from tests.engine_helpers import NODE, claim_for, run_fail, run_ok, spec
+from tests.engine_helpers import NODE, claim_for, racing_builders, run_fail, run_ok, spec
 from workflows.api import create_workflow
 from workflows.models import Service
 from workflows.validation import DefinitionError, validate_service
@@ -227,25 +227,7 @@ def test_admission_is_exact_with_three_builders_racing(make_service, transaction
     for _ in range(10):
         api.start_workflow("r1", tenant=tenant)
         api.start_workflow("r2", tenant=tenant)
-    barrier = threading.Barrier(3)
-    errors: list[BaseException] = []
-
-    def builder() -> None:
-        try:
-            barrier.wait()
-            for _ in range(5):
-                transitions.start_due_jobs(limit=3)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=builder) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    racing_builders(rounds=5, limit=3)
     assert Job.objects.filter(tenant=tenant, status="waiting").count() == 3
     running = list(Job.objects.filter(tenant=tenant, status="waiting").values_list("workflow__name", flat=True))
     assert max(running.count("r1"), running.count("r2")) <= 2

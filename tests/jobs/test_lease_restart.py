@@ -14,8 +14,7 @@ from django.db import connection
 
 from events.logging import EventBridgeHandler
 from events.models import Event
-from jobs import api, transitions
-from jobs import pulse
+from jobs import api, pulse, transitions
 from jobs.models import Attempt, ClusterPulse, Outage, Task
 from jobs.outcomes import Outcome
 from jobs.rescue import rescue_expired

@@ -14,8 +14,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from jobs.failure.decide import Action, RetryDefaults, TaskFacts, decide, decide_one
 from jobs.outcomes import Outcome
