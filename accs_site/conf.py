@@ -257,6 +257,12 @@ class AccsSettings:
         return _float("ACC_BACKOFF_CAP_SEC", 3600.0)
 
     @cached_property
+    def max_refunded_attempts(self) -> int:
+        """How many interrupted attempts of a task (agent shutdown, database outage) are queued again
+        without counting against ``max_attempts``; each one after that counts like a failure."""
+        return _int("ACC_MAX_REFUNDED_ATTEMPTS", 3, minimum=0, maximum=1000)
+
+    @cached_property
     def heartbeat_ttl_sec(self) -> int:
         return _int("ACC_HEARTBEAT_TTL_SEC", 120, minimum=3)
 

@@ -24,7 +24,7 @@ import mimetypes
 import os
 import tempfile
 from collections import defaultdict
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -62,10 +62,11 @@ __all__ = [
     "StorageNotConfigured",
     "SweepResult",
     "collect_outputs",
-    "delete_artifact_objects",
+    "delete_scheduled_objects",
     "open_artifact",
     "read_artifact",
     "record_artifact",
+    "schedule_object_deletions",
     "stage_inputs",
     "sweep_orphan_objects",
     "upload_attempt_log",
@@ -293,30 +294,73 @@ def upload_attempt_log(
     )
 
 
-def delete_artifact_objects(objects: Iterable[tuple[str, str]]) -> int:
-    """Delete the objects ``(bucket, key)`` of artifact rows already deleted; return how many went.
+SCHEDULE_DELETIONS_SQL = """
+-- One statement per batch; a key already waiting stays as it is.
+INSERT INTO accs_object_deletion (bucket, key, created_at)
+SELECT d.bucket, d.key, now() FROM unnest(%(buckets)s::text[], %(keys)s::text[]) AS d(bucket, key)
+ON CONFLICT (bucket, key) DO NOTHING
+"""
 
-    Call it after the transaction that deleted the rows committed. The order loses nothing: a
-    row never points at a missing object, and an object whose deletion fails here (storage down)
-    is left without a row, which :func:`sweep_orphan_objects` deletes later. Failures are logged,
-    never raised.
+
+def schedule_object_deletions(cur: Any, objects: Iterable[tuple[str, str]], *,
+                              on_commit: Callable[[int], None] | None = None) -> None:
+    """Record the objects ``(bucket, key)`` of artifact rows deleted in the caller's transaction.
+
+    Their objects are deleted once that transaction commits (and by every later
+    :func:`delete_scheduled_objects` until it succeeds), never before: a transaction that rolls
+    back (a leader fenced off at its final check) deletes nothing, and no row ever names a missing
+    object. ``on_commit``, if given, receives how many objects the deletion after the commit removed.
     """
-    by_bucket: dict[str, set[str]] = defaultdict(set)
-    for bucket, key in objects:
-        by_bucket[bucket].add(key)
-    deleted = 0
-    for bucket, keys in sorted(by_bucket.items()):
+    pending = sorted(set(objects))
+    if not pending:
+        return
+    cur.execute(SCHEDULE_DELETIONS_SQL, {"buckets": [b for b, _ in pending], "keys": [k for _, k in pending]})
+
+    def after_commit() -> None:
+        deleted = delete_scheduled_objects(limit=len(pending), only=pending)
+        if on_commit is not None:
+            on_commit(deleted)
+
+    transaction.on_commit(after_commit, robust=True)
+
+
+def delete_scheduled_objects(*, limit: int, only: Sequence[tuple[str, str]] | None = None) -> int:
+    """Delete up to ``limit`` scheduled objects (oldest first, or just ``only``), then their to-do rows.
+
+    Return how many objects went. Each row is removed after its object's deletion succeeded; a
+    failure (storage down) is logged and the row waits for the next pass. Running it twice, or
+    concurrently, deletes an object twice, which S3 takes as success: nothing else is repeated.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    with connection.cursor() as cur:
+        if only is None:
+            cur.execute("SELECT id, bucket, key FROM accs_object_deletion ORDER BY id LIMIT %s", [limit])
+        else:
+            cur.execute("SELECT d.id, d.bucket, d.key FROM accs_object_deletion d"
+                        " JOIN unnest(%s::text[], %s::text[]) AS o(bucket, key) ON o.bucket = d.bucket"
+                        " AND o.key = d.key ORDER BY d.id LIMIT %s",
+                        [[b for b, _ in only], [k for _, k in only], limit])
+        rows = cur.fetchall()
+    by_bucket: dict[str, dict[str, int]] = defaultdict(dict)
+    for row_id, bucket, key in rows:
+        by_bucket[bucket][key] = row_id
+    done: list[int] = []
+    for bucket, ids in sorted(by_bucket.items()):
         try:
-            failed = delete_keys(get_storage(bucket=bucket, action=f"delete {len(keys)} artifact object(s)"), keys)
-        except Exception as exc:  # noqa: BLE001 - the rows are gone already; the sweep finishes the job
-            log.warning("could not delete %d artifact object(s) in bucket %s (%s); the orphan sweep will",
-                        len(keys), bucket, exc)
+            failed = set(delete_keys(get_storage(bucket=bucket, action=f"delete {len(ids)} artifact object(s)"), ids))
+        except Exception as exc:  # noqa: BLE001 - the to-do rows stay; the next pass tries again
+            log.warning("could not delete %d artifact object(s) in bucket %s (%s); the next pass will",
+                        len(ids), bucket, exc)
             continue
         if failed:
-            log.warning("could not delete %d artifact object(s) in bucket %s, e.g. %s; the orphan sweep will",
-                        len(failed), bucket, failed[0])
-        deleted += len(keys) - len(failed)
-    return deleted
+            log.warning("could not delete %d artifact object(s) in bucket %s, e.g. %s; the next pass will",
+                        len(failed), bucket, sorted(failed)[0])
+        done += [row_id for key, row_id in ids.items() if key not in failed]
+    if done:
+        with connection.cursor() as cur:
+            cur.execute("DELETE FROM accs_object_deletion WHERE id = ANY(%s)", [done])
+    return len(done)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 
@@ -106,6 +107,26 @@ class Artifact(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.key}"
+
+
+class ObjectDeletion(models.Model):
+    """An object of storage to delete, written by the transaction that deleted the rows naming it.
+
+    The object is deleted only after that transaction committed (:mod:`events.artifacts`), so a
+    rolled-back prune deletes nothing; a crash between the commit and the deletion leaves this row,
+    and the next pass deletes the object (an absent object is no error) and then the row.
+    """
+
+    bucket = models.CharField(max_length=200)
+    key = models.CharField(max_length=1000)
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "accs_object_deletion"
+        constraints = [models.UniqueConstraint(fields=["bucket", "key"], name="object_deletion_bucket_key_unique")]
+
+    def __str__(self) -> str:
+        return f"delete s3://{self.bucket}/{self.key}"
 
 
 class MetricTotals(models.Model):

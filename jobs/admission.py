@@ -7,7 +7,8 @@ its step counts, and its events, in the transaction that moves it to ``waiting``
 ``running`` when an agent starts one of its tasks, see :mod:`jobs.reports`).
 
 Exactness under several builders: admission takes the advisory locks of every tenant and
-workflow whose cap it counts (sorted, see :mod:`jobs.locks`), counts their admitted jobs, and
+workflow whose cap it counts (sorted, see :mod:`jobs.locks`), counts their jobs that hold
+capacity (admitted, or with a task starting or running whatever the job's status), and
 admits job by job in order, adding each admitted job to the counts before looking at the next.
 A job retried by an operator comes back through the same door (:func:`readmit`).
 
@@ -33,7 +34,7 @@ from jobs.locks import advisory_locks, lock_jobs
 from jobs.models import TaskStatus
 from jobs.notify import builder_channel, notify, service_channel
 from jobs.sql import from_json
-from jobs.states import JOB_ADMITTED, sql_in
+from jobs.states import JOB_ADMITTED, TASK_HELD, sql_in
 
 log = logging.getLogger("accs.admission")
 
@@ -74,14 +75,37 @@ def workflow_lock_key(workflow_id: Any) -> str:
     return f"accs:workflow:{workflow_id}"
 
 
-def _admitted_counts(cur, *, tenants: Sequence[Any], workflows: Sequence[Any]) -> tuple[dict, dict]:
-    cur.execute(f"SELECT tenant_id, count(*) FROM accs_job WHERE status IN {sql_in(JOB_ADMITTED)}"
-                " AND tenant_id = ANY(%s::uuid[]) GROUP BY tenant_id", [[str(t) for t in tenants]])
-    by_tenant = {str(t): n for t, n in cur.fetchall()}
-    cur.execute(f"SELECT workflow_id, count(*) FROM accs_job WHERE status IN {sql_in(JOB_ADMITTED)}"
-                " AND workflow_id = ANY(%s::uuid[])"
-                " GROUP BY workflow_id", [[str(w) for w in workflows if w]])
-    by_workflow = {str(w): n for w, n in cur.fetchall()}
+HOLDING_SQL = f"""
+-- The jobs that hold capacity under the given tenants and workflows: every admitted job, and every
+-- job, whatever its own status, while a task of it is starting or running (a job canceled or
+-- failed while a task of it still runs keeps its slot until that task ends). One statement, so
+-- one snapshot: a job moving from admitted to ended while its task runs is counted either way.
+-- The held tasks come from task_lease_idx (few: the fleet's slots), the admitted jobs from
+-- job_workflow_admitted_idx and job_tenant_status_created_idx.
+SELECT h.tenant_id, h.workflow_id, grouping(h.tenant_id), count(*) FROM (
+    SELECT j.id, j.tenant_id, j.workflow_id FROM accs_job j
+     WHERE j.status IN {sql_in(JOB_ADMITTED)}
+       AND (j.tenant_id = ANY(%(tenants)s::uuid[]) OR j.workflow_id = ANY(%(workflows)s::uuid[]))
+    UNION
+    SELECT j.id, j.tenant_id, j.workflow_id FROM accs_job j
+     WHERE j.id IN (SELECT t.job_id FROM accs_task t WHERE t.status IN {sql_in(TASK_HELD)})
+       AND (j.tenant_id = ANY(%(tenants)s::uuid[]) OR j.workflow_id = ANY(%(workflows)s::uuid[]))
+) h
+ GROUP BY GROUPING SETS ((h.tenant_id), (h.workflow_id))
+"""
+
+
+def _holding_counts(cur, *, tenants: Sequence[Any], workflows: Sequence[Any]) -> tuple[dict, dict]:
+    """Count the jobs holding capacity per tenant and per workflow (see HOLDING_SQL)."""
+    cur.execute(HOLDING_SQL, {"tenants": [str(t) for t in tenants], "workflows": [str(w) for w in workflows if w]})
+    by_tenant: dict[str, int] = {}
+    by_workflow: dict[str, int] = {}
+    wanted_t, wanted_w = {str(t) for t in tenants}, {str(w) for w in workflows if w}
+    for tenant_id, workflow_id, by_workflow_set, n in cur.fetchall():
+        if not by_workflow_set and str(tenant_id) in wanted_t:
+            by_tenant[str(tenant_id)] = n
+        elif by_workflow_set and workflow_id and str(workflow_id) in wanted_w:
+            by_workflow[str(workflow_id)] = n
     return by_tenant, by_workflow
 
 
@@ -94,7 +118,7 @@ def _admit_in_order(cur, candidates: list[tuple], *, limit: int) -> list[UUID]:
     """
     tenants = sorted({str(c[1]) for c in candidates})
     workflows = sorted({str(c[2]) for c in candidates if c[2]})
-    running_t, running_w = _admitted_counts(cur, tenants=tenants, workflows=workflows)
+    running_t, running_w = _holding_counts(cur, tenants=tenants, workflows=workflows)
     held_t: set[str] = set()
     held_w: set[str] = set()
     admitted: list[UUID] = []

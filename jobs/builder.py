@@ -5,7 +5,8 @@ budget per tick (batches and seconds), so a large backlog never starves the rest
 the leader, holds the leader lease (:mod:`jobs.leader`: a row with a fencing number and an expiry
 by PostgreSQL's clock) and also runs the maintenance duties (:mod:`jobs.duties`): rescue expired
 leases, fire cron triggers, expire governor conditions, wake nodes, keep event partitions ready,
-archive old months. Every due duty runs every tick within its own budget, each batch in a
+archive old months. Every builder stamps the cluster's pulse each tick (:mod:`jobs.pulse`), the
+engine's own record of outages. Every due duty runs every tick within its own budget, each batch in a
 transaction that first checks the leader's fence, so a deposed leader's late write does nothing.
 
 The lease is taken and renewed in short transactions (every third of its length): nothing lives
@@ -28,7 +29,7 @@ import psycopg
 from django.db import close_old_connections, connection
 
 from accs_site import daemon
-from jobs import leader, transitions
+from jobs import leader, pulse, transitions
 from jobs.duties import Duty, all_duties
 from jobs.notify import builder_channel
 
@@ -129,6 +130,8 @@ class Builder:
         self._step("connection check", close_old_connections)
         with self.stall.step("database probe"):
             self.guard.probe()
+        # Before any duty: an outage the pulse records now is on record before the rescue looks.
+        self._step("pulse", lambda: pulse.stamp(gap_seconds=max(pulse.GAP_SECONDS, 3 * self.tick_seconds)))
         started = self._step("instantiate due jobs", self._instantiate, default=0)
         self._step("leadership", self._check_leader)
         now = time.monotonic()

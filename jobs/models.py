@@ -563,6 +563,52 @@ class LeaderTerm(models.Model):
         return f"term {self.fence} of {self.holder}"
 
 
+class ClusterPulse(models.Model):
+    """The last time a builder reached PostgreSQL (its clock): one row, stamped every builder tick.
+
+    The engine's own signal of an outage (:mod:`jobs.pulse`): a stamp that finds the previous one
+    too old, or PostgreSQL restarted since it, records an :class:`Outage`.
+    """
+
+    name = models.TextField(primary_key=True)
+    seen_at = models.DateTimeField(help_text="The last stamp (PostgreSQL's clock).")
+
+    class Meta:
+        db_table = "accs_cluster_pulse"
+
+    def __str__(self) -> str:
+        return f"{self.name}: seen {self.seen_at:%Y-%m-%d %H:%M:%S}"
+
+
+class OutageCause(models.TextChoices):
+    """How the pulse told an outage."""
+
+    GAP = "gap", "No builder reached PostgreSQL for longer than the pulse's gap"
+    RESTART = "restart", "PostgreSQL restarted (a stop and start, or a crash restart) since the last stamp"
+
+
+class Outage(models.Model):
+    """A span during which the engine could not reach PostgreSQL, as the pulse saw it.
+
+    Leases that ended within it were stopped by the outage, not by their tasks (:mod:`jobs.rescue`).
+    """
+
+    began_at = models.DateTimeField(help_text="The last stamp before the outage.")
+    ended_at = models.DateTimeField(help_text="The first stamp after it.")
+    cause = models.CharField(max_length=16, choices=OutageCause.choices)
+
+    class Meta:
+        db_table = "accs_outage"
+        constraints = [
+            models.CheckConstraint(condition=Q(cause__in=[c.value for c in OutageCause]), name="outage_cause_valid"),
+            models.CheckConstraint(condition=Q(ended_at__gte=models.F("began_at")), name="outage_ends_after_it_began"),
+        ]
+        indexes = [models.Index(fields=["ended_at"], name="outage_ended_idx")]
+
+    def __str__(self) -> str:
+        return f"outage {self.began_at:%Y-%m-%d %H:%M:%S} – {self.ended_at:%H:%M:%S} ({self.cause})"
+
+
 class RetentionMark(models.Model):
     """What retention last pruned, and how much since the row began: one row per kind of pruning.
 

@@ -5,14 +5,16 @@ rescued attempt is decided and written exactly as an agent's report of a failure
 (:mod:`jobs.failure`), with one of two reasons:
 
 * ``lease_expired``: the agent died or was cut off; a failed attempt, retried within its budget;
-* ``outage``: the lease ended while PostgreSQL itself was down (before its last start): the work
-  was stopped by the outage, not by the task, so it is queued again at once and the attempt does
-  not use up the retry budget.
+* ``outage``: the lease ended during an outage the cluster's pulse recorded (:mod:`jobs.pulse`:
+  no builder reached PostgreSQL for a while, or it restarted, crash restarts included): the work
+  was stopped by the outage, not by the task, so it is queued again at once without using the
+  retry budget (within the site's bound of refunds, see :mod:`jobs.failure.decide`).
 
-After a PostgreSQL restart no lease is rescued before one lease length has passed since the
-restart (``pg_postmaster_start_time()``), so agents that were cut off by the outage reconnect and
-renew first. The lease length is the one its holder was granted: every claim and renewal writes
-``heartbeat_at`` and ``lease_expires_at`` together.
+A lease that was still live when an outage began is not rescued before one lease length has
+passed since the outage ended, so agents that were cut off by it reconnect and renew first. The
+lease length is the one its holder was granted: every claim and renewal writes ``heartbeat_at``
+and ``lease_expires_at`` together. The leader stamps the pulse at the start of each tick, before
+its duties, so the outage is on record before the rescue looks.
 """
 
 from __future__ import annotations
@@ -34,19 +36,30 @@ from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_EXPIRED, Outcome, ReportR
 # The lease its holder was granted; the site's default for a row written before heartbeat_at was.
 LEASE_LENGTH = "coalesce(lease_expires_at - heartbeat_at, make_interval(secs => %(default_lease)s))"
 
+# Not yet: a lease live when a recorded outage began, until one lease length after it ended.
+IN_GRACE_SQL = f"""
+EXISTS (SELECT 1 FROM accs_outage o WHERE o.ended_at > %(now)s - {LEASE_LENGTH}
+           AND lease_expires_at >= o.began_at)
+"""
+
+# Ended during a recorded outage (outage_ended_idx: the outages that ended after the lease did).
+IN_OUTAGE_SQL = """
+EXISTS (SELECT 1 FROM accs_outage o WHERE o.ended_at >= lease_expires_at AND o.began_at <= lease_expires_at)
+"""
+
 CANDIDATES_SQL = f"""
--- Served by task_lease_idx (held tasks by lease end). Skipped while the server started less than
--- one lease length ago: its holder may still be reconnecting to renew it.
+-- Served by task_lease_idx (held tasks by lease end). A lease in an outage's grace is skipped: its
+-- holder may still be reconnecting to renew it.
 SELECT id FROM accs_task
  WHERE status IN ('starting', 'running') AND lease_expires_at < %(now)s
-   AND %(now)s - pg_postmaster_start_time() >= {LEASE_LENGTH}
+   AND NOT {IN_GRACE_SQL}
  ORDER BY lease_expires_at LIMIT %(limit)s
 """
 
 LOCK_EXPIRED_SQL = f"""
-SELECT id, attempt, lease_expires_at < pg_postmaster_start_time() FROM accs_task
+SELECT id, attempt, {IN_OUTAGE_SQL} FROM accs_task
  WHERE id = ANY(%(ids)s) AND status IN ('starting', 'running') AND lease_expires_at < %(now)s
-   AND %(now)s - pg_postmaster_start_time() >= {LEASE_LENGTH}
+   AND NOT {IN_GRACE_SQL}
  ORDER BY id FOR UPDATE SKIP LOCKED
 """
 
@@ -74,7 +87,7 @@ def _rescued(task_id: UUID, attempt: int, *, in_outage: bool) -> Outcome:
     """The outcome the rescue records for an expired lease."""
     if in_outage:
         return Outcome(task_id=task_id, attempt=attempt, status="interrupted", error_code=INTERRUPTED_BY_OUTAGE,
-                       error="outage: the lease ended while PostgreSQL was down; queued again without using the"
-                             " retry budget")
+                       error="outage: the lease ended while PostgreSQL was out of reach; queued again without"
+                             " using the retry budget")
     return Outcome(task_id=task_id, attempt=attempt, status="failed", error=f"{LEASE_EXPIRED}: no heartbeat",
                    error_code=LEASE_EXPIRED)

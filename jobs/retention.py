@@ -16,10 +16,14 @@ on PostgreSQL's clock.
    step counts and artifact rows) and read it back; a failure raises and deletes nothing. The
    locks taken above keep the exported rows exactly the rows deleted: no task, attempt or
    artifact row can be added to a locked job meanwhile;
-4. delete attempts, artifact rows, step counts, tasks and jobs, write one ``retention``
-   event and update the retention mark (what the dashboard shows as the last prune), then commit;
-5. after the commit, delete the artifacts' objects from storage. An object whose deletion fails
-   is left without a row and the orphan sweep deletes it later; no row ever names a missing object.
+4. delete attempts, artifact rows, step counts, tasks and jobs, record the artifacts' objects
+   as to be deleted (``accs_object_deletion``), write one ``retention`` event and update the
+   retention mark (what the dashboard shows as the last prune), then commit;
+5. after the commit — of the outermost transaction: under the builder, the leader's fenced one,
+   after its final fence check — delete the objects, then their to-do rows. A transaction that
+   rolls back deletes no object; a crash after the commit leaves the to-do rows, and the
+   ``delete_pruned_objects`` duty deletes those objects on its next pass. No row ever names a
+   missing object, and nothing is repeated but the deletion of an absent object.
 
 The timeline is not touched: events outlive their jobs and leave with their monthly partition.
 A job is due only once every task of it is final and the last of them finished before the
@@ -45,7 +49,7 @@ from django.db import connection, transaction
 
 from accs_site.clock import db_now
 from accs_site.conf import accs
-from events.artifacts import JSONL_CONTENT_TYPE, delete_artifact_objects
+from events.artifacts import JSONL_CONTENT_TYPE, schedule_object_deletions
 from events.storage import get_storage, is_configured, save_verified
 from events.timeline import EventRow, write_events
 from jobs.states import TASK_FINAL, sql_in
@@ -208,8 +212,8 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
 
     ``now`` defaults to PostgreSQL's clock; ``export`` to ``ACC_RETENTION_EXPORT``. With export
     on, raise :class:`ExportFailed` (nothing deleted) when the batch cannot be stored; without
-    storage, prune nothing. Call it outside a transaction: artifact objects are deleted once
-    the rows' transaction has committed.
+    storage, prune nothing. Artifact objects are deleted once the outermost transaction has
+    committed: ``objects_deleted`` counts them when this call's own transaction was the outermost.
     """
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
@@ -218,7 +222,6 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
         log.warning("ACC_RETENTION_EXPORT is on but artifact storage is not configured; pruning nothing")
         return PruneResult()
     result = PruneResult()
-    objects: list[tuple[str, str]] = []
     with transaction.atomic(), connection.cursor() as cur:
         now = now or db_now(cur)
         params: dict[str, Any] = {"now": now, "days": accs.retention_days, "dead_days": accs.retention_dead_days,
@@ -240,6 +243,7 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
         if export:
             result.export_key = _export(cur, ids, now=now)
         objects = _delete(cur, ids, result)
+        schedule_object_deletions(cur, objects, on_commit=lambda n: setattr(result, "objects_deleted", n))
         result.job_ids = ids
         write_events([EventRow(
             type=EVENT_TYPE, source=SOURCE,
@@ -250,7 +254,6 @@ def prune_finished_jobs(*, limit: int, now: datetime | None = None, export: bool
         )], cursor=cur)
         cur.execute(MARK_SQL, {"name": MARK_NAME, "jobs": result.jobs, "tasks": result.tasks,
                                "artifacts": result.artifacts, "export_key": result.export_key or ""})
-    result.objects_deleted = delete_artifact_objects(objects)
     log.info("pruned %d job(s), %d task(s), %d attempt(s), %d artifact(s)",
              result.jobs, result.tasks, result.attempts, result.artifacts)
     return result

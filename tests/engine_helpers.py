@@ -34,3 +34,35 @@ def run_fail(
         [transitions.Outcome(task_id=t.id, attempt=t.attempt, status=status, error=error, exit_code=1) for t in tasks],
         started=[(t.id, t.attempt, 123) for t in tasks], agent_id=agent, source="agent:test",
     )
+
+
+def racing_builders(*, builders: int = 3, rounds: int, limit: int) -> list:
+    """Run ``start_due_jobs`` in ``builders`` threads released at once; return every job id they admitted.
+
+    Each thread uses its own database connection (the test needs a transactional database).
+    """
+    import threading
+
+    from django.db import connections
+
+    barrier = threading.Barrier(builders)
+    admitted: list = []
+    errors: list[BaseException] = []
+
+    def builder() -> None:
+        try:
+            barrier.wait()
+            for _ in range(rounds):
+                admitted.extend(transitions.start_due_jobs(limit=limit))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=builder) for _ in range(builders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return admitted

@@ -25,6 +25,7 @@ from events.timeline import EventRow, write_events
 from jobs.failure.decide import FAIL_JOB, Action, Decision, RetryDefaults, TaskFacts, decide
 from jobs.finalize import JOB_FAILED_REASON, finished, skip_unstarted
 from jobs.outcomes import Outcome, ReportResult
+from jobs.pulse import RESTARTED_AT_SQL
 from jobs.states import JOB_ADMITTED, sql_in
 
 if TYPE_CHECKING:
@@ -54,10 +55,18 @@ def register_host_quarantine(fn: HostQuarantine) -> None:
     _host_quarantine = fn
 
 
-FACTS_SQL = """
+FACTS_SQL = f"""
 SELECT t.id, t.job_id, t.attempt, t.max_attempts, t.status, s.max_attempts, s.backoff_base_seconds,
        s.backoff_cap_seconds, t.host_id, s.quarantine_host_on_final_failure, t.cancel_requested_at IS NOT NULL,
-       t.step_key, js.on_failure, coalesce(t.heartbeat_at < pg_postmaster_start_time(), false)
+       t.step_key, js.on_failure,
+       -- An outage (jobs.pulse) began before the lease ended and ended after its last renewal,
+       -- or PostgreSQL restarted since that renewal (a report can come before a builder stamped).
+       coalesce(t.heartbeat_at < {RESTARTED_AT_SQL}, false)
+           OR EXISTS (SELECT 1 FROM accs_outage o WHERE o.ended_at > t.heartbeat_at
+                         AND o.began_at <= t.lease_expires_at),
+       -- The task's earlier interrupted attempts: the bound of refunds counts them (task_id, attempt_no index).
+       (SELECT count(*) FROM accs_attempt a WHERE a.task_id = t.id AND a.attempt_no < t.attempt
+           AND a.status = 'interrupted')
   FROM accs_task t JOIN accs_service s ON s.id = t.service_id
   LEFT JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key
  WHERE t.id = ANY(%s) AND t.status = ANY(%s)
@@ -72,7 +81,8 @@ def load_facts(cur: CursorWrapper, outcomes: Sequence[Outcome], *,
     cur.execute(FACTS_SQL, [list(by_id), list(from_statuses)])
     return [(TaskFacts(task_id=r[0], job_id=r[1], attempt=r[2], max_attempts=r[3], status=r[4], budget=r[5],
                        backoff_base=r[6], backoff_cap=r[7], host_id=r[8], quarantine_on_final_failure=r[9],
-                       cancel_requested=r[10], step_key=r[11], on_failure=r[12], held_across_restart=r[13]),
+                       cancel_requested=r[10], step_key=r[11], on_failure=r[12], held_across_restart=r[13],
+                       interrupted_before=r[14]),
              by_id[r[0]])
             for r in cur.fetchall()]
 
@@ -85,7 +95,8 @@ def record_failures(cur: CursorWrapper, outcomes: Sequence[Outcome], result: Rep
     caller records it as fenced.
     """
     decisions = decide(load_facts(cur, outcomes, from_statuses=from_statuses), now=now,
-                       defaults=RetryDefaults(base=accs.backoff_base_sec, cap=accs.backoff_cap_sec))
+                       defaults=RetryDefaults(base=accs.backoff_base_sec, cap=accs.backoff_cap_sec,
+                                              max_refunded=accs.max_refunded_attempts))
     return apply(cur, decisions, result, now=now, source=source)
 
 
@@ -192,16 +203,28 @@ def _task_event(d: Decision, *, source: str) -> EventRow:
                         message=f"task {was} → queued: attempt {f.attempt} {d.why}; it does not count",
                         data={"from": was, "to": "queued", "error": d.error[:500], "delay_seconds": 0,
                               "reason": d.error_code, "counted": False})
+    words, counted = _counted_interruption(d)
     if d.action is Action.RETRY:
         return EventRow(type="retry", level="warn", **common,
                         message=f"task {was} → {d.to}: attempt {f.attempt}/{f.max_attempts} {d.attempt_status},"
-                                f" retry in {d.delay:.1f}s",
+                                f" retry in {d.delay:.1f}s{words}",
                         data={"from": was, "to": d.to, "error": d.error[:500], "delay_seconds": round(d.delay, 3),
-                              "next_attempt_at": d.next_attempt_at.isoformat() if d.next_attempt_at else None})
+                              "next_attempt_at": d.next_attempt_at.isoformat() if d.next_attempt_at else None,
+                              **counted})
     return EventRow(type="status", level="error", **common,
-                    message=f"task {was} → error (final after {f.attempt}/{f.max_attempts} attempts): {d.error[:200]}",
+                    message=f"task {was} → error (final after {f.attempt}/{f.max_attempts} attempts{words}):"
+                            f" {d.error[:200]}",
                     data={"from": was, "to": "error", "dead_letter": True, "error": d.error[:500],
-                          "error_code": d.error_code})
+                          "error_code": d.error_code, **counted})
+
+
+def _counted_interruption(d: Decision) -> tuple[str, dict[str, Any]]:
+    """Words and event data saying that an interrupted attempt counted, past the bound of refunds."""
+    if not d.counted_interruption:
+        return "", {}
+    n = d.facts.interrupted_before
+    return (f"; {d.why}, it counts: {n} interrupted attempt(s) of this task were not counted already",
+            {"reason": d.error_code, "counted": True, "refunded_before": n})
 
 
 def _quarantine(cur: CursorWrapper, decisions: Sequence[Decision], *, now: datetime, source: str) -> list[EventRow]:

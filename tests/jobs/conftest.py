@@ -19,3 +19,13 @@ def retention_defaults(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     monkeypatch.undo()
     reload()
+
+
+@pytest.fixture
+def two_refunds(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """At most two interrupted attempts of a task are refunded (``ACC_MAX_REFUNDED_ATTEMPTS=2``)."""
+    monkeypatch.setenv("ACC_MAX_REFUNDED_ATTEMPTS", "2")
+    reload()
+    yield
+    monkeypatch.undo()
+    reload()

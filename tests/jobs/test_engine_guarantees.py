@@ -23,7 +23,7 @@ from jobs.models import Attempt, Job, JobStep, Task
 from jobs.notify import notify, service_channel
 from nodes.models import Host, HostBlock, Node
 from tenants.models import Tenant
-from tests.engine_helpers import NODE, claim_for, run_fail, run_ok, spec
+from tests.engine_helpers import NODE, claim_for, racing_builders, run_fail, run_ok, spec
 from workflows.api import create_workflow
 from workflows.models import Service
 from workflows.validation import DefinitionError, validate_service
@@ -79,6 +79,30 @@ def test_interrupted_attempt_is_queued_again_at_once_without_using_its_budget(ma
     run_ok(claim_for(svc))
     job.refresh_from_db()
     assert job.status == "done"
+
+
+@pytest.mark.parametrize("code", ["interrupted", "outage"])
+def test_refunds_are_bounded_then_interruptions_count_until_the_task_dead_letters(make_service, two_refunds, code):
+    """Two refunds, then each interrupted attempt spends the budget of two: the fourth interruption is final."""
+    svc = make_service(f"int-bound-{code}", max_attempts=2, backoff_base_seconds=0, backoff_cap_seconds=0)
+    job = api.start_service(svc.key)
+    counted: list[bool] = []
+    for _ in range(10):  # unbounded refunds would requeue forever
+        claimed = claim_for(svc)
+        if not claimed:
+            break
+        [task] = claimed
+        transitions.report([transitions.Outcome(task_id=task.id, attempt=task.attempt, status="interrupted",
+                                                error_code=code)],
+                           started=[(task.id, task.attempt, 1)], agent_id="agent-t", source="agent:test")
+        ev = Event.objects.filter(task_id=task.id, attempt=task.attempt, data__has_key="counted").get()
+        counted.append(ev.data["counted"])
+    assert counted == [False, False, True, True], counted
+    row = Task.objects.get(job=job)
+    assert (row.status, row.error_code, row.attempt, row.max_attempts) == ("error", code, 4, 4)
+    assert set(Attempt.objects.filter(task=row).values_list("status", flat=True)) == {"interrupted"}
+    final = Event.objects.filter(task_id=row.id, data__dead_letter=True).get()
+    assert final.data["counted"] is True and "it counts" in final.message, final.message
 
 
 def test_an_operators_cancel_stays_a_cancel_even_when_the_agent_reports_interrupted(make_service):
@@ -203,25 +227,7 @@ def test_admission_is_exact_with_three_builders_racing(make_service, transaction
     for _ in range(10):
         api.start_workflow("r1", tenant=tenant)
         api.start_workflow("r2", tenant=tenant)
-    barrier = threading.Barrier(3)
-    errors: list[BaseException] = []
-
-    def builder() -> None:
-        try:
-            barrier.wait()
-            for _ in range(5):
-                transitions.start_due_jobs(limit=3)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=builder) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    racing_builders(rounds=5, limit=3)
     assert Job.objects.filter(tenant=tenant, status="waiting").count() == 3
     running = list(Job.objects.filter(tenant=tenant, status="waiting").values_list("workflow__name", flat=True))
     assert max(running.count("r1"), running.count("r2")) <= 2

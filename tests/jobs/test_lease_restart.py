@@ -14,8 +14,8 @@ from django.db import connection
 
 from events.logging import EventBridgeHandler
 from events.models import Event
-from jobs import api, transitions
-from jobs.models import Attempt, Task
+from jobs import api, pulse, transitions
+from jobs.models import Attempt, ClusterPulse, Outage, Task
 from jobs.outcomes import Outcome
 from jobs.rescue import rescue_expired
 from tests.daemons import wait_for
@@ -54,53 +54,82 @@ def test_the_claim_and_the_renewals_use_the_services_lease(make_service):
     assert (granted(long_task.id), granted(plain_task.id)) == (300, 60)
 
 
-def test_no_lease_is_rescued_before_one_lease_length_has_passed_since_the_restart(make_service):
+def _outage(*, began, ended) -> None:
+    """An outage the cluster's pulse recorded."""
+    Outage.objects.create(began_at=began, ended_at=ended, cause="gap")
+
+
+def test_a_lease_live_when_an_outage_began_is_not_rescued_before_one_lease_length_after_it_ended(make_service):
     svc = make_service("svc", max_attempts=3)
     api.start_service("svc")
     (task,) = claim_for(svc)
-    started, now = _server_times()
-    up = now - started
-    # A lease longer than the server has been up, which ended a second ago: its holder may still be
-    # reconnecting after the restart, so it is left alone.
-    _expire(task.id, lease=up + timedelta(hours=1), ended=now - timedelta(seconds=1))
-    assert rescue_expired() == transitions.ReportResult()
+    _, now = _server_times()
+    _outage(began=now - timedelta(seconds=60), ended=now - timedelta(seconds=30))
+    # An hour's lease that ended a second ago, after the outage: its holder may still be reconnecting.
+    _expire(task.id, lease=timedelta(hours=1), ended=now - timedelta(seconds=1))
+    assert rescue_expired(now=now) == transitions.ReportResult()
     assert Task.objects.get(pk=task.id).status == "starting"
-    # One lease length after the restart it is rescued as any expired lease (it ended after the start).
-    later = started + up + timedelta(hours=1, seconds=1)
+    # One lease length after the outage it is rescued as any expired lease (it ended after the outage).
+    later = now - timedelta(seconds=30) + timedelta(hours=1, seconds=1)
     assert rescue_expired(now=later).retried == [task.id]
     t = Task.objects.get(pk=task.id)
     assert (t.status, t.max_attempts, t.error_code) == ("scheduled", 3, "lease_expired")
 
 
-def test_a_short_lease_is_rescued_as_soon_as_it_is_one_lease_length_past_the_restart(make_service):
+def test_a_short_lease_is_rescued_as_soon_as_it_is_one_lease_length_past_the_outage(make_service):
     svc = make_service("svc")
     api.start_service("svc")
     (task,) = claim_for(svc)
-    started, now = _server_times()
+    _, now = _server_times()
+    _outage(began=now - timedelta(seconds=60), ended=now - timedelta(seconds=30))
     _expire(task.id, lease=timedelta(seconds=5), ended=now - timedelta(seconds=1))
-    at = max(now, started + timedelta(seconds=6))
-    assert rescue_expired(now=at).retried == [task.id]
+    assert rescue_expired(now=now).retried == [task.id]
+    assert Task.objects.get(pk=task.id).error_code == "lease_expired"
 
 
-def test_a_lease_that_ended_while_postgresql_was_down_is_queued_again_without_using_the_budget(make_service):
+def test_a_lease_that_ended_during_an_outage_is_queued_again_without_using_the_budget(make_service):
     svc = make_service("svc", max_attempts=1)  # a failure that counted would dead-letter it
     job = api.start_service("svc")
-    (task,) = claim_for(svc)
-    started, now = _server_times()
-    # A short lease, so the restart's grace has passed by now even when an earlier test restarted
-    # PostgreSQL moments ago (a rescue "in the future" would also queue the task for the future).
-    _expire(task.id, lease=timedelta(seconds=3), ended=started - timedelta(seconds=1))
-    result = rescue_expired(now=max(now, started + timedelta(seconds=4)))
-    assert result.retried == [task.id] and result.failed == []
+    before = api.start_service("svc")
+    (task, dead) = sorted(claim_for(svc), key=lambda t: t.job_id != job.id)
+    _, now = _server_times()
+    _outage(began=now - timedelta(seconds=60), ended=now - timedelta(seconds=30))
+    _expire(task.id, lease=timedelta(seconds=3), ended=now - timedelta(seconds=40))
+    # A lease that ended before the outage began: its agent died, the outage has nothing to do with it.
+    _expire(dead.id, lease=timedelta(seconds=3), ended=now - timedelta(seconds=61))
+    result = rescue_expired(now=now)
+    assert result.retried == [task.id] and result.failed == [dead.id]
     t = Task.objects.get(pk=task.id)
     assert (t.status, t.attempt, t.max_attempts, t.error_code) == ("queued", 1, 2, "outage")
     attempt = Attempt.objects.get(task_id=task.id, attempt_no=1)
     assert attempt.status == "interrupted" and attempt.error_text.startswith("outage:")
     event = Event.objects.get(job_id=job.id, type="retry")
     assert "stopped by a database outage" in event.message and event.data["counted"] is False
+    assert Task.objects.get(job=before).error_code == "lease_expired"
     # It runs again, as attempt 2 of a budget that still has room.
     (again,) = claim_for(svc)
     assert again.attempt == 2 and run_ok([again]).done == [task.id]
+
+
+def test_the_pulse_records_a_gap_and_a_restart_and_nothing_else(db):
+    with connection.cursor() as cur:
+        cur.execute("DELETE FROM accs_cluster_pulse")
+    assert pulse.stamp() is None and pulse.stamp() is None, "the first stamp of a site has nothing to compare with"
+    assert not Outage.objects.exists()
+    _, now = _server_times()
+    ClusterPulse.objects.filter(name=pulse.PULSE_NAME).update(seen_at=now - timedelta(seconds=30))
+    assert pulse.stamp(gap_seconds=10) == now - timedelta(seconds=30)
+    outage = Outage.objects.get()
+    assert (outage.began_at, outage.cause) == (now - timedelta(seconds=30), "gap") and outage.ended_at >= now
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT {pulse.RESTARTED_AT_SQL}")
+        restarted_at = cur.fetchone()[0]
+    ClusterPulse.objects.filter(name=pulse.PULSE_NAME).update(seen_at=restarted_at - timedelta(milliseconds=1))
+    assert pulse.stamp(gap_seconds=3600) is not None, "a restart since the last stamp is an outage however short"
+    assert Outage.objects.filter(cause="restart").count() == 1
+    assert pulse.stamp(gap_seconds=3600) is None and Outage.objects.count() == 2
+    with pytest.raises(ValueError, match="gap_seconds must be positive"):
+        pulse.stamp(gap_seconds=0)
 
 
 def test_an_attempt_the_agent_stopped_in_an_outage_is_queued_again_without_using_the_budget(make_service):

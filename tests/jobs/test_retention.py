@@ -8,6 +8,10 @@ it does under the builder, so objects are deleted after a real commit.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -15,16 +19,18 @@ from django.core.checks import run_checks
 from django.db import connection
 
 from accs_site.conf import reload
-from events.artifacts import record_artifact, sweep_orphan_objects
-from events.models import Artifact, Event
+from events.artifacts import delete_scheduled_objects, record_artifact, sweep_orphan_objects
+from events.models import Artifact, Event, ObjectDeletion
 from events.storage import get_storage
-from jobs import api
+from jobs import api, leader
 from jobs.builder import Builder, run_duty
 from jobs.duties import prune as prune_duty
 from jobs.models import Attempt, Job, JobStep, Task
 from jobs.retention import ExportFailed, prune_finished_jobs
 from tenants.models import Tenant
 from tests.engine_helpers import claim_for, run_fail, run_ok
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("retention_defaults")]
 
@@ -409,3 +415,80 @@ def test_event_receipts_older_than_their_retention_are_pruned_by_a_duty(default_
     finally:
         monkeypatch.delenv("ACC_EVENT_RECEIPT_RETENTION_HOURS")
         reload()
+
+
+# --- object deletions after the commit ----------------------------------------------------------
+
+
+def assert_no_row_names_a_missing_object(s3) -> None:
+    present = set(s3.keys())
+    missing = [a.key for a in Artifact.objects.all() if a.key not in present]
+    assert missing == [], f"artifact rows name objects that are gone: {missing}"
+
+
+def test_a_prune_fenced_off_at_its_final_check_deletes_no_object(s3, services, default_tenant, db_url):
+    job = finished_job(services, default_tenant, days_ago=40)
+    artifact = output(job, "fenced/report.txt")
+    lease = leader.Lease(seconds=30)
+    assert lease.acquire() is not None
+
+    def prune_then_lose_the_lease(limit: int) -> int:
+        pruned = prune_finished_jobs(limit=limit).jobs
+        # Another builder takes over while the prune's transaction is still open.
+        with psycopg.connect(db_url, autocommit=True) as other:
+            other.execute("UPDATE accs_leader SET expires_at = now() - interval '1 second' WHERE name = %s",
+                          [leader.LEASE_NAME])
+        return pruned
+
+    with pytest.raises(leader.NotLeader):
+        lease.run_fenced(lambda: prune_then_lose_the_lease(10))
+
+    assert artifact.key in s3.keys(), "the rolled-back prune deleted the object its row still names"
+    assert Job.objects.filter(pk=job.pk).exists() and Artifact.objects.filter(pk=artifact.pk).exists()
+    assert not ObjectDeletion.objects.exists()
+    assert_no_row_names_a_missing_object(s3)
+    next_term = leader.Lease(seconds=30)
+    assert next_term.acquire() is not None
+    assert next_term.run_fenced(lambda: prune_finished_jobs(limit=10).jobs) == 1
+    assert artifact.key not in s3.keys() and not ObjectDeletion.objects.exists()
+
+
+CRASH_AFTER_COMMIT = """
+import os
+from events import artifacts
+from jobs.retention import prune_finished_jobs
+
+def crash(**_):
+    os._exit(9)  # the process dies between the prune's commit and the deletion of its objects
+
+artifacts.delete_scheduled_objects = crash
+prune_finished_jobs(limit=10)
+"""
+
+
+def test_a_crash_between_the_commit_and_the_deletion_loses_nothing(s3, services, default_tenant, subprocess_env):
+    job = finished_job(services, default_tenant, days_ago=40)
+    artifact = output(job, "crash/report.txt")
+    env = {**subprocess_env, **{k: v for k, v in os.environ.items() if k.startswith(("ACC_MINIO", "ACC_RETENTION"))}}
+    crashed = subprocess.run([sys.executable, "manage.py", "shell", "-c", CRASH_AFTER_COMMIT], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == 9, crashed.stderr[-2000:]
+    assert not Job.objects.filter(pk=job.pk).exists(), "the prune committed"
+    assert artifact.key in s3.keys(), "the object outlived the crash"
+    assert list(ObjectDeletion.objects.values_list("key", flat=True)) == [artifact.key], "its deletion is on record"
+    assert_no_row_names_a_missing_object(s3)
+
+    [duty] = [d for d in prune_duty.duties() if d.name == "delete_pruned_objects"]
+    assert run_duty(duty) == 1
+    assert artifact.key not in s3.keys() and not ObjectDeletion.objects.exists()
+    assert run_duty(duty) == 0, "nothing is left to repeat"
+
+
+def test_a_scheduled_object_already_gone_is_deleted_again_without_error(s3, services, default_tenant):
+    job = finished_job(services, default_tenant, days_ago=40)
+    artifact = output(job, "twice/report.txt")
+    s3.client.delete_object(Bucket=s3.bucket, Key=artifact.key)  # an earlier pass deleted it, then died
+    Artifact.objects.filter(pk=artifact.pk).delete()
+    ObjectDeletion.objects.create(bucket=s3.bucket, key=artifact.key)
+    assert delete_scheduled_objects(limit=10) == 1
+    assert not ObjectDeletion.objects.exists()

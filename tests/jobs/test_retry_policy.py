@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from hypothesis import given, strategies as st
 
 from jobs.failure.decide import Action, RetryDefaults, TaskFacts, decide, decide_one
 from jobs.outcomes import Outcome
@@ -134,3 +135,41 @@ def test_a_lease_lost_across_a_postgresql_restart_is_an_outage_and_does_not_coun
     assert "database outage" in d.why
     g = facts(attempt=1, max_attempts=1)  # no restart since the last renewal: a failure like any other
     assert one(g, failed(g, error_code="lease_lost")).action is Action.DEAD_LETTER
+
+
+@given(before=st.integers(min_value=0, max_value=20), bound=st.integers(min_value=0, max_value=10),
+       attempt=st.integers(min_value=1, max_value=6), left=st.integers(min_value=0, max_value=3),
+       code=st.sampled_from(["interrupted", "outage"]))
+def test_an_interrupted_attempt_is_refunded_only_under_the_bound(before, bound, attempt, left, code):
+    f = facts(attempt=attempt, max_attempts=attempt + left, interrupted_before=before)
+    d = decide_one(f, Outcome(task_id=f.task_id, attempt=attempt, status="interrupted", error_code=code),
+                   now=NOW, defaults=RetryDefaults(base=0.0, cap=0.0, max_refunded=bound), rng=random.Random(1))
+    assert d.attempt_status == "interrupted" and d.error_code == code
+    if before < bound:
+        assert (d.action, d.refund, d.counted_interruption) == (Action.REQUEUE, True, False)
+    else:
+        assert not d.refund and d.counted_interruption
+        assert d.action is (Action.RETRY if left else Action.DEAD_LETTER)
+
+
+def test_a_lease_lost_across_a_restart_past_the_bound_counts_and_its_attempt_says_interrupted():
+    f = facts(attempt=1, max_attempts=1, held_across_restart=True, interrupted_before=3)
+    d = one(f, failed(f, error_code="lease_lost", error="lease_lost: could not renew"))
+    assert (d.action, d.error_code, d.attempt_status, d.refund) == (Action.DEAD_LETTER, "outage", "interrupted", False)
+
+
+@pytest.mark.parametrize("value, problem", [("-1", "must be at least 0"), ("three", "expected a whole number"),
+                                            ("1001", "must be at most 1000")])
+def test_a_bad_bound_of_refunds_is_a_system_check_error(monkeypatch, value, problem):
+    from accs_site.checks import check_accs_settings
+    from accs_site.conf import reload
+
+    monkeypatch.setenv("ACC_MAX_REFUNDED_ATTEMPTS", value)
+    reload()
+    try:
+        errors = [e for e in check_accs_settings() if e.id == "accs.E001"]
+    finally:
+        monkeypatch.undo()
+        reload()
+    assert [e.msg for e in errors] == [f"ACC_MAX_REFUNDED_ATTEMPTS: {problem}, got {value!r}"
+                                       if "whole" in problem else f"ACC_MAX_REFUNDED_ATTEMPTS: {problem}, got {value}"]
