@@ -18,7 +18,7 @@ from django.core.exceptions import PermissionDenied, ValidationError as DjangoVa
 from django.db import DataError, IntegrityError, OperationalError
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, Schema, Status, Swagger
-from ninja.errors import AuthenticationError, Throttled, ValidationError as NinjaValidationError
+from ninja.errors import Throttled, ValidationError as NinjaValidationError
 
 from accs_site.conf import accs
 from accs_site.daemon import database_not_ready
@@ -92,15 +92,6 @@ def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpRe
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         problems.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
     return _error(request, 422, "; ".join(problems) or "invalid request", problems=problems)
-
-
-@api.exception_handler(AuthenticationError)
-def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
-    # Every method, safe or not, and whatever cookies came along: no valid token (and no staff session) is 401.
-    response = _error(request, 401, "no valid API token: send Authorization: Bearer <token> "
-                                    "(a missing, unknown, revoked or expired token, or an inactive user)")
-    response["WWW-Authenticate"] = "Bearer"
-    return response
 
 
 @api.exception_handler(Throttled)

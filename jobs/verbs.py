@@ -427,8 +427,8 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
     return retry_tasks([task_id], by=by, now=now)[UUID(str(task_id))]
 
 
-def _self_approval(by: str, creator_id: int | None, barred: Sequence[int] | None) -> bool:
-    """Return whether ``by`` may not approve the job, and the site does not let creators approve.
+def _self_approval(by: str, creator_id: int | None, barred: Sequence[int] | None) -> str | None:
+    """Return why ``by`` may not approve the job (None when they may, or the site lets creators approve).
 
     Four eyes: whoever caused an approval-gated job is not the one who lets it run: the user who
     started it (``created_by``: the caller, or the sender of the event that fired a trigger), and
@@ -436,10 +436,15 @@ def _self_approval(by: str, creator_id: int | None, barred: Sequence[int] | None
     it runs. Every path (Python API, HTTP API, admin) names its operator in ``by``, so the check is
     made once, here.
     """
-    blocked = {uid for uid in (creator_id, *(barred or ())) if uid is not None}
-    if not by or not blocked or accs.allow_self_approval:
-        return False
-    return user_id_named(by) in blocked
+    others = {uid for uid in barred or () if uid is not None}
+    if not by or (creator_id is None and not others) or accs.allow_self_approval:
+        return None
+    uid = user_id_named(by)
+    if uid is not None and uid == creator_id:
+        return "started this job"
+    if uid is not None and uid in others:
+        return "created or last changed the trigger that started this job"
+    return None
 
 
 def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
@@ -451,10 +456,9 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
         cur.execute("SELECT status, approval_state, created_by_id, approval_barred FROM accs_job WHERE id = %s",
                     [job_id])
         status, approval, creator_id, barred = cur.fetchone()
-        if _self_approval(by, creator_id, barred):
-            return ActionResult(False, f"{by} started this job (or set up the trigger that started it) and may "
-                                       "not approve it: another approver must (ACC_ALLOW_SELF_APPROVAL allows it)",
-                                forbidden=True)
+        if reason := _self_approval(by, creator_id, barred):
+            return ActionResult(False, f"{by} {reason} and may not approve it: another approver must "
+                                       "(ACC_ALLOW_SELF_APPROVAL allows it)", forbidden=True)
         if approval not in JOB_VERBS["approve"].approvals:
             return ActionResult(False, f"job is not waiting for approval (approval is {approval})")
         if status not in JOB_VERBS["approve"].statuses:
