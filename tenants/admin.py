@@ -15,7 +15,7 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.utils import timezone
 
-from accs_site.admin_kit import ActionResult, perform
+from accs_site.admin_kit import ActionResult, TenantListFilter, perform
 from tenants.accounts import revoke_tokens
 from tenants.auth import create_token
 from tenants.models import ApiToken, Tenant, TenantMembership, TokenScope, default_token_scopes
@@ -69,7 +69,7 @@ class TenantMembershipAdmin(admin.ModelAdmin):
     and grants memberships of the tenants they admin only, and never changes their own."""
 
     list_display = ("user", "tenant", "role")
-    list_filter = ("role", "tenant")
+    list_filter = ("role", TenantListFilter)
     search_fields = ("user__username", "tenant__slug")
     form = MembershipForm
 

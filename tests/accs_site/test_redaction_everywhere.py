@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +23,6 @@ from jobs import api, triggers
 from jobs.models import Task, Trigger
 from tenants.auth import create_token
 from tenants.models import Tenant
-from tests.daemons import ROOT, free_port, http_server
 from tests.ops_helpers import PASSWORD, make_user
 
 SECRETS = {
@@ -45,15 +42,6 @@ TEMPLATE = {"password": SECRETS["template"], "target": "{{event.target}}"}
 def assert_no_secret(body: str, where: str) -> None:
     for name, value in SECRETS.items():
         assert str(value) not in body, f"{where} shows the secret {name!r}"
-
-
-@pytest.fixture
-def live_server_url(subprocess_env, tmp_path: Path):
-    port = free_port()
-    argv = [sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)]
-    with http_server(argv, env={**subprocess_env, "ACC_DB_CONN_MAX_AGE": "0"}, port=port,
-                     log_path=tmp_path / "server.log", name="runserver", timeout=30) as url:
-        yield url
 
 
 @pytest.fixture
