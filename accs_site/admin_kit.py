@@ -34,6 +34,7 @@ from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
 from accs_site.counting import EXACT_COUNT_LIMIT, estimated_count
+from accs_site.redaction import redact_params
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
 
@@ -254,6 +255,8 @@ class TenantScopedAdmin(admin.ModelAdmin):
     """
 
     tenant_path = "tenant_id"
+    #: JSON fields holding params: their page shows them through :func:`accs_site.redaction.redact_params`.
+    redacted_fields: tuple[str, ...] = ()
     show_full_result_count = False  # no exact COUNT(*) of the unfiltered table
     show_facets = ShowFacets.NEVER  # facet counts are one COUNT per filter option
     paginator = EstimatedCountPaginator
@@ -264,6 +267,14 @@ class TenantScopedAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         return scope(super().get_queryset(request), request.user, field=self.tenant_path)
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: str | None = None) -> Any:
+        """Return the object a page shows, its secret-named params already ``***`` (a form that saves
+        such a field puts the stored secrets back with :func:`accs_site.redaction.keep_secrets`)."""
+        obj = super().get_object(request, object_id, from_field)
+        for name in self.redacted_fields if obj is not None else ():
+            setattr(obj, name, redact_params(getattr(obj, name)))
+        return obj
 
     def _member(self, request: HttpRequest, *, write: bool = False) -> bool:
         allowed = tenant_ids_for(request.user, write=write)

@@ -87,13 +87,6 @@ def console_formatter() -> logging.Formatter:
     return TextFormatter() if choose_format(setting, sys.stderr) == "text" else JsonFormatter()
 
 
-def _redact(text: str, secrets: list[str]) -> str:
-    """Replace each of the process's secret values in a line bound for the timeline with ``***``."""
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
 # While the database cannot take the timeline's lines, up to this many wait in memory; later
 # ones are dropped and counted, and the count is reported once the database takes lines again.
 BUFFER_LINES = 200
@@ -144,13 +137,14 @@ class EventBridgeHandler(logging.Handler):
     def _row(self, record: logging.LogRecord, job_id: Any) -> EventRow:
         # Imported late: logging is configured before Django's apps (and so the timeline's models) are loaded.
         from accs_site.conf import known_secrets
+        from accs_site.redaction import redact
         from events.timeline import EventRow
 
         secrets = known_secrets()
         return EventRow(type="log", level=LEVELS.get(record.levelno, "info"),
-                        message=_redact(record.getMessage(), secrets)[:2000],
+                        message=redact(record.getMessage(), secrets)[:2000],
                         data={"logger": record.name,
-                              **({"exc": _redact(self.format(record), secrets)} if record.exc_info else {})},
+                              **({"exc": redact(self.format(record), secrets)} if record.exc_info else {})},
                         job_id=job_id, task_id=getattr(record, "task_id", None),
                         attempt=getattr(record, "attempt", None),
                         source=getattr(record, "source", None) or f"log:{record.name}")

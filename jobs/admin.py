@@ -53,6 +53,7 @@ from accs_site.admin_kit import (
     uuid_or_none,
     uuid_prefix_range,
 )
+from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
 from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
 from jobs.progress import attempt_text, job_progress, job_progress_subquery
@@ -189,13 +190,18 @@ ERROR_SEARCH_MIN_CHARS = 3
 ERROR_SEARCH_LIMIT = 2000
 
 
-def jobs_with_error(term: str) -> QuerySet:
-    """Return the ids of the jobs whose error, or one of whose tasks' last error, contains ``term`` (any case).
+def jobs_with_error(term: str, *, tenant_ids: set[UUID] | None) -> QuerySet:
+    """Return the ids of the jobs of ``tenant_ids`` (None: every tenant) whose error, or one of whose
+    tasks' last error, contains ``term`` (any case).
 
     Two scans of the trigram indexes of jobs.0015 (``UPPER(error_message)``, rows with an error only),
-    one after the other, so a LIMIT stops both early; a job may come twice.
+    one after the other, so a LIMIT stops both early; a job may come twice. The tenants are part of
+    the scan, so the limit counts the reader's own matches only: another tenant's errors neither
+    fill it nor show in the "more than" warning.
     """
     has_error = ~Q(error_message="") & Q(error_message__icontains=term)
+    if tenant_ids is not None:
+        has_error &= Q(tenant_id__in=tenant_ids)
     return Job.objects.filter(has_error).order_by().values_list("id", flat=True).union(
         Task.objects.filter(has_error).order_by().values_list("job_id", flat=True), all=True)
 
@@ -257,6 +263,7 @@ class JobAdmin(RedriveAdmin):
     )
 
     readonly_fields = ("django_task",)
+    redacted_fields = ("step_params",)
 
     def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
         fieldsets = super().get_fieldsets(request, obj)
@@ -278,7 +285,7 @@ class JobAdmin(RedriveAdmin):
             '<dl class="accs-django-task"><dt>import path</dt><dd><code>{}</code></dd>'
             "<dt>args</dt><dd><code>{}</code></dd><dt>kwargs</dt><dd><code>{}</code></dd>"
             "<dt>return value</dt><dd><code>{}</code></dd></dl>",
-            path, json.dumps(params.get("args", [])), json.dumps(params.get("kwargs", {})), returned)
+            path, json.dumps(params.get("args", [])), json.dumps(redact_params(params.get("kwargs", {}))), returned)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         # Ages and durations by the database's clock, the one that stamped the times.
@@ -319,7 +326,7 @@ class JobAdmin(RedriveAdmin):
         # jobs are looked up first, at most ERROR_SEARCH_LIMIT of them, so the list's query stays a
         # bitmap OR of index scans (an OR with a subquery would read every job, and a text that
         # thousands of jobs share would fetch every one of them to show 100).
-        rows = list(jobs_with_error(term)[:ERROR_SEARCH_LIMIT + 1])
+        rows = list(jobs_with_error(term, tenant_ids=tenant_ids_for(request.user))[:ERROR_SEARCH_LIMIT + 1])
         if len(rows) > ERROR_SEARCH_LIMIT:
             messages.warning(request, f"{term!r} is in the errors of more than {ERROR_SEARCH_LIMIT:,} jobs or tasks: "
                                       f"only the jobs of the first {ERROR_SEARCH_LIMIT:,} found are listed. "
@@ -402,6 +409,7 @@ class TaskAdmin(RedriveAdmin):
     list_select_related = ("service", "host", "job__workflow")
     ordering = ("-pk",)  # the primary key is the only index covering every task
     actions = bulk_actions(TASK_ACTIONS, "tasks")
+    redacted_fields = ("params",)
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Task],
                            search_term: str) -> tuple[QuerySet[Task], bool]:
@@ -501,6 +509,10 @@ class TriggerForm(forms.ModelForm):
     def clean(self) -> dict[str, Any]:
         super().clean()  # a ModelForm's returns its cleaned_data
         data = self.cleaned_data
+        if self.instance.pk is not None and isinstance(data.get("payload_template"), dict):
+            # The page showed the template redacted: a ``***`` left as shown keeps the stored secret.
+            stored = Trigger.objects.filter(pk=self.instance.pk).values_list("payload_template", flat=True).first()
+            data["payload_template"] = keep_secrets(data["payload_template"], stored)
         kind = data.get("trigger_type")
         if kind == TriggerType.EVENT:
             if not data.get("event_name"):
@@ -574,10 +586,11 @@ class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
     list_filter = ("trigger_type", "is_enabled", TenantListFilter)
     search_fields = ("label", "event_name")
     readonly_fields = ("next_run_at", "upcoming", "last_fired_at", "last_error", "jobs_started", "created_by",
-                       "created_at", "updated_at")
+                       "updated_by", "created_at", "updated_at")
     actions = bulk_actions(TRIGGER_ACTIONS, "triggers")
     page_actions = TRIGGER_ACTIONS
     change_form_template = "admin/jobs/trigger/change_form.html"
+    redacted_fields = ("payload_template",)
 
     def after_action_url(self, request: HttpRequest, obj: Trigger) -> str:
         return reverse("admin:jobs_trigger_change", args=[obj.pk])
@@ -657,4 +670,6 @@ class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
         # The admin serves only logged-in staff, so the user is always a stored one here.
         if not change and obj.created_by_id is None and request.user.is_authenticated:
             obj.created_by = request.user
+        if change and request.user.is_authenticated:
+            obj.updated_by = request.user  # the last editor may not approve the trigger's jobs
         super().save_model(request, obj, form, change)

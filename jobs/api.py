@@ -141,16 +141,17 @@ def redrive(flt: redrive_module.RedriveFilter, *, by: str = "", dry_run: bool = 
 # --------------------------------------------------------------------------------------------
 
 def emit_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tenant | str | UUID | None = None,
-               correlation_id: str = "", source: str = "app") -> triggers.EmitResult:
+               correlation_id: str = "", source: str = "app", sent_by: Any = None) -> triggers.EmitResult:
     """Record an application event and start the jobs of the tenant's matching event triggers.
 
     Runs in the caller's transaction: the event and its jobs exist iff the caller commits. A
     trigger that cannot fire (a template value missing from ``context``, invalid params) records
     its error on the trigger and the timeline and starts nothing; the others still fire. Return a
-    :class:`jobs.triggers.EmitResult` (``jobs``, ``deduplicated``, ``errors``).
+    :class:`jobs.triggers.EmitResult` (``jobs``, ``deduplicated``, ``errors``). ``sent_by`` is the
+    user who sent the event, if any: the jobs are recorded as theirs, so they may not approve them.
     """
     return triggers.fire_event(name, context, tenant=resolve_tenant(tenant), correlation_id=correlation_id,
-                               source=source)
+                               source=source, sent_by=sent_by)
 
 
 def raise_condition(name: str, *, reason: str, expires_at: datetime | None = None,

@@ -99,6 +99,8 @@ class JobSpec:
     source: str = JobSource.MANUAL
     source_ref: str = ""
     created_by: Any = None
+    #: Users (ids) who may not approve the job besides ``created_by`` (a trigger's creator and editor).
+    approval_barred: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,13 +334,13 @@ JOB_COLUMNS: tuple[tuple[str, str], ...] = (
     ("error_code", "''"), ("error_message", "''"), ("source", "{src}"), ("source_ref", "{sref}"),
     ("external_id", "{ext}"), ("dedupe_key", "{dk}"), ("correlation_id", "{corr}"), ("approval_state", "{appr}"),
     ("approved_by", "''"), ("created_by_id", "{cby}"), ("created_at", "now()"), ("updated_at", "now()"),
-    ("started_at", "NULL"),
+    ("started_at", "NULL"), ("approval_barred", "{barred}"),
 )
 # The fields of a new job's row and their SQL types.
 JOB_FIELDS: dict[str, str] = {
     "id": "uuid", "tenant": "uuid", "wf": "uuid", "svc": "bigint", "prio": "int", "opts": "jsonb", "sp": "jsonb",
     "sched": "timestamptz", "src": "text", "sref": "text", "ext": "text", "dk": "text", "corr": "text",
-    "appr": "text", "cby": "int",
+    "appr": "text", "cby": "int", "barred": "int[]",
 }
 
 
@@ -389,6 +391,7 @@ def _job_fields(plan: _Plan, jid: UUID, *, for_json: bool) -> dict[str, Any]:
         "prio": plan.priority, "opts": opts, "sp": sp, "sched": sched, "src": str(spec.source),
         "sref": spec.source_ref, "ext": spec.external_id, "dk": spec.dedupe_key, "corr": spec.correlation_id,
         "appr": str(plan.approval), "cby": getattr(spec.created_by, "pk", spec.created_by),
+        "barred": sorted(set(spec.approval_barred)) or None,
     }
 
 
@@ -594,7 +597,7 @@ def _start_now(plan: _Plan) -> Job | None:
         "source_ref": spec.source_ref, "external_id": spec.external_id, "dedupe_key": spec.dedupe_key,
         "correlation_id": spec.correlation_id, "approval_state": ApprovalState.NOT_REQUIRED, "approved_by": "",
         "approved_at": None, "created_by_id": fields["cby"], "created_at": created_at, "started_at": created_at,
-        "finished_at": None, "updated_at": created_at,
+        "finished_at": None, "updated_at": created_at, "approval_barred": fields["barred"],
     }
     # Built as a row read from the database is (positional values, no keyword or relation handling:
     # half the cost of the keyword constructor), with its tenant, workflow and service attached.

@@ -21,6 +21,7 @@ from pydantic import AwareDatetime, field_validator
 
 from accs_site.counting import estimated_count
 from accs_site.http import INT32, In, require_scope, responses, username, utc
+from accs_site.redaction import keep_secrets, redact_params
 from jobs import api, redrive, triggers
 from jobs.idempotency import differences
 from jobs.models import (
@@ -306,38 +307,44 @@ JOB_RELATED = ("tenant", "workflow", "service")
 
 
 def _job_out(job: Job) -> dict[str, Any]:
+    """Return a job as the API shows it; secret-named params are redacted (for every reader)."""
     return {
         "id": job.id, "tenant": job.tenant.slug, "tenant_id": job.tenant_id,
         "workflow": job.workflow.name if job.workflow else None,
         "workflow_version": job.workflow.version if job.workflow else None,
         "service": job.service.key if job.service else None,
         **{f: getattr(job, f) for f in (
-            "status", "progress", "current_task_key", "priority", "order_seq", "options", "step_params",
+            "status", "progress", "current_task_key", "priority", "order_seq", "options",
             "scheduled_at", "error_code", "error_message", "source", "source_ref", "external_id", "dedupe_key",
             "correlation_id", "approval_state", "approved_by", "approved_at", "created_at", "started_at",
             "finished_at", "updated_at")},
+        "step_params": redact_params(job.step_params),
     }
 
 
 def _task_out(task: Task) -> dict[str, Any]:
+    """Return a task as the API shows it; secret-named params are redacted."""
     return {
         "id": task.id, "task_key": task.task_key, "step_key": task.step_key, "service": task.service.key,
         "host": task.host.name if task.host else None,
         **{f: getattr(task, f) for f in (
-            "status", "depends_on", "attempt", "max_attempts", "next_attempt_at", "priority", "progress", "params",
+            "status", "depends_on", "attempt", "max_attempts", "next_attempt_at", "priority", "progress",
             "results", "node", "started_at", "finished_at", "error_code", "error_message")},
+        "params": redact_params(task.params),
     }
 
 
 def _trigger_out(trigger: Trigger) -> dict[str, Any]:
+    """Return a trigger as the API shows it; secret-named values of its payload template are redacted."""
     return {
         "id": trigger.id, "tenant": trigger.tenant.slug, "tenant_id": trigger.tenant_id,
         "workflow": trigger.workflow.name if trigger.workflow else None,
         "service": trigger.service.key if trigger.service else None,
         **{f: getattr(trigger, f) for f in (
             "label", "is_enabled", "trigger_type", "event_name", "cron_expr", "timezone", "missed_run_policy",
-            "payload_template", "priority", "dedupe_window_seconds", "next_run_at", "last_fired_at", "last_error",
+            "priority", "dedupe_window_seconds", "next_run_at", "last_fired_at", "last_error",
             "created_at", "updated_at")},
+        "payload_template": redact_params(trigger.payload_template),
     }
 
 
@@ -565,7 +572,10 @@ def update_trigger(request: HttpRequest, trigger_id: UUID, body: TriggerPatch):
     for name in ("label", "missed_run_policy", "payload_template", "priority", "dedupe_window_seconds", "is_enabled"):
         if name in changes and changes[name] is None:
             raise DefinitionError([Problem(name, "cannot be null")])
-    return _trigger_out(triggers.update_trigger(trigger, **changes))
+    if isinstance(changes.get("payload_template"), dict):
+        # A template sent back as read (secrets shown as ``***``) keeps the stored secrets.
+        changes["payload_template"] = keep_secrets(changes["payload_template"], trigger.payload_template)
+    return _trigger_out(triggers.update_trigger(trigger, by=request.auth, **changes))
 
 
 @router.delete("/triggers/{trigger_id}", response=responses({204: None}), summary="Delete a trigger")

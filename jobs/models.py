@@ -133,9 +133,14 @@ class Job(models.Model):
     approval_state = models.CharField(max_length=16, choices=ApprovalState.choices, default=ApprovalState.NOT_REQUIRED)
     approved_by = models.CharField(max_length=200, blank=True, default="")
     approved_at = models.DateTimeField(null=True, blank=True)
+    # Who caused the job: the caller of the API or admin, the sender of the event that fired a
+    # trigger; NULL for a schedule's job (``source`` says "schedule") and for code without a user.
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+", db_index=False
     )
+    # Users who may not approve the job besides ``created_by``: for a trigger's job, the trigger's
+    # creator and its last editor (they configured what runs). NULL for jobs started by older code.
+    approval_barred = ArrayField(models.IntegerField(), null=True, blank=True, editable=False)
     created_at = models.DateTimeField(default=now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -459,6 +464,9 @@ class Trigger(models.Model):
     last_error = models.TextField(blank=True, default="")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
                                    related_name="+")
+    # The last user who changed the trigger (API or admin): with the creator, barred from approving its jobs.
+    updated_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
+                                   related_name="+", db_index=False)
     created_at = models.DateTimeField(default=now)
     updated_at = models.DateTimeField(auto_now=True)
 

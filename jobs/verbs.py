@@ -14,7 +14,6 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from django.contrib.auth import get_user_model
 from django.db import connection, transaction
 
 from accs_site.admin_kit import ActionResult
@@ -37,6 +36,7 @@ from jobs.states import (
     TASK_VERBS,
     sql_in,
 )
+from tenants.accounts import user_id_named
 
 
 @dataclass(frozen=True)
@@ -427,17 +427,24 @@ def retry_task(task_id: UUID, *, by: str = "", now: datetime | None = None) -> A
     return retry_tasks([task_id], by=by, now=now)[UUID(str(task_id))]
 
 
-def _self_approval(by: str, creator_id: int | None) -> bool:
-    """Return whether ``by`` is the user who started the job, and the site does not let creators approve.
+def _self_approval(by: str, creator_id: int | None, barred: Sequence[int] | None) -> str | None:
+    """Return why ``by`` may not approve the job (None when they may, or the site lets creators approve).
 
-    Four eyes: whoever starts an approval-gated job is not the one who lets it run. Every path
-    (Python API, HTTP API, admin) names its operator in ``by``, so the check is made once, here.
+    Four eyes: whoever caused an approval-gated job is not the one who lets it run: the user who
+    started it (``created_by``: the caller, or the sender of the event that fired a trigger), and
+    for a trigger's job the trigger's creator and last editor (``approval_barred``), who chose what
+    it runs. Every path (Python API, HTTP API, admin) names its operator in ``by``, so the check is
+    made once, here.
     """
-    if not by or creator_id is None or accs.allow_self_approval:
-        return False
-    user_model = get_user_model()
-    creator = user_model._default_manager.filter(pk=creator_id).values_list(user_model.USERNAME_FIELD, flat=True)
-    return by in creator
+    others = {uid for uid in barred or () if uid is not None}
+    if not by or (creator_id is None and not others) or accs.allow_self_approval:
+        return None
+    uid = user_id_named(by)
+    if uid is not None and uid == creator_id:
+        return "started this job"
+    if uid is not None and uid in others:
+        return "created or last changed the trigger that started this job"
+    return None
 
 
 def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
@@ -446,10 +453,11 @@ def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Actio
         if not lock_jobs(cur, [job_id]):
             return ActionResult(False, "no such job")
         now = now or db_now(cur)
-        cur.execute("SELECT status, approval_state, created_by_id FROM accs_job WHERE id = %s", [job_id])
-        status, approval, creator_id = cur.fetchone()
-        if _self_approval(by, creator_id):
-            return ActionResult(False, f"{by} started this job and may not approve it: another approver must "
+        cur.execute("SELECT status, approval_state, created_by_id, approval_barred FROM accs_job WHERE id = %s",
+                    [job_id])
+        status, approval, creator_id, barred = cur.fetchone()
+        if reason := _self_approval(by, creator_id, barred):
+            return ActionResult(False, f"{by} {reason} and may not approve it: another approver must "
                                        "(ACC_ALLOW_SELF_APPROVAL allows it)", forbidden=True)
         if approval not in JOB_VERBS["approve"].approvals:
             return ActionResult(False, f"job is not waiting for approval (approval is {approval})")

@@ -61,6 +61,13 @@ def create_tenant(slug: str, *, name: str = "", tz: str = "UTC", max_in_flight: 
     return Tenant.objects.update_or_create(slug=slug, defaults={"name": name or slug, "timezone": tz, **limits})
 
 
+def user_id_named(username: str) -> int | None:
+    """Return the id of the user called ``username``, or None when there is none."""
+    user_model = get_user_model()
+    return (user_model._default_manager.filter(**{user_model.USERNAME_FIELD: username})
+            .values_list("pk", flat=True).first()) if username else None
+
+
 def _user(username: str):
     user = get_user_model().objects.filter(username=username).first()
     if user is None:

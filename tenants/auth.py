@@ -109,8 +109,22 @@ class StaffSession(APIKeyCookie):
 
     param_name = settings.SESSION_COOKIE_NAME
 
+    def _get_key(self, request: HttpRequest) -> str | None:
+        # The CSRF check belongs to a staff session only: a request that sends a token (valid or
+        # not) or has no staff session is not authenticated by this, so it gets the API's 401
+        # ("no or bad token"), never a 403 "CSRF check failed" that says nothing about the token.
+        if "Authorization" in request.headers or _session_staff(request) is None:
+            return None
+        return super()._get_key(request)
+
     def authenticate(self, request: HttpRequest, key: str | None) -> Any | None:
-        user = getattr(request, "user", None)
-        if user is not None and user.is_authenticated and user.is_active and user.is_staff:
-            return user
-        return None
+        # No key: :meth:`_get_key` declined the request (so no CSRF check was made); never authenticate it.
+        return _session_staff(request) if key is not None else None
+
+
+def _session_staff(request: HttpRequest) -> Any | None:
+    """Return the active staff user signed in to the admin in this request's session, or None."""
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated and user.is_active and user.is_staff:
+        return user
+    return None

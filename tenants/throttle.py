@@ -1,6 +1,7 @@
-"""Throttling of the HTTP API per bearer token, counted in PostgreSQL so every web process shares it.
+"""Throttling of the HTTP API per bearer token (per user for the admin's session), counted in
+PostgreSQL so every web process shares it.
 
-A fixed window per token: ``ACC_API_RATE_LIMIT`` requests per ``ACC_API_RATE_WINDOW_SEC`` seconds
+A fixed window per token or session user: ``ACC_API_RATE_LIMIT`` requests per ``ACC_API_RATE_WINDOW_SEC`` seconds
 (0 turns it off). A request over the limit is answered 429 with ``Retry-After`` (the seconds left
 in the window). One upsert per request, on the token's own row, so tokens never wait for each other.
 """
@@ -28,6 +29,19 @@ RETURNING a.hits, extract(epoch FROM a.window_start + make_interval(secs => %(wi
 """
 
 
+def throttle_key(request: HttpRequest) -> str | None:
+    """Return what a request is counted by: its bearer token's digest, or for the admin's session
+    its user (every session and browser tab of a user shares one count); None for an unauthenticated request."""
+    auth = getattr(request, "auth", None)
+    if auth is None:
+        return None
+    scheme, _, raw = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and raw.strip():
+        return digest(raw.strip())
+    # A token digest is 64 hex characters; this key cannot be one.
+    return f"session-user:{auth.pk}"
+
+
 class TokenThrottle(BaseThrottle):
     """django-ninja throttle: at most ``ACC_API_RATE_LIMIT`` requests per window per bearer token."""
 
@@ -37,13 +51,13 @@ class TokenThrottle(BaseThrottle):
 
     def allow_request(self, request: HttpRequest) -> bool:
         limit, window = accs.api_rate_limit, accs.api_rate_window_sec
-        scheme, _, raw = request.headers.get("Authorization", "").partition(" ")
-        # Runs after authentication: only a valid token is counted, and an endpoint open to all
-        # (the liveness probe) is never throttled.
-        if limit <= 0 or getattr(request, "auth", None) is None or scheme.lower() != "bearer" or not raw.strip():
+        # Runs after authentication: only an authenticated caller is counted, and an endpoint open
+        # to all (the liveness probe) is never throttled.
+        key = throttle_key(request)
+        if limit <= 0 or key is None:
             return True
         with connection.cursor() as cur:
-            cur.execute(COUNT_SQL, {"digest": digest(raw.strip()), "window": window})
+            cur.execute(COUNT_SQL, {"digest": key, "window": window})
             hits, left = cur.fetchone()
         self._local.wait = max(float(left), 1.0)
         return hits <= limit

@@ -8,6 +8,7 @@ hold plain functions and classes that tests import.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 
 from tests import s3_fixtures
 from tests.browser import CHROMEDRIVER, CHROMIUM, WAIT
-from tests.daemons import Daemons
+from tests.daemons import Daemons, free_port, http_server
 from tests.ops_helpers import Tenants, make_user, two_tenants
 from tests.s3_fixtures import S3
 
@@ -68,6 +69,16 @@ def make_service(db):
         return save_service(key=key, **fields)
 
     return make
+
+
+@pytest.fixture
+def live_server_url(subprocess_env, tmp_path: Path):
+    """Serve the app (Django's threaded server, see tests/wsgi_server.py) on the test database; yield its URL."""
+    port = free_port()
+    argv = [sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)]
+    with http_server(argv, env={**subprocess_env, "ACC_DB_CONN_MAX_AGE": "0"}, port=port,
+                     log_path=tmp_path / "server.log", name="runserver", timeout=30) as url:
+        yield url
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0025_claim_tries_capped_locks'),
+        ('jobs', '0026_approval_principals'),
     ]
 
     operations = [

@@ -38,10 +38,18 @@ def schedule_context(trigger: Trigger, due: datetime, *, runs: int = 1) -> dict[
 
 
 def job_spec(trigger: Trigger, payload: Any, *, source: str, source_ref: str, external_id: str | None,
-             correlation_id: str = "") -> JobSpec:
-    """Return the job a firing starts: the trigger's service or workflow, with the rendered payload as params."""
+             correlation_id: str = "", caused_by: Any = None) -> JobSpec:
+    """Return the job a firing starts: the trigger's service or workflow, with the rendered payload as params.
+
+    The job is created by ``caused_by``, the user who caused the firing (the event's sender, the
+    operator who pressed "run now"; None for a schedule's due time): that is who "started" it for
+    the four-eyes rule. The trigger's creator and last editor chose what it runs, so they may not
+    approve its jobs either (:attr:`jobs.enqueue.JobSpec.approval_barred`).
+    """
+    barred = tuple(uid for uid in (trigger.created_by_id, trigger.updated_by_id) if uid is not None)
     spec = JobSpec(priority=trigger.priority, tenant=trigger.tenant, source=source, source_ref=source_ref,
-                   external_id=external_id, correlation_id=correlation_id, created_by=trigger.created_by_id)
+                   external_id=external_id, correlation_id=correlation_id, created_by=caused_by,
+                   approval_barred=barred)
     if trigger.service_id is not None:
         spec.service, spec.params = trigger.service, payload
     else:

@@ -147,8 +147,9 @@ def create_trigger(*, tenant: Tenant, created_by: Any = None, now: datetime | No
         return _save(trigger, reschedule=True, now=now)
 
 
-def update_trigger(trigger: Trigger, *, now: datetime | None = None, **changes: Any) -> Trigger:
-    """Validate and save changes to a trigger.
+def update_trigger(trigger: Trigger, *, by: Any = None, now: datetime | None = None, **changes: Any) -> Trigger:
+    """Validate and save changes to a trigger; ``by`` (a user) becomes its last editor, who may not
+    approve the jobs it starts from then on.
 
     Changing the cron expression or time zone, or enabling the trigger, computes ``next_run_at``
     afresh from now: missed-run handling applies to downtime, not to a trigger that was off.
@@ -161,5 +162,7 @@ def update_trigger(trigger: Trigger, *, now: datetime | None = None, **changes: 
         raise DefinitionError(problems)
     after = (trigger.trigger_type, trigger.cron_expr, trigger.timezone, trigger.is_enabled)
     reschedule = before[:3] != after[:3] or (after[3] and not before[3])
+    if by is not None:
+        trigger.updated_by = by
     with transaction.atomic():
         return _save(trigger, reschedule=reschedule, now=now)

@@ -15,6 +15,7 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone as djtz
 
 from accs_site.admin_kit import ActionResult
+from accs_site.redaction import redact_params
 from events.timeline import EventRow, operator_source, write_events
 from jobs import enqueue
 from jobs.ids import short_id
@@ -22,6 +23,7 @@ from jobs.models import Job, JobSource, MissedRunPolicy, Trigger, TriggerType
 from jobs.triggers.context import base_context, job_spec, schedule_context
 from jobs.triggers.schedule import Schedule, ScheduleError
 from jobs.triggers.templates import TemplateError, payload_digest, render
+from tenants.accounts import user_id_named
 from tenants.models import Tenant
 from workflows.validation import DefinitionError, Problem
 
@@ -82,8 +84,11 @@ class EmitResult:
 
 
 def fire_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tenant, correlation_id: str = "",
-               source: str = "app", now: datetime | None = None) -> EmitResult:
+               source: str = "app", sent_by: Any = None, now: datetime | None = None) -> EmitResult:
     """Record an application event and start the jobs of its triggers, in the caller's transaction.
+
+    ``sent_by`` is the user who sent the event (a token's user, a signed-in user; None for code):
+    the jobs are theirs, so they may not approve them.
 
     One savepoint per trigger: a trigger that cannot fire (missing context value, params that fail
     the service schema, inactive service...) records its error and the others still fire.
@@ -118,7 +123,7 @@ def fire_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tena
                             result.deduplicated.append((trigger.id, holder))
                             continue
                     job = enqueue.start(job_spec(trigger, payload, source=JobSource.EVENT, source_ref=source_ref,
-                                                 external_id=None, correlation_id=correlation_id))
+                                                 external_id=None, correlation_id=correlation_id, caused_by=sent_by))
             except (DefinitionError, LookupError, enqueue.JobConflict, DatabaseError) as exc:
                 message = "; ".join(str(p) for p in exc.problems) if isinstance(exc, DefinitionError) else str(exc)
                 result.errors.append((trigger.id, message))
@@ -131,7 +136,9 @@ def fire_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tena
                 _clear_error(trigger)
         events.append(EventRow(
             type="app_event", source=source, message=f"app event {name} ({len(result.jobs)} job(s) started)",
-            data={"name": name, "tenant": tenant.slug, "context": context, "correlation_id": correlation_id,
+            # The context as the timeline keeps and shows it: secret-named values as ***.
+            data={"name": name, "tenant": tenant.slug, "context": redact_params(context),
+                  "correlation_id": correlation_id,
                   "jobs": [str(j.id) for j in result.jobs],
                   "deduplicated": [{"trigger_id": str(t), "job_id": str(j)} for t, j in result.deduplicated],
                   "errors": [{"trigger_id": str(t), "error": e} for t, e in result.errors]},
@@ -272,7 +279,7 @@ def run_now(trigger_id: UUID, *, by: str = "", now: datetime | None = None) -> A
         with transaction.atomic():
             job = enqueue.start(job_spec(
                 trigger, payload, source=JobSource.SCHEDULE, source_ref=f"trigger:{trigger.id}",
-                external_id=f"trigger:{trigger.id}:now:{now.astimezone(UTC).isoformat()}"))
+                external_id=f"trigger:{trigger.id}:now:{now.astimezone(UTC).isoformat()}", caused_by=user_id_named(by)))
             write_events([_started_event(job, trigger, f"job started by 'run now' of schedule trigger "
                                                        f"{trigger.label!r}", source=source,
                                          data={"due_at": now.astimezone(UTC).isoformat(), "run_now": True})])

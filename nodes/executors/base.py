@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 import sys
 import threading
@@ -21,14 +20,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from accs_site.conf import MIN_SECRET_CHARS, known_secrets
+from accs_site.conf import known_secrets
+from accs_site.redaction import SECRET_KEY_RE, redact, secrets_in  # noqa: F401 (re-exported: the executors use them by these names)
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from workflows.validation import argv_fields, not_allowed_problems
 
 TAIL_CHARS = 4000
 
-SECRET_KEY_RE = re.compile(r"(pass(word)?|secret|token|api[_-]?key|credential)", re.I)
 KILL_GRACE_SECONDS = 3.0
 # Results are one JSON document in a jsonb column; a task that needs more stores an artifact.
 MAX_RESULTS_BYTES = 1_000_000
@@ -40,33 +39,10 @@ INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "HOME", "TMPDIR", "TZ", "
                  "DJANGO_SETTINGS_MODULE")
 
 
-def secrets_in(params: Any, *, secret: bool = False) -> list[str]:
-    """Return the values of params whose names look secret (every value under such a name, in lists
-    and objects too), to redact from logs and tails."""
-    found: list[str] = []
-    if isinstance(params, dict):
-        for key, value in params.items():
-            found += secrets_in(value, secret=secret or bool(SECRET_KEY_RE.search(str(key))))
-    elif isinstance(params, (list, tuple)):
-        for value in params:
-            found += secrets_in(value, secret=secret)
-    elif secret and isinstance(params, (str, int, float)) and not isinstance(params, bool):
-        if len(str(params)) >= MIN_SECRET_CHARS:
-            found.append(str(params))
-    return found
-
-
 def agent_secrets() -> list[str]:
     """Return the agent's own secrets (:func:`accs_site.conf.known_secrets`), which no task output,
     error or log line may carry into the database."""
     return known_secrets()
-
-
-def redact(text: str, secrets: Iterable[str]) -> str:
-    """Replace every secret value in ``text`` with ``***`` (longest first, so a URL goes before its password)."""
-    for secret in sorted(set(secrets), key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
 
 
 @dataclass

@@ -4,10 +4,8 @@ a live-server race of identical webhooks, the OpenAPI document and a property-ba
 from __future__ import annotations
 
 import io
-import sys
 import threading
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import requests
@@ -19,7 +17,6 @@ from jobs.models import Job, Task, Trigger
 from tenants.auth import digest
 from tenants.models import ApiToken, Tenant
 from tests.api_helpers import client_for, user_with_token
-from tests.daemons import ROOT, free_port, http_server
 from tests.engine_helpers import claim_for, run_fail
 from workflows.models import Service, Workflow
 
@@ -321,16 +318,6 @@ def test_service_and_workflow_management_validates_like_the_admin(world):
 # --------------------------------------------------------------------------------------------
 # Live server: 50 identical webhooks at once
 # --------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def live_server_url(subprocess_env, tmp_path: Path):
-    """Serve the app (Django's threaded server, see tests/wsgi_server.py) on the test database; yield its URL."""
-    port = free_port()
-    argv = [sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)]
-    with http_server(argv, env={**subprocess_env, "ACC_DB_CONN_MAX_AGE": "0"}, port=port,
-                     log_path=tmp_path / "server.log", name="runserver", timeout=30) as url:
-        yield url
-
 
 @pytest.mark.django_db(transaction=True)
 def test_fifty_concurrent_identical_webhooks_create_exactly_one_job(make_service, default_tenant, live_server_url):
