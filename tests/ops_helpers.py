@@ -125,3 +125,16 @@ def insert_done_tasks(cur, *, job_id, tenant_id, service_id, n: int = 20_000) ->
         " SELECT gen_random_uuid(), %s, %s, 'h' || g, 'h', %s, false, 'done', '{}', 1, 3, now(), 0, g, 600, '{}',"
         " '', '', '', now(), '', '', now(), now() FROM generate_series(1, %s) g",
         [job_id, tenant_id, service_id, n])
+
+
+def signed_in_session(base: str, username: str):
+    """Return a ``requests`` session signed in to the admin of the server at ``base`` (the login form, with CSRF)."""
+    import requests
+
+    http = requests.Session()
+    http.get(f"{base}/admin/login/", timeout=30)
+    answer = http.post(f"{base}/admin/login/", data={"username": username, "password": PASSWORD, "next": "/admin/",
+                                                      "csrfmiddlewaretoken": http.cookies["csrftoken"]},
+                       headers={"Referer": f"{base}/admin/login/"}, timeout=30)
+    assert answer.status_code == 200 and "sessionid" in http.cookies, answer.text[:300]
+    return http

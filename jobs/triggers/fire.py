@@ -15,6 +15,7 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone as djtz
 
 from accs_site.admin_kit import ActionResult
+from accs_site.redaction import redact_params
 from events.timeline import EventRow, operator_source, write_events
 from jobs import enqueue
 from jobs.ids import short_id
@@ -135,7 +136,9 @@ def fire_event(name: str, context: dict[str, Any] | None = None, *, tenant: Tena
                 _clear_error(trigger)
         events.append(EventRow(
             type="app_event", source=source, message=f"app event {name} ({len(result.jobs)} job(s) started)",
-            data={"name": name, "tenant": tenant.slug, "context": context, "correlation_id": correlation_id,
+            # The context as the timeline keeps and shows it: secret-named values as ***.
+            data={"name": name, "tenant": tenant.slug, "context": redact_params(context),
+                  "correlation_id": correlation_id,
                   "jobs": [str(j.id) for j in result.jobs],
                   "deduplicated": [{"trigger_id": str(t), "job_id": str(j)} for t, j in result.deduplicated],
                   "errors": [{"trigger_id": str(t), "error": e} for t, e in result.errors]},

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from accs_site.conf import known_secrets
-from accs_site.redaction import redact, secrets_in  # noqa: F401 (re-exported: the executors use them by these names)
+from accs_site.redaction import SECRET_KEY_RE, redact, secrets_in  # noqa: F401 (re-exported: the executors use them by these names)
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
 from workflows.validation import argv_fields, not_allowed_problems

@@ -23,7 +23,7 @@ from jobs import api, triggers
 from jobs.models import Task, Trigger
 from tenants.auth import create_token
 from tenants.models import Tenant
-from tests.ops_helpers import PASSWORD, make_user
+from tests.ops_helpers import make_user, signed_in_session
 
 SECRETS = {
     "top": "hunter2-top-5f1e0b", "nested": "nested-key-9ac3d1", "listed": "listed-tok-77b1aa",
@@ -133,16 +133,6 @@ def _admin_urls(world: dict[str, Any]) -> list[str]:
     return urls
 
 
-def _signed_in(base: str, username: str) -> requests.Session:
-    http = requests.Session()
-    http.get(f"{base}/admin/login/", timeout=30)
-    answer = http.post(f"{base}/admin/login/", data={"username": username, "password": PASSWORD, "next": "/admin/",
-                                                      "csrfmiddlewaretoken": http.cookies["csrftoken"]},
-                       headers={"Referer": f"{base}/admin/login/"}, timeout=30)
-    assert answer.status_code == 200 and "log out" in answer.text.lower(), answer.text[:300]
-    return http
-
-
 @pytest.mark.django_db(transaction=True)
 def test_no_admin_page_shows_a_secret_param_to_a_viewer_or_a_tenant_admin(world, live_server_url):
     urls = _admin_urls(world)
@@ -151,7 +141,7 @@ def test_no_admin_page_shows_a_secret_param_to_a_viewer_or_a_tenant_admin(world,
     trigger_page = reverse("admin:jobs_trigger_change", args=[world["trigger"].id])
     assert {job_page, task_page, trigger_page} <= set(urls)
     for who, user in world["people"].items():
-        http = _signed_in(live_server_url, user.username)
+        http = signed_in_session(live_server_url, user.username)
         for url in urls:
             response = http.get(f"{live_server_url}{url}", timeout=60)
             assert response.status_code < 500, (url, response.text[-800:])
@@ -163,7 +153,7 @@ def test_no_admin_page_shows_a_secret_param_to_a_viewer_or_a_tenant_admin(world,
 
 @pytest.mark.django_db(transaction=True)
 def test_a_trigger_saved_in_the_admin_as_shown_keeps_its_secret(world, live_server_url):
-    http = _signed_in(live_server_url, "alice")
+    http = signed_in_session(live_server_url, "alice")
     url = f"{live_server_url}{reverse('admin:jobs_trigger_change', args=[world['trigger'].id])}"
     page = http.get(url, timeout=30).text
     shown = json.loads(re.search(r'name="payload_template"[^>]*>(.*?)</textarea>', page, re.S).group(1)
@@ -214,3 +204,12 @@ def test_every_value_under_a_secret_name_at_any_depth_is_masked_and_nothing_else
             assert shown_value == value, path
     # Saving what was shown puts every secret back.
     assert keep_secrets(shown, params) == params
+
+
+@pytest.mark.django_db
+def test_the_timeline_keeps_an_events_context_with_its_secrets_masked(world):
+    from events.models import Event
+
+    api.emit_event("push", {"target": "db-2", "token": SECRETS["under"]}, tenant=world["acme"])
+    stored = Event.objects.filter(type="app_event").values_list("data", flat=True).get()
+    assert stored["context"] == {"target": "db-2", "token": MASK}

@@ -21,7 +21,7 @@ from jobs import api
 from jobs.models import Job
 from tenants.admin import membership_problem, minting_problem
 from tenants.models import ApiToken, TenantMembership, TokenScope
-from tests.ops_helpers import PASSWORD, make_user
+from tests.ops_helpers import make_user, signed_in_session
 
 pytestmark = pytest.mark.django_db
 
@@ -183,13 +183,8 @@ def test_a_missing_or_bad_token_on_a_post_is_401_not_a_csrf_failure(tenants, liv
         assert answer.status_code == 401, (headers, answer.status_code, answer.text)
         assert answer.json() == {"detail": "Unauthorized"}
     # A staff session without its CSRF token is still refused, by the CSRF check (not served).
-    http = requests.Session()
     make_user("sue", tenants={tenants.acme: "admin"})
-    http.get(f"{live_server_url}/admin/login/", timeout=30)
-    http.post(f"{live_server_url}/admin/login/", data={"username": "sue", "password": PASSWORD,
-                                                        "csrfmiddlewaretoken": http.cookies["csrftoken"]},
-              headers={"Referer": f"{live_server_url}/admin/login/"}, timeout=30)
-    assert "sessionid" in http.cookies
+    http = signed_in_session(live_server_url, "sue")
     assert http.post(url, json={"service": "x"}, timeout=30).status_code == 403
     # A bad token sent with that session is the token's answer: 401, and the session does not step in.
     assert http.post(url, json={"service": "x"}, headers={"Authorization": "Bearer accs_bad"},
