@@ -55,7 +55,7 @@ def _digest(name: str, context: dict[str, Any]) -> str:
 
 def _fire(name: str, body: EventIn, tenant, request: HttpRequest) -> dict[str, Any]:
     result = api.emit_event(name, body.context, tenant=tenant, correlation_id=body.correlation_id,
-                            source=f"api:{username(request)}"[:200], sent_by=request.auth)
+                            source=f"api:{username(request)}"[:200], sent_by=getattr(request, "auth", None))
     return {
         "jobs": [str(j.id) for j in result.jobs],
         "deduplicated": [{"trigger_id": str(t), "job_id": str(j)} for t, j in result.deduplicated],

@@ -53,8 +53,8 @@ class MembershipForm(forms.ModelForm):
     granted_by: Any = None
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
-        probe = TenantMembership(user=data.get("user"), tenant=data.get("tenant"), role=data.get("role"))
+        data = super().clean() or {}
+        probe = TenantMembership(user=data.get("user"), tenant=data.get("tenant"), role=data.get("role") or "")
         if self.instance.pk is not None and (problem := membership_problem(self.granted_by, self.instance)):
             raise forms.ValidationError(problem)
         if data.get("user") is not None and data.get("tenant") is not None:
