@@ -70,12 +70,12 @@ def keep_secrets(given: Any, stored: Any, *, secret: bool = False) -> Any:
     replaced by the value ``stored`` holds at the same place, so that saving what a page showed
     never overwrites a secret with its mask."""
     if isinstance(given, dict):
-        held = stored if isinstance(stored, dict) else {}
-        return {key: keep_secrets(value, held.get(key), secret=secret or is_secret_name(key))
+        stored_map = stored if isinstance(stored, dict) else {}
+        return {key: keep_secrets(value, stored_map.get(key), secret=secret or is_secret_name(key))
                 for key, value in given.items()}
     if isinstance(given, list):
-        items = stored if isinstance(stored, list) else []
-        return [keep_secrets(value, items[i] if i < len(items) else None, secret=secret)
+        stored_list = stored if isinstance(stored, list) else []
+        return [keep_secrets(value, stored_list[i] if i < len(stored_list) else None, secret=secret)
                 for i, value in enumerate(given)]
     if secret and given == MASK and stored is not None:
         return stored

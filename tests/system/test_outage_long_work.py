@@ -93,7 +93,9 @@ def test_long_work_survives_a_postgresql_stop_with_its_services_lease(make_servi
     wait_for(lambda: set(_statuses(db_url, jobs).values()) <= {"done", "error", "partial", "canceled"}
              and len(_statuses(db_url, jobs)) == 2,
              timeout=120 + 2 * lengths.long_task, interval=0.5, message="both jobs final")
-    assert _statuses(db_url, jobs) == {long_job.id: "done", short_job.id: "done"}
+    assert _statuses(db_url, jobs) == {long_job.id: "done", short_job.id: "done"}, _rows(db_url, """
+        SELECT t.job_id, a.attempt_no, a.status, a.error_text, t.error_code, t.max_attempts
+          FROM accs_task t JOIN accs_attempt a ON a.task_id = t.id WHERE t.job_id = ANY(%s)""", [list(jobs)])
     attempts = {jobs[job_id]: (n, codes) for job_id, n, codes in _rows(db_url, """
         SELECT t.job_id, count(a.*),
                array_agg(a.status || ':' || split_part(a.error_text, ':', 1) ORDER BY a.attempt_no)
