@@ -658,10 +658,10 @@ class PythonExecutor:
             return _outcome(task, "failed", error=refused, error_code="not_allowed", retryable=False)
         if config.get("isolation") == "process":
             # The warm child gets the same environment as a cold one: checked once, before either starts.
-            cold_env = {**os.environ, **task_env(task, ctx)} if config.get("inherit_env") is True else None
+            env = task_env(task, ctx)
+            cold_env = {**os.environ, **env} if config.get("inherit_env") is True else env
             try:
-                check_process([sys.executable], cold_env if cold_env is not None else task_env(task, ctx),
-                              program="agent")
+                check_process([sys.executable], cold_env, program="agent")
             except Refused as exc:
                 return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed",
                                 retryable=False)
