@@ -298,8 +298,9 @@ def _inject(kind: str, elapsed: float, sc: Scenario, agents: list[Daemon], build
         cluster.start()
         conn = _reconnect(cluster.url)
     elif kind == "freeze_agent":
-        victim = sc.rng.choice(agents[1:])
-        held = _wait_holding(conn, victim)
+        # The agent holding the most work (agent-0 is kept for the cut): freezing one that had just
+        # been restarted and held nothing would cost no lease and test nothing.
+        victim, held = _busiest(conn, agents[1:])
         victim.signal(signal.SIGSTOP)
         frozen = _wait_rescued(conn, held, at_least=LEASE_SECONDS + 3)
         victim.signal(signal.SIGCONT)
@@ -330,6 +331,23 @@ def _wait_holding(conn: psycopg.Connection, agent: Daemon, *, timeout: float = 3
             held = []
         if held or time.monotonic() > deadline:
             return held
+        time.sleep(0.05)
+
+
+def _busiest(conn: psycopg.Connection, agents: list[Daemon], *, timeout: float = 30.0
+             ) -> tuple[Daemon, list[tuple[str, int]]]:
+    """Wait (bounded) until one of ``agents`` holds a task; return the one holding the most, and what it holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held: dict[str, list[tuple[str, int]]] = {}
+        for agent in agents:
+            try:
+                held[agent.name] = _held_by(conn, agent.args[agent.args.index("--node") + 1])
+            except psycopg.Error:
+                held[agent.name] = []
+        victim = max(agents, key=lambda a: len(held[a.name]))
+        if held[victim.name] or time.monotonic() > deadline:
+            return victim, held[victim.name]
         time.sleep(0.05)
 
 
@@ -424,8 +442,13 @@ def _figures(sc: Scenario, conn: psycopg.Connection, ledger: Path, logs: Path, c
         "seed": sc.seed, "tasks": sc.tasks, "agents": sc.agents, "lease_seconds": LEASE_SECONDS,
         "faults": sc.faults, "daemons_exited_detail": sc.exited,
         "fenced_reports_recorded": q("SELECT count(*) FROM accs_event WHERE type = 'fenced'"),
-        "lease_rescues": q("SELECT count(*) FROM accs_event"
-                           " WHERE type = 'retry' AND data->>'error' LIKE 'lease_expired%%'"),
+        # Attempts the builder ended because their lease ran out: as a failure (no heartbeat), or as
+        # an interruption when the lease ended during an outage the pulse recorded.
+        "lease_rescues": {
+            "expired": q("SELECT count(*) FROM accs_attempt WHERE error_text LIKE 'lease_expired%%'"),
+            "in_outage": q("SELECT count(*) FROM accs_attempt WHERE status = 'interrupted'"
+                           " AND error_text LIKE 'outage:%%'"),
+        },
         "attempts": q("SELECT count(*) FROM accs_attempt"),
         "runs_started": sum(1 for parts in lines if parts[0] == "start"),
         "rescue_latency_s": {"n": len(latencies),
