@@ -55,7 +55,7 @@ from jobs.models import JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, Ta
 from jobs.notify import builder_channel, not_yet_notified, notify, service_channel
 from tenants.models import DEFAULT_TENANT_SLUG, Tenant
 from workflows.models import Service, Workflow
-from workflows.validation import DefinitionError, Problem
+from workflows.validation import DefinitionError, Problem, validator_errors
 
 INT32 = 2**31 - 1
 
@@ -186,8 +186,7 @@ class _Validators:
             slow = self._slow.get(service.id)
             if slow is None:
                 slow = self._slow[service.id] = Draft202012Validator(service.params_schema or {})
-            return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
-                    for e in slow.iter_errors(params)]
+            return validator_errors(slow, params)
         except (Unresolvable, RecursionError, LookupError, ValueError, TypeError) as exc:
             # An unresolvable $ref or a pathological schema is the definition's fault, not a crash.
             return [f"(root): service {service.key!r} has a params_schema that cannot be applied: {exc}"[:500]]

@@ -31,6 +31,20 @@ class TenantAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         return scope(super().get_queryset(request), request.user, field="id")
 
+    def has_change_permission(self, request, obj=None):
+        """Changing a tenant's limits and retention takes the model permission *and* the admin role
+        in that tenant: a viewer (or an admin of another tenant) with ``change_tenant`` only reads."""
+        allowed = super().has_change_permission(request, obj)
+        return allowed and (obj is None or request.user.is_superuser or can_act(request.user, obj.id, write=True))
+
+    def has_delete_permission(self, request, obj=None):
+        """Deleting a tenant deletes its jobs and history: a superuser's act only."""
+        return request.user.is_superuser and super().has_delete_permission(request, obj)
+
+    def has_add_permission(self, request):
+        """A new tenant has no admins yet, so only a superuser creates one."""
+        return request.user.is_superuser and super().has_add_permission(request)
+
 
 def membership_problem(granter: Any, membership: TenantMembership) -> str | None:
     """Return why ``granter`` may not create, change or delete ``membership``, or None when they may.

@@ -26,6 +26,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from accs_site.conf import ANY, DEMO_ONLY, accs
+from accs_site.redaction import is_secret_name, redact_params
 
 STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
@@ -102,11 +103,24 @@ def schema_errors(schema: Mapping[str, Any], instance: Any, *, partial: bool = F
     """Return readable JSON Schema violations of ``instance``; ``partial`` ignores ``required``."""
     if partial and isinstance(schema, Mapping) and "required" in schema:
         schema = {k: v for k, v in schema.items() if k != "required"}
-    validator = Draft202012Validator(schema)
+    return validator_errors(Draft202012Validator(schema), instance)
+
+
+def validator_errors(validator: Draft202012Validator, instance: Any) -> list[str]:
+    """Return ``validator``'s violations of ``instance`` as readable lines, by path, no secret quoted."""
     return [
-        f"{_json_path(err.absolute_path)}: {err.message}"
+        f"{_json_path(err.absolute_path)}: {_error_words(err)}"
         for err in sorted(validator.iter_errors(instance), key=lambda e: list(map(str, e.absolute_path)))
     ]
+
+
+def _error_words(err: Any) -> str:
+    """The schema's words for ``err``, unless they would quote a secret: jsonschema's messages repr the
+    failing value, and these texts reach callers, logs and a trigger's stored last error. A value under
+    a secret-looking name (or a value holding one) is described by the rule it broke instead."""
+    if any(is_secret_name(part) for part in err.absolute_path) or redact_params(err.instance) != err.instance:
+        return f"the value (hidden: a secret) fails the schema's {err.validator!r} rule: {err.validator_value!r}"
+    return str(err.message)
 
 
 def argv_fields(arg: str) -> list[tuple[str, str | None]]:

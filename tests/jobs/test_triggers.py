@@ -8,6 +8,8 @@ from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
@@ -450,3 +452,33 @@ def test_three_builders_fire_each_due_time_once_across_dst(case, tenant, sync_se
     assert Event.objects.filter(type="trigger", data__trigger_id=str(trig.id)).count() == len(expected)
     locals_ = [datetime.fromisoformat(e.replace("Z", "+00:00")).astimezone(ZoneInfo(tz)) for e in expected]
     assert len({d.strftime("%Y-%m-%d %H:%M %Z") for d in locals_}) == len(expected)
+
+
+@pytest.mark.django_db
+def test_a_schema_error_never_quotes_a_secret_into_the_triggers_stored_error(tenant, make_service):
+    """jsonschema's messages repr the failing value; a trigger stores its error for every viewer."""
+    make_service("push", params_schema={"type": "object", "properties": {
+        "api_token": {"type": "integer"}, "auth": {"type": "object", "properties": {"password": {"pattern": "^x"}}},
+        "count": {"type": "integer"}}})
+    trig = triggers.create_trigger(tenant=tenant, label="push on event", trigger_type="event", event_name="e",
+                                   service="push", payload_template={"api_token": "{{event.t}}",
+                                                                     "auth": "{{event.auth}}", "count": "{{event.n}}"})
+    result = api.emit_event("e", {"t": "tok-hunter2-value", "auth": {"password": "pw-hunter2-value"}, "n": "many"},
+                            tenant=tenant)
+    assert result.jobs == []
+    trig.refresh_from_db()
+    for text in (trig.last_error, result.errors[0][1], Event.objects.get(type="trigger", level="error").message):
+        assert "hunter2" not in text, text
+        assert "api_token" in text and "auth" in text, "the error still names the failing fields"
+        assert "'many' is not of type 'integer'" in text, "a value that is not secret is still quoted"
+
+
+@given(secret=st.text(min_size=1, max_size=40), key=st.sampled_from(["password", "api_key", "db_secret", "token"]))
+@settings(max_examples=60, deadline=None)
+def test_schema_errors_hide_any_value_under_a_secret_name(secret, key):
+    from workflows.validation import schema_errors
+    for schema, instance in (({"properties": {key: {"type": "integer"}}}, {key: secret}),
+                             ({"properties": {"outer": {"type": "string"}}}, {"outer": {key: secret}}),
+                             ({"properties": {key: {"type": "integer"}}}, {key: [secret]})):
+        [error] = schema_errors(schema, instance)
+        assert repr(secret) not in error and "hidden" in error

@@ -189,3 +189,34 @@ def test_a_missing_or_bad_token_on_a_post_is_401_not_a_csrf_failure(tenants, liv
     # A bad token sent with that session is the token's answer: 401, and the session does not step in.
     assert http.post(url, json={"service": "x"}, headers={"Authorization": "Bearer accs_bad"},
                      timeout=30).status_code == 401
+
+
+# --------------------------------------------------------------------------------------------
+# Tenants
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", ["viewer", "admin"])
+def test_only_a_tenants_admin_changes_its_limits_and_nobody_but_a_superuser_adds_or_deletes(tenants, role):
+    """``change_tenant`` alone is not enough: the role in that very tenant decides."""
+    user = _with_permissions(make_user("tess", tenants={tenants.acme: role, tenants.globex: "viewer"}),
+                             "view_tenant", "change_tenant", "add_tenant", "delete_tenant")
+    browser = _signed_in(user)
+
+    def post_limit(tenant, value: int):
+        return browser.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]),
+                            {"slug": tenant.slug, "name": tenant.name, "timezone": tenant.timezone,
+                             "max_in_flight": value, "min_priority": tenant.min_priority,
+                             "max_priority": tenant.max_priority, "retention_days": tenant.retention_days or "",
+                             "retention_dead_days": tenant.retention_dead_days or "",
+                             "created_at_0": tenant.created_at.strftime("%Y-%m-%d"),
+                             "created_at_1": tenant.created_at.strftime("%H:%M:%S")})
+
+    own = post_limit(tenants.acme, 7)
+    tenants.acme.refresh_from_db()
+    assert (tenants.acme.max_in_flight == 7) is (role == "admin"), own.status_code
+    post_limit(tenants.globex, 9)
+    tenants.globex.refresh_from_db()
+    assert tenants.globex.max_in_flight != 9, "a viewer of another tenant never changes it"
+    assert browser.get(reverse("admin:tenants_tenant_add")).status_code == 403
+    assert browser.post(reverse("admin:tenants_tenant_delete", args=[tenants.acme.pk]), {"post": "yes"}).status_code == 403
+    assert type(tenants.acme).objects.filter(pk=tenants.acme.pk).exists()
