@@ -26,7 +26,7 @@ from django.utils.safestring import mark_safe
 
 from accs_site.admin_kit import ActionResult, actor, perform
 from workflows import governor
-from workflows.api import next_version, steps_frozen_reason
+from workflows.api import next_version, redacted_steps, steps_frozen_reason, steps_keeping_secrets
 from workflows.dag import render_svg, steps_from
 from workflows.diff import steps_diff
 from workflows.models import GovernorCondition, Service, Workflow
@@ -183,11 +183,16 @@ class WorkflowForm(ProblemsByFieldForm):
         super().clean()  # a ModelForm's returns its cleaned_data
         data = self.cleaned_data
         if self.instance._state.adding:  # a new version (ids are set before the first save)
+            if "steps" in data and data.get("name"):
+                # The page showed secret default params as ***; the new version keeps the latest's.
+                data["steps"] = steps_keeping_secrets(data["steps"], name=data["name"])
             return data
         rows = Workflow.objects.all()
         if connection.in_atomic_block:  # the admin's save runs in one; see steps_frozen_reason
             rows = rows.select_for_update()
         stored = rows.get(pk=self.instance.pk)
+        if "steps" in data:
+            data["steps"] = steps_keeping_secrets(data["steps"], name=stored.name, stored=stored.steps)
         changed = [name for name in FROZEN_WHEN_USED if name in data and data[name] != getattr(stored, name)]
         reason = steps_frozen_reason(stored) if changed else None
         if reason:
@@ -236,6 +241,13 @@ class WorkflowAdmin(DefinitionAdmin):
             post["version"] = str(next_version(name))
         return post
 
+    def get_object(self, request: HttpRequest, object_id: str, from_field: str | None = None) -> Any:
+        """The version a page shows, its secret-named default params ``***`` (the form puts them back)."""
+        obj = super().get_object(request, object_id, from_field)
+        if obj is not None:
+            obj.steps = redacted_steps(obj.steps)
+        return obj
+
     def render_change_form(self, request: HttpRequest, context: dict[str, Any], add: bool = False, change: bool = False,
                            form_url: str = "", obj: Workflow | None = None) -> HttpResponse:
         if obj is not None and not obj._state.adding:
@@ -250,10 +262,11 @@ class WorkflowAdmin(DefinitionAdmin):
         context: dict[str, Any] = {
             "stored_version": stored, "previous_version": previous,
             "jobs_use_version": steps_frozen_reason(stored) is not None,
-            "diff_previous": steps_diff(previous.steps, stored.steps) if previous else None,
+            "diff_previous": (steps_diff(redacted_steps(previous.steps), redacted_steps(stored.steps))
+                              if previous else None),
         }
         if form.is_bound and form.frozen_reason:
-            context["diff_edit"] = steps_diff(stored.steps, form.refused_steps)
+            context["diff_edit"] = steps_diff(redacted_steps(stored.steps), redacted_steps(form.refused_steps))
         return context
 
     @admin.display(description="steps")

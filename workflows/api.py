@@ -7,6 +7,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Max
 
+from accs_site.redaction import keep_secrets, redact_params
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem, service_problems, step_problems, validate_workflow
 
@@ -98,3 +99,26 @@ def import_definitions(data: dict[str, Any]) -> tuple[list[Service], list[Workfl
         for workflow in workflows:
             workflow.save()
     return services, workflows
+
+
+def redacted_steps(steps: Any) -> Any:
+    """Return a copy of a workflow's steps with every secret-named default param shown as ``***``."""
+    if not isinstance(steps, list):
+        return steps
+    return [{**step, "default_params": redact_params(step["default_params"])}
+            if isinstance(step, dict) and isinstance(step.get("default_params"), dict) else step for step in steps]
+
+
+def steps_keeping_secrets(given: Any, *, name: str, stored: Any = None) -> Any:
+    """Return ``given`` steps (edited from a redacted copy) with each ``***`` default param put back
+    from the stored step of the same key: of ``stored`` steps, else of the latest version of ``name``.
+    Matching by step key, not position, so reordered steps never swap their secrets."""
+    if not isinstance(given, list):
+        return given
+    if stored is None:
+        latest = Workflow.objects.filter(name=name).order_by("-version").only("steps").first()
+        stored = latest.steps if latest is not None else []
+    by_key = {s.get("key"): s for s in stored if isinstance(s, dict)} if isinstance(stored, list) else {}
+    return [{**step, "default_params": keep_secrets(step["default_params"],
+                                                    by_key.get(step.get("key"), {}).get("default_params"))}
+            if isinstance(step, dict) and isinstance(step.get("default_params"), dict) else step for step in given]

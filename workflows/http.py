@@ -17,7 +17,7 @@ from ninja.errors import HttpError
 from pydantic import StrictBool
 
 from accs_site.http import INT32, In, require_scope, require_superuser, responses
-from workflows.api import create_workflow, save_service, steps_frozen_reason
+from workflows.api import create_workflow, redacted_steps, save_service, steps_frozen_reason, steps_keeping_secrets
 from workflows.models import Executor, Service, Workflow
 from workflows.validation import DefinitionError, Problem, validate_workflow
 
@@ -161,6 +161,11 @@ class WorkflowOut(Schema):
     created_at: datetime
     updated_at: datetime
 
+    @staticmethod
+    def resolve_steps(obj: Workflow) -> Any:
+        """Secret-named default params answer ``***``; a PATCH or POST sending ``***`` back keeps them."""
+        return redacted_steps(obj.steps)
+
 
 class ListFilter(In):
     name: str | None = Field(None, max_length=100)
@@ -260,7 +265,8 @@ def create_workflow_version(request: HttpRequest, body: WorkflowIn):
     """Validated as a whole (unique keys, known services, deps, no cycles, params); nothing is saved on error."""
     require_scope(request, "definitions")
     require_superuser(request)
-    workflow = create_workflow(name=body.name, version=body.version, steps=_steps(body.steps),
+    workflow = create_workflow(name=body.name, version=body.version,
+                               steps=steps_keeping_secrets(_steps(body.steps), name=body.name),
                                description=body.description, max_active_jobs=body.max_active_jobs,
                                is_active=body.is_active)
     return Status(201, workflow)
@@ -294,7 +300,7 @@ def update_workflow(request: HttpRequest, body: WorkflowPatch,
             if reason := steps_frozen_reason(workflow):
                 return Status(409, {"detail": f"{reason}; POST /workflows with the new steps to create the next "
                                               "version"})
-            workflow.steps = _steps(body.steps or [])
+            workflow.steps = steps_keeping_secrets(_steps(body.steps or []), name=name, stored=workflow.steps)
         for field in ("description", "is_active", "max_active_jobs"):
             if field in changes:
                 setattr(workflow, field, changes[field])

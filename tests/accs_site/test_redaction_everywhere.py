@@ -213,3 +213,53 @@ def test_the_timeline_keeps_an_events_context_with_its_secrets_masked(world):
     api.emit_event("push", {"target": "db-2", "token": SECRETS["under"]}, tenant=world["acme"])
     stored = Event.objects.filter(type="app_event").values_list("data", flat=True).get()
     assert stored["context"] == {"target": "db-2", "token": MASK}
+
+
+# --------------------------------------------------------------------------------------------
+# Workflow definitions: a step's secret default params
+# --------------------------------------------------------------------------------------------
+
+STEP_SECRET = "step-pw-8e21c4"
+
+
+@pytest.mark.django_db
+def test_a_workflows_secret_default_params_are_masked_and_survive_a_save_of_what_was_shown(make_service):
+    """Even a superuser reads ``***``: the API's answers and the admin's page and diffs. PATCH, POST
+    of a new version and the admin's save, sent back what they showed, keep the stored secret."""
+    from django.test import Client
+
+    from tests.api_helpers import client_for, user_with_token
+    from workflows.models import Workflow
+
+    make_service("deploy")
+    root_user, token = user_with_token("root", superuser=True)
+    http = client_for(token)
+    steps = [{"key": "a", "service": "deploy", "default_params": {"db_password": STEP_SECRET, "host": "h"}},
+             {"key": "b", "service": "deploy", "depends_on": ["a"], "default_params": {"host": "other"}}]
+    created = http.post("/api/v1/workflows", {"name": "ship", "steps": steps}, content_type="application/json")
+    assert created.status_code == 201 and STEP_SECRET not in created.content.decode()
+    for url in ("/api/v1/workflows", "/api/v1/workflows/ship/1"):
+        body = http.get(url).content.decode()
+        assert STEP_SECRET not in body and '"db_password": "***"' in body, (url, body[:400])
+    shown = http.get("/api/v1/workflows/ship/1").json()["steps"]
+    # Reordered and edited, sent back: the secret follows its step key, not its position.
+    patched = http.patch("/api/v1/workflows/ship/1", {"steps": [shown[1], {**shown[0], "default_params": {**shown[0]["default_params"], "host": "h2"}}]},
+                         content_type="application/json")
+    assert patched.status_code == 200, patched.content
+    stored = {s["key"]: s for s in Workflow.objects.get(name="ship", version=1).steps}
+    assert stored["a"]["default_params"] == {"db_password": STEP_SECRET, "host": "h2"}
+    assert "db_password" not in stored["b"]["default_params"]
+    assert http.post("/api/v1/workflows", {"name": "ship", "steps": shown},
+                     content_type="application/json").status_code == 201
+    assert Workflow.objects.get(name="ship", version=2).steps[0]["default_params"]["db_password"] == STEP_SECRET
+
+    browser = Client()
+    browser.force_login(root_user)
+    page = browser.get(reverse("admin:workflows_workflow_change", args=[Workflow.objects.get(version=2).pk]))
+    assert page.status_code == 200 and STEP_SECRET not in page.content.decode()
+    form = page.context["adminform"].form
+    data = {name: form[name].value() for name in ("name", "version", "description", "max_active_jobs")}
+    data.update(steps=form["steps"].value(), is_active="on", _save="Save")
+    saved = browser.post(reverse("admin:workflows_workflow_change", args=[Workflow.objects.get(version=2).pk]), data)
+    assert saved.status_code == 302, saved.context["adminform"].form.errors
+    assert Workflow.objects.get(name="ship", version=2).steps[0]["default_params"]["db_password"] == STEP_SECRET
