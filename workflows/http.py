@@ -178,6 +178,14 @@ def _steps(steps: list[StepIn]) -> list[dict[str, Any]]:
     return [s.model_dump(exclude_none=True) for s in steps]
 
 
+def _in_code_refusal(row: Service | Workflow | None, what: str) -> Status | None:
+    """A 409 naming the file that defines ``row``, when code defines it (``manage.py accs_sync`` owns it)."""
+    if row is None or not row.defined_in:
+        return None
+    return Status(409, {"detail": f"{what} is defined in code ({row.defined_in}): change it there and run "
+                                  "manage.py accs_sync"})
+
+
 def _service(key: str) -> Service:
     found = Service.objects.filter(key=key).first()
     if found is None:
@@ -235,7 +243,8 @@ def update_service(request: HttpRequest, body: ServicePatch,
     """Send only the fields to change; the whole service is validated again before saving."""
     require_scope(request, "definitions")
     require_superuser(request)
-    _service(key)
+    if refusal := _in_code_refusal(_service(key), f"service {key!r}"):
+        return refusal
     changes = body.model_dump(exclude_unset=True)
     nulls = sorted(name for name, value in changes.items() if value is None and name not in NULLABLE)
     if nulls:
@@ -265,6 +274,9 @@ def create_workflow_version(request: HttpRequest, body: WorkflowIn):
     """Validated as a whole (unique keys, known services, deps, no cycles, params); nothing is saved on error."""
     require_scope(request, "definitions")
     require_superuser(request)
+    latest = Workflow.objects.filter(name=body.name).order_by("-version").first()
+    if refusal := _in_code_refusal(latest, f"workflow {body.name!r}"):
+        return refusal
     workflow = create_workflow(name=body.name, version=body.version,
                                steps=steps_keeping_secrets(_steps(body.steps), name=body.name),
                                description=body.description, max_active_jobs=body.max_active_jobs,
@@ -296,6 +308,8 @@ def update_workflow(request: HttpRequest, body: WorkflowPatch,
         workflow = Workflow.objects.select_for_update().filter(name=name, version=version).first()
         if workflow is None:
             raise HttpError(404, f"no workflow {name!r} version {version}")
+        if refusal := _in_code_refusal(workflow, f"workflow {name!r} version {version}"):
+            return refusal
         if "steps" in changes:
             if reason := steps_frozen_reason(workflow):
                 return Status(409, {"detail": f"{reason}; POST /workflows with the new steps to create the next "

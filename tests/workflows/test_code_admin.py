@@ -69,3 +69,24 @@ def test_service_made_in_the_admin_is_still_editable(client, root, make_service)
     assert response.status_code == 302, response.context["adminform"].form.errors if response.context else response
     service.refresh_from_db()
     assert service.description == "edited" and service.defined_in == ""
+
+
+def test_the_http_api_refuses_to_change_a_definition_from_code_naming_its_file(in_code):
+    """The API is the admin's twin: a PATCH or a new version would be undone by the next sync."""
+    from tests.api_helpers import client_for, user_with_token
+
+    service, workflow = in_code
+    http = client_for(user_with_token("root", superuser=True)[1])
+    answers = [
+        http.patch("/api/v1/services/svc", {"description": "x"}, content_type="application/json"),
+        http.patch("/api/v1/workflows/flow/1", {"is_active": False}, content_type="application/json"),
+        http.post("/api/v1/workflows", {"name": "flow", "steps": [{"key": "z", "service": "svc"}]},
+                  content_type="application/json"),
+    ]
+    for answer in answers:
+        assert answer.status_code == 409 and "defined in code (shop.pipelines:" in answer.json()["detail"], answer
+    assert (Service.objects.get(pk=service.pk).description, Workflow.objects.filter(name="flow").count(),
+            Workflow.objects.get(pk=workflow.pk).is_active) == ("", 1, True)
+    # A definition made in the admin is changed as before.
+    Service.objects.filter(pk=service.pk).update(defined_in="")
+    assert http.patch("/api/v1/services/svc", {"description": "x"}, content_type="application/json").status_code == 200
