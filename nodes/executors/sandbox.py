@@ -8,9 +8,10 @@
   (:mod:`nodes.scratch`); that keeps attempts of the same OS user from finding each other's files.
 * The strong isolation is opt-in, per service: ``"sandbox": "bwrap"`` in a command service's
   ``executor_config`` runs each attempt in a bubblewrap sandbox (:func:`wrap`), where it sees only its
-  scratch folders (read-write), its executable, read-only system paths and a few files of ``/etc``, in
-  new namespaces: its own process ids (the agent's ``/proc`` is not there), no network but its own
-  loopback unless ``"sandbox_network": true``, no capabilities. ``"sandbox_paths"`` lists further
+  scratch folders (read-write; its params folder read-only), the executable the guard checked,
+  read-only system paths and a few files of ``/etc``, in new namespaces: its own process ids (the
+  agent's ``/proc`` is not there), no network but its own loopback unless ``"sandbox_network": true``,
+  no capabilities. ``"sandbox_paths"`` lists further
   paths it may read. A service that asks for the sandbox on a node without ``bwrap`` is refused
   (:class:`SandboxUnavailable`), never run without it.
 """
