@@ -292,6 +292,15 @@ class AccsSettings:
         return _int("ACC_WARM_POOL_SIZE", 4, minimum=0, maximum=64)
 
     @cached_property
+    def max_params_bytes(self) -> int:
+        """The largest params a task may be started with, in bytes of JSON (docs/executors.md, "Params").
+
+        2 MiB by default: a start with the largest params still fits in an HTTP API request under
+        Django's default ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (2.5 MB).
+        """
+        return _int("ACC_MAX_PARAMS_BYTES", 2 * 1024 * 1024, minimum=1024, maximum=64 * 1024 * 1024)
+
+    @cached_property
     def poll_interval_sec(self) -> float:
         return _float("ACC_POLL_INTERVAL_SEC", 2.0, minimum=0.01)
 

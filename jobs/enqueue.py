@@ -38,6 +38,7 @@ from django.utils import timezone
 from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
+from accs_site.conf import accs
 from events.timeline import CREATED, created_tasks, creation_level, creation_message
 from jobs.admission import read_hosts, start_jobs
 from jobs.definitions import definitions
@@ -47,6 +48,7 @@ from jobs.instantiate import (
     JobRow,
     ServiceInfo,
     build_task_rows,
+    params_json,
     select_hosts,
     step_rows,
     steps_for,
@@ -248,6 +250,19 @@ def _missing_hosts(steps: list[dict[str, Any]], options: dict[str, Any]) -> list
                                      f"started with {given}; name the hosts or give a host_selector")]
 
 
+def params_too_large(params: dict[str, Any]) -> str:
+    """Return why a task cannot be started with ``params`` (more than ``ACC_MAX_PARAMS_BYTES`` of JSON), or ""."""
+    limit = accs.max_params_bytes
+    try:
+        size = len(params_json(params).encode())
+    except (TypeError, ValueError):
+        return ""  # not JSON at all: the schema check and the insert say so, as for any start
+    if size <= limit:
+        return ""
+    return (f"params are {size:,} bytes of JSON, more than the limit of {limit:,} bytes (ACC_MAX_PARAMS_BYTES); "
+            "pass large inputs as artifacts (ACCS_INPUT_DIR) rather than params")
+
+
 def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Service]) -> _Plan:
     problems: list[Problem] = []
     if (spec.workflow is None) == (spec.service is None):
@@ -281,6 +296,10 @@ def _plan(spec: JobSpec, validators: _Validators, services_by_key: dict[str, Ser
             problems.append(Problem(f"step '{step['key']}'", "params must be an object"))
             continue
         merged = {**step.get("default_params", {}), **overrides}
+        too_large = params_too_large(merged)
+        if too_large:
+            problems.append(Problem(f"step '{step['key']}' params", too_large))
+            continue  # a schema is not worth applying to params that cannot be started
         for err in validators.errors(svc, merged):
             problems.append(Problem(f"step '{step['key']}' params", err))
     options = spec.options or {}

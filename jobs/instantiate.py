@@ -6,6 +6,7 @@ which jobs and writes the rows.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +15,12 @@ from typing import Any
 from jobs.ids import uuid7
 from jobs.models import TaskStatus
 from workflows.models import StepFailurePolicy
+
+
+def params_json(params: dict[str, Any]) -> str:
+    """Return a task's params as the JSON text its process reads (``ACCS_PARAMS_FILE``, ``ACCS_PARAMS``);
+    ``ACC_MAX_PARAMS_BYTES`` bounds its size in bytes when a job is started."""
+    return json.dumps(params)
 
 
 class InstantiationError(Exception):

@@ -83,9 +83,9 @@ class ShellScript:
             raise Refused(f"node name {node.name!r} starts with '-' and would be read as an option of the script")
         argv = [node.script, node.name]
         env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
-        check_process(argv, env)
-        return subprocess.run(argv, env=env, timeout=30, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL).returncode == 0
+        checked = check_process(argv, env)  # the file executed is the one checked
+        return subprocess.run(argv, executable=checked, env=env, timeout=30, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
 PROVIDERS: dict[str, WakeProvider] = {WakeMethod.WOL: WakeOnLan(), WakeMethod.PROVIDER: ProviderApi(),

@@ -58,6 +58,10 @@ class RunContext:
     secrets: list[str] = field(default_factory=list)
     output_dir: str | None = None
     input_dir: str | None = None
+    # The attempt's params file (ACCS_PARAMS_FILE) and the scratch folder that holds it, written once
+    # by the first process executor that needs it (nodes.executors.processes.params_file).
+    params_dir: str | None = None
+    params_file: str | None = None
     # How long a stopped process group gets between SIGTERM and SIGKILL; the agent shortens it
     # when the lease is at stake (another agent may start the task soon).
     kill_grace: float = KILL_GRACE_SECONDS
@@ -245,6 +249,6 @@ def not_allowed(task: ClaimedTask, executor: str, config: dict[str, Any]) -> Out
 
 def remove_scratch(ctx: RunContext) -> None:
     """Remove the attempt's scratch directories (after its outputs were collected)."""
-    for directory in (ctx.output_dir, ctx.input_dir):
+    for directory in (ctx.output_dir, ctx.input_dir, ctx.params_dir):
         if directory:
             shutil.rmtree(directory, ignore_errors=True)

@@ -18,6 +18,10 @@ The promises, each checked on the values passed to exec:
 * no argument and no variable carries a NUL (exec would cut it silently or refuse);
 * every variable is the agent's own (the same value the agent has), a task contract name
   (``ACCS_*``), or a name ``ACC_ALLOWED_TASK_ENV`` lets services set that loads no code.
+
+:func:`check_process` returns the file it checked, and the caller executes exactly that file
+(``Popen(executable=...)``, or inside the sandbox's argv): a symlink on the way to the program that is
+swapped between the check and the exec cannot change what runs.
 """
 
 from __future__ import annotations
@@ -40,8 +44,12 @@ class Refused(Exception):
 
 
 def check_process(argv: Sequence[str], env: Mapping[str, str] | None, *,
-                  program: Literal["service", "agent"] = "service") -> None:
-    """Raise :class:`Refused` unless ``argv`` with ``env`` is allowed to run.
+                  program: Literal["service", "agent"] = "service") -> str:
+    """Return the file to execute for ``argv`` with ``env``; raise :class:`Refused` unless it is allowed to run.
+
+    The file returned is the one checked: argv[0] found as exec would find it and resolved through every
+    symlink (the agent's own interpreter stays the path the agent runs it by: :func:`check_executable`).
+    Spawn it as ``Popen(argv, executable=<it>)`` so argv[0] keeps its name and nothing resolves again.
 
     ``program="agent"`` is for the agent's own interpreter running the agent's own runner (a
     process-isolated python callable, checked against ``ACC_ALLOWED_CALLABLES`` before the run):
@@ -56,9 +64,11 @@ def check_process(argv: Sequence[str], env: Mapping[str, str] | None, *,
     if program == "agent":
         if argv[0] != sys.executable:
             raise Refused(f"{argv[0]!r} is not the agent's own interpreter")
+        checked = sys.executable
     else:
-        check_executable(list(argv), child_env)
+        checked = check_executable(list(argv), child_env)
     check_env(child_env)
+    return checked
 
 
 def resolve(program: str, env: Mapping[str, str]) -> str | None:
@@ -68,23 +78,31 @@ def resolve(program: str, env: Mapping[str, str]) -> str | None:
     return shutil.which(program, path=env.get("PATH", os.defpath))
 
 
-def check_executable(argv: list[str], env: Mapping[str, str]) -> None:
-    """Raise :class:`Refused` unless ``argv[0]``, as exec will find it, is allowed."""
+def check_executable(argv: list[str], env: Mapping[str, str]) -> str:
+    """Return the file to execute for ``argv[0]``, resolved once; raise :class:`Refused` unless it is allowed.
+
+    That file is the real path of argv[0] as exec would find it, the one the allow-list was asked about.
+    The agent's own interpreter is the exception: it is run by the path the agent runs it by (a
+    virtualenv's interpreter finds its packages through that path, its real path would leave them
+    behind), and no task can change the agent's interpreter without owning the agent. A program that is
+    not found (only a site that allows any program lets one through) is returned as given: exec fails.
+    """
     allowed = accs.allowed_executables
     listed = ",".join(allowed)
-    if ANY in allowed:
-        return
     program = argv[0]
+    path = resolve(program, env)
+    real = os.path.realpath(path) if path is not None else None
+    checked = program if program == sys.executable or real is None else real
+    if ANY in allowed:
+        return checked
     template = ["python", *argv[1:]] if program == sys.executable else argv
     if DEMO_ONLY in allowed and executable_allowed(template[0], (DEMO_ONLY,), argv=template):
-        return
-    path = resolve(program, env)
-    if path is None:
+        return checked
+    if path is None or real is None:
         raise Refused(f"{program!r} is not found (PATH of the task) or is a relative path; "
                       f"ACC_ALLOWED_EXECUTABLES={listed}")
-    real = os.path.realpath(path)
     if _allowed_path(program, path, real, allowed):
-        return
+        return checked
     shown = f"{program!r}" + (f" (runs {real!r})" if real != program else "")
     raise Refused(f"{shown} is not an executable this site allows (ACC_ALLOWED_EXECUTABLES={listed})")
 

@@ -65,8 +65,9 @@ class HttpExecutor:
             proc = self._started.get(key)
             if proc is None or proc.poll() is not None:
                 argv, env = render_argv(command, {}), service_env(config)
-                check_process(argv, env)  # Refused fails the attempt as not_allowed (run)
-                self._started[key] = subprocess.Popen(argv, start_new_session=True, env=env,
+                checked = check_process(argv, env)  # Refused fails the attempt as not_allowed (run)
+                # The file executed is the one checked: nothing resolves argv[0] again.
+                self._started[key] = subprocess.Popen(argv, executable=checked, start_new_session=True, env=env,
                                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 self._wait_ready(config)
             self._last_used[key] = time.monotonic()

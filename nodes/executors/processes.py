@@ -19,7 +19,6 @@ an agent that starts on a node ends the process groups its dead predecessor left
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 import signal
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any, Literal, Protocol
 
 from jobs.claim import ClaimedTask
+from jobs.instantiate import params_json
 from jobs.transitions import Outcome
 from nodes.executors.base import (
     INHERITED_ENV,
@@ -49,6 +49,7 @@ from nodes.executors.base import (
 )
 from nodes.executors.guard import Refused, check_process
 from nodes.executors.sandbox import SandboxUnavailable, wrap
+from nodes.scratch import scratch_dir
 
 PROGRESS_RE = re.compile(r"^::progress::\s*([0-9.]+)\s*$")
 #: A line of stderr that names no level is stored at this one: stderr is where programs complain,
@@ -70,6 +71,12 @@ MAX_LINE_BYTES = MAX_LOG_LINE_CHARS * 4
 CUT_MARK = " [cut: the line was longer than {limit} bytes]"
 #: The most of a process's /proc environ or cmdline the agent reads (a task may set a huge environment).
 MAX_PROC_FILE_BYTES = 4 * 1024 * 1024
+#: Params of at most this many bytes of JSON also travel in ``ACCS_PARAMS``: half of the most Linux takes
+#: in one environment string (MAX_ARG_STRLEN, 128 KiB), so a process always starts. Every size travels
+#: in ``ACCS_PARAMS_FILE``.
+PARAMS_ENV_MAX_BYTES = 64 * 1024
+#: The name of the params file in its scratch folder.
+PARAMS_FILE_NAME = "params.json"
 
 # --------------------------------------------------------------------------------------------
 # Processes that die with the agent
@@ -215,14 +222,42 @@ def agent_marks(ctx: RunContext) -> dict[str, str]:
 
 def attempt_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
     """Return the CLI contract's ACCS_* variables of one attempt (a warm child receives them when it is handed
-    the attempt)."""
+    the attempt).
+
+    The params always travel in a file (``ACCS_PARAMS_FILE``), whatever their size; params of at most
+    :data:`PARAMS_ENV_MAX_BYTES` also travel in ``ACCS_PARAMS``, as before the file.
+    """
+    text = params_json(task.params)
     env = {"ACCS_JOB_ID": str(task.job_id), "ACCS_TASK_ID": str(task.id), "ACCS_TASK_KEY": task.task_key,
-           "ACCS_ATTEMPT": str(task.attempt), "ACCS_HOST": task.host or "", "ACCS_PARAMS": json.dumps(task.params)}
+           "ACCS_ATTEMPT": str(task.attempt), "ACCS_HOST": task.host or "",
+           "ACCS_PARAMS_FILE": params_file(task, ctx, text=text)}
+    if len(text.encode()) <= PARAMS_ENV_MAX_BYTES:
+        env["ACCS_PARAMS"] = text
     if ctx.output_dir:
         env["ACCS_OUTPUT_DIR"] = ctx.output_dir
     if ctx.input_dir:
         env["ACCS_INPUT_DIR"] = ctx.input_dir
     return env
+
+
+def params_file(task: ClaimedTask, ctx: RunContext, *, text: str) -> str:
+    """Return the path of the attempt's params file, writing ``text`` there the first time.
+
+    It sits in a scratch folder of its own (0700, unguessable, removed with the attempt's other folders,
+    never collected as an output) and only its OS user may read it (0600). A sandboxed task sees it
+    read-only.
+    """
+    if ctx.params_file:
+        return ctx.params_file
+    folder = scratch_dir(task)
+    ctx.params_dir = folder
+    path = os.path.join(folder, PARAMS_FILE_NAME)
+    # O_EXCL and O_NOFOLLOW: the file is new, made here, never something that was waiting at its name.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    ctx.params_file = path
+    return path
 
 
 def stderr_level(line: str) -> str:
@@ -250,14 +285,17 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dic
     """
     env = env if env is not None else task_env(task, ctx)
     try:
-        check_process(argv, env, program=program)
+        checked = check_process(argv, env, program=program)
     except Refused as exc:
         return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
     try:
-        # The sandbox (when the service asks for one) wraps the argv the guard checked above.
-        proc = subprocess.Popen(wrap(argv, config=ctx.service_config, folders=(ctx.output_dir, ctx.input_dir)),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True, preexec_fn=die_with_parent())
+        # The file executed is the one the guard checked, also in the sandbox (when the service asks for
+        # one), which wraps the argv the guard checked and shows the params folder read-only.
+        executable, command = wrap(argv, config=ctx.service_config, executable=checked,
+                                   folders=(ctx.output_dir, ctx.input_dir), readable=(ctx.params_dir,))
+        proc = subprocess.Popen(command, executable=executable, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent())
     except SandboxUnavailable as exc:
         return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
     except OSError as exc:

@@ -185,7 +185,10 @@ path = sys.argv[1]
 module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
 fn = getattr(importlib.import_module(module), attr)
 try:
-    result = fn(json.loads(os.environ["ACCS_PARAMS"]), Ctx())
+    # Params of any size travel in a file (one environment variable holds at most 128 KiB).
+    with open(os.environ["ACCS_PARAMS_FILE"], encoding="utf-8") as params_file:
+        params = json.load(params_file)
+    result = fn(params, Ctx())
 except BaseException as exc:  # SystemExit too: whatever the callable raises fails the attempt
     traceback.print_exc()
     kind = type(exc)
@@ -347,8 +350,8 @@ def _process_error(outcome: Outcome) -> Outcome:
 # The warm pool: one zygote per (service, environment), bounded per agent
 # --------------------------------------------------------------------------------------------
 
-#: The largest attempt request a zygote takes (its ACCS_* variables, params included); a larger one
-#: starts cold.
+#: The largest attempt request a zygote takes (its ACCS_* variables: params travel in their file, and in
+#: ACCS_PARAMS only up to PARAMS_ENV_MAX_BYTES, so every attempt fits); a larger one starts cold.
 MAX_WARM_REQUEST = 256 * 1024
 #: A zygote nobody used for this long ends (its memory back; code deployed since is imported afresh).
 WARM_IDLE_SECONDS = 300.0

@@ -8,9 +8,10 @@
   (:mod:`nodes.scratch`); that keeps attempts of the same OS user from finding each other's files.
 * The strong isolation is opt-in, per service: ``"sandbox": "bwrap"`` in a command service's
   ``executor_config`` runs each attempt in a bubblewrap sandbox (:func:`wrap`), where it sees only its
-  scratch folders (read-write), its executable, read-only system paths and a few files of ``/etc``, in
-  new namespaces: its own process ids (the agent's ``/proc`` is not there), no network but its own
-  loopback unless ``"sandbox_network": true``, no capabilities. ``"sandbox_paths"`` lists further
+  scratch folders (read-write; its params folder read-only), the executable the guard checked,
+  read-only system paths and a few files of ``/etc``, in new namespaces: its own process ids (the
+  agent's ``/proc`` is not there), no network but its own loopback unless ``"sandbox_network": true``,
+  no capabilities. ``"sandbox_paths"`` lists further
   paths it may read. A service that asks for the sandbox on a node without ``bwrap`` is refused
   (:class:`SandboxUnavailable`), never run without it.
 """
@@ -21,7 +22,7 @@ import ctypes
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from workflows.validation import sandbox_problems
@@ -59,14 +60,19 @@ def refusal(executor: str, config: dict[str, Any]) -> str | None:
     return f"not allowed: the service asks for a sandbox, which only command services have (not {executor})"
 
 
-def wrap(argv: list[str], *, config: dict[str, Any], folders: Iterable[str | None] = ()) -> list[str]:
-    """Return the argv that runs ``argv`` in the sandbox the service asks for (``argv`` itself when none).
+def wrap(argv: list[str], *, config: dict[str, Any], executable: str, folders: Iterable[str | None] = (),
+         readable: Iterable[str | None] = ()) -> tuple[str, list[str]]:
+    """Return the file to execute and the argv that run ``argv`` in the sandbox the service asks for
+    (``executable`` and ``argv`` themselves when it asks for none).
 
-    ``folders`` are the attempt's scratch folders, the only ones it may write. Raise
-    :class:`SandboxUnavailable` when the sandbox cannot be made here.
+    ``executable`` is the file the guard checked for argv[0] (:func:`nodes.executors.guard.check_process`):
+    in the sandbox it is what bubblewrap executes and shows, so nothing between the check and the exec
+    resolves argv[0] again. ``folders`` are the attempt's scratch folders, the only ones it may write;
+    ``readable`` are folders it may only read (its params). Raise :class:`SandboxUnavailable` when the
+    sandbox cannot be made here.
     """
     if config.get("sandbox") is None:
-        return argv
+        return executable, argv
     # The row may never have been validated: a sandbox that would show what it hides is no sandbox.
     problems = sandbox_problems("command", config)
     if problems:
@@ -75,12 +81,18 @@ def wrap(argv: list[str], *, config: dict[str, Any], folders: Iterable[str | Non
     if tool is None:
         raise SandboxUnavailable("the service asks for the bwrap sandbox and bubblewrap (bwrap) is not installed on "
                                  "this node; install it (Debian: apt-get install bubblewrap) or move the service")
-    program = _program(argv[0], config)
-    return [tool, *bwrap_options(program, config=config, folders=[f for f in folders if f]), "--", program, *argv[1:]]
+    if not os.path.isabs(executable):
+        raise SandboxUnavailable(f"{argv[0]!r} is not found in the PATH, so the sandbox cannot show it to the task")
+    options = bwrap_options(executable, config=config, folders=[f for f in folders if f],
+                            readable=[r for r in readable if r])
+    # bubblewrap (0.8) executes its argv[0]: the checked file is both the program and its name there.
+    return tool, [tool, *options, "--", executable, *argv[1:]]
 
 
-def bwrap_options(program: str, *, config: dict[str, Any], folders: list[str]) -> list[str]:
-    """Return bubblewrap's options for a task running ``program`` with ``folders`` writable."""
+def bwrap_options(program: str, *, config: dict[str, Any], folders: Sequence[str],
+                  readable: Sequence[str] = ()) -> list[str]:
+    """Return bubblewrap's options for a task running ``program`` with ``folders`` writable and ``readable``
+    folders read-only."""
     # A user namespace even when the agent is root, and no capabilities in it: root in the sandbox
     # can mount nothing and reaches nothing the bind mounts below do not show.
     options = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--die-with-parent",
@@ -98,20 +110,10 @@ def bwrap_options(program: str, *, config: dict[str, Any], folders: list[str]) -
         options += ["--ro-bind", path, path]
     for folder in folders:
         options += ["--bind", folder, folder]
+    for folder in readable:
+        options += ["--ro-bind", folder, folder]
     options += ["--chdir", folders[0] if folders else "/"]
     return options
-
-
-def _program(name: str, config: dict[str, Any]) -> str:
-    """Return argv[0] as an absolute path, looked up in the task's PATH when it is a bare name."""
-    if "/" in name:
-        return os.path.abspath(name)
-    env = config.get("env")
-    path = env.get("PATH") if isinstance(env, dict) else None
-    found = shutil.which(name, path=path or os.environ.get("PATH"))
-    if found is None:
-        raise SandboxUnavailable(f"{name!r} is not found in the PATH, so the sandbox cannot show it to the task")
-    return found
 
 
 def _readable(program: str, config: dict[str, Any]) -> list[str]:

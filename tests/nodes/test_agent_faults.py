@@ -539,4 +539,6 @@ def test_a_new_agent_removes_the_scratch_folders_a_killed_agent_left_and_keeps_l
     wait_until(lambda: "started on node n1" in _log(successor), timeout=30, message="the successor started")
     assert not any(p.exists() for p in left + [old_style_stale]), _log(successor)[-2000:]
     assert live.exists() and old_style_fresh.exists(), "a live agent's folder and a young one are kept"
-    assert "removed 2 leftover scratch folder(s)" in _log(successor)
+    assert not list(tmp.glob("accs-scratch-*/accs-*/params.json")), "the killed attempt's params folder went too"
+    # The killed attempt's output and params folders, and the old-style stale one.
+    assert "removed 3 leftover scratch folder(s)" in _log(successor)

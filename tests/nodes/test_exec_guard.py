@@ -29,7 +29,7 @@ from nodes import wake
 from nodes.executors.base import OptionInjection, render_argv
 from nodes.executors.guard import Refused, check_env, check_process, resolve
 from nodes.models import Node, WakeMethod
-from tests.daemons import Daemons, wait_all_final
+from tests.daemons import Daemons, wait_all_final, wait_for
 from workflows.api import save_service
 from workflows.models import Service
 from workflows.validation import LOADER_ENV_NAMES, DefinitionError, env_name_refusal
@@ -331,3 +331,85 @@ def test_the_agents_own_interpreter_runs_only_as_the_agents_runner():
         check_process(["/bin/sh", "-c", "true"], {}, program="agent")
     with pytest.raises(Refused, match="NUL"):
         check_process(["/usr/bin/sort", "a\x00b"], {})
+
+
+# --------------------------------------------------------------------------------------------
+# What runs is the file that was checked
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def swapped_after_check(site, tmp_path, monkeypatch):
+    """An allowed tool reached through a symlink, and a guard that swaps the symlink to a program outside
+    the allowed directory right after it checked the tool: the window between check and exec, made
+    certain instead of raced. Return the symlink, the markers the checked and the outside program
+    create, and the wrapper that makes a guard swap the symlink after its check."""
+    tools, _ = site
+    marker, ran = tmp_path / "swapped-program-ran", tmp_path / "checked-program-ran"
+    (tools / "checked.sh").write_text(f"#!/bin/sh\ntouch {ran}\necho '\"checked\"'\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.sh").write_text(f"#!/bin/sh\ntouch {marker}\necho '\"swapped\"'\n")
+    for script in (tools / "checked.sh", outside / "evil.sh"):
+        script.chmod(0o755)
+    link = tools / "tool"
+    link.symlink_to(tools / "checked.sh")
+
+    def swap() -> None:
+        (tools / "tool.new").symlink_to(outside / "evil.sh")
+        os.replace(tools / "tool.new", link)  # atomic, as an attacker racing the agent would do it
+
+    def checked_then_swapped(real_check):
+        def check(*args, **kwargs):
+            try:
+                return real_check(*args, **kwargs)
+            finally:
+                swap()
+        return check
+
+    return link, marker, ran, checked_then_swapped
+
+
+@pytest.mark.parametrize("sandbox", [False, True], ids=["plain", "bwrap"])
+def test_a_symlink_swapped_after_the_check_cannot_change_what_a_task_runs(swapped_after_check, monkeypatch, sandbox):
+    import uuid
+
+    from jobs.claim import ClaimedTask
+    from nodes.executors import RunContext, processes, run_process
+    from nodes.executors.base import remove_scratch
+
+    link, marker, _, checked_then_swapped = swapped_after_check
+    monkeypatch.setattr(processes, "check_process", checked_then_swapped(processes.check_process))
+    task = ClaimedTask(id=uuid.uuid4(), job_id=uuid.uuid4(), task_key="t", attempt=1, params={},
+                       timeout_seconds=60, host=None, service_key="s")
+    ctx = RunContext(task=task, service_config={"sandbox": "bwrap"} if sandbox else {}, on_started=lambda pid: None,
+                     on_progress=lambda value: None, on_log=lambda level, text: None)
+    try:
+        outcome = run_process(task, ctx, [str(link)])
+    finally:
+        remove_scratch(ctx)
+    assert outcome.status == "succeeded", (outcome.error, outcome.stderr_tail)
+    assert outcome.results == "checked", "the program run is not the one the guard checked"
+    assert not marker.exists()
+    assert os.path.realpath(link).endswith("evil.sh"), "the swap happened before the exec"
+
+
+def test_a_wake_script_swapped_after_the_check_does_not_run(swapped_after_check, monkeypatch):
+    link, marker, _, checked_then_swapped = swapped_after_check
+    monkeypatch.setattr(wake, "check_process", checked_then_swapped(wake.check_process))
+    assert wake.ShellScript().wake(Node(name="sleepy", wake_method=WakeMethod.SCRIPT, script=str(link)))
+    assert not marker.exists(), "the wake ran a script the allow-list never saw"
+
+
+def test_an_http_start_command_swapped_after_the_check_does_not_run(swapped_after_check, monkeypatch):
+    from nodes.executors import http as http_executor
+
+    link, marker, ran, checked_then_swapped = swapped_after_check
+    monkeypatch.setattr(http_executor, "check_process", checked_then_swapped(http_executor.check_process))
+    server = _server([])  # answers at once: the service counts as started
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/run"
+        http_executor.HttpExecutor()._ensure_started({"url": url, "start_command": [str(link)]})
+        wait_for(lambda: ran.exists() or marker.exists(), timeout=30, message="the start command to run")
+    finally:
+        server.shutdown()
+    assert ran.exists() and not marker.exists(), "the start command run is not the one the guard checked"

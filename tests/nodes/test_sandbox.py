@@ -67,8 +67,12 @@ with open(own, "w") as fh:
 print(json.dumps({
     "other_attempt": attempt(lambda: read_text(other)),
     "agent_environ": attempt(lambda: "ACC_DB_URL" in read_text(f"/proc/{agent_pid}/environ", 1 << 20)),
-    "scratch_listing": attempt(lambda: len(os.listdir(scratch_parent))),
+    "scratch_listing": attempt(lambda: sorted(os.listdir(scratch_parent))),
+    "own_folders": sorted(os.path.basename(p) for p in (os.environ["ACCS_OUTPUT_DIR"],
+                                                        os.path.dirname(os.environ["ACCS_PARAMS_FILE"]))),
     "own_file": attempt(lambda: read_text(own)),
+    "params": attempt(lambda: json.loads(read_text(os.environ["ACCS_PARAMS_FILE"], 1 << 20))),
+    "params_write": attempt(lambda: open(os.environ["ACCS_PARAMS_FILE"], "a").close()),
     "home": attempt(lambda: len(os.listdir("/root"))),
 }))
 """
@@ -233,14 +237,18 @@ def test_a_sandboxed_task_reaches_neither_another_attempts_folder_nor_the_agent(
         results[name] = task.results
     # Unsandboxed, an attempt of the same OS user finds and reads another's folder (the parent is its own).
     assert results["open"]["other_attempt"] == ["ok", "another attempt's secret"], results
-    assert results["open"]["scratch_listing"][0] == "ok" and results["open"]["scratch_listing"][1] >= 2, results
+    assert results["open"]["scratch_listing"][0] == "ok" and len(results["open"]["scratch_listing"][1]) >= 3, results
     if os.getuid() == 0:  # root reads any process's environment, dumpable or not
         assert results["open"]["agent_environ"] == ["ok", True], results
     # In the sandbox: its own folder only; the agent's processes are not in its process namespace.
     assert results["boxed"]["own_file"] == ["ok", "my own"], results
     assert results["boxed"]["other_attempt"] == ["refused", "FileNotFoundError"], results
     assert results["boxed"]["agent_environ"] == ["refused", "FileNotFoundError"], results
-    assert results["boxed"]["scratch_listing"] == ["ok", 1], "its own folder is all it finds there"
+    assert results["boxed"]["scratch_listing"] == ["ok", results["boxed"]["own_folders"]], \
+        "its own folders (its output and its params) are all it finds there"
+    # It reads its params from their file, which it cannot change.
+    assert results["boxed"]["params"] == ["ok", params], results
+    assert results["boxed"]["params_write"] == ["refused", "OSError"], results
     assert results["boxed"]["home"][0] == "refused" or results["boxed"]["home"] == ["ok", 1], results
     assert Task.objects.get(job=holder).status == "done"
 
@@ -308,7 +316,8 @@ def test_every_accepted_sandbox_path_is_absolute_normalised_and_bound_read_only(
                    and not any(p == h or p.startswith(h + "/") for h in hidden) for p in paths)
     assert (not problems) == expected, problems
     if not problems:
-        argv = wrap(["/usr/bin/true"], config={"sandbox": "bwrap", "sandbox_paths": paths}, folders=[])
+        _, argv = wrap(["/usr/bin/true"], config={"sandbox": "bwrap", "sandbox_paths": paths},
+                       executable="/usr/bin/true", folders=[])
         bound = {argv[i + 1] for i, option in enumerate(argv) if option == "--ro-bind"}
         assert all(p in bound or p.startswith("/usr/") for p in paths), (paths, argv)
         assert not {argv[i + 1] for i, option in enumerate(argv) if option == "--bind"}, "nothing else is writable"
