@@ -12,3 +12,12 @@ VERSION = "0.2.0"
 
 # A release as daemons write it: three numbers, optionally a suffix (0.2.0, 0.3.0rc1).
 VERSION_PATTERN = re.compile(r"\d+\.\d+\.\d+[0-9A-Za-z.+-]*")
+
+
+def release_key(version: str) -> tuple[int, int, int]:
+    """Return a release's three numbers, to compare releases ("0.10.0" comes after "0.9.0")."""
+    numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if numbers is None or not VERSION_PATTERN.fullmatch(version):
+        raise ValueError(f"not a release: {version!r} (expected three numbers, e.g. 0.2.0)")
+    major, minor, patch = numbers.groups()
+    return int(major), int(minor), int(patch)
