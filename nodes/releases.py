@@ -9,7 +9,6 @@ writes nothing to the database: its start-up log line names its release.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 
 from django.db import connection
 
@@ -20,7 +19,8 @@ from jobs.leader import LEASE_NAME, holder_version
 # Nodes heartbeat every third of ACC_HEARTBEAT_TTL_SEC; one seen within ACC_NODE_LOST_AFTER_SEC still runs.
 NODES_SQL = """
 SELECT name, version FROM accs_node
- WHERE presence = 'online' AND last_seen > now() - %(recent)s AND version IS DISTINCT FROM %(version)s
+ WHERE presence = 'online' AND last_seen > now() - make_interval(secs => %(recent)s)
+   AND version IS DISTINCT FROM %(version)s
  ORDER BY name
 """
 LEADER_SQL = "SELECT holder FROM accs_leader WHERE name = %(name)s AND expires_at > now()"
@@ -40,7 +40,7 @@ class Daemon:
 
 def other_release_daemons() -> list[Daemon]:
     """Return the agents seen lately and the leading builder whose release is not :data:`VERSION`."""
-    recent = timedelta(seconds=accs.node_lost_after_sec)
+    recent = float(accs.node_lost_after_sec)
     with connection.cursor() as cur:
         cur.execute(NODES_SQL, {"recent": recent, "version": VERSION})
         found = [Daemon(kind="agent", name=name, version=version or "") for name, version in cur.fetchall()]

@@ -24,8 +24,10 @@ def _optional_warnings_as_info() -> Iterator[None]:
     # levels; wrapping it for this one call is the only hook between the two.
     run = checks.run_checks
 
-    def run_checks(**kwargs: Any) -> list[checks.CheckMessage]:
-        return [upgrade_grace(message) for message in run(**kwargs)]
+    def run_checks(app_configs: Any = None, tags: Any = None, include_deployment_checks: bool = False,
+                   databases: Any = None) -> list[checks.CheckMessage]:
+        return [upgrade_grace(message) for message in run(app_configs=app_configs, tags=tags, databases=databases,
+                                                          include_deployment_checks=include_deployment_checks)]
 
     checks.run_checks = run_checks
     try:
