@@ -6,9 +6,10 @@ start without the secret key and the metrics token.
 """
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import INFO, WARNING, CheckMessage, Error, Tags, Warning, register
 
 from accs_site.conf import ANY, SettingError, accs, is_placeholder, is_set, is_weak_secret_key
+from accs_site.version import VERSION, release_key
 
 
 @register()
@@ -172,3 +173,27 @@ def check_production_secrets(app_configs=None, **kwargs) -> list[Error]:
             id="accs.E011",
         ))
     return errors
+
+
+# Warnings about settings the CHANGELOG calls optional for one release, with the release from which
+# they count again: until then `check --deploy --fail-level WARNING --upgrade-grace` (the web
+# unit's) prints them as INFO instead of failing, so the previous release's settings still start
+# the web. Django's own ids are the production settings deploy/env/web.env now sets.
+OPTIONAL_UNTIL = {
+    "security.W004": "0.3.0",  # ACC_HSTS_SECONDS
+    "security.W008": "0.3.0",  # ACC_SSL_REDIRECT
+    "security.W012": "0.3.0",  # ACC_SECURE_COOKIES (session cookie)
+    "security.W016": "0.3.0",  # ACC_SECURE_COOKIES (CSRF cookie)
+    "accs.W020": "0.3.0",  # ACC_ALLOWED_EXECUTABLES / ACC_ALLOWED_CALLABLES = * (the previous behaviour)
+    "accs.W021": "0.3.0",  # ACC_ALLOWED_EXECUTABLES / ACC_ALLOWED_CALLABLES unset
+}
+
+
+def upgrade_grace(message: CheckMessage, *, version: str = VERSION) -> CheckMessage:
+    """Return the message as INFO when it is a warning :data:`OPTIONAL_UNTIL` still tolerates, else itself."""
+    until = OPTIONAL_UNTIL.get(message.id or "")
+    if until is None or message.level != WARNING or release_key(version) >= release_key(until):
+        return message
+    return CheckMessage(INFO, f"{message.msg} [optional until ACCS {until}: set it before upgrading to {until}, "
+                              "when this warning fails the web unit's start]",
+                        hint=message.hint, obj=message.obj, id=message.id)

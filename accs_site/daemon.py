@@ -462,6 +462,27 @@ def missing_migrations() -> list[str]:
     return [f"{migration.app_label}.{migration.name}" for migration, backwards in plan if not backwards]
 
 
+# The apps whose migrations ACCS ships (a site's own apps may keep rows of migrations it deleted).
+ACCS_APPS = ("accs_site", "tenants", "workflows", "jobs", "nodes", "events", "ops")
+
+
+def newer_migrations(*, database: str = "default") -> list[str]:
+    """Return the ACCS migrations (``app.name``) the database has applied that this code does not have.
+
+    A newer release migrated the database. Daemons keep running on it (the newer release's
+    migrations expand the schema, so the previous release's code works on it); ``migrate --check``
+    fails, so a rollback is not taken for done while the schema is ahead of the code.
+    """
+    from django.db import connections
+    from django.db.migrations.loader import MigrationLoader
+
+    loader = MigrationLoader(connections[database], ignore_no_migrations=True)
+    squashed = {old for migration in loader.replacements.values() for old in migration.replaces}
+    known = set(loader.disk_migrations) | squashed
+    return sorted(f"{app}.{name}" for app, name in loader.applied_migrations or {}
+                  if app in ACCS_APPS and (app, name) not in known)
+
+
 def check_schema() -> None:
     """Raise :class:`DatabaseNotReady`, naming the first missing migration, unless all are applied.
 

@@ -29,6 +29,7 @@ import psycopg
 from django.db import close_old_connections, connection
 
 from accs_site import daemon
+from accs_site.version import VERSION
 from jobs import leader, pulse, transitions
 from jobs.duties import Duty, all_duties
 from jobs.notify import builder_channel
@@ -208,7 +209,8 @@ class Builder:
             return refused
         self.stall.start()
         try:
-            log.info("builder started (tick %.2fs, batch %d)", self.tick_seconds, self.batch)
+            log.info("builder started (ACCS %s as %s, tick %.2fs, batch %d)", VERSION, self.lease.holder,
+                     self.tick_seconds, self.batch)
             while not self.stopping:
                 self.tick()
                 if self.once:

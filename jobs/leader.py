@@ -38,6 +38,7 @@ from collections.abc import Callable
 from django.db import OperationalError, connection, transaction
 
 from accs_site import daemon
+from accs_site.version import VERSION, VERSION_PATTERN
 
 log = logging.getLogger("accs.builder")
 
@@ -111,8 +112,18 @@ class NotLeader(Exception):
 
 
 def default_holder() -> str:
-    """Return a holder name unique to this builder: host, process id, random suffix."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    """Return a holder name unique to this builder: host, process id, random suffix, then its release.
+
+    The release (``host:pid:suffix 0.2.0``) tells operators and ``nodes.releases`` which code leads;
+    the previous release's builders wrote no release there.
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)} {VERSION}"
+
+
+def holder_version(holder: str) -> str:
+    """Return the release a lease holder's name carries, or "" when it carries none (0.1.0)."""
+    _, _, tail = holder.rpartition(" ")
+    return tail if VERSION_PATTERN.fullmatch(tail) else ""
 
 
 def _lock_not_available(exc: BaseException) -> bool:

@@ -12,10 +12,10 @@ from django.db import connection, transaction
 
 from accs_site.clock import db_now
 from accs_site.conf import accs
+from accs_site.version import VERSION
 from events.timeline import EventRow, operator_source, write_events
 from nodes.models import AwakeState, Node, Presence
 
-VERSION = "0.1.0"
 BOOT_ID = uuid.uuid4().hex[:8]
 
 

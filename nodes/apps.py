@@ -12,6 +12,7 @@ class NodesConfig(AccsAppConfig):
         # Imported here, not at the top: nodes.duties loads models, which apps.py may not do.
         from jobs.duties import register_duties
         from jobs.failure.apply import register_host_quarantine
+        from nodes import checks  # noqa: F401 - registers the check naming daemons of another release
         from nodes.duties import duties
         from nodes.quarantine import quarantine_hosts
 

@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from accs_site.conf import accs
+from accs_site.version import VERSION
 from ops.overview import flow_limits, governor_conditions, node_health, queue_depth
 
 #: Histogram buckets (seconds) for queue latency and run time.
@@ -290,24 +291,31 @@ class AccsCollector:
         running = GaugeMetricFamily("accs_node_running_tasks", "Tasks held by the node.", labels=["node"])
         disk = GaugeMetricFamily("accs_node_disk_used_ratio", "Disk use from the latest sample (0..1).",
                                  labels=["node", "level"])
+        release = GaugeMetricFamily("accs_node_version_info", "1 per node, labelled with the release its agent "
+                                    "last registered ('' for none).", labels=["node", "version"])
         for node in node_health(now=now):
             up.add_metric([node.name], 1 if node.presence == "online" and not node.stale else 0)
             if node.last_seen:
                 seen.add_metric([node.name], node.last_seen.timestamp())
             draining.add_metric([node.name], 1 if node.state == "draining" else 0)
+            release.add_metric([node.name, node.version], 1)
             running.add_metric([node.name], node.running)
             if node.disk_used_pct is not None:
                 disk.add_metric([node.name, node.disk_level], node.disk_used_pct / 100.0)
         governor = GaugeMetricFamily("accs_governor_condition_active", "1 while the condition holds.", labels=["name"])
         for cond in governor_conditions(now=now):
             governor.add_metric([cond.name], 1 if cond.holds else 0)
-        yield from (up, seen, draining, running, disk, governor)
+        yield from (up, seen, draining, running, disk, release, governor)
 
         self.counters.fold()
         yield from self.counters.metrics()
         took = GaugeMetricFamily("accs_metrics_scrape_seconds", "Time spent reading the database for this scrape.")
         took.add_metric([], time.monotonic() - started)
         yield took
+        build = GaugeMetricFamily("accs_build_info", "1, labelled with the release of the web process scraped.",
+                                  labels=["version"])
+        build.add_metric([VERSION], 1)
+        yield build
 
 
 def _flow_metrics() -> Iterator[Metric]:

@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from accs_site.admin_kit import human_age
 from accs_site.dbrouter import read_connection, replica_lag
+from accs_site.version import VERSION
 from jobs.claim import params_key_sql
 from nodes.api import stale_after_seconds
 from workflows.models import GovernorCondition
@@ -362,6 +363,11 @@ class NodeHealth:
     def live(self) -> bool:
         """Whether an agent on this node claims work now: online and active."""
         return self.presence == "online" and self.state == "active"
+
+    @property
+    def other_release(self) -> bool:
+        """Whether its agent last registered with another release than this code's (or with none)."""
+        return self.version != VERSION
 
 
 def node_health(*, now: datetime | None = None) -> list[NodeHealth]:
@@ -843,6 +849,8 @@ class Overview:
     flow: list[FlowLimit] = field(default_factory=list)
     # The read replica's lag (accs_site.dbrouter.replica_lag), None without ACC_READ_DB_URL.
     replica: dict[str, Any] | None = None
+    # The release of the code that read the picture (nodes show their own).
+    version: str = VERSION
 
     def as_json(self) -> dict[str, Any]:
         """Return the overview as JSON-ready data (datetimes as ISO strings)."""

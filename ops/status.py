@@ -14,6 +14,7 @@ from django.db import connection
 from django.utils import timezone
 
 from accs_site.admin_kit import human_age
+from accs_site.version import VERSION
 from jobs.ids import short_id
 from ops.overview import Overview
 
@@ -63,7 +64,7 @@ def _summary(data: Overview, style: Style, *, database: str) -> list[str]:
     """The title and the one-line totals and timings."""
     lines: list[str] = []
     out = lines.append
-    out(style.MIGRATE_HEADING(f"ACCS status at {timezone.localtime(data.generated_at):%Y-%m-%d %H:%M:%S %Z}"
+    out(style.MIGRATE_HEADING(f"ACCS {VERSION} status at {timezone.localtime(data.generated_at):%Y-%m-%d %H:%M:%S %Z}"
                               f" — database {database}"))
     t, s = data.totals, data.stats.overall
     summary = (f"jobs: not started {t.jobs_queued} · awaiting approval {t.awaiting_approval}"
@@ -156,6 +157,10 @@ def _nodes(data: Overview, style: Style) -> list[str]:
         out(style.ERROR(line) if bad else style.WARNING(line) if warn else line)
     if not rows:
         out("(no node has registered; start manage.py runagent)")
+    older = [f"{n.name} ({n.version or 'no release'})" for n in data.nodes
+             if n.presence == "online" and n.version != VERSION]
+    if older:
+        out(style.WARNING(f"online on another release than this code ({VERSION}): {', '.join(older)}"))
     return lines
 
 

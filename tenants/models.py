@@ -104,9 +104,13 @@ class TokenScope(models.TextChoices):
     DEFINITIONS = "definitions", "Create and change services and workflows (superusers only)"
 
 
+# Every scope but definitions: a token that may define code must be asked for.
+DEFAULT_TOKEN_SCOPES = ("read", "run", "approve")
+
+
 def default_token_scopes() -> list[str]:
-    """Every scope but definitions: a token that may define code must be asked for."""
-    return [TokenScope.READ, TokenScope.RUN, TokenScope.APPROVE]
+    """Return the scopes a token gets when none are asked for."""
+    return list(DEFAULT_TOKEN_SCOPES)
 
 
 class ApiToken(models.Model):
@@ -120,7 +124,10 @@ class ApiToken(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, help_text="The API refuses the token from then on.")
+    # The database default serves the previous release's code, which inserts tokens without scopes
+    # (tenants 0002); this release's code passes them (the Python default).
     scopes = ArrayField(models.CharField(max_length=20, choices=TokenScope.choices), default=default_token_scopes,
+                        db_default=DEFAULT_TOKEN_SCOPES,
                         help_text="What the token may do: read, run, approve, definitions.")
 
     class Meta:

@@ -10,6 +10,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from accs_site import conf
+from accs_site.version import VERSION
 from events.models import Event
 from jobs import api
 from jobs.models import Job
@@ -175,3 +176,14 @@ def test_counters_move_while_a_real_agent_runs(client, make_service, default_ten
         assert value(after, name, **labels) - value(before, name, **labels) == 7, name
     assert value(after, "accs_tasks", tenant="default", service="tick", status="queued") == 0
 
+
+
+@pytest.mark.django_db
+def test_the_build_and_each_nodes_release_are_exported(client, fresh_collector):
+    Node.objects.create(name="old-agent", version="0.1.0", last_seen=timezone.now(), awake_state="awake")
+    Node.objects.create(name="new-agent", version=VERSION, last_seen=timezone.now(), awake_state="awake")
+    s = scrape(client)
+    assert value(s, "accs_build_info", version=VERSION) == 1
+    assert value(s, "accs_node_version_info", node="old-agent", version="0.1.0") == 1
+    assert value(s, "accs_node_version_info", node="new-agent", version=VERSION) == 1
+    assert [k for k in s if k[0] == "accs_build_info"] == [("accs_build_info", (("version", VERSION),))]

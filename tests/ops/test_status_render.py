@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from django.core.management.color import color_style
 
+from accs_site.version import VERSION
 from ops.overview import overview, recent_failures
 from ops.status import status_lines
 from tests.ops_helpers import pipeline_scene
@@ -20,7 +21,7 @@ def test_status_lines_draw_every_section_in_order_from_an_overview(tenants):
     data = overview()
     data.failures = recent_failures(limit=10)
     lines = status_lines(data, took=0.012, database="accs on db:5432")
-    assert lines[0].startswith("ACCS status at ") and lines[0].endswith("— database accs on db:5432")
+    assert lines[0].startswith(f"ACCS {VERSION} status at ") and lines[0].endswith("— database accs on db:5432")
     starts = [next(i for i, line in enumerate(lines) if line.startswith(h)) for h in HEADINGS]
     assert starts == sorted(starts), "the sections come in their order"
     assert any(line.startswith("edge-2 ") and "online LATE" in line for line in lines)

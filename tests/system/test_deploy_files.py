@@ -219,3 +219,41 @@ def test_production_settings_name_a_malformed_value():
     assert trusted_origins("ACC_CSRF_TRUSTED_ORIGINS", ["https://a.example.com"]) == ["https://a.example.com"]
     with pytest.raises(SettingError, match="ACC_CSRF_TRUSTED_ORIGINS: expected origins"):
         trusted_origins("ACC_CSRF_TRUSTED_ORIGINS", ["a.example.com"])
+
+
+# The production settings deploy/env/web.env gained in 0.2.0, and the allow-lists: the previous
+# release's settings have none of them.
+NEW_IN_0_2_0 = ("ACC_PROXY_SSL_HEADER", "ACC_CSRF_TRUSTED_ORIGINS", "ACC_SECURE_COOKIES", "ACC_SSL_REDIRECT",
+                "ACC_HSTS_SECONDS", "ACC_HSTS_INCLUDE_SUBDOMAINS", "ACC_HSTS_PRELOAD", "ACC_ALLOWED_EXECUTABLES",
+                "ACC_ALLOWED_CALLABLES")
+
+
+def _web_unit_check_argv() -> list[str]:
+    """The web unit's ExecStartPre that runs ``manage.py check``, as this Python runs it."""
+    pre = unit(DEPLOY / "systemd" / "accs-web.service")["Service"]["ExecStartPre"]
+    [line] = [x for x in pre.split("\n") if " check " in f" {x} "]
+    argv = shlex.split(line)
+    return [sys.executable, str(ROOT / "manage.py"), *argv[argv.index("manage.py") + 1:]]
+
+
+def _previous_release_web_env(**extra: str) -> dict[str, str]:
+    filled = {k: (secrets.token_urlsafe(50) if "change-me" in v and k != "ACC_DB_URL" else v)
+              for k, v in _web_env().items() if k not in NEW_IN_0_2_0}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACC_", "DJANGO_"))}
+    return {**env, **filled, **extra, "PYTHONPATH": str(ROOT)}
+
+
+def test_the_web_unit_starts_on_the_previous_release_settings_and_prints_what_to_set():
+    done = subprocess.run(_web_unit_check_argv(), cwd=ROOT, env=_previous_release_web_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    printed = done.stdout + done.stderr
+    for check_id in ("security.W004", "security.W008", "security.W012", "security.W016", "accs.W021"):
+        assert f"({check_id})" in printed, (check_id, printed)
+    assert printed.count("optional until ACCS 0.3.0") == 6, printed
+
+
+def test_the_web_unit_still_fails_on_a_warning_that_is_not_optional():
+    env = _previous_release_web_env(ACC_RETENTION_DAYS="30", ACC_RETENTION_DEAD_DAYS="7")
+    done = subprocess.run(_web_unit_check_argv(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "accs.W001" in done.stderr, done.stdout + done.stderr
