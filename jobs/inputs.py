@@ -4,7 +4,8 @@ A step's output is its task's ``results`` (what the attempt returned, already si
 by the agent). A task of a workflow is given ``{parent step key: output}`` for each step in its
 ``depends_on``; a parent step that fanned out (several tasks) gives the list of its tasks' outputs in
 task order (a gather). A parent that never ran (skipped, for a step that runs ``always``) gives null.
-
+The same expression (:func:`parent_outputs`) is what a step's condition (``when``) is evaluated over
+when its tasks are promoted (:mod:`jobs.finalize`).
 
 The agent reads this once per attempt, in the attempt's worker thread, just before the executor runs
 (:func:`step_context`), rather than when the task is promoted: promotion is set-based SQL in every
@@ -28,7 +29,8 @@ from jobs.sql import from_json
 def parent_outputs(task: str) -> str:
     """Return SQL giving ``{parent step key: output}`` for the task aliased ``task``: one entry per step in
     its ``depends_on`` that has tasks, a fanned-out step's outputs as an array in task order (ids are
-    time-ordered: the order the tasks were made in)."""
+    time-ordered: the order the tasks were made in). The agent's read and the promotion's conditions
+    both use it, so a step's condition sees exactly what its task would receive."""
     return f"""coalesce((SELECT jsonb_object_agg(g.step_key, g.output)
           FROM (SELECT p.step_key,
                        CASE WHEN bool_or(p.task_key <> p.step_key) THEN jsonb_agg(p.results ORDER BY p.id)

@@ -110,6 +110,16 @@ def test_an_output_schema_in_code_is_stored_with_its_step(write):
     assert stored[0]["output_schema"] == {"type": "object", "required": ["n"]}
 
 
+def test_a_condition_on_a_missing_parent_is_refused_at_the_step_line(write):
+    name, path = write(f"""
+        svc = code.service("when-svc", executor="python", executor_config={NOOP})
+        code.workflow("gated", steps=[code.step("a", svc),
+            code.step("b", svc, depends_on=["a"], when="$.ghost.ok == true")])
+    """)
+    assert f"{path}:{line_of(path, 'ghost')}: workflow 'gated' step 'b': when reads ['ghost'], which it does not" in (
+        refused(name))
+
+
 def test_a_nul_in_default_params_is_refused_at_the_step_line(write):
     name, path = write(f"""
         svc = code.service("nul-svc", executor="python", executor_config={NOOP})
