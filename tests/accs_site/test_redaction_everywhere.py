@@ -251,8 +251,8 @@ def test_a_workflows_secret_default_params_are_masked_and_survive_a_save_of_what
         assert STEP_SECRET not in body and '"db_password": "***"' in body, (url, body[:400])
     shown = http.get("/api/v1/workflows/ship/1").json()["steps"]
     # Reordered and edited, sent back: the secret follows its step key, not its position.
-    patched = http.patch("/api/v1/workflows/ship/1", {"steps": [shown[1], {**shown[0], "default_params": {**shown[0]["default_params"], "host": "h2"}}]},
-                         content_type="application/json")
+    moved = {**shown[0], "default_params": {**shown[0]["default_params"], "host": "h2"}}
+    patched = http.patch("/api/v1/workflows/ship/1", {"steps": [shown[1], moved]}, content_type="application/json")
     assert patched.status_code == 200, patched.content
     stored = {s["key"]: s for s in Workflow.objects.get(name="ship", version=1).steps}
     assert stored["a"]["default_params"] == {"db_password": STEP_SECRET, "host": "h2"}

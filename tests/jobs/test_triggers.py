@@ -8,10 +8,9 @@ from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from django.db import connection, connections, transaction
 from django.utils import timezone
+from hypothesis import given, settings, strategies as st
 
 from events.models import Event
 from jobs import api, triggers
