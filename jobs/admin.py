@@ -409,7 +409,7 @@ class TaskAdmin(RedriveAdmin):
     list_select_related = ("service", "host", "job__workflow")
     ordering = ("-pk",)  # the primary key is the only index covering every task
     actions = bulk_actions(TASK_ACTIONS, "tasks")
-    redacted_fields = ("params",)
+    redacted_fields = ("params", "results")  # results: the step's output, which its dependents receive
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Task],
                            search_term: str) -> tuple[QuerySet[Task], bool]:

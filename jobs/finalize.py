@@ -28,6 +28,7 @@ from datetime import datetime
 from uuid import UUID
 
 from events.timeline import EventRow
+from jobs.inputs import parent_outputs, step_field
 from jobs.notify import notify, service_channel
 from jobs.states import JOB_ADMITTED, TASK_HELD, TASK_UNSTARTED, sql_in
 
@@ -79,6 +80,44 @@ UPDATE accs_job_step s SET released = true
 RETURNING s.job_id, s.step_key
 """
 
+# The waiting tasks (aliased ``w``) a promotion looks at: dependents of the steps just settled (or, with
+# roots, tasks with no dependency at all) whose every dependency is done, or, for an "always" step's
+# tasks, final whatever its outcome (its own step row says which).
+PROMOTABLE = f"""w.status = 'waiting'
+       AND (w.id IN (SELECT t.id FROM accs_task t JOIN r ON t.job_id = r.job_id
+                      WHERE t.status = 'waiting' AND r.step_key = ANY(t.depends_on))
+            OR (w.job_id = ANY(%(roots)s::uuid[]) AND cardinality(w.depends_on) = 0))
+       AND NOT EXISTS (SELECT 1 FROM accs_job_step d WHERE d.job_id = w.job_id AND d.step_key = ANY(w.depends_on)
+                          AND CASE WHEN {is_always("w")} THEN {finished("d")} ELSE d.done END < d.total)"""
+
+CONDITION_SKIP_SQL = f"""
+-- Tasks about to be promoted whose step runs only when a condition over its parents' outputs holds
+-- ("when": a jsonpath predicate, read from the workflow version the job runs on) and it does not
+-- (false, or no boolean at all) are skipped, the condition on the timeline; their dependents then
+-- follow the skip rules. Only tasks of workflow steps that have a condition evaluate one.
+WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
+c AS (
+    SELECT w.id, w.job_id, cond.expr
+      FROM accs_task w JOIN accs_job j ON j.id = w.job_id
+     CROSS JOIN LATERAL (SELECT {step_field("w", "j", "when")} #>> '{{}}' AS expr) cond
+     WHERE {PROMOTABLE}
+       AND cond.expr IS NOT NULL
+       AND NOT coalesce(jsonb_path_match({parent_outputs("w")}, cond.expr::jsonpath, '{{}}'::jsonb, true), false)
+), sk AS (
+    UPDATE accs_task t SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
+           error_message = left('condition did not hold: ' || c.expr, 2000)
+      FROM c WHERE t.id = c.id
+    RETURNING t.id, t.job_id, c.expr
+), ev AS (
+    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
+    SELECT job_id, id, %(source)s, 'info', 'status', left('task waiting → skipped (condition did not hold: '
+                                                          || expr || ')', 2000),
+           jsonb_build_object('from', 'waiting', 'to', 'skipped', 'reason', 'condition did not hold', 'when', expr)
+      FROM sk
+)
+SELECT count(*) FROM sk
+"""
+
 PROMOTE_SQL = f"""
 -- Waiting dependents of the steps just settled (or, with roots, tasks with no dependency at all)
 -- become queued once every step they depend on is done; an "always" step's tasks once every step
@@ -86,12 +125,7 @@ PROMOTE_SQL = f"""
 WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
 p AS (
     UPDATE accs_task w SET status = 'queued', next_attempt_at = %(now)s, updated_at = %(now)s
-     WHERE w.status = 'waiting'
-       AND (w.id IN (SELECT t.id FROM accs_task t JOIN r ON t.job_id = r.job_id
-                      WHERE t.status = 'waiting' AND r.step_key = ANY(t.depends_on))
-            OR (w.job_id = ANY(%(roots)s::uuid[]) AND cardinality(w.depends_on) = 0))
-       AND NOT EXISTS (SELECT 1 FROM accs_job_step d WHERE d.job_id = w.job_id AND d.step_key = ANY(w.depends_on)
-                          AND CASE WHEN {is_always("w")} THEN {finished("d")} ELSE d.done END < d.total)
+     WHERE {PROMOTABLE}
     RETURNING w.id, w.job_id, w.service_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
@@ -276,6 +310,7 @@ def finalize_function_sql() -> str:
     release = _bind(f"WITH x AS ({RELEASE_STEPS_SQL.strip()})\n"
                     "SELECT coalesce(array_agg(x.job_id), '{}'), coalesce(array_agg(x.step_key), '{}')"
                     " INTO v_job_ids, v_steps FROM x")
+    condition_skip = _into(_bind(CONDITION_SKIP_SQL), "SELECT count(*) FROM sk", "v_n")
     return f"""CREATE OR REPLACE FUNCTION {FINALIZE_FUNCTION}(p_jobs uuid[], p_now timestamptz, p_source text,
                                               p_roots bool)
 RETURNS SETOF text
@@ -291,16 +326,24 @@ DECLARE
     v_roots uuid[];
     v_n bigint;
 BEGIN
-    FOR i IN 1..{MAX_DAG_DEPTH} LOOP
-        {poison};
-        EXIT WHEN v_job_ids IS NULL;
-        {skip};
-    END LOOP;
-    {release};
     v_roots := CASE WHEN p_roots THEN p_jobs ELSE '{{}}'::uuid[] END;
-    IF cardinality(v_job_ids) > 0 OR p_roots THEN
-        RETURN QUERY {_bind(PROMOTE_SQL)};
-    END IF;
+    -- A pass skips and releases what settled, skips the tasks whose step's condition does not hold and
+    -- promotes the rest; steps skipped by a condition settle too, so passes repeat until none is.
+    FOR k IN 1..{MAX_DAG_DEPTH} LOOP
+        FOR i IN 1..{MAX_DAG_DEPTH} LOOP
+            {poison};
+            EXIT WHEN v_job_ids IS NULL;
+            {skip};
+        END LOOP;
+        {release};
+        v_n := 0;
+        IF cardinality(v_job_ids) > 0 OR cardinality(v_roots) > 0 THEN
+            {condition_skip};
+            RETURN QUERY {_bind(PROMOTE_SQL)};
+        END IF;
+        v_roots := '{{}}'::uuid[];
+        EXIT WHEN v_n = 0;
+    END LOOP;
     {_bind(FINISH_SQL)};
 END
 $finalize$"""

@@ -323,14 +323,16 @@ def _job_out(job: Job) -> dict[str, Any]:
 
 
 def _task_out(task: Task) -> dict[str, Any]:
-    """Return a task as the API shows it; secret-named params are redacted."""
+    """Return a task as the API shows it; secret-named params and output values are redacted."""
     return {
         "id": task.id, "task_key": task.task_key, "step_key": task.step_key, "service": task.service.key,
         "host": task.host.name if task.host else None,
         **{f: getattr(task, f) for f in (
             "status", "depends_on", "attempt", "max_attempts", "next_attempt_at", "priority", "progress",
-            "results", "node", "started_at", "finished_at", "error_code", "error_message")},
+            "node", "started_at", "finished_at", "error_code", "error_message")},
         "params": redact_params(task.params),
+        # The step's output (what its dependents receive), redacted as params are.
+        "results": redact_params(task.results),
     }
 
 

@@ -57,6 +57,7 @@ from events import artifacts
 from events.timeline import EventRow, write_events
 from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_round, service_spec
+from jobs.inputs import step_context
 from jobs.notify import service_channel
 from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_LOST
 from jobs.transitions import Outcome, ReportResult
@@ -72,6 +73,7 @@ from nodes.executors import (
     not_allowed,
     orphans_on_node,
     ours,
+    output_violation,
     remove_scratch,
     sanitize_outcome,
     secrets_in,
@@ -583,6 +585,7 @@ class Agent:
                 # This site's allow-lists are asked again before every run, whatever the row says.
                 outcome = not_allowed(task, service.executor, service.config)
                 if outcome is None:
+                    _read_step_context(task, ctx)
                     if ctx.output_dir and accs.minio.configured:
                         _stage_inputs(task, ctx)
                     outcome = executor.run(task, ctx)
@@ -591,6 +594,7 @@ class Agent:
                 outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed",
                                   error=f"executor error: {exc}")
             outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds), secrets=ctx.secrets)
+            outcome = output_violation(outcome, ctx.output_schema)
             try:
                 _store_artifacts(task, ctx, outcome)
             finally:
@@ -931,6 +935,15 @@ def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> O
                    error=f"lease_lost: the agent could not renew the lease (TTL {lease_seconds:.0f}s) and stopped "
                          "the attempt before another agent could take the task",
                    exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
+
+
+def _read_step_context(task: ClaimedTask, ctx: RunContext) -> None:
+    """Give the attempt its parents' outputs and its step's output schema (:func:`jobs.inputs.step_context`);
+    a secret among those outputs is redacted from what the attempt logs, as a secret param is."""
+    close_old_connections()
+    found = step_context(task.id)
+    ctx.inputs, ctx.output_schema = found.inputs, found.output_schema
+    ctx.secrets += secrets_in(found.inputs)
 
 
 def _stage_inputs(task: ClaimedTask, ctx: RunContext) -> None:

@@ -32,6 +32,7 @@ from django.utils import timezone
 from django.utils.http import content_disposition_header, urlencode
 
 from accs_site.admin_kit import human_age, run_interval
+from accs_site.redaction import redact_params
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from events.timeline import unfold
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
@@ -92,6 +93,8 @@ class TaskRow(_Shown):
     #: The progress as attribute and CSS values, never localised (empty without progress).
     progress_attr: str = ""
     progress_width: str = ""
+    #: The step's output (what its dependents receive) as JSON, secret-named values redacted; empty without one.
+    output_text: str = ""
 
 
 @dataclass
@@ -269,10 +272,18 @@ def _task_row(task: Task, *, job: Job, now: datetime, stopping: int, can_act: bo
                                   budget=task.service.max_attempts),
         next_text=next_attempt_text(task, now=now),
         ops=task_actions_for(task, approval=job.approval_state, tasks_stopping=stopping) if can_act else [],
+        output_text=output_text(task.results),
     )
     if progress is not None:  # attribute and CSS values, never localised
         row.progress_attr, row.progress_width = f"{progress:.3f}", f"{progress * 100:.1f}"
     return row
+
+
+def output_text(results: Any) -> str:
+    """Return a step's output as the job page shows it: compact JSON, secret-named values redacted."""
+    if results is None:
+        return ""
+    return json.dumps(redact_params(results), ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def next_attempt_text(task: Task, *, now: datetime) -> str:

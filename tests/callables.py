@@ -37,3 +37,14 @@ def orm_then_wait(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
     sleep({"seconds": params.get("seconds", 1.0)}, ctx)
     after = Task.objects.filter(status="running").count()
     return {"running_before": before, "running_after": after}
+
+
+def host_of(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    """Return the host the task runs for (a fan-out step's per-host output)."""
+    return {"host": ctx.task.host if ctx is not None else None}
+
+
+def inputs_of(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    """Return what the task received from its parent steps, whole and through ``task_output``."""
+    assert ctx is not None
+    return {"inputs": ctx.inputs, "task_output": {key: ctx.task_output(key) for key in params.get("parents", [])}}

@@ -167,10 +167,14 @@ def task_origin(func: Any) -> Origin:
 
 def step(key: str, service: ServiceDef | str | Any, *, depends_on: Sequence[str] = (),
          default_params: Mapping[str, Any] | None = None, fan_out: str | None = None,
-         on_failure: str | None = None, always: bool | None = None) -> StepDef:
+         on_failure: str | None = None, always: bool | None = None,
+         output_schema: Mapping[str, Any] | None = None, when: str | None = None) -> StepDef:
     """Declare a workflow step run by ``service``: a :func:`service`, a stored service's key or a ``@task``.
 
-    A ``@task`` step's ``default_params`` are the function's keyword arguments.
+    A ``@task`` step's ``default_params`` are the function's keyword arguments. ``output_schema`` (a JSON
+    Schema) is what the step's output must meet: an attempt whose output breaks it fails. ``when`` (a
+    PostgreSQL jsonpath predicate over ``{parent step key: output}``, e.g. ``"$.check.ok == true"``) makes
+    the step run only when it holds; otherwise its tasks are skipped.
     """
     declared: ServiceDef | None
     if isinstance(service, ServiceDef):
@@ -187,7 +191,8 @@ def step(key: str, service: ServiceDef | str | Any, *, depends_on: Sequence[str]
                         f" not {type(service).__name__}")
     data: dict[str, Any] = {"key": key, "service": service_key, "depends_on": list(depends_on),
                             "default_params": dict(default_params or {})}
-    for name, value in (("fan_out", fan_out), ("on_failure", on_failure), ("always", always)):
+    for name, value in (("fan_out", fan_out), ("on_failure", on_failure), ("always", always),
+                        ("output_schema", output_schema), ("when", when)):
         if value is not None:
             data[name] = value
     return StepDef(data=data, service=declared, origin=_caller())

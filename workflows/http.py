@@ -129,6 +129,10 @@ class StepIn(In):
     fan_out: Literal["hosts"] | None = None
     on_failure: Literal["fail_job", "continue"] | None = None
     always: StrictBool | None = None
+    # What the step's output must meet, and the condition over its parents' outputs under which it runs
+    # (docs/workflows-as-code.md); the validator checks both.
+    output_schema: dict[str, Any] | None = None
+    when: str | None = Field(None, max_length=2000)
 
 
 class WorkflowIn(In):

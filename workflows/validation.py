@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from django.core.exceptions import ValidationError
-from django.db import models
+from django.db import DatabaseError, connection, models, transaction
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
@@ -32,7 +32,8 @@ STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 FAN_OUT_VALUES = ("hosts",)
-STEP_FIELDS = frozenset({"key", "service", "depends_on", "default_params", "fan_out", "on_failure", "always"})
+STEP_FIELDS = frozenset({"key", "service", "depends_on", "default_params", "fan_out", "on_failure", "always",
+                         "output_schema", "when"})
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names the agent sets itself (the task contract) or keeps for itself (its settings).
 RESERVED_ENV_PREFIXES = ("ACC_", "ACCS_")
@@ -582,6 +583,9 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
         params = step.get("default_params", {})
         if not isinstance(params, dict):
             problems.append(Problem(where, "default_params must be an object"))
+        elif has_nul(params):
+            problems.append(Problem(where, "default_params hold a NUL character (\\u0000), which PostgreSQL cannot "
+                                           "store in JSON"))
         elif service is not None and isinstance(service.params_schema, dict):
             for err in schema_errors(service.params_schema, params, partial=True):
                 problems.append(Problem(where, f"default_params.{err}"))
@@ -589,10 +593,86 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
         if fan_out is not None and fan_out not in FAN_OUT_VALUES:
             problems.append(Problem(where, f"fan_out must be one of {list(FAN_OUT_VALUES)} or absent, got {fan_out!r}"))
         problems += policy_problems(step, where=where)
+        problems += output_schema_problems(step.get("output_schema"), where=where)
+        problems += when_problems(step.get("when"), deps, where=where)
     cycle = find_cycle(graph)
     if cycle:
         problems.append(Problem("steps", "dependency cycle: " + " → ".join(cycle)))
     return problems
+
+
+def has_nul(value: Any, *, depth: int = 0) -> bool:
+    """Return whether a JSON value holds a NUL character in a string or key (jsonb cannot store one)."""
+    if depth > 200:
+        return False
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(has_nul(k) or has_nul(v, depth=depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_nul(v, depth=depth + 1) for v in value)
+    return False
+
+
+def output_schema_problems(schema: Any, *, where: str) -> list[Problem]:
+    """Check a step's ``output_schema``: absent, or a JSON Schema its output is validated against when it succeeds."""
+    if schema is None:
+        return []
+    if not isinstance(schema, dict):
+        return [Problem(where, "output_schema must be a JSON object (a JSON Schema) or absent")]
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return [Problem(where, f"output_schema is not a valid JSON Schema: {exc.message}")]
+    return []
+
+
+# The parent steps a condition names: each ``$.name`` or ``$."name"`` at the root of its paths.
+WHEN_PARENT_RE = re.compile(r'\$\s*\.\s*(?:"((?:[^"\\]|\\.)*)"|([A-Za-z_][A-Za-z0-9_]*))')
+WHEN_MAX_CHARS = 2000
+WHEN_EXAMPLE = '"$.check.healthy == true" or "$.\\"fetch-all\\".count > 0"'
+
+
+def when_parents(when: str) -> set[str]:
+    """Return the step keys a condition reads (``$.key`` or ``$."key"`` at the root of a path)."""
+    return {quoted or bare for quoted, bare in WHEN_PARENT_RE.findall(when)}
+
+
+def when_problems(when: Any, deps: list[str], *, where: str) -> list[Problem]:
+    """Check a step's ``when``: a PostgreSQL jsonpath predicate over ``{parent step key: output}`` that
+    names only the steps it depends on. It is evaluated when the step's tasks would be queued; when it
+    does not hold (false, or no boolean at all) they are skipped."""
+    if when is None:
+        return []
+    if not isinstance(when, str) or not when.strip() or len(when) > WHEN_MAX_CHARS:
+        return [Problem(where, f"when must be a jsonpath predicate of at most {WHEN_MAX_CHARS} characters over "
+                               f"the parents' outputs, e.g. {WHEN_EXAMPLE}, or absent")]
+    if not deps:
+        return [Problem(where, "when is a condition over the outputs of the steps it depends on; it has no "
+                               "depends_on")]
+    named = when_parents(when)
+    problems = []
+    if not named:
+        problems.append(Problem(where, f"when {when!r} reads no parent step's output: start each path with "
+                                       f"$.<parent step key>, e.g. {WHEN_EXAMPLE}"))
+    missing = sorted(named - set(deps))
+    if missing:
+        problems.append(Problem(where, f"when reads {missing}, which it does not depend on (depends_on: {deps})"))
+    syntax = jsonpath_error(when)
+    if syntax:
+        problems.append(Problem(where, f"when is not a jsonpath PostgreSQL accepts: {syntax}"))
+    return problems
+
+
+def jsonpath_error(text: str) -> str | None:
+    """Return PostgreSQL's complaint about ``text`` as a jsonpath, or None: the database evaluates the
+    condition, so it is the one asked (in a savepoint, so a refusal leaves the caller's transaction usable)."""
+    try:
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT %s::jsonpath", [text])
+    except DatabaseError as exc:
+        return (str(exc).splitlines() or ["syntax error"])[0]
+    return None
 
 
 def policy_problems(step: Mapping[str, Any], *, where: str) -> list[Problem]:

@@ -36,6 +36,7 @@ from nodes.executors.base import (
     clean_results,
     clean_text,
     not_allowed,
+    output_violation,
     parse_results,
     redact,
     remove_scratch,
@@ -79,9 +80,9 @@ __all__ = [
     "STDERR_LEVEL", "STDERR_LEVELS", "TAIL_CHARS", "BadOutput", "CommandExecutor", "Executor", "HttpExecutor",
     "PythonExecutor", "RunContext", "SimulateExecutor", "TaskStopped", "agent_alive", "agent_secrets", "bad_output",
     "clean_results", "clean_text", "die_with_parent", "end_orphan_groups", "exception_name", "load_callable",
-    "make_executors", "not_allowed", "orphans_on_node", "ours", "parse_results", "processes_in_group", "redact",
-    "remove_scratch", "render_argv", "run_process", "sanitize_outcome", "secrets_in", "service_env", "stderr_level",
-    "task_env",
+    "make_executors", "not_allowed", "orphans_on_node", "ours", "output_violation", "parse_results",
+    "processes_in_group", "redact", "remove_scratch", "render_argv", "run_process", "sanitize_outcome", "secrets_in",
+    "service_env", "stderr_level", "task_env",
 ]
 
 

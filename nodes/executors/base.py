@@ -20,11 +20,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
 from accs_site.conf import known_secrets
 from accs_site.redaction import SECRET_KEY_RE, redact, secrets_in  # noqa: F401 (re-exported: the executors use them by these names)
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
-from workflows.validation import argv_fields, not_allowed_problems
+from workflows.validation import argv_fields, not_allowed_problems, validator_errors
 
 TAIL_CHARS = 4000
 
@@ -70,6 +73,19 @@ class RunContext:
     log_records: list[dict[str, Any]] = field(default_factory=list)
     node: str = ""
     agent_id: str = ""
+    #: The outputs of the steps this task depends on, ``{parent step key: output}`` (a fanned-out
+    #: parent's as a list, in task order); see :mod:`jobs.inputs`.
+    inputs: dict[str, Any] = field(default_factory=dict)
+    #: The JSON Schema the step's output must meet, when its workflow step declares one.
+    output_schema: dict[str, Any] | None = None
+    #: The scratch folder of the ``ACCS_INPUTS`` file, once written (removed with the attempt).
+    inputs_dir: str | None = None
+
+    def task_output(self, parent: str) -> Any:
+        """Return the output of the parent step ``parent`` (a list for a fanned-out parent)."""
+        if parent not in self.inputs:
+            raise KeyError(f"{parent!r} is not a step this task depends on (its parents: {sorted(self.inputs)})")
+        return self.inputs[parent]
 
     def log(self, message: str, *, level: str = "info") -> None:
         text = clean_text(redact(str(message), self.secrets))[:MAX_LOG_LINE_CHARS]
@@ -247,8 +263,22 @@ def not_allowed(task: ClaimedTask, executor: str, config: dict[str, Any]) -> Out
     return _outcome(task, "failed", error="not allowed: " + "; ".join(str(p) for p in problems),
                     error_code="not_allowed", retryable=False)
 
+def output_violation(outcome: Outcome, schema: dict[str, Any] | None) -> Outcome:
+    """Return a final failure (``bad_output``) of a succeeded attempt whose results break its step's
+    output ``schema``, naming each violation; else ``outcome`` itself. Running it again would return the same."""
+    if schema is None or outcome.status != "succeeded":
+        return outcome
+    try:
+        problems = validator_errors(Draft202012Validator(schema), outcome.results)
+    except SchemaError as exc:  # a row written without validation: say so rather than crash the report
+        return bad_output(outcome, f"the step's output_schema is not a valid JSON Schema: {exc.message}")
+    if not problems:
+        return outcome
+    return bad_output(outcome, "the output does not match the step's output_schema: " + "; ".join(problems[:5]))
+
+
 def remove_scratch(ctx: RunContext) -> None:
     """Remove the attempt's scratch directories (after its outputs were collected)."""
-    for directory in (ctx.output_dir, ctx.input_dir, ctx.params_dir):
+    for directory in (ctx.output_dir, ctx.input_dir, ctx.params_dir, ctx.inputs_dir):
         if directory:
             shutil.rmtree(directory, ignore_errors=True)

@@ -19,6 +19,7 @@ an agent that starts on a node ends the process groups its dead predecessor left
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
@@ -237,6 +238,7 @@ def attempt_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
         env["ACCS_OUTPUT_DIR"] = ctx.output_dir
     if ctx.input_dir:
         env["ACCS_INPUT_DIR"] = ctx.input_dir
+    env.update(inputs_env(task, ctx))
     return env
 
 
@@ -258,6 +260,31 @@ def params_file(task: ClaimedTask, ctx: RunContext, *, text: str) -> str:
         fh.write(text)
     ctx.params_file = path
     return path
+
+
+#: The name of the inputs file in its scratch folder.
+INPUTS_FILE_NAME = "inputs.json"
+
+
+def inputs_env(task: ClaimedTask, ctx: RunContext) -> dict[str, str]:
+    """Return ``ACCS_INPUTS``: the path of a JSON file holding the outputs of the task's parent steps
+    (``{parent step key: output}``), for a task that has parents; nothing for one that has none.
+
+    The file sits in a scratch folder of its own (0700, unguessable, removed with the attempt's other
+    folders, never collected as an output) and only its OS user may read it (0600). It is written once
+    per attempt, whichever of the cold or warm start asks first.
+    """
+    if not ctx.inputs:
+        return {}
+    if ctx.inputs_dir is None:
+        folder = scratch_dir(task)
+        path = os.path.join(folder, INPUTS_FILE_NAME)
+        # O_EXCL and O_NOFOLLOW: the file is new, made here, never something that was waiting at its name.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(ctx.inputs, fh, default=str)
+        ctx.inputs_dir = folder
+    return {"ACCS_INPUTS": os.path.join(ctx.inputs_dir, INPUTS_FILE_NAME)}
 
 
 def stderr_level(line: str) -> str:
@@ -290,9 +317,9 @@ def run_process(task: ClaimedTask, ctx: RunContext, argv: list[str], *, env: dic
         return _outcome(task, "failed", error=f"not allowed: {exc}", error_code="not_allowed", retryable=False)
     try:
         # The file executed is the one the guard checked, also in the sandbox (when the service asks for
-        # one), which wraps the argv the guard checked and shows the params folder read-only.
+        # one), which wraps the argv the guard checked and shows the params and inputs folders read-only.
         executable, command = wrap(argv, config=ctx.service_config, executable=checked,
-                                   folders=(ctx.output_dir, ctx.input_dir), readable=(ctx.params_dir,))
+                                   folders=(ctx.output_dir, ctx.input_dir), readable=(ctx.params_dir, ctx.inputs_dir))
         proc = subprocess.Popen(command, executable=executable, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                 preexec_fn=die_with_parent())

@@ -173,6 +173,14 @@ class Ctx:
                                     task_key=os.environ.get("ACCS_TASK_KEY", ""))
         self.node = os.environ.get("ACCS_NODE", "")
         self.agent_id = os.environ.get("ACCS_AGENT_ID", "")
+        self.inputs = {}  # the parent steps' outputs, from the file the agent wrote (ACCS_INPUTS)
+        if os.environ.get("ACCS_INPUTS"):
+            with open(os.environ["ACCS_INPUTS"], encoding="utf-8") as fh:
+                self.inputs = json.load(fh)
+    def task_output(self, parent):
+        if parent not in self.inputs:
+            raise KeyError("%r is not a step this task depends on (its parents: %s)" % (parent, sorted(self.inputs)))
+        return self.inputs[parent]
     def progress(self, value):
         print("::progress:: %f" % float(value), file=sys.stderr, flush=True)
     def log(self, message, *, level="info"):

@@ -315,6 +315,22 @@ def test_service_and_workflow_management_validates_like_the_admin(world):
     assert locked.status_code == 409 and "has jobs" in locked.json()["detail"]
 
 
+def test_a_workflow_with_a_condition_and_an_output_schema_is_validated_like_the_admin(world):
+    root = world["root"]
+    Service.objects.get_or_create(key="gate-svc", defaults={"executor": "python",
+                                                            "executor_config": {"callable": "tests.callables:noop"}})
+    steps = [{"key": "check", "service": "gate-svc", "output_schema": {"type": "object", "required": ["ok"]}},
+             {"key": "go", "service": "gate-svc", "depends_on": ["check"], "when": "$.check.ok == true"}]
+    good = post(root, "/api/v1/workflows", {"name": "gated", "steps": steps})
+    assert good.status_code == 201, good.content
+    assert Workflow.objects.get(name="gated").steps == [{**steps[0], "depends_on": [], "default_params": {}},
+                                                        {**steps[1], "default_params": {}}]
+    ghost = [steps[0], {**steps[1], "when": "$.ghost.ok == true"}]
+    bad = post(root, "/api/v1/workflows", {"name": "gated", "steps": ghost})
+    assert bad.status_code == 422 and "step 'go': when reads ['ghost']" in bad.json()["detail"]
+    assert Workflow.objects.filter(name="gated").count() == 1, "nothing written"
+
+
 # --------------------------------------------------------------------------------------------
 # Live server: 50 identical webhooks at once
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,10 @@ from tests.ops_helpers import make_user, signed_in_session
 SECRETS = {
     "top": "hunter2-top-5f1e0b", "nested": "nested-key-9ac3d1", "listed": "listed-tok-77b1aa",
     "number": 918273645, "template": "tpl-secret-3d0c55", "under": "under-cred-41d9e2",
+    "output": "output-tok-e3a9f7",
 }
+# A step's output, which its dependents receive and the pages and API show: redacted as params are.
+RESULTS = {"deploy_id": "visible-output-1", "session_token": SECRETS["output"]}
 PARAMS: dict[str, Any] = {
     "password": SECRETS["top"],
     "target": {"host": "db-1", "api_key": SECRETS["nested"], "pin": {"client_secret": SECRETS["number"]}},
@@ -54,6 +57,7 @@ def world(make_service, default_tenant) -> dict[str, Any]:
     job = api.start_service("deploy", tenant=acme, params=PARAMS)
     trigger = triggers.create_trigger(tenant=acme, created_by=tenant_admin, label="on push", trigger_type="event",
                                       event_name="push", service="deploy", payload_template=TEMPLATE)
+    Task.objects.filter(job=job).update(results=RESULTS)
     return {"acme": acme, "job": job, "trigger": trigger, "task": Task.objects.filter(job=job).first(),
             "people": {"viewer": viewer, "tenant admin": tenant_admin}}
 
@@ -90,6 +94,7 @@ def test_no_api_answer_shows_a_secret_param_to_a_viewer_or_a_tenant_admin(world,
         assert job["tasks"][0]["params"]["password"] == MASK
         assert job["tasks"][0]["params"]["target"] == {"host": "db-1", "api_key": MASK, "pin": {"client_secret": MASK}}
         assert job["tasks"][0]["params"]["plain"] == "visible-value"
+        assert job["tasks"][0]["results"] == {"deploy_id": "visible-output-1", "session_token": MASK}
         assert job["step_params"]["deploy"]["credentials"] == {"user": MASK, "value": MASK}
         listed = http.get(f"{live_server_url}/api/v1/jobs/triggers", timeout=30).json()["items"]
         assert listed[0]["payload_template"] == {"password": MASK, "target": "{{event.target}}"}
@@ -149,6 +154,9 @@ def test_no_admin_page_shows_a_secret_param_to_a_viewer_or_a_tenant_admin(world,
         for url in (job_page, task_page, trigger_page):
             shown = http.get(f"{live_server_url}{url}", timeout=60)
             assert shown.status_code == 200 and "***" in shown.text, f"{url} should show the params, redacted"
+        for url in (job_page, task_page):
+            shown = http.get(f"{live_server_url}{url}", timeout=60).text
+            assert "visible-output-1" in shown, f"{url} should show the step's output"
 
 
 @pytest.mark.django_db(transaction=True)

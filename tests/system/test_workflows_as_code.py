@@ -51,7 +51,7 @@ def test_code_pipeline_is_synced_run_by_real_agents_and_versioned_on_change(site
     assert edited.returncode == 0 and "new version workflow ship-order v2: step ship changed" in edited.stdout, (
         edited.stdout + edited.stderr)
     assert manage(site_env, "accs_sync", "--check", extra=ups).returncode == 0
-    second = manage(site_env, "ship_order", "R-2", extra=ups).stdout.strip()
+    second = manage(site_env, "ship_order", "R-2", "--items", "0", extra=ups).stdout.strip()
 
     daemons = Daemons(site_env, tmp_path, manage_py=MANAGE)
     try:
@@ -69,5 +69,13 @@ def test_code_pipeline_is_synced_run_by_real_agents_and_versioned_on_change(site
     assert set(one) == {"pick", "label", "receipt", "ship"}
     assert all(status == "done" for status, _ in one.values())
     assert one["pick"][1] == {"picked": "R-1", "items": 2}, "the step's default params from code"
+    assert one["label"][1] == {"label": "R-1", "items": 2}, "the command read pick's output from ACCS_INPUTS"
     assert one["receipt"][1] == {"return_value": "receipt for from-code"}, "the @task step got its kwargs"
-    assert one["ship"][1]["carrier"] == "post" and two["ship"][1]["carrier"] == "ups"
+    assert one["ship"][1] == {"closed": "R-1", "carrier": "post", "label": "R-1",
+                              "receipt": "receipt for from-code"}, "ship gathered label's and receipt's outputs"
+    # The second order is empty: its receipt's condition does not hold, the always step still closes it.
+    assert two["receipt"][0] == "skipped" and two["label"][1] == {"label": "R-2", "items": 0}
+    assert two["ship"] == ("done", {"closed": "R-2", "carrier": "ups", "label": "R-2", "receipt": None})
+    assert query(site_env, "SELECT e.message FROM accs_event e JOIN accs_task t ON t.id = e.task_id "
+                           "WHERE t.job_id = %s AND t.step_key = 'receipt' AND e.data->>'to' = 'skipped'",
+                 uuid.UUID(second)) == [("task waiting → skipped (condition did not hold: $.pick.items > 0)",)]

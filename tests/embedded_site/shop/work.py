@@ -13,5 +13,7 @@ def pick(params: dict, ctx) -> dict:
 
 
 def finish(params: dict, ctx) -> dict:
-    """Return the closing note of a shipment."""
-    return {"closed": params["reference"], "carrier": params.get("carrier", "post")}
+    """Return the closing note of a shipment: its label and receipt from the steps before (ctx.inputs)."""
+    receipt = ctx.inputs.get("receipt")  # None when the receipt step was skipped
+    return {"closed": params["reference"], "carrier": params.get("carrier", "post"),
+            "label": ctx.task_output("label")["label"], "receipt": receipt["return_value"] if receipt else None}

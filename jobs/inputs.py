@@ -1,0 +1,76 @@
+"""What a task receives from the steps it depends on: their outputs, and the schema its own output must meet.
+
+A step's output is its task's ``results`` (what the attempt returned, already size-limited and cleaned
+by the agent). A task of a workflow is given ``{parent step key: output}`` for each step in its
+``depends_on``; a parent step that fanned out (several tasks) gives the list of its tasks' outputs in
+task order (a gather). A parent that never ran (skipped, for a step that runs ``always``) gives null.
+The same expression (:func:`parent_outputs`) is what a step's condition (``when``) is evaluated over
+when its tasks are promoted (:mod:`jobs.finalize`).
+
+The agent reads this once per attempt, in the attempt's worker thread, just before the executor runs
+(:func:`step_context`), rather than when the task is promoted: promotion is set-based SQL in every
+report's transaction, and copying each parent's output (up to a megabyte, times the fan-out) into each
+dependent row there would make reports heavy and store every output twice. The read is one statement:
+the task by primary key, its parents through the ``(job, task_key)`` unique index, always within the
+task's own job, so no task can see another job's outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from django.db import connection
+
+from jobs.sql import from_json
+
+
+def parent_outputs(task: str) -> str:
+    """Return SQL giving ``{parent step key: output}`` for the task aliased ``task``: one entry per step in
+    its ``depends_on`` that has tasks, a fanned-out step's outputs as an array in task order (ids are
+    time-ordered: the order the tasks were made in). The agent's read and the promotion's conditions
+    both use it, so a step's condition sees exactly what its task would receive."""
+    return f"""coalesce((SELECT jsonb_object_agg(g.step_key, g.output)
+          FROM (SELECT p.step_key,
+                       CASE WHEN bool_or(p.task_key <> p.step_key) THEN jsonb_agg(p.results ORDER BY p.id)
+                            ELSE (array_agg(p.results))[1] END AS output
+                  FROM accs_task p
+                 WHERE p.job_id = {task}.job_id AND p.step_key = ANY ({task}.depends_on)
+                 GROUP BY p.step_key) g), '{{}}'::jsonb)"""
+
+
+def step_field(task: str, job: str, name: str) -> str:
+    """Return SQL giving the field ``name`` (jsonb) of the workflow step of the task aliased ``task``, read
+    from the workflow version its job (aliased ``job``) runs on; null for a service's job."""
+    return f"""(SELECT s.value -> '{name}'
+          FROM accs_workflow wf CROSS JOIN LATERAL jsonb_array_elements(wf.steps) AS s(value)
+         WHERE wf.id = {job}.workflow_id AND s.value ->> 'key' = {task}.step_key
+         LIMIT 1)"""
+
+
+STEP_CONTEXT_SQL = f"""
+SELECT {parent_outputs("t")} AS inputs, {step_field("t", "j", "output_schema")} AS output_schema
+  FROM accs_task t JOIN accs_job j ON j.id = t.job_id
+ WHERE t.id = %(task)s
+"""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What one task gets from its workflow: its parents' outputs and its own output schema (or None)."""
+
+    inputs: dict[str, Any]
+    output_schema: dict[str, Any] | None
+
+
+def step_context(task_id: UUID) -> StepContext:
+    """Return the outputs of ``task_id``'s parents and its step's output schema (one statement)."""
+    with connection.cursor() as cur:
+        cur.execute(STEP_CONTEXT_SQL, {"task": task_id})
+        row = cur.fetchone()
+    if row is None:  # the task is gone (its job was deleted): nothing to give
+        return StepContext(inputs={}, output_schema=None)
+    inputs, schema = from_json(row[0]), from_json(row[1])
+    return StepContext(inputs=inputs if isinstance(inputs, dict) else {},
+                       output_schema=schema if isinstance(schema, dict) else None)

@@ -1,0 +1,148 @@
+"""Data between steps: each task receives its parent steps' outputs (a fanned-out parent's as a list in task
+order) through the python ctx, the ACCS_INPUTS file and a process-isolated child's ctx; a step's output is
+checked against its output schema; nothing crosses from one job to another. Real agents run the workflows."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from jobs import api, transitions
+from jobs.inputs import step_context
+from jobs.models import Job, Task
+from jobs.transitions import Outcome
+from nodes.executors import output_violation
+from nodes.models import Host, Node
+from tests.daemons import wait_all_final
+from workflows.api import create_workflow
+
+SHOW_INPUTS = ("import json, os, stat; p = os.environ['ACCS_INPUTS']; "
+               "print(json.dumps(dict(inputs=json.load(open(p)), path=p, mode=oct(stat.S_IMODE(os.stat(p).st_mode)))))")
+SERVICES = "py-echo,py-host,cmd-inputs,py-iso,py-strict"
+
+
+def _services(make_service) -> None:
+    make_service("py-echo", executor_config={"callable": "tests.callables:echo"})
+    make_service("py-host", executor_config={"callable": "tests.callables:host_of"})
+    make_service("cmd-inputs", executor="command", executor_config={"argv": ["python3", "-c", SHOW_INPUTS]})
+    make_service("py-iso", executor_config={"callable": "tests.callables:inputs_of", "isolation": "process"},
+                 params_schema={"type": "object", "properties": {"parents": {"type": "array"}}})
+    make_service("py-strict", executor_config={"callable": "tests.callables:echo"})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_real_agents_pass_each_job_its_own_parents_outputs_and_fail_an_output_breaking_its_schema(
+        make_service, daemons, db_url):
+    _services(make_service)
+    node = Node.objects.create(name="n1")
+    for name in ("h1", "h2"):
+        Host.objects.create(name=name, node=node)
+    create_workflow(name="flow", steps=[
+        {"key": "one", "service": "py-echo"},
+        {"key": "count", "service": "py-host", "fan_out": "hosts"},
+        {"key": "show", "service": "cmd-inputs", "depends_on": ["one", "count"]},
+        {"key": "iso", "service": "py-iso", "depends_on": ["one", "count"], "default_params": {
+            "parents": ["one", "count"]}, "output_schema": {"type": "object", "required": ["inputs"]}},
+        {"key": "strict", "service": "py-strict", "depends_on": ["one"], "on_failure": "continue",
+         "output_schema": {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}},
+    ])
+    jobs = {tag: api.start_workflow("flow", options={"hosts": ["h1", "h2"]}, step_params={"one": {"tag": tag}})
+            for tag in ("A", "B")}
+    daemons.agent("n1", SERVICES, "--max-concurrent", "4")
+    wait_all_final(db_url, timeout=90)
+
+    for tag, job in jobs.items():
+        tasks = {t.task_key: t for t in Task.objects.filter(job=job)}
+        expected = {"one": {"echo": {"tag": tag}}, "count": [{"host": "h1"}, {"host": "h2"}]}
+        show = tasks["show"]
+        assert show.status == "done", show.error_message
+        assert show.results["inputs"] == expected, "the command's ACCS_INPUTS file holds this job's outputs only"
+        assert show.results["mode"] == "0o600", "only the task's OS user may read the inputs file"
+        assert not os.path.exists(show.results["path"]), "the inputs file goes with the attempt's scratch"
+        iso = tasks["iso"]
+        assert iso.status == "done", iso.error_message
+        assert iso.results == {"inputs": expected, "task_output": expected}, "a process-isolated child's ctx"
+        strict = tasks["strict"]
+        assert strict.status == "error" and strict.error_code == "bad_output"
+        assert "output_schema" in strict.error_message and "'n' is a required property" in strict.error_message
+        assert strict.attempt == 1, "an output that breaks its schema is not retried"
+        assert Job.objects.get(pk=job.pk).status == "partial"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_step_whose_parent_never_ran_receives_null_for_it(make_service, daemons, db_url):
+    make_service("py-fail", executor_config={"callable": "tests.callables:fail"}, max_attempts=1)
+    make_service("py-iso", executor_config={"callable": "tests.callables:inputs_of"})
+    create_workflow(name="cleanup", steps=[
+        {"key": "boom", "service": "py-fail", "on_failure": "continue"},
+        {"key": "after", "service": "py-fail", "depends_on": ["boom"]},
+        {"key": "tidy", "service": "py-iso", "depends_on": ["boom", "after"], "always": True},
+    ])
+    job = api.start_workflow("cleanup")
+    daemons.agent("n1", "py-fail,py-iso")
+    wait_all_final(db_url, timeout=60)
+    tidy = Task.objects.get(job=job, task_key="tidy")
+    assert tidy.status == "done", tidy.error_message
+    assert tidy.results["inputs"] == {"boom": None, "after": None}
+
+
+# --------------------------------------------------------------------------------------------
+# The gather and the schema check, without a database
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.django_db
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hosts=st.integers(min_value=1, max_value=4), data=st.data())
+def test_a_task_receives_each_parents_output_and_a_fanned_parents_outputs_in_task_order(make_service, hosts, data):
+    make_service("in-svc")
+    node, _ = Node.objects.get_or_create(name="n-in")
+    names = [Host.objects.get_or_create(name=f"in-h{i}", node=node)[0].name for i in range(hosts)]
+    name = f"in-{uuid.uuid4().hex[:8]}"
+    create_workflow(name=name, steps=[
+        {"key": "single", "service": "in-svc"}, {"key": "many", "service": "in-svc", "fan_out": "hosts"},
+        {"key": "other", "service": "in-svc"},
+        {"key": "child", "service": "in-svc", "depends_on": ["single", "many"]}])
+    jobs = [api.start_workflow(name, options={"hosts": names})
+            for _ in range(2)]
+    transitions.start_due_jobs(limit=10)
+    outputs = st.one_of(st.none(), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+                        st.lists(st.integers(), max_size=2))
+    for task in Task.objects.filter(job__in=jobs).exclude(step_key="child"):
+        Task.objects.filter(pk=task.pk).update(results=data.draw(outputs))
+    for job in jobs:
+        tasks = Task.objects.filter(job=job)
+        fanned = [t.results for t in tasks.filter(step_key="many").order_by("id")]
+        assert [t.host.name for t in tasks.filter(step_key="many").order_by("id")] == names, "task order: hosts'"
+        child = tasks.get(step_key="child")
+        found = step_context(child.id)
+        assert found.inputs == {"single": tasks.get(step_key="single").results, "many": fanned}
+        assert found.output_schema is None
+
+
+SCHEMA = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
+
+
+@given(results=st.dictionaries(st.sampled_from(["n", "m"]), st.one_of(st.integers(), st.text(max_size=3))))
+def test_output_violation_fails_exactly_the_outputs_that_break_the_schema(results):
+    outcome = output_violation(Outcome(task_id="t", attempt=1, status="succeeded", results=results), SCHEMA)
+    meets = isinstance(results.get("n"), int)
+    assert (outcome.status == "succeeded") is meets
+    if not meets:
+        assert outcome.error_code == "bad_output" and not outcome.retryable
+        assert outcome.error.startswith("bad output: the output does not match the step's output_schema: ")
+
+
+def test_output_violation_leaves_failures_and_schemaless_steps_alone():
+    failed = Outcome(task_id="t", attempt=1, status="failed", results=None, error="x")
+    assert output_violation(failed, SCHEMA) is failed
+    done = Outcome(task_id="t", attempt=1, status="succeeded", results={})
+    assert output_violation(done, None) is done
+
+
+def test_output_violation_never_quotes_a_secret_output():
+    outcome = Outcome(task_id="t", attempt=1, status="succeeded", results={"n": 1, "api_token": "hunter2-long"})
+    failed = output_violation(outcome, {"type": "object", "properties": {"api_token": {"type": "integer"}}})
+    assert failed.status == "failed" and "hunter2" not in failed.error
