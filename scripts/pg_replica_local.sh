@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A streaming read replica of the project-local cluster (scripts/pg_local.sh), for ACC_READ_DB_URL.
-#   scripts/pg_replica_local.sh start|stop|status|url|psql
+#   scripts/pg_replica_local.sh start|stop|status|url|psql|promote
 # start takes a base backup of the running local cluster (pg_basebackup -R: it writes
 # standby.signal and primary_conninfo, so the copy starts as a hot standby streaming the primary's
 # WAL) and starts it on its own port. The local cluster already allows it: PostgreSQL's defaults
@@ -8,6 +8,8 @@
 # "host replication all 127.0.0.1/32" line. The copy lives in .local/pg-replica (ACC_PG_REPLICA_DIR),
 # listens on 127.0.0.1 only, on ACC_PG_REPLICA_PORT or the first free port after the primary's + 100.
 # `url` prints the replica's URL for the same database name as pg_local.sh's (ACC_PG_DBNAME).
+# `promote` makes the replica a primary of its own (pg_ctl promote: a failover, for the failover test);
+# the next `start` finds no standby.signal and takes a fresh base backup.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,6 +67,12 @@ start() {
   echo "pg_replica_local: replica of 127.0.0.1:$pport up at $(url)" >&2
 }
 
+promote() {
+  is_running || { echo "pg_replica_local: the replica is not running" >&2; exit 1; }
+  as_pg "$PGBIN/pg_ctl" -D "$DATA" -w -t 60 promote >/dev/null
+  echo "pg_replica_local: promoted; $(url) is a primary now" >&2
+}
+
 stop() {
   if is_running; then as_pg "$PGBIN/pg_ctl" -D "$DATA" -m fast -w stop >/dev/null; fi
   echo "pg_replica_local: stopped" >&2
@@ -75,6 +83,7 @@ case "${1:-start}" in
   stop) stop ;;
   status) is_running && echo running || { echo stopped; exit 3; } ;;
   url) url ;;
+  promote) promote ;;
   psql) shift; exec "$PGBIN/psql" -h 127.0.0.1 -p "$(port)" -U postgres -d "$DBNAME" "$@" ;;
-  *) echo "usage: $0 start|stop|status|url|psql" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|status|url|psql|promote" >&2; exit 2 ;;
 esac
