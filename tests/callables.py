@@ -37,3 +37,18 @@ def orm_then_wait(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
     sleep({"seconds": params.get("seconds", 1.0)}, ctx)
     after = Task.objects.filter(status="running").count()
     return {"running_before": before, "running_after": after}
+
+
+def until_released(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    """Work until the file ``params["release"]`` exists (at most ``params["limit"]`` seconds, 120 by
+    default), or until stopped: a task whose length the test decides."""
+    import pathlib
+    import time
+
+    release = pathlib.Path(params["release"])
+    deadline = time.monotonic() + float(params.get("limit", 120))
+    while not release.exists() and time.monotonic() < deadline:
+        if ctx is not None and ctx.cancel.is_set():
+            return {"released": False}
+        time.sleep(0.02)
+    return {"released": release.exists()}
