@@ -579,10 +579,11 @@ class Agent:
                 log.warning("a claim waited %gs for a lock (another claimer, or a site pausing a capped service) "
                             "and gave up; claiming the other services without waiting for capped services' locks "
                             "until they are free", self.claim_lock_wait, extra=self.extra)
-        elif self._locks_busy and not busy and not self._pooled:
+        elif self._locks_busy and not busy:
             self._locks_busy = False
-            log.info("no capped service's lock was busy at the last claim; claims wait for them again (at most %gs)",
-                     self.claim_lock_wait, extra=self.extra)
+            log.info("no lock was busy at the last claim%s", "" if self._pooled else
+                     f"; claims wait for capped services' locks again (at most {self.claim_lock_wait:g}s)",
+                     extra=self.extra)
 
     def _adopt(self) -> None:
         """Run the tasks a claim whose answer was lost gave this agent (found by its identity)."""

@@ -105,7 +105,7 @@ class LeaseRenewal:
         """Look at what is held again now (a new attempt may hold a shorter lease)."""
         self._wake.set()
 
-    def close(self, *, timeout: float = 5.0) -> None:
+    def close(self, *, timeout: float = 1.0) -> None:
         """Stop renewing; wait up to ``timeout`` for a renewal in flight, then close the connection."""
         self._closed.set()
         self._wake.set()
@@ -135,7 +135,7 @@ class LeaseRenewal:
         if not held:
             self._retry_at = None
             return None
-        self._open_early()
+        self._open_early(count=len(held))
         period = renewal_period(agent_lease=self.agent_lease, leases=[h.lease for h in held.values()])
         if self._retry_at is not None:
             due = self._retry_at
@@ -170,7 +170,7 @@ class LeaseRenewal:
         self._succeeded()
         return Answer(at=at, renewed=frozenset(keys) - lost, lost=frozenset(lost), cancel=frozenset(cancel))
 
-    def _open_early(self) -> None:
+    def _open_early(self, *, count: int) -> None:
         """Open the connection as soon as something is held, not at the first renewal a period later:
         the connection is there when needed, and a refused one is known (and retried) early."""
         if self._conn is not None and not self._conn.closed:
@@ -179,7 +179,7 @@ class LeaseRenewal:
             with self.stall.step("lease renewal connect"):
                 self._connection()
         except Exception as exc:  # noqa: BLE001 - the renewal tries again when it is due
-            self._failed(exc, count=0)
+            self._failed(exc, count=count)
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
