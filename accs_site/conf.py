@@ -14,6 +14,7 @@ Tests and daemons may call :func:`reload` after changing the environment.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -92,7 +93,7 @@ def _int(name: str, default: int, *, minimum: int | None = None, maximum: int | 
     return value
 
 
-def _float(name: str, default: float, *, minimum: float = 0.0) -> float:
+def _float(name: str, default: float, *, minimum: float = 0.0, maximum: float | None = None) -> float:
     raw = _raw(name)
     if raw is None:
         return default
@@ -100,8 +101,12 @@ def _float(name: str, default: float, *, minimum: float = 0.0) -> float:
         value = float(raw)
     except ValueError:
         raise SettingError(name, f"expected a number, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise SettingError(name, f"expected a finite number, got {raw!r}")
     if value < minimum:
         raise SettingError(name, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SettingError(name, f"must be at most {maximum}, got {value}")
     return value
 
 
@@ -265,6 +270,12 @@ class AccsSettings:
     @cached_property
     def heartbeat_ttl_sec(self) -> int:
         return _int("ACC_HEARTBEAT_TTL_SEC", 120, minimum=3)
+
+    @cached_property
+    def claim_lock_wait_sec(self) -> float:
+        """How long an agent's claim waits for any lock (a capped service's, its node's, a row's)
+        before it gives up, claims the other services without waiting and tries again later."""
+        return _float("ACC_CLAIM_LOCK_WAIT_SEC", 5.0, minimum=0.01, maximum=3600.0)
 
     @cached_property
     def node_lost_after_sec(self) -> float:

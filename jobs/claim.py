@@ -41,9 +41,17 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 
-from jobs.locks import ADVISORY_LOCKS_SQL, TRY_ADVISORY_LOCK_SQL, advisory_locks
+from jobs.locks import (
+    ADVISORY_LOCKS_SQL,
+    LOCK_WAIT_SQL,
+    TRY_ADVISORY_LOCK_SQL,
+    advisory_locks,
+    bound_lock_waits,
+    is_lock_timeout,
+    lock_wait_ms,
+)
 from jobs.notify import service_channel
 from jobs.reports import PROMOTE_DUE_SQL, promote_scheduled_in
 from jobs.sql import from_json
@@ -798,10 +806,15 @@ def labels_satisfied(required: Mapping[str, Any], labels: Mapping[str, Any]) -> 
 @dataclass(frozen=True)
 class ClaimRound:
     """What one claim took, and the capped services it left out because another claimer held
-    their lock at that moment (``contended``): those may still have room, so claim again soon."""
+    their lock at that moment (``contended``): those may still have room, so claim again soon.
+
+    ``waited_out``: a lock wait ran past the claim's bound and rolled its transaction back; the
+    services claimed in it took nothing (they are named in ``contended`` when capped).
+    """
 
     tasks: list[ClaimedTask]
     contended: frozenset[int] = frozenset()
+    waited_out: bool = False
 
 
 def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
@@ -818,7 +831,8 @@ def claim_many(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id:
 def claim_round(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
                 lease_seconds: float, pid: int | None = None, now: datetime | None = None,
                 blocked_hosts: frozenset[int] = frozenset(), exclude: Collection[UUID] = (),
-                priority_adjust: Mapping[int, int] | None = None, try_capped: bool = False) -> ClaimRound:
+                priority_adjust: Mapping[int, int] | None = None, try_capped: bool = False,
+                lock_wait: float | None = None) -> ClaimRound:
     """Claim across ``services`` in the global order, within every limit; one short transaction.
 
     ``priority_adjust`` maps a service id to a priority shift (governor conditions). ``exclude``
@@ -832,6 +846,10 @@ def claim_round(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id
     and named in the answer's ``contended``, for the caller to claim again a moment later.
     Otherwise it waits, sleeping on its own connection (claimers retrying instead take the CPU the
     lock's holder needs: measured in docs/performance.md).
+
+    With ``lock_wait`` (seconds) no lock is waited for longer, whatever holds it (a slow claimer, a
+    convoy, a site holding a capped service's lock to pause it, a migration): the claim's
+    transaction rolls back, claims nothing, and answers ``waited_out`` for the caller to back off.
     """
     services = [s for s in services if labels_satisfied(s.required_labels, limits.labels)]
     if free_slots <= 0 or not services:
@@ -841,20 +859,37 @@ def claim_round(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id
         # The common case, in one round trip, capped services included (under their locks, in the
         # function); a service that gained a rate or per-key limit since the agent's cache was
         # read is left to the general path below, under its lock.
-        tasks, limited, busy = _claim_plain(services, limits, agent_id=agent_id, free_slots=free_slots,
-                                            lease_seconds=lease_seconds, pid=pid, now=now,
-                                            blocked_hosts=blocked_hosts, exclude=exclude, adjust=adjust,
-                                            try_capped=try_capped)
+        try:
+            tasks, limited, busy = _claim_plain(services, limits, agent_id=agent_id, free_slots=free_slots,
+                                                lease_seconds=lease_seconds, pid=pid, now=now,
+                                                blocked_hosts=blocked_hosts, exclude=exclude, adjust=adjust,
+                                                try_capped=try_capped, lock_wait=lock_wait)
+        except DatabaseError as exc:
+            return _waited_out(services, exc)
         if not limited or free_slots <= len(tasks):
             return ClaimRound(tasks, busy)
-        more = _claim_general([s for s in services if s.id in limited], limits, agent_id=agent_id,
-                              free_slots=free_slots - len(tasks), lease_seconds=lease_seconds, pid=pid, now=now,
-                              blocked_hosts=blocked_hosts, exclude=[*exclude, *(t.id for t in tasks)],
-                              adjust=adjust)
+        limited_services = [s for s in services if s.id in limited]
+        try:
+            more = _claim_general(limited_services, limits, agent_id=agent_id,
+                                  free_slots=free_slots - len(tasks), lease_seconds=lease_seconds, pid=pid, now=now,
+                                  blocked_hosts=blocked_hosts, exclude=[*exclude, *(t.id for t in tasks)],
+                                  adjust=adjust, lock_wait=lock_wait)
+        except DatabaseError as exc:  # the plain claim's tasks are committed: they are the answer
+            return replace(_waited_out(limited_services, exc), tasks=tasks)
         return ClaimRound(tasks + more, busy)
-    return ClaimRound(_claim_general(services, limits, agent_id=agent_id, free_slots=free_slots,
-                                     lease_seconds=lease_seconds, pid=pid, now=now, blocked_hosts=blocked_hosts,
-                                     exclude=exclude, adjust=adjust))
+    try:
+        return ClaimRound(_claim_general(services, limits, agent_id=agent_id, free_slots=free_slots,
+                                         lease_seconds=lease_seconds, pid=pid, now=now, blocked_hosts=blocked_hosts,
+                                         exclude=exclude, adjust=adjust, lock_wait=lock_wait))
+    except DatabaseError as exc:
+        return _waited_out(services, exc)
+
+
+def _waited_out(services: Sequence[ServiceSpec], exc: DatabaseError) -> ClaimRound:
+    """Answer a claim whose lock wait ran out (its transaction rolled back); raise any other error."""
+    if not is_lock_timeout(exc):
+        raise exc
+    return ClaimRound([], frozenset(s.id for s in services if s.fleet_limited), waited_out=True)
 
 
 PLAIN_CLAIM_CALL = f"""
@@ -864,19 +899,28 @@ SELECT * FROM {PLAIN_CLAIM_FUNCTION}(%(svc_ids)s::bigint[], %(weights)s::int[], 
     %(try_capped)s)
 """
 
+# The same call with its lock waits bounded: the lock_timeout is set first, for the statement's own
+# transaction (SET LOCAL), and the call takes an argument from the setting's answer (an empty text
+# appended to its source), so it cannot run before it. One statement, one round trip, as unbounded.
+BOUNDED_PLAIN_CLAIM_CALL = (
+    "\nSELECT c.* FROM " + LOCK_WAIT_SQL.format(ms="%(lock_wait)s") + " AS w(setting),\nLATERAL"
+    + PLAIN_CLAIM_CALL.replace("SELECT * FROM", "", 1).replace("%(source)s", "%(source)s || left(w.setting, 0)", 1)
+    .rstrip() + " AS c\n")
+
 
 def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
                  lease_seconds: float, pid: int | None, now: datetime | None, blocked_hosts: frozenset[int],
                  exclude: Collection[UUID], adjust: Mapping[int, int],
-                 try_capped: bool) -> tuple[list[ClaimedTask], set[int], frozenset[int]]:
+                 try_capped: bool, lock_wait: float | None) -> tuple[list[ClaimedTask], set[int], frozenset[int]]:
     """Claim services without a rate or per-key limit in one call; return the tasks, the services
     left out for the general path (they have such a limit now) and the capped ones whose lock was busy.
 
     One statement, so outside a transaction it is its own (one round trip, committed by the server).
     """
     caps = [limits.per_service.get(s.key) or 0 for s in services]
+    bound = {} if lock_wait is None else {"lock_wait": lock_wait_ms(lock_wait)}
     with connection.cursor() as cur:
-        cur.execute(PLAIN_CLAIM_CALL, {
+        cur.execute(PLAIN_CLAIM_CALL if lock_wait is None else BOUNDED_PLAIN_CLAIM_CALL, {**bound,
             "svc_ids": [s.id for s in services], "weights": [max(s.cpu_weight, 1) for s in services],
             "adjust": [adjust.get(s.id, 0) for s in services], "caps": [max(c, 0) for c in caps],
             "channels": [service_channel(s.key) for s in services], "node": limits.name, "agent": agent_id,
@@ -894,9 +938,12 @@ def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_i
 
 def _claim_general(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
                    lease_seconds: float, pid: int | None, now: datetime | None, blocked_hosts: frozenset[int],
-                   exclude: Collection[UUID], adjust: Mapping[int, int]) -> list[ClaimedTask]:
+                   exclude: Collection[UUID], adjust: Mapping[int, int],
+                   lock_wait: float | None = None) -> list[ClaimedTask]:
     """Claim under every limit: reads, locks and the claim statement in one short transaction."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
+        if lock_wait is not None:
+            bound_lock_waits(cur, seconds=lock_wait)
         # The agent's specs may be up to its cache's age old; the limits come from the database.
         services = current_limits(cur, services)
         if not services:

@@ -13,12 +13,19 @@ A verb that needs no job lock (heartbeats, marking a task running) still takes i
 sorted by id. Claims never wait on a row (``SKIP LOCKED``). Behind a pooler the claim function
 waits for its node's lock only, then merely tries each capped service's
 (``pg_try_advisory_xact_lock``): a try never waits, so it cannot close a cycle.
+
+An agent bounds its waits (:func:`bound_lock_waits`, ``SET LOCAL lock_timeout``): a claim waits
+for a lock at most ``ACC_CLAIM_LOCK_WAIT_SEC``, a lease renewal a fraction of the lease, and a
+wait that runs out rolls the transaction back (:func:`is_lock_timeout`) instead of queueing on.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from uuid import UUID
+
+import psycopg
 
 # Transaction-scoped advisory locks on the keys of the text array {keys}, taken in the order of the
 # lock's identity (the key's hash), so two keys whose hashes collide cannot invert the order between
@@ -28,6 +35,37 @@ ADVISORY_LOCKS_SQL = ("pg_advisory_xact_lock(k.h) FROM (SELECT DISTINCT hashtext
 # The same lock on the text key {key}, only tried: true if taken, false at once if another
 # transaction holds it. A try never waits, so it needs no place in the order.
 TRY_ADVISORY_LOCK_SQL = "pg_try_advisory_xact_lock(hashtext({key}))"
+
+
+# The rest of the current transaction waits for any lock at most {ms} (a text such as '1500ms'):
+# SET LOCAL lock_timeout, as an expression, so it can go first in the statement that needs it.
+# Transaction-scoped: nothing outlives the transaction, behind a transaction-mode pooler too.
+LOCK_WAIT_SQL = "set_config('lock_timeout', {ms}, true)"
+# PostgreSQL's largest lock_timeout (an int of milliseconds, about 24.8 days).
+LOCK_WAIT_MAX_MS = 2_147_483_647
+
+
+def lock_wait_ms(seconds: float) -> str:
+    """Return ``seconds`` as a ``lock_timeout`` value: whole milliseconds, at least 1 (0 would mean no bound)."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"a lock wait must be a positive number of seconds, got {seconds!r}")
+    return f"{max(1, min(LOCK_WAIT_MAX_MS, math.ceil(seconds * 1000)))}ms"
+
+
+
+def bound_lock_waits(cur, *, seconds: float) -> None:
+    """Make every lock wait of the rest of the current transaction end after ``seconds`` at most."""
+    cur.execute("SELECT " + LOCK_WAIT_SQL.format(ms="%s"), [lock_wait_ms(seconds)])
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Return whether ``exc`` (psycopg's, or Django's wrapping it) is a lock wait that ran out."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, psycopg.errors.LockNotAvailable):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def advisory_locks(cur, keys: Iterable[str]) -> None:

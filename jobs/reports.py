@@ -15,6 +15,7 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from django.db import connection, transaction
@@ -391,22 +392,27 @@ RETURNING t.id, t.attempt, t.cancel_requested_at IS NOT NULL
 
 def heartbeat(held: Sequence[tuple[UUID, int]], *, agent_id: str,
               lease_seconds: float | Mapping[tuple[UUID, int], float],
-              now: datetime | None = None) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
+              now: datetime | None = None, cursor: Any = None) -> tuple[set[tuple[UUID, int]], set[tuple[UUID, int]]]:
     """Extend the leases of (task, attempt) pairs this agent holds. Return (lost, cancel_requested).
 
     ``lease_seconds`` is one length for all, or each pair's own (the lease its claim granted).
     ``lost`` are attempts no longer held (rescued or canceled): the agent must stop them.
     ``cancel_requested`` are attempts an operator asked to cancel. Both hold (task_id, attempt)
     pairs, so an old attempt's answer never touches a newer one.
+
+    ``cursor``: run on this cursor, in its caller's transaction (the agent's lease renewal has a
+    connection of its own); otherwise in a transaction on Django's connection.
     """
     if not held:
         return set(), set()
-    with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        leases = [float(lease_seconds[(h[0], h[1])] if isinstance(lease_seconds, Mapping) else lease_seconds)
-                  for h in held]
-        cur.execute(HEARTBEAT_SQL, {"ids": [h[0] for h in held], "attempts": [h[1] for h in held],
-                                    "leases": leases, "now": now, "agent": agent_id})
-        rows = cur.fetchall()
+    if cursor is None:
+        with transaction.atomic(savepoint=False), connection.cursor() as cur:
+            return heartbeat(held, agent_id=agent_id, lease_seconds=lease_seconds, now=now, cursor=cur)
+    leases = [float(lease_seconds[(h[0], h[1])] if isinstance(lease_seconds, Mapping) else lease_seconds)
+              for h in held]
+    cursor.execute(HEARTBEAT_SQL, {"ids": [h[0] for h in held], "attempts": [h[1] for h in held],
+                                   "leases": leases, "now": now, "agent": agent_id})
+    rows = cursor.fetchall()
     kept = {(r[0], r[1]) for r in rows}
     return {(h[0], h[1]) for h in held} - kept, {(r[0], r[1]) for r in rows if r[2]}
 

@@ -1,28 +1,37 @@
 """The agent loop: claim → run → report, on one machine.
 
-One main thread talks to the database; worker threads run the executors and hand back what
-happens (started, progress, log lines, outcome) through a queue. Everything is keyed by
-(task, attempt), so a late message of an old attempt never touches a newer one. Each pass:
+One main thread claims and reports; worker threads run the executors and hand back what
+happens (started, progress, log lines, outcome) through a queue; the lease renewal
+(:mod:`nodes.renewal`) renews the held tasks' leases on a thread and a connection of its own,
+so nothing the main thread waits for delays a renewal. Everything is keyed by (task, attempt),
+so a late message of an old attempt never touches a newer one. Each pass:
 
 1. reports everything that happened since the last pass (starts first, then log lines, then
    outcomes and progress, in one transaction); a report the database refuses for its data is
    retried item by item, and the attempt whose data is refused fails with ``bad_output``;
-2. heartbeats the node and held tasks every TTL/3 and stops attempts it lost or was asked to
-   cancel;
+2. heartbeats the node (its limits, pause and services come back with it);
 3. claims at most as many tasks as it has free slots (never a task it still runs), in one
-   short transaction, and hands them to workers;
+   short transaction that waits for any lock at most ``ACC_CLAIM_LOCK_WAIT_SEC``, and hands
+   them to workers; a claim whose wait ran out claims the other services without waiting for
+   capped services' locks until one of them is free again;
 4. sleeps until a NOTIFY on its services' channels, a worker's news, or the jittered poll timer.
+
+The renewal renews held tasks every third of the shortest lease and stops attempts it lost or
+was asked to cancel, at once, from its thread; it hands what it learnt to the main loop through
+the same queue as the workers (counted in the agent's stats).
 
 Faults: every step is guarded. A database outage is logged once, the loop backs off (with
 jitter, capped) and resumes; outcomes, starts and log lines stay in memory until reported.
 LISTEN is reopened with backoff. A watchdog thread stops an attempt whose lease the agent has
-not renewed for ``TTL − margin`` (margin = TTL/4), even while the main thread is blocked in a
-database call, so the task's process is gone before the builder may hand the task to another
-agent; the same thread breaks a database call that is blocked for too long.
+not renewed for ``TTL − margin`` (margin = TTL/4), so the task's process is gone before the
+builder may hand the task to another agent (as ``interrupted`` when the renewals could not reach
+the database, else as ``lease_lost``); a stall breaker breaks a database call of the main thread
+that is blocked for too long.
 
-Connections: every thread's Django connection borrows from one pool of :data:`POOL_SIZE` (claims,
-reports, and task code that uses the ORM, which gives its connection back after each statement
-and when the task ends), plus the LISTEN connection: a fixed number whatever ``--max-concurrent``.
+Connections: two server connections, plus the LISTEN connection, whatever ``--max-concurrent``:
+the lease renewal's own, and one pool of :data:`POOL_SIZE` that every other thread's Django
+connection borrows from (claims, reports, and task code that uses the ORM, which gives its
+connection back after each statement and when the task ends).
 No transaction or row lock is held while work runs. First SIGTERM/SIGINT: stop claiming and let
 running tasks finish (for at most ``drain_seconds``, when given; then as on a second signal);
 second: stop them now (reported ``interrupted`` and retried at once); third: exit without
@@ -79,15 +88,16 @@ from nodes.executors import (
     secrets_in,
 )
 from nodes.executors.sandbox import close_agent_process
+from nodes.renewal import Answer, Held, LeaseRenewal
 from nodes.scratch import remove_leftovers, scratch_dir
 from workflows.governor import active_conditions, claim_adjustments
 from workflows.models import Service as ServiceModel
 
 log = logging.getLogger("accs.agent")
 
-# Server connections for the whole agent (main loop and worker threads), LISTEN aside: one for
-# the loop's claims and reports, one more so task code's queries do not queue behind them.
-POOL_SIZE = 2
+# Server connections the main loop and the worker threads share (claims, reports, task code's
+# queries), LISTEN aside. The lease renewal has one of its own besides: two in all.
+POOL_SIZE = 1
 SERVICE_CACHE_SECONDS = 10.0  # definition changes are picked up within ~10 s
 NODE_REFRESH_SECONDS = 2.0
 DISK_SAMPLE_SECONDS = 60.0
@@ -119,11 +129,12 @@ class Running:
 
     task: ClaimedTask
     ctx: RunContext
+    # The lease fields change under Agent._running_lock (the renewal and the watchdog threads).
     renewed_at: float  # monotonic time the lease was last renewed (taken before the request)
     lease: float = 0.0  # the lease its claim granted (its service's, else the agent's)
     started_reported: bool = False
     pid: int | None = None
-    expired: bool = False  # the local lease deadline passed: stopped, no longer heartbeated
+    expired: bool = False  # the local lease deadline passed, or the lease was lost: no longer renewed
 
     @property
     def key(self) -> Key:
@@ -176,7 +187,8 @@ class Agent:
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="accs-task")
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.running: dict[Key, Running] = {}
-        self._running_lock = threading.Lock()  # the watchdog reads ``running`` from its own thread
+        # ``running`` and its items' lease fields: the watchdog and the lease renewal use them from their threads.
+        self._running_lock = threading.Lock()
         self.pending_outcomes: dict[Key, Outcome] = {}
         self.pending_started: dict[Key, int | None] = {}
         self.pending_progress: dict[Key, float] = {}
@@ -192,7 +204,6 @@ class Agent:
         self._node_state = "active"
         self._node_limits: dict[str, Any] = {}
         self._node_at = -NODE_REFRESH_SECONDS
-        self._heartbeat_at = 0.0
         self._disk_at = 0.0
         self._scratch_at = 0.0
         self._paused = False
@@ -207,6 +218,10 @@ class Agent:
         # Behind a pooler a claim only tries a capped service's lock (jobs.claim.claim_round).
         self._pooled = daemon.db_pooler() is not None
         self._contended_backoff = daemon.Backoff(base=0.01, cap=self.poll_interval)
+        # A claim waits for any lock at most this long. After a wait that ran out, claims only try
+        # capped services' locks (as behind a pooler) until a claim finds all of them free again.
+        self.claim_lock_wait = accs.claim_lock_wait_sec
+        self._locks_busy = False
         self._notified = False  # the last wait ended with a NOTIFY
         self._listen: psycopg.Connection | None = None
         self._listen_retry_at = 0.0
@@ -219,7 +234,11 @@ class Agent:
                                          extra=self.extra)
         self._closed = threading.Event()
         self.stats = {"claimed": 0, "done": 0, "failed": 0, "fenced": 0, "repeated": 0, "expired": 0,
-                      "contended": 0}
+                      "contended": 0, "waited_out": 0, "lost": 0, "cancel_requested": 0}
+        self.renewal = LeaseRenewal(node=node, agent_id=self.agent_id, agent_lease=self.lease_seconds,
+                                    claim_lock_wait=self.claim_lock_wait, held=self._held_leases,
+                                    on_answer=self._renewed, stall_limit=STALL_LIMIT_SECONDS, logger=log,
+                                    extra=self.extra)
         self.known_services: list[str] = []
         self.unknown_services: list[str] = []
         self.registered = False  # the node row is ours to sign off only once we registered it
@@ -272,9 +291,11 @@ class Agent:
         threading.Thread(target=self._watchdog, name="accs-lease-watchdog", daemon=True).start()
         self.stall.start()
         try:
-            # Connection pool: all threads share POOL_SIZE connections from here on (after the
-            # first connection, so a refused one is reported as it is, not as a pool timeout).
+            # Connection pool: all threads but the lease renewal's share POOL_SIZE connections from
+            # here on (after the first connection, so a refused one is reported as it is, not as a
+            # pool timeout).
             daemon.use_shared_pool(max_size=POOL_SIZE)
+            self.renewal.start()
             if not self._until_ok("check services", self._check_services):
                 return 0
             if self.unknown_services:
@@ -347,9 +368,6 @@ class Agent:
         now = time.monotonic()
         if now - self._node_at >= NODE_REFRESH_SECONDS:
             self._refresh_node(now)
-        if self.running and now - self._heartbeat_at >= self._heartbeat_every():
-            self._heartbeat_at = now
-            self._step("heartbeat", self._heartbeat)
         if now - self._disk_at >= DISK_SAMPLE_SECONDS:
             self._disk_at = now
             self._step("disk sample", self._sample_disk)
@@ -364,13 +382,6 @@ class Agent:
         self._step("services", self._load_services)
         self._step("claiming pause", self._refresh_pause)
         self._step("governor", self._refresh_governor)
-
-    def _heartbeat_every(self) -> float:
-        """Renew every third of the shortest lease held (at most every third of the agent's own).
-
-        Not longer than the agent's own: the heartbeat also brings operators' cancels.
-        """
-        return min([self.lease_seconds, *(item.lease for item in self._running_items())]) / 3
 
     def _check_drain_deadline(self) -> None:
         """Past the drain deadline, stop running tasks as a second signal would (handed back, interrupted)."""
@@ -408,6 +419,7 @@ class Agent:
             log.error("exiting with %d unreported outcome(s); their leases will expire and the builder will "
                       "rescue them", len(self.pending_outcomes), extra=self.extra)
         self._closed.set()
+        self.renewal.close()
         self.stall.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.registered and not self.abandon:
@@ -519,14 +531,16 @@ class Agent:
         self._claim_in_doubt = True
         answer = claim_round([s.spec for s in services], self._limits(), agent_id=self.agent_id, free_slots=free,
                              lease_seconds=self.lease_seconds, pid=os.getpid(), exclude=exclude,
-                             priority_adjust=adjust, try_capped=self._pooled)
-        tasks = answer.tasks
+                             priority_adjust=adjust, try_capped=self._pooled or self._locks_busy,
+                             lock_wait=self.claim_lock_wait)
+        tasks, renewed_at = self._renew_if_late(answer.tasks, renewed_at=renewed_at)
         for task in tasks:
             self._start(task, by_key[task.service_key], renewed_at=renewed_at)
         self._claim_in_doubt = False
         self._claim_filled = len(tasks) >= free
-        self._claim_contended = bool(answer.contended)
-        if not answer.contended:
+        self._claim_contended = bool(answer.contended) or answer.waited_out
+        self._note_lock_waits(answer.waited_out, busy=bool(answer.contended))
+        if not self._claim_contended:
             self._contended_backoff.reset()
         else:
             self.stats["contended"] += 1
@@ -534,6 +548,44 @@ class Agent:
             self.stats["claimed"] += len(tasks)
             log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
         return len(tasks)
+
+    def _renew_if_late(self, tasks: list[ClaimedTask], *, renewed_at: float) -> tuple[list[ClaimedTask], float]:
+        """Renew the leases of a claim that took a renewal period or more; return the tasks still ours.
+
+        The claim's leases begin once it holds its locks, but the agent counts them from before its
+        request (so the database's lease never ends first): after a long wait for a lock, the
+        local deadline of the tasks just claimed would be near or past. A renewal now moves it.
+        """
+        if not tasks:
+            return tasks, renewed_at
+        leases = {(t.id, t.attempt): t.lease_seconds or self.lease_seconds for t in tasks}
+        if time.monotonic() - renewed_at < min(leases.values()) / 3:
+            return tasks, renewed_at
+        renewed_at = time.monotonic()  # before the request: the renewed lease starts no earlier
+        lost, _ = transitions.heartbeat(list(leases), agent_id=self.agent_id, lease_seconds=leases)
+        for task in tasks:
+            if (task.id, task.attempt) in lost:
+                log.warning("task %s attempt %d: lost before it started (its claim waited long)", task.id,
+                            task.attempt, extra={**self.extra, "task_id": task.id})
+        return [t for t in tasks if (t.id, t.attempt) not in lost], renewed_at
+
+    def _note_lock_waits(self, waited_out: bool, *, busy: bool) -> None:
+        """Leave the waiting for capped services' locks after a wait that ran out; come back once they are free.
+
+        Logged once each way, not once per claim: a site may hold a capped service's lock for hours.
+        """
+        if waited_out:
+            self.stats["waited_out"] += 1
+            if not self._locks_busy:
+                self._locks_busy = True
+                log.warning("a claim waited %gs for a lock (another claimer, or a site pausing a capped service) "
+                            "and gave up; claiming the other services without waiting for capped services' locks "
+                            "until they are free", self.claim_lock_wait, extra=self.extra)
+        elif self._locks_busy and not busy:
+            self._locks_busy = False
+            log.info("no lock was busy at the last claim%s", "" if self._pooled else
+                     f"; claims wait for capped services' locks again (at most {self.claim_lock_wait:g}s)",
+                     extra=self.extra)
 
     def _adopt(self) -> None:
         """Run the tasks a claim whose answer was lost gave this agent (found by its identity)."""
@@ -573,6 +625,7 @@ class Agent:
         lease_seconds = task.lease_seconds or self.lease_seconds
         with self._running_lock:
             self.running[key] = Running(task, ctx, renewed_at=renewed_at, lease=lease_seconds)
+        self.renewal.poke()  # its lease may be shorter than any held so far
         executor = self.executors[service.executor]
 
         def work() -> None:
@@ -618,14 +671,17 @@ class Agent:
                 log.exception("lease watchdog failed", extra=self.extra)
 
     def _expire_overdue(self, now: float) -> None:
-        for item in self._running_items():
-            if item.expired or now - item.renewed_at < item.lease - item.margin:
-                continue
-            item.expired = True
+        with self._running_lock:
+            overdue = [item for item in self.running.values()
+                       if not item.expired and now - item.renewed_at >= item.lease - item.margin]
+            for item in overdue:
+                item.expired = True
+        for item in overdue:
             self.stats["expired"] += 1
             # The database unreachable: the outage stopped the work, not the task (it is queued
-            # again without using its retry budget).
-            outage = self.guard.outage_since is not None
+            # again without using its retry budget). The renewals say so first; a loop that cannot
+            # reach it either says so too.
+            outage = self.renewal.outage_since is not None or self.guard.outage_since is not None
             log.warning("lease of task %s attempt %d not renewed for %.1fs%s: stopping it before the builder hands "
                         "it to another agent", item.task.id, item.task.attempt, now - item.renewed_at,
                         " (the database is unreachable)" if outage else "",
@@ -646,6 +702,9 @@ class Agent:
             except queue.Empty:
                 break
             kind, key = message[0], message[1]
+            if kind == "lease":  # the renewal's news: the attempt was already stopped in its thread
+                self.stats[message[2]] += 1
+                continue
             item = self.running.get(key)
             if item is None:
                 continue  # nothing arrives after "done"; a message for an unknown attempt is dropped
@@ -791,24 +850,43 @@ class Agent:
                 log.info("task %s attempt %s %s: %s", o.task_id, o.attempt, o.status, o.error,
                          extra={**self.extra, "task_id": o.task_id})
 
-    def _heartbeat(self) -> None:
-        items = [item for item in self._running_items() if not item.expired]
-        if not items:
-            return
-        renewed_at = time.monotonic()  # before the request: the renewed lease starts no earlier
-        lost, cancel = transitions.heartbeat([item.key for item in items], agent_id=self.agent_id,
-                                             lease_seconds={item.key: item.lease for item in items})
-        for item in items:
-            if item.key in lost:
-                log.warning("stopping task %s attempt %d: lease lost", item.task.id, item.task.attempt,
-                            extra={**self.extra, "task_id": item.task.id})
-                item.ctx.stop("lost", kill_grace=item.margin / 3)
-                continue
-            item.renewed_at = renewed_at
-            if item.key in cancel:
+    # ------------------------------------------------------------------ lease renewal (its thread)
+    def _held_leases(self) -> dict[Key, Held]:
+        """Return the attempts whose leases the renewal keeps: running, neither overdue nor lost."""
+        with self._running_lock:
+            return {key: Held(item.lease, item.renewed_at) for key, item in self.running.items() if not item.expired}
+
+    def _renewed(self, answer: Answer) -> None:
+        """Take in what a renewal learnt (called in the renewal's thread), keyed by (task, attempt).
+
+        An attempt no longer running here is left alone; one the watchdog already stopped stays
+        stopped. Lost and canceled attempts are stopped at once, and the news goes to the main
+        loop through the inbox.
+        """
+        lost, cancel = [], []
+        with self._running_lock:
+            for key in answer.renewed:
+                item = self.running.get(key)
+                if item is not None and not item.expired:
+                    item.renewed_at = max(item.renewed_at, answer.at)
+                    if key in answer.cancel:
+                        cancel.append(item)
+            for key in answer.lost:
+                item = self.running.get(key)
+                if item is not None and not item.expired:
+                    item.expired = True  # not renewed again; the watchdog has nothing left to stop
+                    lost.append(item)
+        for item in lost:
+            log.warning("stopping task %s attempt %d: lease lost", item.task.id, item.task.attempt,
+                        extra={**self.extra, "task_id": item.task.id})
+            item.ctx.stop("lost", kill_grace=item.margin / 3)
+            self.inbox.put(("lease", item.key, "lost"))
+        for item in cancel:
+            if not item.ctx.cancel.is_set():
                 log.warning("stopping task %s attempt %d: cancel requested", item.task.id, item.task.attempt,
                             extra={**self.extra, "task_id": item.task.id})
-                item.ctx.stop("cancel")
+                self.inbox.put(("lease", item.key, "cancel_requested"))
+            item.ctx.stop("cancel")
 
     # ------------------------------------------------------------------ waiting
     def _wake(self) -> None:
@@ -871,8 +949,6 @@ class Agent:
         timeout = self.poll_interval * random.uniform(0.8, 1.2)
         if limit is not None:
             timeout = min(timeout, limit)
-        if self.running:
-            timeout = min(timeout, self._heartbeat_every())
         if self._drain_deadline is not None and not self.stop_now:  # wake up when the drain time is over
             timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
         fds = [self._wake_r]

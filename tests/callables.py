@@ -48,3 +48,18 @@ def inputs_of(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
     """Return what the task received from its parent steps, whole and through ``task_output``."""
     assert ctx is not None
     return {"inputs": ctx.inputs, "task_output": {key: ctx.task_output(key) for key in params.get("parents", [])}}
+
+
+def until_released(params: dict[str, Any], ctx: Any = None) -> dict[str, Any]:
+    """Work until the file ``params["release"]`` exists (at most ``params["limit"]`` seconds, 120 by
+    default), or until stopped: a task whose length the test decides."""
+    import pathlib
+    import time
+
+    release = pathlib.Path(params["release"])
+    deadline = time.monotonic() + float(params.get("limit", 120))
+    while not release.exists() and time.monotonic() < deadline:
+        if ctx is not None and ctx.cancel.is_set():
+            return {"released": False}
+        time.sleep(0.02)
+    return {"released": release.exists()}
