@@ -1,0 +1,100 @@
+"""The operators' fourth round in a real browser (headless Chromium against a live server): one theme that
+reads in light and dark (the admin's toggle and the browser's preference), a node whose heartbeats stopped
+named suspect within seconds with the services only it serves, every stuck line linked to its cause.
+
+Set ``ACCS_SCREENSHOT_DIR=docs/screenshots`` to refresh the screenshots docs/operators.md links.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.ops_helpers import make_user, pipeline_scene, two_tenants
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+# WCAG contrast of an element's text (or an SVG shape's fill) against the first opaque background behind it.
+CONTRAST_JS = """
+const [el, prop] = arguments;
+const parse = s => (s.match(/[\\d.]+/g) || []).map(Number);
+const lum = c => { const a = c.slice(0, 3).map(v => { v /= 255; return v <= 0.03928 ? v / 12.92
+                                                      : Math.pow((v + 0.055) / 1.055, 2.4); });
+                   return 0.2126 * a[0] + 0.7152 * a[1] + 0.0722 * a[2]; };
+let ground = [255, 255, 255];
+for (let n = el.parentElement; n; n = n.parentElement) {
+  const c = parse(getComputedStyle(n).backgroundColor);
+  if (c.length === 3 || (c.length === 4 && c[3] > 0.5)) { ground = c; break; }
+}
+const ink = parse(getComputedStyle(el)[prop]);
+const [hi, lo] = [lum(ink), lum(ground)].sort((a, b) => b - a);
+return [(hi + 0.05) / (lo + 0.05), lum(ground)];
+"""
+
+
+def contrast(browser, element, prop: str = "color") -> tuple[float, float]:
+    """Return (contrast ratio of the element's ``prop`` colour to its background, the background's luminance)."""
+    ratio, ground = browser.execute_script(CONTRAST_JS, element, prop)
+    return float(ratio), float(ground)
+
+
+def luminance(browser, element, prop: str) -> float:
+    """Return the brightness (0 black … 1 white) of an element's ``prop`` colour."""
+    return float(browser.execute_script(
+        "const c = (getComputedStyle(arguments[0])[arguments[1]].match(/[\\d.]+/g) || []).map(Number);"
+        "return (0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2]) / 255;", element, prop))
+
+
+def logged_in(browser, live_server) -> str:
+    make_user("root", superuser=True)
+    log_in(browser, live_server.url, "root")
+    return live_server.url
+
+
+def assert_readable(browser, *, theme: str) -> None:
+    """The dashboard's stuck box, its charts and (on the job page) the DAG read in ``theme``."""
+    lines = css(browser, "#accs-stuck li")
+    assert lines, "a stuck line to read"
+    for el in [*lines, css(browser, "#accs-stuck h2")[0]]:
+        ratio, _ground = contrast(browser, el)
+        assert ratio >= 4.5, f"{theme}: stuck text {el.text[:40]!r} has contrast {ratio:.1f} (< 4.5)"
+    _ratio, ground = contrast(browser, lines[0])
+    assert (ground < 0.2) == (theme == "dark"), f"{theme}: the stuck box's ground has luminance {ground:.2f}"
+    chart = css(browser, "svg.accs-chart > rect:first-child")[0]
+    ground = luminance(browser, chart, "fill")
+    assert (ground < 0.3) == (theme == "dark"), f"{theme}: a chart's ground has brightness {ground:.2f}"
+
+
+def test_stuck_box_charts_and_dag_read_in_light_and_dark(browser, live_server, shots):
+    scene = pipeline_scene(two_tenants())  # 'notify' is stuck (no agent serves it), attempts for the charts
+    base = logged_in(browser, live_server)
+
+    for theme in ("light", "dark"):
+        browser.execute_script(f"localStorage.setItem('theme', '{theme}')")  # the admin's theme toggle
+        browser.get(f"{base}/admin/dashboard/?refresh=60")
+        wait(browser, lambda d: css(d, "#accs-stuck li"), "the stuck panel")
+        assert browser.execute_script("return document.documentElement.dataset.theme") == theme
+        assert_readable(browser, theme=theme)
+        if theme == "dark":
+            full_page_screenshot(browser, shots / "dashboard_dark.png")
+
+    # "auto" follows the browser: a dark preference darkens the job page's DAG and keeps its legend legible.
+    browser.execute_script("localStorage.setItem('theme', 'auto')")
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia",
+                            {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    browser.get(f"{base}/admin/jobs/job/{scene.failed.pk}/change/?refresh=60")
+    wait(browser, lambda d: css(d, "svg.accs-dag"), "the DAG picture")
+    wrap = css(browser, ".accs-dag-wrap")[0]
+    assert luminance(browser, wrap, "backgroundColor") < 0.3, "the DAG's panel is dark"
+    legend = [t for t in css(browser, "svg.accs-dag > text") if t.text]
+    assert legend, "the DAG's legend"
+    for text in legend:
+        ratio, _ground = contrast(browser, text, "fill")
+        assert ratio >= 4.5, f"legend {text.text!r} has contrast {ratio:.1f} on the dark panel"
+    full_page_screenshot(browser, shots / "job_page_dark.png")
+
+    browser.get(f"{base}/admin/dashboard/?refresh=60")
+    wait(browser, lambda d: css(d, "#accs-stuck li"), "the stuck panel")
+    assert_readable(browser, theme="dark")
+    browser.set_window_size(390, 844)
+    full_page_screenshot(browser, shots / "dashboard_phone_dark.png")
