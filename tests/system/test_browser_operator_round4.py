@@ -98,3 +98,65 @@ def test_stuck_box_charts_and_dag_read_in_light_and_dark(browser, live_server, s
     assert_readable(browser, theme="dark")
     browser.set_window_size(390, 844)
     full_page_screenshot(browser, shots / "dashboard_phone_dark.png")
+
+
+def test_a_silent_node_is_suspect_in_seconds_and_the_stuck_line_names_and_links_it(browser, live_server):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs import api
+    from nodes.api import stale_after_seconds
+    from nodes.models import Node
+    from tests.ops_helpers import _service
+
+    tenants = two_tenants()
+    _service("render")
+    for _ in range(2):
+        api.start_service("render", tenant=tenants.acme)
+    assert stale_after_seconds() < 25 < 600, "suspect in seconds, long before ACC_NODE_LOST_AFTER_SEC"
+    # The agent on render-1 was killed 25 s ago: still "online" (lost only after 10 min), but silent.
+    Node.objects.create(name="render-1", services=["render"], awake_state="awake",
+                        last_seen=timezone.now() - timedelta(seconds=25))
+    Node.objects.create(name="other-1", services=["fetch"], awake_state="awake", last_seen=timezone.now())
+    base = logged_in(browser, live_server)
+
+    browser.get(f"{base}/admin/dashboard/?refresh=60")
+    line = 'li[data-reason="suspect"][data-service="render"]'
+    wait(browser, lambda d: css(d, line), "a stuck line for the suspect node")
+    text = css(browser, line)[0].text
+    assert "2 tasks of 'render' wait: the only node serving it, render-1, has not been seen for 2" in text, text
+    row = css(browser, 'tr[data-node="render-1"]')[0]
+    assert row.get_attribute("data-stale") == "1" and "suspect" in row.text, row.text
+    assert css(browser, 'tr[data-node="other-1"]')[0].get_attribute("data-stale") == "0"
+
+    links = {a.text: a.get_attribute("href") for a in css(browser, f"{line} .accs-stuck-links a")}
+    assert set(links) == {"node render-1", "the tasks"}, links
+    browser.get(links["the tasks"])
+    wait(browser, lambda d: css(d, "#changelist"), "the tasks list")
+    assert len(css(browser, "#result_list tbody tr")) == 2, "the link lists the tasks the line counts"
+    browser.get(links["node render-1"])
+    wait(browser, lambda d: css(d, "#content h2, #content h1"), "the node page")
+    assert "/admin/nodes/node/render-1/change/" in browser.current_url
+
+
+def test_a_governor_stuck_line_links_its_condition(browser, live_server):
+    from jobs import api
+    from nodes.api import register_node
+    from tests.ops_helpers import _service
+
+    _service("encode", block_during=["live_session"])
+    api.start_service("encode", tenant=two_tenants().acme)
+    register_node("enc-1", labels={}, services=["encode"], agent_id="h:enc-1:1")
+    api.raise_condition("live_session", reason="studio A is live", by="alice")
+    base = logged_in(browser, live_server)
+
+    browser.get(f"{base}/admin/dashboard/?refresh=60")
+    line = 'li[data-reason="governor"][data-service="encode"]'
+    wait(browser, lambda d: css(d, line), "the governor's stuck line")
+    links = {a.text: a.get_attribute("href") for a in css(browser, f"{line} .accs-stuck-links a")}
+    assert set(links) == {"condition live_session", "the tasks"}, links
+    browser.get(links["condition live_session"])
+    wait(browser, lambda d: css(d, "#changelist"), "the conditions list")
+    assert [r.text.split()[0] for r in css(browser, "#result_list tbody tr th, #result_list tbody tr td.field-name")
+            if r.text][:1] == ["live_session"]
