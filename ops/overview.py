@@ -32,6 +32,7 @@ from accs_site.conf import accs
 from accs_site.dbrouter import read_connection, replica_lag
 from jobs.claim import params_key_sql
 from nodes.api import stale_after_seconds
+from workflows.governor import PAUSE_PREFIX, paused_service_key
 from workflows.models import GovernorCondition
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
@@ -408,6 +409,11 @@ class Condition:
     cleared_at: datetime | None
     raised_by: str
 
+    @property
+    def paused_service(self) -> str | None:
+        """The service this condition pauses (``pause-<key>``), None for any other condition."""
+        return paused_service_key(self.name)
+
 
 def governor_conditions(*, now: datetime | None = None) -> list[Condition]:
     """Return the governor conditions, those holding first."""
@@ -608,6 +614,7 @@ class Stuck:
     DRAINING = "draining"  # every node serving it is draining
     LABELS = "labels"  # live agents serve it, but none has the labels it requires
     GOVERNOR = "governor"  # a governor condition it is blocked during holds
+    PAUSED = "paused"  # an operator paused the service
     AT_CAP = "at_cap"  # as many of its tasks run as its global cap allows
     QUARANTINED_HOST = "quarantined_host"  # tasks bound to a host in quarantine
     RATE_LIMIT = "rate_limit"  # the service used every start its rate limit allows in the window
@@ -755,6 +762,13 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
             wanted = ", ".join(f"{k}={v}" for k, v in sorted(required.items()))
             add(Stuck.LABELS, per_tenant, "{tasks} queued for '{key}' and no live agent serving it has its labels",
                 f"it requires {wanted}" + (f"; live: {', '.join(n.name for n in live)}" if show_nodes else ""))
+        if (pause := holding.get(PAUSE_PREFIX + key)) is not None:
+            until = f"until {pause.expires_at:%Y-%m-%d %H:%M}" if pause.expires_at else "until resumed"
+            add(Stuck.PAUSED, per_tenant, "{tasks} queued for '{key}', which is paused",
+                f"paused by {pause.raised_by or 'api'}" + (f" at {pause.raised_at:%Y-%m-%d %H:%M}" if pause.raised_at
+                                                           else "") + f", {until}: {pause.reason}",
+                links=(_link("resume it", f"{reverse('admin:workflows_service_changelist')}?q={key}"),)
+                if show_nodes else ())
         for name in block_during or []:
             if name in holding:
                 c = holding[name]
@@ -896,6 +910,7 @@ class Overview:
     stale_after: float = 0.0
     stuck: list[StuckReason] = field(default_factory=list)
     flow: list[FlowLimit] = field(default_factory=list)
+    paused: list[Condition] = field(default_factory=list)  # the pauses of services that hold now
     # The read replica's lag (accs_site.dbrouter.replica_lag), None without ACC_READ_DB_URL.
     replica: dict[str, Any] | None = None
 
@@ -938,6 +953,7 @@ def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
         stuck=stuck_reasons(nodes=nodes, conditions=conditions, tenant_ids=tenant_ids, show_nodes=include_infra,
                             flow=flow),
         flow=flow,
+        paused=[c for c in conditions if c.holds and c.paused_service],
         replica=replica_lag() if include_infra else None,
     )
 

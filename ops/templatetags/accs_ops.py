@@ -75,7 +75,7 @@ def figure(n: int, url: str) -> str:
 
 
 STUCK_LABELS = {"no_agent": "no agent", "suspect": "suspect node", "draining": "draining", "labels": "labels",
-                "governor": "governor",
+                "governor": "governor", "paused": "paused",
                 "at_cap": "at cap", "quarantined_host": "quarantine", "rate_limit": "rate limit",
                 "key_rate_limit": "key rate", "key_cap": "key cap", "approval": "approval", "scheduled": "scheduled",
                 "admission": "admission", "backoff": "backoff"}
