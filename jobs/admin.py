@@ -25,8 +25,22 @@ from uuid import UUID
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import BinaryField, DurationField, ExpressionWrapper, F, ForeignKey, Func, Q, QuerySet
-from django.db.models.functions import Now
+from django.db.models import (
+    BinaryField,
+    Case,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    ForeignKey,
+    Func,
+    JSONField,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    When,
+)
+from django.db.models.functions import JSONObject, Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -55,7 +69,7 @@ from accs_site.admin_kit import (
 )
 from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
-from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
+from jobs.models import ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Trigger, TriggerType
 from jobs.progress import attempt_text, job_progress, job_progress_subquery
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
 from tenants.models import Tenant
@@ -67,18 +81,48 @@ from workflows.validation import DefinitionError
 # Bulk redrive: "Redrive all matching…" on the task and job lists
 # --------------------------------------------------------------------------------------------
 
-FULL_UUID = re.compile(r"\b([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+FULL_UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+
+
+def failed_task_subquery() -> Case:
+    """The first task of a failed job that failed for good: its step, key, node, host and error, as JSON.
+
+    Only for jobs in error (a CASE: the other rows read nothing), one probe of the job's tasks by the
+    (job, task_key) index per listed failed job.
+    """
+    first = (Task.objects.filter(job_id=OuterRef("pk"), status=TaskStatus.ERROR).order_by("finished_at", "id")
+             .values(failed=JSONObject(step="step_key", task="task_key", node="node", host="host__name",
+                                       error="error_message"))[:1])
+    return Case(When(status=JobStatus.ERROR, then=Subquery(first, output_field=JSONField())), default=None,
+                output_field=JSONField())
+
+
+def failed_task_words(failed: dict[str, Any]) -> str:
+    """Say which task failed where and why: ``step render · render@studio-4 on node-t, host studio-4: …``."""
+    step, task = failed.get("step") or "", failed.get("task") or ""
+    named = f"step {step}" + (f" · {task}" if task and task != step else "") if step else f"task {task}"
+    where = ", ".join(x for x in (failed.get("node") and f"on {failed['node']}",
+                                  failed.get("host") and f"host {failed['host']}") if x)
+    return f"{named}{' ' + where if where else ''}: {failed.get('error') or 'failed'}"
 
 
 def error_cell(row: Job | Task) -> str:
-    """Render a job's or task's error for a list row: ids shortened to 8 characters, cut at 80; the whole
-    text as its title; nothing when it has no error."""
+    """Render a job's or task's error for a list row, cut at 80 characters, the whole text as its title;
+    nothing when it has no error.
+
+    A failed job says which task failed, on which node and host, and why (``failed_task`` annotated by
+    :func:`failed_task_subquery`); other ids in a text are shown by their short id (the digits that
+    tell them apart, and that the search finds), never by their first digits (a time-ordered id's
+    first digits are its minute, shared by every job of that minute).
+    """
     message, code = row.error_message, row.error_code
+    if failed := getattr(row, "failed_task", None):
+        message, code = failed_task_words(failed), ""
     if not message:
         return ""
+    message = FULL_UUID.sub(lambda m: ids.short_id(m.group(0)), message)
     whole = f"{code}: {message}" if code else message
-    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole,
-                       Truncator(FULL_UUID.sub(r"\1", message)).chars(80))
+    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole, Truncator(message).chars(80))
 
 
 class RedriveForm(forms.Form):
@@ -293,6 +337,7 @@ class JobAdmin(RedriveAdmin):
             age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
             run_interval=run_interval(),
             tasks_share=job_progress_subquery(),
+            failed_task=failed_task_subquery(),
         )
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Job],

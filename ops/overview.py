@@ -18,6 +18,7 @@ No exact ``COUNT(*)`` over a whole table happens here.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
@@ -455,6 +456,23 @@ class Failure:
     error: str
     final: bool
     tenant: str
+
+    @property
+    def said(self) -> str:
+        """The attempt's end in one phrase, ``failed (exit 1): disk full``: the exit code said once."""
+        return attempt_end_words(self.status, self.exit_code, self.error)
+
+
+def attempt_end_words(status: str, exit_code: int | None, error: str) -> str:
+    """Say how an attempt ended: its status, its exit code, then its error without repeating the code.
+
+    Executors start a process's error with its exit code (``exit code 1: …``); said after
+    ``failed (exit 1)`` it would be said twice.
+    """
+    head = f"{status} (exit {exit_code})" if exit_code is not None else status
+    if exit_code is not None:
+        error = re.sub(rf"^\s*exit(?: code)? {exit_code}\s*(?::\s*|$)", "", error or "")
+    return f"{head}: {error}" if error else head
 
 
 def recent_failures(*, tenant_ids: set[UUID] | None = None, limit: int = 10,

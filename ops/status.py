@@ -183,7 +183,7 @@ def _failures(data: Overview, style: Style, *, took: float) -> list[str]:
     _heading(out, style, "Recent failures")
     rows = [[timezone.localtime(f.at).strftime("%H:%M:%S") if f.at else "—", short_id(f.job_id), f.task_key, f.service,
              f.node, f"{f.attempt}/{f.max_attempts}" + (" DEAD" if f.final else ""),
-             (f.status + (f" exit {f.exit_code}" if f.exit_code is not None else "") + ": " + f.error)[:70]]
+             f.said[:70]]
             for f in data.failures]
     for line in table(["at", "job", "task", "service", "node", "attempt", "error"], rows):
         out(line)
