@@ -11,6 +11,7 @@ from hypothesis import given, strategies as st
 
 from jobs import api
 from jobs.admin import failed_task_words
+from jobs.models import Task
 from ops.overview import attempt_end_words
 from tests.ops_helpers import pipeline_scene, two_tenants
 
@@ -79,3 +80,50 @@ def test_failed_task_words_name_a_fanned_out_task_once_and_a_single_one_by_its_s
         "step fetch on n1: boom"
     assert failed_task_words({"step": "render", "task": "render@s4", "node": "", "host": "s4", "error": ""}) == \
         "step render · render@s4 host s4: failed"
+
+
+def test_events_attempts_and_artifacts_rows_link_their_job_task_and_node(root, client,
+                                                                         django_assert_max_num_queries):
+    scene = pipeline_scene(two_tenants())
+    job_url = reverse("admin:jobs_job_change", args=[scene.failed.pk])
+    task = scene.failed.tasks.get(task_key="render@studio-4")
+    task_link = f'<a href="{reverse("admin:jobs_task_change", args=[task.pk])}">render@studio-4</a>'
+    for name in ("event", "attempt"):
+        app = "events" if name == "event" else "jobs"
+        url = reverse(f"admin:{app}_{name}_changelist")
+        client.get(url)
+        with django_assert_max_num_queries(25):  # links read with the rows, not per row
+            page = client.get(url, {"q": str(task.pk)}).content.decode()
+        assert task_link in page, f"{name} rows link their task by its key"
+        assert f'href="{job_url}"' in page, f"{name} rows link their job"
+        assert re.search(r'<td class="field-job_link"><a href="[^"]+">[0-9a-f]{10}</a>', page), "by its short id"
+    attempts = client.get(reverse("admin:jobs_attempt_changelist")).content.decode()
+    assert f'href="{reverse("admin:nodes_node_change", args=["node-t"])}"' in attempts, "attempts link their node"
+
+
+def test_a_redrive_returns_to_the_list_as_it_was_filtered(root, client):
+    tenants = two_tenants()
+    from tests.ops_helpers import failed_service_job
+
+    failed_service_job(tenants.acme)
+    service_id = Task.objects.get().service_id
+    query = f"service__id__exact={service_id}&status__exact=error"
+    url = reverse("admin:jobs_task_redrive") + "?" + query
+    answer = client.post(url, {"service": "flaky", "confirm": "1"})
+    assert answer.status_code == 302
+    assert answer["Location"] == reverse("admin:jobs_task_changelist") + "?" + query
+
+
+def test_recent_actions_and_history_say_retry_not_changed(root, client):
+    from tests.ops_helpers import failed_service_job
+
+    tenants = two_tenants()
+    jobs = [failed_service_job(tenants.acme, key=f"flaky-{i}") for i in range(2)]
+    client.post(reverse("admin:jobs_job_changelist"), {"action": "retry_jobs",
+                                                       "_selected_action": [j.pk for j in jobs]})
+    index = client.get(reverse("admin:index")).content.decode()
+    said = re.findall(r'class="mini accs-action-said">([^<]*)<', index)
+    assert len(said) == 2 and all(s.startswith("Retry: job back to waiting") for s in said), said
+    assert "Changed:" not in index
+    history = client.get(reverse("admin:jobs_job_history", args=[jobs[0].pk])).content.decode()
+    assert "<td>Retry: job back to waiting; 1 task(s) reset</td>" in history
