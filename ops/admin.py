@@ -73,23 +73,27 @@ class NodePageAdmin(NodeAdmin):
                           lambda node: node_page_context(request, node, can_act=self.has_act_permission(request, node)))
 
 
+#: What an empty cell shows, as Django's lists do.
+EMPTY = admin.site.empty_value_display
+
+
 def job_link(job_id: Any) -> str:
     """A job's short id, linking to its page; a dash for none."""
     if not job_id:
-        return "—"
+        return EMPTY
     return format_html('<a href="{}">{}</a>', reverse("admin:jobs_job_change", args=[job_id]), ids.short_id(job_id))
 
 
 def task_link(task_id: Any, task: Task | None) -> str:
     """A task's key (its short id once the task is gone), linking to its page; a dash for none."""
     if not task_id:
-        return "—"
+        return EMPTY
     label = task.task_key if task is not None else ids.short_id(task_id)
     return format_html('<a href="{}">{}</a>', reverse("admin:jobs_task_change", args=[task_id]), label)
 
 
 def node_link(name: str) -> str:
-    return format_html('<a href="{}">{}</a>', reverse("admin:nodes_node_change", args=[name]), name) if name else "—"
+    return format_html('<a href="{}">{}</a>', reverse("admin:nodes_node_change", args=[name]), name) if name else EMPTY
 
 
 class LinkedRowsMixin(admin.ModelAdmin):
