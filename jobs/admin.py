@@ -297,7 +297,7 @@ class JobAdmin(RedriveAdmin):
                         "id's first characters (4 or more hex digits), "
                         "else an exact external id / dedupe key / correlation id, workflow name or service key, "
                         "or a part (3+ characters, any case) of the job's or one of its tasks' errors.")
-    list_select_related = ("tenant", "workflow", "service")
+    list_select_related = ("tenant", "workflow", "service", "created_by")
     ordering = ("-created_at",)  # job_created_idx
     actions = bulk_actions(JOB_ACTIONS, "jobs")
     redrive_jobs = True
@@ -382,6 +382,25 @@ class JobAdmin(RedriveAdmin):
                                       f"only the jobs of the first {ERROR_SEARCH_LIMIT:,} found are listed. "
                                       "Search a longer part of the error to see them all.", fail_silently=True)
         return queryset.filter(match | Q(pk__in=set(rows[:ERROR_SEARCH_LIMIT]))), False
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """The pending-approval list (filtered on approval pending) adds who asked and with which params."""
+        if request.GET.get("approval_state__exact") == ApprovalState.PENDING:
+            return (*self.list_display[:3], "requested_by", "params_shown", *self.list_display[3:])
+        return self.list_display
+
+    @admin.display(description="requested by")
+    def requested_by(self, obj: Job) -> str:
+        return obj.created_by.get_username() if obj.created_by_id and obj.created_by else (obj.source or "—")
+
+    @admin.display(description="params")
+    def params_shown(self, obj: Job) -> str:
+        """The job's params (a service job's, or each step's), secrets shown as ***."""
+        params = obj.step_params or {}
+        if obj.service_id and obj.service and set(params) <= {obj.service.key}:
+            params = params.get(obj.service.key, {})
+        text = json.dumps(redact_params(params), sort_keys=True)
+        return format_html('<code title="{}">{}</code>', text, Truncator(text).chars(80))
 
     @admin.display(description="job", ordering="id")
     def short_id(self, obj: Job) -> str:

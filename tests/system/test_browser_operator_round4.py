@@ -160,3 +160,42 @@ def test_a_governor_stuck_line_links_its_condition(browser, live_server):
     wait(browser, lambda d: css(d, "#changelist"), "the conditions list")
     assert [r.text.split()[0] for r in css(browser, "#result_list tbody tr th, #result_list tbody tr td.field-name")
             if r.text][:1] == ["live_session"]
+
+
+def test_the_creator_sees_why_not_to_approve_and_the_pending_list_shows_requester_and_params(browser, live_server,
+                                                                                              shots):
+    from jobs import api
+    from tests.ops_helpers import _service
+
+    tenants = two_tenants()
+    alice = make_user("alice", tenants={tenants.acme: "admin"})
+    make_user("bob", tenants={tenants.acme: "admin"})
+    _service("deploy", requires_approval=True)
+    job = api.start_service("deploy", tenant=tenants.acme, created_by=alice,
+                            params={"release": "v7", "api_token": "s3cr3t-value"})
+    base = live_server.url
+
+    log_in(browser, base, "alice")
+    browser.get(f"{base}/admin/jobs/job/{job.pk}/change/?refresh=60")
+    wait(browser, lambda d: css(d, "#accs-approve-barred"), "the four-eyes note for the job's creator")
+    assert "You started this job: another approver must approve it" in css(browser, "#accs-approve-barred")[0].text
+    assert not css(browser, "#accs-job-approve"), "no Approve button its creator could not use"
+    assert css(browser, "#accs-job-reject"), "the creator may still reject (withdraw) it"
+
+    browser.get(f"{base}/admin/jobs/job/?approval_state__exact=pending")
+    wait(browser, lambda d: css(d, "#result_list"), "the pending-approval list")
+    row = css(browser, "#result_list tbody tr")[0]
+    assert row.find_element("css selector", "td.field-requested_by").text == "alice"
+    params = row.find_element("css selector", "td.field-params_shown").text
+    assert '"release": "v7"' in params and '"api_token": "***"' in params and "s3cr3t" not in browser.page_source
+    full_page_screenshot(browser, shots / "pending_approval.png")
+
+    browser.delete_all_cookies()
+    log_in(browser, base, "bob")
+    browser.get(f"{base}/admin/jobs/job/{job.pk}/change/?refresh=60")
+    wait(browser, lambda d: css(d, "#accs-job-approve"), "the Approve button for another approver")
+    assert not css(browser, "#accs-approve-barred")
+    css(browser, "#accs-job-approve")[0].click()
+    wait(browser, lambda d: css(d, ".messagelist .success"), "the approval's message")
+    job.refresh_from_db()
+    assert job.approval_state == "approved" and job.approved_by == "bob"
