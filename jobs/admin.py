@@ -111,7 +111,7 @@ def failed_task_words(failed: dict[str, Any]) -> str:
 
 
 def error_cell(row: Job | Task) -> str:
-    """Render a job's or task's error for a list row, cut at 80 characters, the whole text as its title;
+    """Render a job's or task's error for a list row, cut at 120 characters, the whole text as its title;
     nothing when it has no error.
 
     A failed job says which task failed, on which node and host, and why (``failed_task`` annotated by
@@ -126,7 +126,7 @@ def error_cell(row: Job | Task) -> str:
         return ""
     message = FULL_UUID.sub(lambda m: ids.short_id(m.group(0)), message)
     whole = f"{code}: {message}" if code else message
-    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole, Truncator(message).chars(80))
+    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole, Truncator(message).chars(120))
 
 
 class RedriveForm(forms.Form):
