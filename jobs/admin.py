@@ -25,7 +25,22 @@ from uuid import UUID
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import BinaryField, DurationField, ExpressionWrapper, F, ForeignKey, Func, Q, QuerySet
+from django.db.models import (
+    BinaryField,
+    Case,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    ForeignKey,
+    Func,
+    JSONField,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+)
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.template.response import TemplateResponse
@@ -55,7 +70,7 @@ from accs_site.admin_kit import (
 )
 from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
-from jobs.models import ApprovalState, Attempt, Job, Task, TaskStatus, Trigger, TriggerType
+from jobs.models import ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Trigger, TriggerType
 from jobs.progress import attempt_text, job_progress, job_progress_subquery
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
 from tenants.models import Tenant
@@ -67,18 +82,51 @@ from workflows.validation import DefinitionError
 # Bulk redrive: "Redrive all matching…" on the task and job lists
 # --------------------------------------------------------------------------------------------
 
-FULL_UUID = re.compile(r"\b([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+FULL_UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+
+
+def failed_task_subquery() -> Case:
+    """The first task of a failed job that failed for good: its step, key, node, host and error, as JSON.
+
+    Only for jobs in error (a CASE: the other rows read nothing), one probe of the job's tasks by the
+    (job, task_key) index per listed failed job.
+    """
+    # jsonb_build_object by hand: Django's JSONObject casts each key to ::text, which the list's plan
+    # tests read as a text comparison of ids.
+    fields = {"step": "step_key", "task": "task_key", "node": "node", "host": "host__name", "error": "error_message"}
+    pairs = [part for key, column in fields.items() for part in (Value(key), F(column))]
+    first = (Task.objects.filter(job_id=OuterRef("pk"), status=TaskStatus.ERROR).order_by("finished_at", "id")
+             .values(failed=Func(*pairs, function="jsonb_build_object", output_field=JSONField()))[:1])
+    return Case(When(status=JobStatus.ERROR, then=Subquery(first, output_field=JSONField())), default=None,
+                output_field=JSONField())
+
+
+def failed_task_words(failed: dict[str, Any]) -> str:
+    """Say which task failed where and why: ``step render · render@studio-4 on node-t, host studio-4: …``."""
+    step, task = failed.get("step") or "", failed.get("task") or ""
+    named = f"step {step}" + (f" · {task}" if task and task != step else "") if step else f"task {task}"
+    where = ", ".join(x for x in (failed.get("node") and f"on {failed['node']}",
+                                  failed.get("host") and f"host {failed['host']}") if x)
+    return f"{named}{' ' + where if where else ''}: {failed.get('error') or 'failed'}"
 
 
 def error_cell(row: Job | Task) -> str:
-    """Render a job's or task's error for a list row: ids shortened to 8 characters, cut at 80; the whole
-    text as its title; nothing when it has no error."""
+    """Render a job's or task's error for a list row, cut at 120 characters, the whole text as its title;
+    nothing when it has no error.
+
+    A failed job says which task failed, on which node and host, and why (``failed_task`` annotated by
+    :func:`failed_task_subquery`); other ids in a text are shown by their short id (the digits that
+    tell them apart, and that the search finds), never by their first digits (a time-ordered id's
+    first digits are its minute, shared by every job of that minute).
+    """
     message, code = row.error_message, row.error_code
+    if failed := getattr(row, "failed_task", None):
+        message, code = failed_task_words(failed), ""
     if not message:
         return ""
+    message = FULL_UUID.sub(lambda m: ids.short_id(m.group(0)), message)
     whole = f"{code}: {message}" if code else message
-    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole,
-                       Truncator(FULL_UUID.sub(r"\1", message)).chars(80))
+    return format_html('<span class="accs-error-text" title="{}">{}</span>', whole, Truncator(message).chars(120))
 
 
 class RedriveForm(forms.Form):
@@ -158,8 +206,9 @@ class RedriveAdmin(PageActionsAdmin):
                     if done.redriven:
                         log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
                             f"{k}={v}" for k, v in flt.describe().items()))
-                    changelist = f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"
-                    return HttpResponseRedirect(reverse(changelist))
+                    # Back to the list as it was filtered when the operator asked (the form's query).
+                    back = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
+                    return HttpResponseRedirect(f"{back}?{request.GET.urlencode()}" if request.GET else back)
                 matched = redrive.count(flt, tenant_ids=allowed)
             except DefinitionError as exc:
                 for problem in exc.problems:
@@ -248,7 +297,7 @@ class JobAdmin(RedriveAdmin):
                         "id's first characters (4 or more hex digits), "
                         "else an exact external id / dedupe key / correlation id, workflow name or service key, "
                         "or a part (3+ characters, any case) of the job's or one of its tasks' errors.")
-    list_select_related = ("tenant", "workflow", "service")
+    list_select_related = ("tenant", "workflow", "service", "created_by")
     ordering = ("-created_at",)  # job_created_idx
     actions = bulk_actions(JOB_ACTIONS, "jobs")
     redrive_jobs = True
@@ -293,6 +342,7 @@ class JobAdmin(RedriveAdmin):
             age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
             run_interval=run_interval(),
             tasks_share=job_progress_subquery(),
+            failed_task=failed_task_subquery(),
         )
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Job],
@@ -332,6 +382,25 @@ class JobAdmin(RedriveAdmin):
                                       f"only the jobs of the first {ERROR_SEARCH_LIMIT:,} found are listed. "
                                       "Search a longer part of the error to see them all.", fail_silently=True)
         return queryset.filter(match | Q(pk__in=set(rows[:ERROR_SEARCH_LIMIT]))), False
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        """The pending-approval list (filtered on approval pending) adds who asked and with which params."""
+        if request.GET.get("approval_state__exact") == ApprovalState.PENDING:
+            return (*self.list_display[:3], "requested_by", "params_shown", *self.list_display[3:])
+        return self.list_display
+
+    @admin.display(description="requested by")
+    def requested_by(self, obj: Job) -> str:
+        return obj.created_by.get_username() if obj.created_by_id and obj.created_by else (obj.source or "—")
+
+    @admin.display(description="params")
+    def params_shown(self, obj: Job) -> str:
+        """The job's params (a service job's, or each step's), secrets shown as ***."""
+        params = obj.step_params or {}
+        if obj.service_id and obj.service and set(params) <= {obj.service.key}:
+            params = params.get(obj.service.key, {})
+        text = json.dumps(redact_params(params), sort_keys=True)
+        return format_html('<code title="{}">{}</code>', text, Truncator(text).chars(80))
 
     @admin.display(description="job", ordering="id")
     def short_id(self, obj: Job) -> str:

@@ -447,6 +447,11 @@ def _self_approval(by: str, creator_id: int | None, barred: Sequence[int] | None
     return None
 
 
+def self_approval_reason(job: Any, *, by: str) -> str | None:
+    """Return why ``by`` may not approve ``job`` (four eyes), None when they may: for pages to say before a click."""
+    return _self_approval(by, job.created_by_id, job.approval_barred)
+
+
 def approve(job_id: UUID, *, by: str = "", now: datetime | None = None) -> ActionResult:
     """Approve a job waiting for approval; the builder then starts it."""
     with transaction.atomic(savepoint=False), connection.cursor() as cur:

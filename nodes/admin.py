@@ -88,7 +88,7 @@ class NodeAdmin(PageActionsMixin, admin.ModelAdmin):
         ago = (timezone.now() - obj.last_seen).total_seconds()
         # An online node whose heartbeat is overdue, before the builder marks it lost.
         late = obj.presence == "online" and obj.awake_state != "sleep" and ago > stale_after_seconds()
-        return format_html("{} ago {}", human_age(ago), status_pill("late") if late else "")
+        return format_html("{} ago {}", human_age(ago), status_pill("suspect") if late else "")
 
     @admin.display(description="services")
     def services_list(self, obj: Node) -> str:

@@ -114,9 +114,27 @@ SELECT name, extract(epoch FROM now() - last_seen) FROM lost
 """
 
 
+#: How often a live agent touches its node row at least: at every pass of its loop, no more often than
+#: this (the agent's NODE_REFRESH_SECONDS), and an idle pass ends within its poll interval (+20 % jitter).
+NODE_TOUCH_SECONDS = 2.0
+#: Heartbeats a node may miss before operators see it as suspect.
+SUSPECT_AFTER_BEATS = 3
+#: Never suspect sooner: one pass of an agent's loop may stall a few seconds on a busy database.
+SUSPECT_FLOOR_SECONDS = 15.0
+
+
+def heartbeat_every_seconds() -> float:
+    """Return the interval between a live agent's touches of its node row (its heartbeat)."""
+    return max(NODE_TOUCH_SECONDS, accs.poll_interval_sec * 1.2)
+
+
 def stale_after_seconds() -> float:
-    """Return how old a heartbeat may be before a node is flagged late: one heartbeat TTL (three missed beats)."""
-    return float(accs.heartbeat_ttl_sec)
+    """Return how old a node's last heartbeat may be before the node is suspect: a few missed heartbeats.
+
+    Seconds, not ``ACC_NODE_LOST_AFTER_SEC`` (after which the builder marks it lost) nor a task lease:
+    an agent touches its node every pass, so a silence of three intervals means a dead or cut-off agent.
+    """
+    return max(SUSPECT_AFTER_BEATS * heartbeat_every_seconds(), SUSPECT_FLOOR_SECONDS)
 
 
 def mark_lost(*, after_seconds: float, limit: int = 1000) -> list[str]:

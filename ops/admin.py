@@ -14,9 +14,14 @@ from typing import Any
 
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils.html import format_html
 
-from jobs.admin import JobAdmin, TaskAdmin
-from jobs.models import Job, Task
+from events.admin import ArtifactAdmin, EventAdmin
+from events.models import Artifact, Event
+from jobs import ids
+from jobs.admin import AttemptAdmin, JobAdmin, TaskAdmin
+from jobs.models import Attempt, Job, Task
 from nodes.admin import NodeAdmin, NodeListFilter
 from nodes.models import Node
 from ops.jobpage import job_page_context, task_page_context
@@ -68,6 +73,83 @@ class NodePageAdmin(NodeAdmin):
                           lambda node: node_page_context(request, node, can_act=self.has_act_permission(request, node)))
 
 
-for model, page_admin in ((Job, JobPageAdmin), (Task, TaskPageAdmin), (Node, NodePageAdmin)):
+#: What an empty cell shows, as Django's lists do.
+EMPTY = admin.site.empty_value_display
+
+
+def job_link(job_id: Any) -> str:
+    """A job's short id, linking to its page; a dash for none."""
+    if not job_id:
+        return EMPTY
+    return format_html('<a href="{}">{}</a>', reverse("admin:jobs_job_change", args=[job_id]), ids.short_id(job_id))
+
+
+def task_link(task_id: Any, task: Task | None) -> str:
+    """A task's key (its short id once the task is gone), linking to its page; a dash for none."""
+    if not task_id:
+        return EMPTY
+    label = task.task_key if task is not None else ids.short_id(task_id)
+    return format_html('<a href="{}">{}</a>', reverse("admin:jobs_task_change", args=[task_id]), label)
+
+
+def node_link(name: str) -> str:
+    return format_html('<a href="{}">{}</a>', reverse("admin:nodes_node_change", args=[name]), name) if name else EMPTY
+
+
+class LinkedRowsMixin(admin.ModelAdmin):
+    """Rows of the read-only lists (events, attempts, artifacts) link their job and task by name.
+
+    The raw id columns (``task_column``, ``job_id``) become links; the task's key comes from
+    ``list_select_related`` (one join by primary key for the page's rows).
+    """
+
+    task_column = "task_id"
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        out: list[Any] = []
+        columns = tuple(super().get_list_display(request))
+        for name in columns:
+            if name == "job_id":
+                out.append("job_link")
+            elif name == self.task_column:
+                out += ["task_link"] if "job_id" in columns else ["job_link", "task_link"]
+            else:
+                out.append("node_link" if name == "node" else name)
+        return out
+
+    @admin.display(description="job")
+    def job_link(self, obj: Any) -> str:
+        return job_link(obj.job_id if hasattr(obj, "job_id") else obj.task.job_id)
+
+    @admin.display(description="task")
+    def task_link(self, obj: Any) -> str:
+        return task_link(obj.task_id, obj.task if obj.task_id else None)
+
+    @admin.display(description="node", ordering="node")
+    def node_link(self, obj: Any) -> str:
+        return node_link(obj.node)
+
+
+class EventLinksAdmin(LinkedRowsMixin, EventAdmin):
+    """The timeline, each row linking to its job and task."""
+
+    list_select_related = ("task",)
+
+
+class AttemptLinksAdmin(LinkedRowsMixin, AttemptAdmin):
+    """Attempts, each row linking to its job, task and node."""
+
+    task_column = "task"
+    list_display_links = ("attempt_no",)  # the first column links its job: the attempt's own page is its number
+
+
+class ArtifactLinksAdmin(LinkedRowsMixin, ArtifactAdmin):
+    """Artifacts, each row linking to its job and task."""
+
+    list_select_related = ("task",)
+
+
+for model, page_admin in ((Job, JobPageAdmin), (Task, TaskPageAdmin), (Node, NodePageAdmin),
+                          (Event, EventLinksAdmin), (Attempt, AttemptLinksAdmin), (Artifact, ArtifactLinksAdmin)):
     admin.site.unregister(model)
     admin.site.register(model, page_admin)

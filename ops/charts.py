@@ -130,7 +130,8 @@ def bars_svg(values: list[float | None], *, since: datetime, bucket_seconds: int
         "", '<rect x="{}" y="{}" width="{}" height="{}" fill="{}"><title>{} {}</title></rect>',
         (bar(i, v) for i, v in enumerate(values)))
     return format_html('<svg xmlns="http://www.w3.org/2000/svg" class="accs-chart" width="{}" height="{}" '
-                       'viewBox="0 0 {} {}" role="img" aria-label="{}"><rect width="{}" height="{}" fill="#f8fafc"/>'
+                       'viewBox="0 0 {} {}" role="img" aria-label="{}">'
+                       '<rect class="accs-chart-bg" width="{}" height="{}" fill="#f8fafc"/>'
                        '{}</svg>', width, height, width, height, label, width, height, mark_safe(rects))
 
 

@@ -31,13 +31,14 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import content_disposition_header, urlencode
 
-from accs_site.admin_kit import human_age, run_interval
+from accs_site.admin_kit import actor, human_age, run_interval
 from accs_site.redaction import redact_params
 from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from events.timeline import unfold
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
 from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery, shown_progress
 from jobs.states import job_actions_for, task_actions_for
+from jobs.verbs import self_approval_reason
 from ops.dag import job_dag_svg
 from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
 from ops.overview import job_stuck_reasons
@@ -151,6 +152,16 @@ def may_act(request: HttpRequest, job: Job) -> bool:
 # The page's sections
 # --------------------------------------------------------------------------------------------
 
+def _job_buttons(job: Job, by: str, *, stopping: int, can: bool) -> dict[str, Any]:
+    """The job's buttons; Approve left out, with the reason, for whom four eyes bar from approving it."""
+    ops = job_actions_for(job, tasks_stopping=stopping) if can else []
+    barred = self_approval_reason(job, by=by) if "approve" in ops else None
+    if barred:
+        ops = [op for op in ops if op != "approve"]
+    return {"job_ops": ops, "approve_barred": f"You {barred}: another approver must approve it (four eyes; "
+                                              "ACC_ALLOW_SELF_APPROVAL allows self-approval)." if barred else ""}
+
+
 def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     """Collect the job page's picture, tasks, attempts, artifacts and timeline (each bounded)."""
 
@@ -198,7 +209,7 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "data_url": reverse("ops:job_data", args=[job.pk]) + (f"?{request.GET.urlencode()}" if request.GET else ""),
         "refresh_seconds": refresh_seconds(request, REFRESH_SECONDS),
         "dag_svg": job_dag_svg(job),
-        "job_ops": job_actions_for(job, tasks_stopping=stopping) if can else [],
+        **_job_buttons(job, actor(request), stopping=stopping, can=can),
         "job_tasks": tasks,
         "job_tasks_capped": len(tasks) >= JOB_PAGE_TASKS,
         "job_attempts": attempts,

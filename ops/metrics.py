@@ -41,6 +41,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from accs_site.conf import accs
 from accs_site.version import VERSION
 from ops.overview import flow_limits, governor_conditions, node_health, queue_depth
+from workflows.governor import paused_service_key
 
 #: Histogram buckets (seconds) for queue latency and run time.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
@@ -303,9 +304,13 @@ class AccsCollector:
             if node.disk_used_pct is not None:
                 disk.add_metric([node.name, node.disk_level], node.disk_used_pct / 100.0)
         governor = GaugeMetricFamily("accs_governor_condition_active", "1 while the condition holds.", labels=["name"])
+        paused = GaugeMetricFamily("accs_service_paused", "1 while the service is paused (no agent claims it).",
+                                   labels=["service"])
         for cond in governor_conditions(now=now):
             governor.add_metric([cond.name], 1 if cond.holds else 0)
-        yield from (up, seen, draining, running, disk, release, governor)
+            if (service := paused_service_key(cond.name)) is not None:
+                paused.add_metric([service], 1 if cond.holds else 0)
+        yield from (up, seen, draining, running, disk, release, governor, paused)
 
         self.counters.fold()
         yield from self.counters.metrics()

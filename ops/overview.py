@@ -18,19 +18,23 @@ No exact ``COUNT(*)`` over a whole table happens here.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from django.urls import reverse
 from django.utils import timezone
 
 from accs_site.admin_kit import human_age
+from accs_site.conf import accs
 from accs_site.dbrouter import read_connection, replica_lag
 from accs_site.version import VERSION
 from jobs.claim import params_key_sql
 from nodes.api import stale_after_seconds
+from workflows.governor import PAUSE_PREFIX, paused_service_key
 from workflows.models import GovernorCondition
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
@@ -412,6 +416,11 @@ class Condition:
     cleared_at: datetime | None
     raised_by: str
 
+    @property
+    def paused_service(self) -> str | None:
+        """The service this condition pauses (``pause-<key>``), None for any other condition."""
+        return paused_service_key(self.name)
+
 
 def governor_conditions(*, now: datetime | None = None) -> list[Condition]:
     """Return the governor conditions, those holding first."""
@@ -453,6 +462,23 @@ class Failure:
     error: str
     final: bool
     tenant: str
+
+    @property
+    def said(self) -> str:
+        """The attempt's end in one phrase, ``failed (exit 1): disk full``: the exit code said once."""
+        return attempt_end_words(self.status, self.exit_code, self.error)
+
+
+def attempt_end_words(status: str, exit_code: int | None, error: str) -> str:
+    """Say how an attempt ended: its status, its exit code, then its error without repeating the code.
+
+    Executors start a process's error with its exit code (``exit code 1: …``); said after
+    ``failed (exit 1)`` it would be said twice.
+    """
+    head = f"{status} (exit {exit_code})" if exit_code is not None else status
+    if exit_code is not None:
+        error = re.sub(rf"^\s*exit(?: code)? {exit_code}\s*(?::\s*|$)", "", error or "")
+    return f"{head}: {error}" if error else head
 
 
 def recent_failures(*, tenant_ids: set[UUID] | None = None, limit: int = 10,
@@ -608,9 +634,11 @@ class Stuck:
     """Why queued tasks of a service are not claimed (the ``reason`` of a :class:`StuckReason`)."""
 
     NO_AGENT = "no_agent"  # no node that is online and active serves the service
+    SUSPECT = "suspect"  # every live node serving it has missed its last heartbeats
     DRAINING = "draining"  # every node serving it is draining
     LABELS = "labels"  # live agents serve it, but none has the labels it requires
     GOVERNOR = "governor"  # a governor condition it is blocked during holds
+    PAUSED = "paused"  # an operator paused the service
     AT_CAP = "at_cap"  # as many of its tasks run as its global cap allows
     QUARANTINED_HOST = "quarantined_host"  # tasks bound to a host in quarantine
     RATE_LIMIT = "rate_limit"  # the service used every start its rate limit allows in the window
@@ -628,7 +656,8 @@ class StuckReason:
     """One reason queued work does not move: a sentence for people and its figures.
 
     ``tenant`` is set when the tasks concerned belong to one tenant; ``count`` is how many
-    tasks the reason holds back; ``detail`` says what to look at or do.
+    tasks the reason holds back; ``detail`` says what to look at or do; ``links`` lead to the
+    causes and the tasks held back (``{"label", "url"}`` each: the node, the condition, the tasks).
     """
 
     service: str
@@ -637,10 +666,49 @@ class StuckReason:
     count: int
     message: str
     detail: str
+    links: list[dict[str, str]] = field(default_factory=list)
 
 
 def _tasks(n: int) -> str:
     return f"{n} task" if n == 1 else f"{n} tasks"
+
+
+def _link(label: str, url: str) -> dict[str, str]:
+    return {"label": label, "url": url}
+
+
+def _held_tasks_link(service_id: int, job_id: UUID | None) -> dict[str, str]:
+    """Link the tasks list filtered to a service's queued tasks (and one job's, on its page)."""
+    url = f"{reverse('admin:jobs_task_changelist')}?service__id__exact={service_id}&status__in=queued%2Cscheduled"
+    return _link("the tasks", url + (f"&q={job_id}" if job_id else ""))
+
+
+def _node_link(name: str) -> dict[str, str]:
+    return _link(f"node {name}", reverse("admin:nodes_node_change", args=[name]))
+
+
+def _condition_link(name: str) -> dict[str, str]:
+    return _link(f"condition {name}", f"{reverse('admin:workflows_governorcondition_changelist')}?q={name}")
+
+
+def _silent_for(nodes: list[NodeHealth]) -> str:
+    """Say how long the most recently seen of ``nodes`` has been silent."""
+    ages = [n.seen_ago for n in nodes if n.seen_ago is not None]
+    return f"has not been seen for {human_age(min(ages))}" if ages else "has never been seen"
+
+
+def _suspect_words(key: str, suspects: list[NodeHealth], *, show_nodes: bool) -> tuple[str, str]:
+    """The message and detail of tasks that only suspect nodes serve."""
+    names = ", ".join(n.name for n in suspects)
+    if len(suspects) == 1:
+        who = f"the only node serving it, {names}," if show_nodes else "the only node serving it"
+    else:
+        who = f"every node serving it ({names})" if show_nodes else "every node serving it"
+    lost_after = human_age(accs.node_lost_after_sec)
+    detail = (f"its agent may be dead or cut off: the builder marks it lost after {lost_after} of silence and its "
+              f"running tasks are rescued when their leases expire; start an agent serving '{key}' elsewhere "
+              f"(manage.py runagent --services {key})")
+    return "{tasks} of '{key}' wait: " + f"{who} {_silent_for(suspects)}", detail
 
 
 def _node_words(node: NodeHealth) -> str:
@@ -689,15 +757,22 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
         key, cap, block_during, required = services.get(service_id, (str(service_id), 0, [], {}))
         required = _json(required) or {}
 
-        def add(reason: str, counts: dict[str, int], message: str, detail: str, key: str = key) -> None:
-            out.append(_reason(key, reason, counts, message, detail))
+        def add(reason: str, counts: dict[str, int], message: str, detail: str, key: str = key,
+                links: tuple[dict[str, str], ...] = (), service_id: int = service_id) -> None:
+            out.append(_reason(key, reason, counts, message, detail,
+                               links=[*links, _held_tasks_link(service_id, job_id)]))
 
         serving = [n for n in nodes if key in n.services]
         live = [n for n in serving if n.live]
-        if not live and serving and all(n.state != "active" for n in serving):
+        if live and all(n.stale for n in live):
+            message, detail = _suspect_words(key, live, show_nodes=show_nodes)
+            add(Stuck.SUSPECT, per_tenant, message, detail,
+                links=tuple(_node_link(n.name) for n in live) if show_nodes else ())
+        elif not live and serving and all(n.state != "active" for n in serving):
             add(Stuck.DRAINING, per_tenant, "{tasks} queued for '{key}' and every node serving it is draining",
                 ("undrain one: " + ", ".join(_node_words(n) for n in serving)) if show_nodes else
-                "ask an operator to undrain a node serving it")
+                "ask an operator to undrain a node serving it",
+                links=tuple(_node_link(n.name) for n in serving) if show_nodes else ())
         elif not live:
             if not show_nodes:
                 detail = "ask an operator to start an agent serving it"
@@ -705,18 +780,27 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
                 detail = "nodes serving it: " + ", ".join(_node_words(n) for n in serving)
             else:
                 detail = f"no node serves it; start one with manage.py runagent --services {key}"
-            add(Stuck.NO_AGENT, per_tenant, "{tasks} queued for '{key}' and no live agent serves it", detail)
+            add(Stuck.NO_AGENT, per_tenant, "{tasks} queued for '{key}' and no live agent serves it", detail,
+                links=tuple(_node_link(n.name) for n in serving) if show_nodes else ())
         elif required and not any(all(str(n.labels.get(k)) == str(v) for k, v in required.items()) for n in live):
             wanted = ", ".join(f"{k}={v}" for k, v in sorted(required.items()))
             add(Stuck.LABELS, per_tenant, "{tasks} queued for '{key}' and no live agent serving it has its labels",
                 f"it requires {wanted}" + (f"; live: {', '.join(n.name for n in live)}" if show_nodes else ""))
+        if (pause := holding.get(PAUSE_PREFIX + key)) is not None:
+            until = f"until {pause.expires_at:%Y-%m-%d %H:%M}" if pause.expires_at else "until resumed"
+            add(Stuck.PAUSED, per_tenant, "{tasks} queued for '{key}', which is paused",
+                f"paused by {pause.raised_by or 'api'}" + (f" at {pause.raised_at:%Y-%m-%d %H:%M}" if pause.raised_at
+                                                           else "") + f", {until}: {pause.reason}",
+                links=(_link("resume it", f"{reverse('admin:workflows_service_changelist')}?q={key}"),)
+                if show_nodes else ())
         for name in block_during or []:
             if name in holding:
                 c = holding[name]
                 until = f"until {c.expires_at:%Y-%m-%d %H:%M}" if c.expires_at else "until cleared"
                 add(Stuck.GOVERNOR, per_tenant,
                     f"{{tasks}} queued for '{{key}}' held back by governor condition '{name}'",
-                    f"raised by {c.raised_by or 'api'}, {until}" + (f": {c.reason}" if c.reason else ""))
+                    f"raised by {c.raised_by or 'api'}, {until}" + (f": {c.reason}" if c.reason else ""),
+                    links=(_condition_link(name),) if show_nodes else ())
         if cap and held.get(service_id, 0) >= cap:
             add(Stuck.AT_CAP, per_tenant, "{tasks} queued for '{key}', which is at its global cap"
                 f" ({held.get(service_id, 0)}/{cap} running)",
@@ -726,7 +810,9 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
             add(Stuck.QUARANTINED_HOST, quarantined[service_id],
                 "{tasks} queued for '{key}' bound to quarantined hosts",
                 f"clear the quarantine of {', '.join(hosts)}" + (" …" if len(hosts) >= 5 else "")
-                + " (admin: Hosts)")
+                + " (admin: Hosts)",
+                links=(_link("quarantined hosts", f"{reverse('admin:nodes_host_changelist')}?status__exact=error"),)
+                if show_nodes else ())
     out += _flow_reasons(flow if flow is not None else flow_limits(tenant_ids=tenant_ids, job_id=job_id))
     return sorted(out, key=lambda r: (r.service, r.reason, r.tenant))
 
@@ -817,7 +903,8 @@ def _flow_reasons(flow: list[FlowLimit]) -> list[StuckReason]:
     return out
 
 
-def _reason(service: str, reason: str, counts: dict[str, int], message: str, detail: str) -> StuckReason:
+def _reason(service: str, reason: str, counts: dict[str, int], message: str, detail: str, *,
+            links: list[dict[str, str]] | None = None) -> StuckReason:
     """Build one reason from the tasks it holds back per tenant (named when there is one tenant)."""
     n = sum(counts.values())
     tenant = next(iter(counts)) if len(counts) == 1 else ""
@@ -825,7 +912,7 @@ def _reason(service: str, reason: str, counts: dict[str, int], message: str, det
         split = " · ".join(f"{slug} {k}" for slug, k in sorted(counts.items()))
         detail = f"{detail} ({split})" if detail else split
     return StuckReason(service=service, tenant=tenant, reason=reason, count=n,
-                       message=message.format(tasks=_tasks(n), key=service), detail=detail)
+                       message=message.format(tasks=_tasks(n), key=service), detail=detail, links=links or [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -847,6 +934,7 @@ class Overview:
     stale_after: float = 0.0
     stuck: list[StuckReason] = field(default_factory=list)
     flow: list[FlowLimit] = field(default_factory=list)
+    paused: list[Condition] = field(default_factory=list)  # the pauses of services that hold now
     # The read replica's lag (accs_site.dbrouter.replica_lag), None without ACC_READ_DB_URL.
     replica: dict[str, Any] | None = None
     # The release of the code that read the picture (nodes show their own).
@@ -891,6 +979,7 @@ def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
         stuck=stuck_reasons(nodes=nodes, conditions=conditions, tenant_ids=tenant_ids, show_nodes=include_infra,
                             flow=flow),
         flow=flow,
+        paused=[c for c in conditions if c.holds and c.paused_service],
         replica=replica_lag() if include_infra else None,
     )
 

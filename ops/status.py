@@ -135,15 +135,15 @@ def _services(data: Overview, style: Style) -> list[str]:
 
 
 def _nodes(data: Overview, style: Style) -> list[str]:
-    """Every node: presence (late ones flagged), state, services, disk."""
+    """Every node: presence (suspect ones flagged), state, services, disk."""
     lines: list[str] = []
     out = lines.append
-    _heading(out, style, f"Nodes (an online node is LATE after {_secs(data.stale_after)} without a heartbeat)")
+    _heading(out, style, f"Nodes (an online node is SUSPECT after {_secs(data.stale_after)} without a heartbeat)")
     rows = []
     for n in data.nodes:
         seen = "never" if n.seen_ago is None else f"{_secs(n.seen_ago)} ago"
         disk = "—" if n.disk_used_pct is None else f"{n.disk_used_pct:.0f} % {n.disk_level}"
-        presence = n.presence + (" LATE" if n.stale else "") + (" asleep" if n.awake_state == "sleep" else "")
+        presence = n.presence + (" SUSPECT" if n.stale else "") + (" asleep" if n.awake_state == "sleep" else "")
         rows.append([n.name, presence, seen, n.state, ",".join(n.services) or "—", str(n.running), disk,
                      n.version])
     node_lines = table(["node", "presence", "last seen", "state", "services", "running", "disk", "version"], rows,
@@ -188,7 +188,7 @@ def _failures(data: Overview, style: Style, *, took: float) -> list[str]:
     _heading(out, style, "Recent failures")
     rows = [[timezone.localtime(f.at).strftime("%H:%M:%S") if f.at else "—", short_id(f.job_id), f.task_key, f.service,
              f.node, f"{f.attempt}/{f.max_attempts}" + (" DEAD" if f.final else ""),
-             (f.status + (f" exit {f.exit_code}" if f.exit_code is not None else "") + ": " + f.error)[:70]]
+             f.said[:70]]
             for f in data.failures]
     for line in table(["at", "job", "task", "service", "node", "attempt", "error"], rows):
         out(line)

@@ -20,6 +20,7 @@ from django.db import connection
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse, QueryDict
 from django.template.response import TemplateResponse
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
@@ -105,6 +106,7 @@ class ServiceAdmin(DefinitionAdmin):
     list_filter = ("executor", "is_active", "requires_approval", "exclusive_per_host")
     search_fields = ("key", "description")
     readonly_fields = ("origin",)
+    actions = ("pause_services", "resume_services")
     fieldsets = (
         (None, {"fields": ("key", "description", "origin", "is_active", "executor", "executor_config",
                            "params_schema")}),
@@ -120,6 +122,51 @@ class ServiceAdmin(DefinitionAdmin):
                                          " dotted path in the task's params (e.g. customer_id); tasks whose params"
                                          " lack it share one key."}),
     )
+
+
+    def get_list_display(self, request: HttpRequest) -> tuple[str, ...]:
+        return ("key", "pause", *self.list_display[1:])
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        # The pauses that hold, read once for the page (a handful of rows), not once per service.
+        self._pauses = {governor.paused_service_key(c.name): c for c in GovernorCondition.objects.filter(
+            name__startswith=governor.PAUSE_PREFIX) if c.holds()}
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="paused")
+    def pause(self, obj: Service) -> str:
+        """Who paused the service, when and why, or a dash."""
+        c = getattr(self, "_pauses", {}).get(obj.key)
+        if c is None:
+            return "—"
+        return format_html('<span class="accs-pill accs-paused" title="{}">paused</span> by {} {}', c.reason,
+                           c.raised_by or "api", f"{timezone.localtime(c.raised_at):%Y-%m-%d %H:%M}"
+                           if c.raised_at else "")
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """Pausing is raising a governor condition: who may raise conditions may pause."""
+        return request.user.has_perm("workflows.change_governorcondition")
+
+    @admin.action(description="Pause selected services…", permissions=["operate"])
+    def pause_services(self, request: HttpRequest, queryset: QuerySet[Service]) -> TemplateResponse | None:
+        """Ask why and for how long, then pause each selected service (no agent claims its tasks)."""
+        form = RaiseConditionForm(request.POST if "apply" in request.POST else None)
+        if "apply" in request.POST and form.is_valid():
+            minutes = form.cleaned_data["minutes"]
+            expires = timezone.now() + timedelta(minutes=minutes) if minutes else None
+            perform(request, self, "Pause", list(queryset), lambda s: _pause(
+                s.key, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request)))
+            return None
+        return _reason_page(self, request, form, queryset, title="Pause services", action="pause_services",
+                            submit="Pause", what="no agent claims their queued tasks while paused (running tasks "
+                                                 "finish); the dashboard and /metrics show the pause")
+
+    @admin.action(description="Resume selected services", permissions=["operate"])
+    def resume_services(self, request: HttpRequest, queryset: QuerySet[Service]) -> None:
+        perform(request, self, "Resume", list(queryset), lambda s: _resume(s.key, by=actor(request)))
+
+    def action_subject(self, obj: Service) -> str:
+        return obj.key
 
 
 #: The fields a version that jobs use keeps: jobs name the version, and it names the steps they ran.
@@ -315,6 +362,35 @@ def _raise(name: str, *, reason: str, expires_at: datetime | None, by: str) -> A
     return ActionResult(True, f"{name} raised {until}")
 
 
+def _pause(key: str, *, reason: str, expires_at: datetime | None, by: str) -> ActionResult:
+    try:
+        governor.pause_service(key, reason=reason, expires_at=expires_at, by=by)
+    except DefinitionError as exc:
+        return ActionResult(False, "; ".join(str(p) for p in exc.problems))
+    until = f"until {timezone.localtime(expires_at):%Y-%m-%d %H:%M}" if expires_at else "until resumed"
+    return ActionResult(True, f"{key} paused {until}: {reason}")
+
+
+def _resume(key: str, *, by: str) -> ActionResult:
+    try:
+        resumed = governor.resume_service(key, by=by)
+    except DefinitionError as exc:
+        return ActionResult(False, "; ".join(str(p) for p in exc.problems))
+    return ActionResult(True, f"{key} resumed") if resumed else ActionResult(False, f"{key} is not paused")
+
+
+def _reason_page(modeladmin: admin.ModelAdmin, request: HttpRequest, form: forms.Form, queryset: QuerySet[Any], *,
+                 title: str, action: str, submit: str, what: str) -> TemplateResponse:
+    """The intermediate page of an action that asks a reason and a duration (raise conditions, pause services)."""
+    context: dict[str, Any] = {
+        **modeladmin.admin_site.each_context(request), "title": title, "form": form, "objects": queryset,
+        "opts": modeladmin.opts, "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME, "action": action,
+        "submit": submit, "what": what,
+        "list_url": reverse(f"admin:{modeladmin.opts.app_label}_{modeladmin.opts.model_name}_changelist"),
+    }
+    return TemplateResponse(request, "admin/accs/raise_conditions.html", context)
+
+
 def _clear(name: str, *, by: str) -> ActionResult:
     if governor.clear_condition(name, by):
         return ActionResult(True, f"{name} cleared")
@@ -368,11 +444,10 @@ class GovernorConditionAdmin(admin.ModelAdmin):
             perform(request, self, "Raise", list(queryset), lambda c: _raise(
                 c.name, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request)))
             return None
-        context: dict[str, Any] = {
-            **self.admin_site.each_context(request), "title": "Raise governor conditions", "form": form,
-            "conditions": queryset, "opts": self.opts, "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
-        }
-        return TemplateResponse(request, "admin/accs/raise_conditions.html", context)
+        return _reason_page(self, request, form, queryset, title="Raise governor conditions",
+                            action="raise_conditions", submit="Raise",
+                            what="services that name them in block_during are not claimed while they hold, and "
+                                 "priority_adjust_during applies")
 
     @admin.action(description="Clear selected conditions", permissions=["operate"])
     def clear_conditions(self, request: HttpRequest, queryset: QuerySet[GovernorCondition]) -> None:

@@ -6,6 +6,10 @@ admin, the Python API (:func:`jobs.api.raise_condition`) or the ORM. While it ho
 * services whose ``block_during`` names it are not claimed (agents defer them);
 * services whose ``priority_adjust_during`` names it get that priority change (e.g. ``-3``).
 
+Pausing a service is raising its own condition, ``pause-<service key>`` (:func:`pause_service`,
+:func:`resume_service`): it blocks that service as a condition in its ``block_during`` would, with
+the same record of who raised it, when, why and until when, and the same event.
+
 This module is the one place that changes a condition; each change writes a ``governor`` event in
 the same transaction. The builder calls :func:`expire_conditions` every tick; agents call
 :func:`active_conditions` (cheap: the table holds a handful of rows) through
@@ -14,7 +18,6 @@ the same transaction. The builder calls :func:`expire_conditions` every tick; ag
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
@@ -24,10 +27,10 @@ from django.utils import timezone
 
 from accs_site.clock import db_now
 from events.timeline import EventRow, operator_source, write_events
-from workflows.models import GovernorCondition
-from workflows.validation import DefinitionError, Problem
+from workflows.models import GovernorCondition, Service
+from workflows.validation import CONDITION_NAME_RE, DefinitionError, Problem
 
-NAME_RE = re.compile(r"^[-a-zA-Z0-9_]{1,100}$")
+NAME_RE = CONDITION_NAME_RE
 
 # "Holds" in SQL, the same rule as GovernorCondition.holds(): raised, not cleared since, not expired.
 HOLDS_SQL = ("raised_at IS NOT NULL AND (cleared_at IS NULL OR cleared_at < raised_at)"
@@ -128,23 +131,63 @@ def active_conditions(now: datetime | None = None) -> set[str]:
         return {r[0] for r in cur.fetchall()}
 
 
+#: The condition that pauses a service is named this prefix and the service's key.
+PAUSE_PREFIX = "pause-"
+
+
+def pause_name(service_key: str) -> str:
+    """Return the name of the condition that pauses ``service_key`` (DefinitionError if it cannot be one)."""
+    name = PAUSE_PREFIX + service_key
+    if not NAME_RE.match(name):
+        raise DefinitionError([Problem("service", f"service {service_key!r} cannot be paused: its pause's condition "
+                                                  f"name {name!r} is not 1-100 letters, digits, '-' or '_'")])
+    return name
+
+
+def paused_service_key(condition_name: str) -> str | None:
+    """Return the service a condition pauses, or None for any other condition."""
+    return condition_name[len(PAUSE_PREFIX):] if condition_name.startswith(PAUSE_PREFIX) else None
+
+
+def pause_service(service_key: str, *, reason: str, by: str, expires_at: datetime | None = None,
+                  now: datetime | None = None) -> GovernorCondition:
+    """Pause a service until ``expires_at`` or until resumed: no agent claims its tasks meanwhile.
+
+    Its queued tasks stay queued (running ones finish). Raises DefinitionError for an unknown
+    service or a blank reason: a pause says why.
+    """
+    if not isinstance(reason, str) or not reason.strip():
+        raise DefinitionError([Problem("reason", "say why the service is paused (it shows on the dashboard)")])
+    if not Service.objects.filter(key=service_key).exists():
+        raise DefinitionError([Problem("service", f"unknown service {service_key!r}")])
+    return raise_condition(pause_name(service_key), reason=reason.strip(), expires_at=expires_at, by=by, now=now)
+
+
+def resume_service(service_key: str, *, by: str, now: datetime | None = None) -> bool:
+    """Resume a paused service; False (nothing written) when it is not paused."""
+    return clear_condition(pause_name(service_key), by, now=now)
+
+
 def claim_adjustments(service: Any, active: Iterable[str]) -> tuple[bool, int]:
     """Return (blocked, priority_delta) for ``service`` while the ``active`` conditions hold.
 
-    ``service`` is a Service (or anything with ``block_during`` and ``priority_adjust_during``).
-    Blocked means: do not claim it now. The delta is the sum of the adjustments of every active
-    condition the service names (e.g. ``{"live_session": -3}`` → -3).
+    ``service`` is a Service (or anything with ``block_during`` and ``priority_adjust_during``, and
+    a ``key`` itself or in its ``spec``, as the agent's services have). Blocked means: do not claim
+    it now, because a condition it names holds or the service is paused. The delta is the sum of
+    the adjustments of every active condition the service names (e.g. ``{"live_session": -3}`` → -3).
     """
     active = set(active)
     if not active:
         return False, 0
-    blocked = any(name in active for name in (getattr(service, "block_during", None) or ()))
+    key = getattr(getattr(service, "spec", service), "key", None)
+    blocked = (isinstance(key, str) and PAUSE_PREFIX + key in active) or any(
+        name in active for name in (getattr(service, "block_during", None) or ()))
     adjust: Mapping[str, Any] = getattr(service, "priority_adjust_during", None) or {}
     delta = sum(int(v) for k, v in adjust.items() if k in active and isinstance(v, int))
     return blocked, delta
 
 
 __all__ = [
-    "active_conditions", "claim_adjustments", "clear_condition", "expire_conditions",
-    "raise_condition",
+    "PAUSE_PREFIX", "active_conditions", "claim_adjustments", "clear_condition", "expire_conditions", "pause_name",
+    "pause_service", "paused_service_key", "raise_condition", "resume_service",
 ]

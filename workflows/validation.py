@@ -29,6 +29,8 @@ from accs_site.conf import ANY, DEMO_ONLY, accs
 from accs_site.redaction import is_secret_name, redact_params
 
 STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+#: A governor condition's name (workflows.governor): what block_during and priority_adjust_during name.
+CONDITION_NAME_RE = re.compile(r"^[-a-zA-Z0-9_]{1,100}$")
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 FAN_OUT_VALUES = ("hosts",)
@@ -258,6 +260,10 @@ def service_problems(service) -> list[Problem]:
         isinstance(v, int) for v in (service.priority_adjust_during or {}).values()
     ):
         problems.append(Problem("priority_adjust_during", 'expected {"condition": integer, ...}'))
+    else:
+        problems += condition_names_problems(list(service.priority_adjust_during or {}),
+                                             field="priority_adjust_during")
+    problems += condition_names_problems(service.block_during, field="block_during")
     problems += flow_control_problems(service)
     problems += key_change_problems(service)
     problems += sandbox_problems(executor, config)
@@ -496,6 +502,24 @@ def key_change_problems(service) -> list[Problem]:
         return []
     return [Problem("key", f"service {old!r} cannot be renamed: still used by {', '.join(users[:5])}"
                            + (f" and {len(users) - 5} more" if len(users) > 5 else ""))]
+
+
+def condition_names_problems(names: Any, *, field: str) -> list[Problem]:
+    """Name each entry that cannot be a governor condition's name: it would silently never match one.
+
+    The admin's field takes names separated by commas; one typed as JSON (``["live_session"]``, the
+    style of the neighbouring fields) arrives as a single name with brackets and quotes.
+    """
+    if names is None:
+        return []
+    if not isinstance(names, (list, tuple)):
+        return [Problem(field, "expected a list of governor condition names")]
+    bad = [n for n in names if not isinstance(n, str) or not CONDITION_NAME_RE.match(n)]
+    if not bad:
+        return []
+    return [Problem(field, f"{', '.join(repr(n) for n in bad)} is not a governor condition name (1-100 letters, "
+                           "digits, '-' or '_'); list names separated by commas, without brackets or quotes, "
+                           "e.g. live_session,backup")]
 
 
 def validate_service(service) -> None:

@@ -74,7 +74,8 @@ def figure(n: int, url: str) -> str:
     return format_html('<a href="{}">{}</a>', url, n) if n else "0"
 
 
-STUCK_LABELS = {"no_agent": "no agent", "draining": "draining", "labels": "labels", "governor": "governor",
+STUCK_LABELS = {"no_agent": "no agent", "suspect": "suspect node", "draining": "draining", "labels": "labels",
+                "governor": "governor", "paused": "paused",
                 "at_cap": "at cap", "quarantined_host": "quarantine", "rate_limit": "rate limit",
                 "key_rate_limit": "key rate", "key_cap": "key cap", "approval": "approval", "scheduled": "scheduled",
                 "admission": "admission", "backoff": "backoff"}

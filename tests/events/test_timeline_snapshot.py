@@ -36,6 +36,7 @@ SNAPSHOT = Path(__file__).with_name("timeline_snapshot.json")
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}")
 ISO_RE = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:?\d{2}| UTC)?")
+SHORT_ID_RE = re.compile(r"\b[0-9a-f]{10}\b")
 CLOCK_RE = re.compile(r"\b\d{2}:\d{2}:\d{2}\.\d{3}\b")
 #: Numbers that differ from run to run (sequences, measured durations) whatever the history.
 VOLATILE_KEYS = {"order_seq", "delay_seconds"}
@@ -49,7 +50,17 @@ class Ids:
 
     def __call__(self, match: re.Match) -> str:
         raw = match.group(0).replace("-", "")
+        if raw not in self.names and raw[-10:] in self.names:  # seen first by its short id
+            self.names[raw] = self.names[raw[-10:]]
         return self.names.setdefault(raw, f"<id{len(self.names) + 1}>")
+
+    def short(self, match: re.Match) -> str:
+        """Name a short id (an id's last digits, as lists show it) as the id it ends."""
+        tail = match.group(0)
+        for raw, name in self.names.items():
+            if raw.endswith(tail):
+                return name
+        return self.names.setdefault(tail, f"<id{len(self.names) + 1}>")
 
 
 def normalise(value: Any, ids: Ids) -> Any:
@@ -61,7 +72,7 @@ def normalise(value: Any, ids: Ids) -> Any:
     if isinstance(value, str):
         value = ISO_RE.sub("<t>", value)
         value = CLOCK_RE.sub("<t>", value)
-        return UUID_RE.sub(ids, value)
+        return SHORT_ID_RE.sub(ids.short, UUID_RE.sub(ids, value))
     return value
 
 

@@ -12,7 +12,7 @@ from tests.ops_helpers import pipeline_scene
 
 pytestmark = pytest.mark.django_db
 
-HEADINGS = ["Why isn't it moving?", "Queues per tenant (jobs | tasks)", "Services", "Nodes (an online node is LATE",
+HEADINGS = ["Why isn't it moving?", "Queues per tenant (jobs | tasks)", "Services", "Nodes (an online node is SUSPECT",
             "Governor conditions", "Recent failures"]
 
 
@@ -24,7 +24,7 @@ def test_status_lines_draw_every_section_in_order_from_an_overview(tenants):
     assert lines[0].startswith(f"ACCS {VERSION} status at ") and lines[0].endswith("— database accs on db:5432")
     starts = [next(i for i, line in enumerate(lines) if line.startswith(h)) for h in HEADINGS]
     assert starts == sorted(starts), "the sections come in their order"
-    assert any(line.startswith("edge-2 ") and "online LATE" in line for line in lines)
+    assert any(line.startswith("edge-2 ") and "online SUSPECT" in line for line in lines)
     assert any("DEAD" in line and "out of memory" in line for line in lines)
     assert lines[-1] == "read in 12 ms"
 
