@@ -19,7 +19,7 @@ import pytest
 
 from tests import s3_fixtures
 from tests.browser import CHROMEDRIVER, CHROMIUM, WAIT
-from tests.daemons import Daemons, free_port, http_server
+from tests.daemons import START_TIMEOUT, Daemons, free_port, http_server
 from tests.ops_helpers import Tenants, make_user, two_tenants
 from tests.s3_fixtures import S3
 
@@ -77,7 +77,7 @@ def live_server_url(subprocess_env, tmp_path: Path):
     port = free_port()
     argv = [sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)]
     with http_server(argv, env={**subprocess_env, "ACC_DB_CONN_MAX_AGE": "0"}, port=port,
-                     log_path=tmp_path / "server.log", name="runserver", timeout=30) as url:
+                     log_path=tmp_path / "server.log", name="runserver", timeout=START_TIMEOUT) as url:
         yield url
 
 

@@ -22,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cluster_starts_from_a_private_folder_on_the_port_acc_pg_port_names(tmp_path):
+def test_cluster_starts_from_a_private_folder_on_the_port_acc_pg_port_names(tmp_path, monkeypatch):
     private = tmp_path / "home"
     private.mkdir(mode=0o700)
     os.chmod(private, 0o700)
@@ -44,6 +44,9 @@ def test_cluster_starts_from_a_private_folder_on_the_port_acc_pg_port_names(tmp_
             assert conn.execute("SHOW port").fetchone()[0] == str(port)
         from accs_site.localdb import local_pg_url
 
+        # As in the clone's own shell: not a parallel test worker's cluster folder, and no port named.
+        monkeypatch.delenv("ACC_PG_DIR", raising=False)
+        monkeypatch.delenv("ACC_PG_PORT", raising=False)
         assert local_pg_url(checkout) == url, "Django connects where the script says"
     finally:
         subprocess.run([script, "stop"], env=env, capture_output=True, timeout=60)
