@@ -205,17 +205,18 @@ def test_agent_stalled_past_its_lease_tracks_and_finishes_the_new_attempt(make_s
 
 @pytest.mark.slow
 def test_agent_cut_off_from_the_database_stops_its_task_before_the_lease_ends(make_service, daemons, db_url, tmp_path):
-    _timed_command(make_service, "cut", str(tmp_path), first_seconds=20)
+    _timed_command(make_service, "cut", str(tmp_path), first_seconds=60)  # killed long before
     job = api.start_service("cut")
     with TcpProxy(0, "127.0.0.1", _db_port(db_url)) as proxy:
         cut_off = daemons.agent("n1", "cut", "--lease-seconds", "4", "--poll-interval", "0.2",
                                 env=_proxied_env(db_url, proxy))
         wait_until(lambda: (tmp_path / "1.pid").exists(), timeout=20, message="attempt 1 runs on n1")
         first_pid = int((tmp_path / "1.pid").read_text())
-        proxy.cut()  # blackhole: the agent lives, its connections hang
-        cut_at = time.monotonic()
+        # Up before the cut (n1 holds the task meanwhile), so the time to the kill counts no daemon's start.
         daemons.builder()
         daemons.agent("n2", "cut", "--lease-seconds", "4", "--poll-interval", "0.2")
+        proxy.cut()  # blackhole: the agent lives, its connections hang
+        cut_at = time.monotonic()
         wait_until(lambda: not _alive(first_pid), timeout=10, message="the cut-off agent kills its task")
         killed_after = time.monotonic() - cut_at
         wait_until(lambda: Task.objects.filter(job=job, status="done").exists(), timeout=60, message="rerun done")
