@@ -18,8 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# The line each daemon logs once it is connected and about to work (nodes/agent.py, jobs/builder.py).
+# The line each daemon logs once it is connected and about to work (nodes/agent.py, jobs/builder.py), or
+# that it waits for an unreachable PostgreSQL (accs_site/daemon.py: started as far as it can be).
 STARTED_LINES = {"runagent": "started on node", "runbuilder": "builder started"}
+WAITING_LINE = "waiting for PostgreSQL"
 # How long a daemon may take to start: importing Django and connecting is quick on an idle machine and
 # takes tens of seconds on a loaded one; the test's own bounds then time only what it tests.
 START_TIMEOUT = 180.0
@@ -100,10 +102,14 @@ class Sampler:
 
 
 def wait_started(proc: subprocess.Popen, line: str, *, name: str, timeout: float = START_TIMEOUT) -> None:
-    """Wait until ``proc`` logs ``line`` or exits; fail naming the daemon after ``timeout`` seconds."""
+    """Wait until ``proc`` logs ``line`` (or that it waits for PostgreSQL) or exits; fail naming the daemon."""
     log_path: Path = proc.log_path  # type: ignore[attr-defined]
-    wait_for(lambda: proc.poll() is not None or line in log_path.read_text(errors="replace"), timeout=timeout,
-             interval=0.1, message=f"{name} to log {line!r} ({log_path})")
+
+    def started() -> bool:
+        text = log_path.read_text(errors="replace")
+        return proc.poll() is not None or line in text or WAITING_LINE in text
+
+    wait_for(started, timeout=timeout, interval=0.1, message=f"{name} to log {line!r} ({log_path})")
 
 
 def wait_all_final(url: str, *, timeout: float, expected: int | None = None) -> None:
