@@ -80,12 +80,17 @@ def _start_local(*, always_stop: bool = False) -> str:
 def use_worker_cluster(worker: str) -> None:
     """Point ``scripts/pg_local.sh`` (and so every test and daemon of this process) at the worker's own cluster.
 
-    The folder is the checkout's cluster folder with the worker's name appended; the port is the
-    one that cluster was first given (``ACC_PG_PORT`` would give every worker the same one).
+    The folder is the checkout's cluster folder with the worker's name appended; the port is the first
+    free one when the run starts it (``ACC_PG_PORT`` would give every worker the same one).
     """
     base = os.environ.get("ACC_PG_DIR") or ".local/pg"
     os.environ["ACC_PG_DIR"] = f"{base}-{worker}"
     os.environ.pop("ACC_PG_PORT", None)
+    if not _running(PG_LOCAL):
+        # Nothing outside this run knows a worker cluster's port: a stopped one takes the first free
+        # port again (its port from an earlier run may belong to another server by now). Restarts
+        # within the run keep the port this start remembers.
+        (ROOT / os.environ["ACC_PG_DIR"] / "port").unlink(missing_ok=True)
 
 
 def choose_database() -> tuple[str, str]:
