@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from typing import Any
 
 import psycopg
@@ -247,7 +248,10 @@ def test_task_processes_die_with_their_agent_and_the_task_runs_again(make_servic
     make_service("orphan", executor="command", executor_config={"argv": ["python", "-c", _literal(GRANDCHILD)]},
                  timeout_seconds=300, max_attempts=3, backoff_base_seconds=0, backoff_cap_seconds=0)
     job = api.start_service("orphan")
-    victim = daemons.agent("n1", "orphan", "--lease-seconds", "3")
+    # An agent ends the orphans of its node found among this machine's processes: a node name no agent
+    # of another test (a parallel worker's) uses, so none of them ends these first.
+    node = f"orphans-{uuid.uuid4().hex[:8]}"
+    victim = daemons.agent(node, "orphan", "--lease-seconds", "3")
     event = wait_until(
         lambda: Event.objects.filter(job_id=job.id, type="log", message__startswith="grandchild").first(),
                        timeout=20, message="the grandchild started")
@@ -259,7 +263,7 @@ def test_task_processes_die_with_their_agent_and_the_task_runs_again(make_servic
         victim.wait(timeout=10)
         wait_until(lambda: not _alive(child), timeout=5, message="the direct child dies with its agent")
         assert _alive(grandchild), "(a grandchild survives the parent-death signal)"
-        successor = daemons.agent("n1", "orphan", "--lease-seconds", "3")
+        successor = daemons.agent(node, "orphan", "--lease-seconds", "3")
         wait_until(lambda: not _alive(grandchild), timeout=20, message="the next agent on the node ends the orphans")
         daemons.builder()
         wait_all_final(db_url, timeout=60)
