@@ -42,17 +42,22 @@ lint: install
 
 # The browser tests need Debian's chromium and chromedriver, the fleet test PgBouncer, the sandbox tests
 # bubblewrap: installed here when missing (root or sudo).
+# TEST_WORKERS parallel pytest-xdist workers, each with a PostgreSQL cluster of its own (tests/dbselect.py);
+# most tests wait on real daemons rather than compute, so twice the cores keeps the cores busy.
+# TEST_WORKERS=0 runs the tests in this one process.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 test: install
 	@scripts/browser_deps.sh
 	@scripts/sandbox_deps.sh
 	@scripts/pgbouncer_local.sh install || echo "the fleet test through PgBouncer will be skipped"
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Skip the slow chaos/race tests locally.
 test-fast: install
 	@scripts/browser_deps.sh
 	@scripts/sandbox_deps.sh
-	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	@$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # Django 6.1 (its built-in django.tasks, no django-tasks backport) in a second virtualenv, .venv-dj61: the
 # Tasks and embedding tests on it, beside the whole suite on the pinned Django. Django 6 needs Python 3.12+.
@@ -119,8 +124,11 @@ chaos: install
 check: install
 	@$(PY) manage.py makemigrations --check --dry-run
 
+# The test workers' clusters too (.local/pg-gw*: a run stops its own, unless it was killed).
 stop:
 	@scripts/pgbouncer_local.sh stop
 	@scripts/pg_replica_local.sh stop
 	@scripts/pg_local.sh stop
+	@for dir in $(wildcard .local/pg-gw*[0-9]); do \
+	  ACC_PG_DIR=$$dir scripts/pg_replica_local.sh stop 2>/dev/null; ACC_PG_DIR=$$dir scripts/pg_local.sh stop 2>/dev/null; done; true
 	@scripts/s3_local.sh stop

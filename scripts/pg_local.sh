@@ -12,11 +12,15 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BASE="${ACC_PG_DIR:-$ROOT/.local/pg}"
 case "$BASE" in /*) ;; *) BASE="$ROOT/$BASE" ;; esac  # .env.example writes it relative to the checkout
 # The port: ACC_PG_PORT, else the one this cluster was started on (remembered in $BASE/port), else
-# 25329 (below Linux's ephemeral port range, so no client socket can hold it). A start that finds the
-# port taken by another server (say, a second checkout's cluster) moves to the next free port and
-# remembers it, so `url` keeps telling the truth.
+# 25329 (below Linux's ephemeral port range, so no client socket can hold it). A cluster's first start
+# that finds the port taken by another server (say, a second checkout's cluster), or claimed by another
+# cluster that is stopped for a while, moves to the next free port and remembers it, so `url` keeps
+# telling the truth. Every first start claims its port in $PORT_CLAIMS (machine-wide), so no other
+# cluster takes it while this one is stopped; a restart keeps its port, and fails naming the port when
+# another server holds it (clients and daemons were told that port).
 PORT="${ACC_PG_PORT:-$(cat "$BASE/port" 2>/dev/null || echo 25329)}"
 DBNAME="${ACC_PG_DBNAME:-accs}"
+PORT_CLAIMS="${ACC_PG_PORT_CLAIMS:-/tmp/accs-pg-ports}"
 
 set_paths() {
   RUN_BASE="$1"
@@ -76,6 +80,30 @@ choose_run_base() {
   fi
 }
 
+port_answers() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# True when another cluster's folder claims port $1 and still remembers it as its own.
+claimed_by_other() {
+  local owner
+  owner="$(cat "$PORT_CLAIMS/$1" 2>/dev/null)" || return 1
+  [ "$owner" != "$BASE" ] && [ "$(cat "$owner/port" 2>/dev/null)" = "$1" ]
+}
+
+# A cluster's first start: the first port from $PORT that no server answers on and no other cluster
+# claims, claimed for this one (under a lock, so clusters started at once take different ports).
+choose_first_port() {
+  mkdir -p "$PORT_CLAIMS" && chmod 1777 "$PORT_CLAIMS" 2>/dev/null || true
+  exec 8>>"$PORT_CLAIMS/.lock"
+  flock -w 60 8 || { echo "pg_local: another start holds $PORT_CLAIMS/.lock" >&2; exit 1; }
+  while port_answers "$PORT" || claimed_by_other "$PORT"; do
+    echo "pg_local: port $PORT is taken or claimed by another cluster; trying $((PORT + 1))" >&2
+    PORT=$((PORT + 1))
+  done
+  echo "$BASE" >"$PORT_CLAIMS/$PORT"
+  echo "$PORT" >"$BASE/port"
+  exec 8>&-
+}
+
 start() {
   mkdir -p "$BASE"
   chmod 755 "$BASE"
@@ -94,10 +122,15 @@ start() {
   install -d -m 755 -o "$PG_USER" "$SOCK"
   touch "$LOG" && chown "$PG_USER" "$LOG"
   if ! is_running && [ -z "${ACC_PG_PORT:-}" ]; then
-    while (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do
-      echo "pg_local: port $PORT is taken by another server; trying $((PORT + 1))" >&2
-      PORT=$((PORT + 1))
-    done
+    if [ -f "$BASE/port" ]; then
+      port_answers "$PORT" && {
+        echo "pg_local: port $PORT, where this cluster ($BASE) listens, is taken by another server; stop" \
+          "that server, or move this cluster with ACC_PG_PORT=<port> (its clients must then be told)" >&2
+        exit 1
+      }
+    else
+      choose_first_port
+    fi
   fi
   echo "$PORT" >"$BASE/port"
   if ! is_running; then

@@ -19,7 +19,7 @@ import pytest
 
 from tests import s3_fixtures
 from tests.browser import CHROMEDRIVER, CHROMIUM, WAIT
-from tests.daemons import Daemons, free_port, http_server
+from tests.daemons import START_TIMEOUT, Daemons, free_port, http_server
 from tests.ops_helpers import Tenants, make_user, two_tenants
 from tests.s3_fixtures import S3
 
@@ -77,7 +77,7 @@ def live_server_url(subprocess_env, tmp_path: Path):
     port = free_port()
     argv = [sys.executable, str(ROOT / "tests" / "wsgi_server.py"), "127.0.0.1", str(port)]
     with http_server(argv, env={**subprocess_env, "ACC_DB_CONN_MAX_AGE": "0"}, port=port,
-                     log_path=tmp_path / "server.log", name="runserver", timeout=30) as url:
+                     log_path=tmp_path / "server.log", name="runserver", timeout=START_TIMEOUT) as url:
         yield url
 
 
@@ -193,6 +193,15 @@ def pytest_runtest_call(item):
            if not (job_may(frm, to) if is_job else task_may(frm, to))]
     if bad:
         outcome.force_exception(AssertionError("status changes outside the transition table: " + "; ".join(bad[:5])))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the tests marked ``slow`` first (in their collected order; the rest keep theirs too).
+
+    Under ``make test``'s parallel workers the longest tests then start at once instead of ending
+    the run on one worker while the others sit idle. Every worker sorts alike, as xdist requires.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)

@@ -18,8 +18,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The line each daemon logs once it is connected and about to work (nodes/agent.py, jobs/builder.py), or
+# that it waits for an unreachable PostgreSQL (accs_site/daemon.py: started as far as it can be).
+STARTED_LINES = {"runagent": "started on node", "runbuilder": "builder started"}
+WAITING_LINE = "waiting for PostgreSQL"
+# How long a daemon may take to start: importing Django and connecting is quick on an idle machine and
+# takes tens of seconds on a loaded one; the test's own bounds then time only what it tests.
+START_TIMEOUT = 180.0
+
+
 class Daemons:
-    """Start daemons; stop them all at teardown (SIGTERM, then SIGKILL)."""
+    """Start daemons; stop them all at teardown (SIGTERM, then SIGKILL).
+
+    ``start`` returns once the daemon logs that it started (or has exited, for tests of refusals).
+    """
 
     def __init__(self, env: dict[str, str], log_dir: Path, *, manage_py: Path = ROOT / "manage.py") -> None:
         self.env = env
@@ -33,6 +45,8 @@ class Daemons:
                                 env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         proc.log_path = self.log_dir / f"{name}.log"  # type: ignore[attr-defined]
         self.procs.append(proc)
+        if args and args[0] in STARTED_LINES:
+            wait_started(proc, STARTED_LINES[args[0]], name=name)
         return proc
 
     def agent(
@@ -85,6 +99,17 @@ class Sampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def wait_started(proc: subprocess.Popen, line: str, *, name: str, timeout: float = START_TIMEOUT) -> None:
+    """Wait until ``proc`` logs ``line`` (or that it waits for PostgreSQL) or exits; fail naming the daemon."""
+    log_path: Path = proc.log_path  # type: ignore[attr-defined]
+
+    def started() -> bool:
+        text = log_path.read_text(errors="replace")
+        return proc.poll() is not None or line in text or WAITING_LINE in text
+
+    wait_for(started, timeout=timeout, interval=0.1, message=f"{name} to log {line!r} ({log_path})")
 
 
 def wait_all_final(url: str, *, timeout: float, expected: int | None = None) -> None:

@@ -30,7 +30,8 @@ from tests.ops_helpers import make_user
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pg_replica_local.sh"
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# One worker runs the whole module (make test), so its replica is copied and started once.
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.xdist_group("read-replica")]
 
 
 def _local_port() -> str:

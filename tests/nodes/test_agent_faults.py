@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from typing import Any
 
 import psycopg
@@ -205,17 +206,18 @@ def test_agent_stalled_past_its_lease_tracks_and_finishes_the_new_attempt(make_s
 
 @pytest.mark.slow
 def test_agent_cut_off_from_the_database_stops_its_task_before_the_lease_ends(make_service, daemons, db_url, tmp_path):
-    _timed_command(make_service, "cut", str(tmp_path), first_seconds=20)
+    _timed_command(make_service, "cut", str(tmp_path), first_seconds=60)  # killed long before
     job = api.start_service("cut")
     with TcpProxy(0, "127.0.0.1", _db_port(db_url)) as proxy:
         cut_off = daemons.agent("n1", "cut", "--lease-seconds", "4", "--poll-interval", "0.2",
                                 env=_proxied_env(db_url, proxy))
         wait_until(lambda: (tmp_path / "1.pid").exists(), timeout=20, message="attempt 1 runs on n1")
         first_pid = int((tmp_path / "1.pid").read_text())
-        proxy.cut()  # blackhole: the agent lives, its connections hang
-        cut_at = time.monotonic()
+        # Up before the cut (n1 holds the task meanwhile), so the time to the kill counts no daemon's start.
         daemons.builder()
         daemons.agent("n2", "cut", "--lease-seconds", "4", "--poll-interval", "0.2")
+        proxy.cut()  # blackhole: the agent lives, its connections hang
+        cut_at = time.monotonic()
         wait_until(lambda: not _alive(first_pid), timeout=10, message="the cut-off agent kills its task")
         killed_after = time.monotonic() - cut_at
         wait_until(lambda: Task.objects.filter(job=job, status="done").exists(), timeout=60, message="rerun done")
@@ -246,7 +248,10 @@ def test_task_processes_die_with_their_agent_and_the_task_runs_again(make_servic
     make_service("orphan", executor="command", executor_config={"argv": ["python", "-c", _literal(GRANDCHILD)]},
                  timeout_seconds=300, max_attempts=3, backoff_base_seconds=0, backoff_cap_seconds=0)
     job = api.start_service("orphan")
-    victim = daemons.agent("n1", "orphan", "--lease-seconds", "3")
+    # An agent ends the orphans of its node found among this machine's processes: a node name no agent
+    # of another test (a parallel worker's) uses, so none of them ends these first.
+    node = f"orphans-{uuid.uuid4().hex[:8]}"
+    victim = daemons.agent(node, "orphan", "--lease-seconds", "3")
     event = wait_until(
         lambda: Event.objects.filter(job_id=job.id, type="log", message__startswith="grandchild").first(),
                        timeout=20, message="the grandchild started")
@@ -258,7 +263,7 @@ def test_task_processes_die_with_their_agent_and_the_task_runs_again(make_servic
         victim.wait(timeout=10)
         wait_until(lambda: not _alive(child), timeout=5, message="the direct child dies with its agent")
         assert _alive(grandchild), "(a grandchild survives the parent-death signal)"
-        successor = daemons.agent("n1", "orphan", "--lease-seconds", "3")
+        successor = daemons.agent(node, "orphan", "--lease-seconds", "3")
         wait_until(lambda: not _alive(grandchild), timeout=20, message="the next agent on the node ends the orphans")
         daemons.builder()
         wait_all_final(db_url, timeout=60)

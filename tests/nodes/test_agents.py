@@ -101,11 +101,12 @@ def test_node_cpu_weight_budget(make_service, daemons, db_url):
 
 def test_service_global_max_concurrent_across_nodes(make_service, daemons, db_url):
     svc = sleep_service(make_service, max_concurrent=3)
-    jobs_of("slow", 12)
     with Sampler(db_url, f"SELECT count(*) FROM accs_task WHERE {HELD} AND service_id = %s", (svc.id,)) as s:
-        # Two slots per node: reaching 3 needs both nodes, and the global cap keeps it at 3, not 4.
+        # Two slots per node: reaching 3 needs both nodes, and the global cap keeps it at 3, not 4. Both
+        # are up before the work arrives, so neither drains it alone while the other starts.
         daemons.agent("n1", "slow", "--max-concurrent", "2")
         daemons.agent("n2", "slow", "--max-concurrent", "2")
+        jobs_of("slow", 12)
         wait_all_final(db_url, timeout=60)
     assert s.maxima == [3]
 

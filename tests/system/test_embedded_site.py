@@ -28,6 +28,10 @@ def _server_url(dbname: str) -> str:
     return f"{base}/{dbname}"
 
 
+# One worker runs the whole module (make test), so the site's database is created and migrated once.
+pytestmark = pytest.mark.xdist_group("embedded-site")
+
+
 @pytest.fixture(scope="module")
 def site_env(tmp_path_factory):
     """A fresh database for the site, migrated by the site's manage.py; dropped afterwards."""
