@@ -644,3 +644,21 @@ def _fileno(conn: Any) -> int | None:
         return raw.fileno() if not raw.closed else None
     except Exception:  # noqa: BLE001 - a connection being closed by its owner
         return None
+
+
+def ensure_daemon_logging() -> None:
+    """Let a daemon's lines (``accs.*``, INFO and up) reach stderr in a site whose logging sends them
+    nowhere: an embedding site without a ``LOGGING`` for them would otherwise run a builder or an agent
+    that says nothing, not even that it started or why it backs off. A site that routes them keeps its
+    own handlers."""
+    accs_log = logging.getLogger("accs")
+    node: logging.Logger | None = accs_log
+    while node is not None:
+        if any(not getattr(h, "timeline_only", False) for h in node.handlers):
+            return  # the site routes them (its level then decides what it sees)
+        node = node.parent if node.propagate else None
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    accs_log.addHandler(handler)
+    if accs_log.level == logging.NOTSET:
+        accs_log.setLevel(logging.INFO)

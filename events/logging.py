@@ -106,6 +106,10 @@ class EventBridgeHandler(logging.Handler):
     the timeline, saying how many were dropped.
     """
 
+    #: It keeps lines for the timeline only: a daemon whose ``accs`` logger has no other handler prints
+    #: nothing (:func:`accs_site.daemon.ensure_daemon_logging` adds one).
+    timeline_only = True
+
     _local = threading.local()
 
     def __init__(self, level: int = logging.NOTSET, *, buffer_lines: int = BUFFER_LINES,

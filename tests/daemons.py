@@ -39,22 +39,33 @@ class Daemons:
         self.manage_py = manage_py  # another site's manage.py runs the same daemons (tests/embedded_site)
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, *args: str, name: str, env: dict[str, str] | None = None, wait: bool = True) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
         proc = subprocess.Popen([sys.executable, str(self.manage_py), *args], cwd=self.manage_py.parent,
                                 env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         proc.log_path = self.log_dir / f"{name}.log"  # type: ignore[attr-defined]
         self.procs.append(proc)
-        if args and args[0] in STARTED_LINES:
+        if wait and args and args[0] in STARTED_LINES:
             wait_started(proc, STARTED_LINES[args[0]], name=name)
         return proc
 
     def agent(
-        self, node: str, services: str, *extra: str, name: str | None = None, env: dict[str, str] | None = None
+        self, node: str, services: str, *extra: str, name: str | None = None, env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> subprocess.Popen:
         return self.start(
-            "runagent", "--node", node, "--services", services, *extra, name=name or f"agent-{node}", env=env
+            "runagent", "--node", node, "--services", services, *extra, name=name or f"agent-{node}", env=env,
+            wait=wait,
         )
+
+    def agents_together(self, nodes: list[str], services: str, *extra: str,
+                        env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+        """Start one agent per node at once and return when every one of them has started: a race
+        between agents is then a race, not the first one draining the queue while the others import."""
+        procs = [self.agent(node, services, *extra, env=env, wait=False) for node in nodes]
+        for node, proc in zip(nodes, procs, strict=True):
+            wait_started(proc, STARTED_LINES["runagent"], name=f"agent-{node}")
+        return procs
 
     def builder(self, *extra: str, name: str = "builder") -> subprocess.Popen:
         return self.start("runbuilder", "--tick", "0.2", *extra, name=name)

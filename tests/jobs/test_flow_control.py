@@ -166,9 +166,8 @@ def max_in_window(times: list, period: float) -> int:
 
 
 def agents(daemons, service_key: str, n: int = 4) -> None:
-    for i in range(n):
-        daemons.agent(f"fc-{i}", service_key, "--max-concurrent", "4",
-                      env={"ACC_POLL_INTERVAL_SEC": "0.1"})
+    daemons.agents_together([f"fc-{i}" for i in range(n)], service_key, "--max-concurrent", "4",
+                            env={"ACC_POLL_INTERVAL_SEC": "0.1"})
 
 
 @pytest.mark.slow
@@ -225,7 +224,6 @@ def test_four_agents_never_hold_more_than_the_per_key_cap(make_service, daemons,
     svc = save_service(key="key-cap-race", concurrency_key="customer", concurrency_key_limit=2, **{**SLEEPY})
     api.start_many([api.JobSpec(service="key-cap-race", params={"customer": c, "seconds": 0.3})
                     for c in ("a", "b", "c") * 8])
-    transitions.start_due_jobs(limit=100)
     with connection.cursor() as cur:
         # At each claim's commit, the held tasks of the claimed task's key (all committed claims
         # and this one): a second witness beside the sampler.
@@ -235,6 +233,8 @@ def test_four_agents_never_hold_more_than_the_per_key_cap(make_service, daemons,
     try:
         with Sampler(db_url, sql, (svc.id,)) as s:
             agents(daemons, "key-cap-race")
+            # The tasks are queued once every agent runs, so all four race for them.
+            transitions.start_due_jobs(limit=100)
             wait_for(lambda: Task.objects.filter(service=svc, status="done").count() == 24, timeout=90,
                      message="all 24 tasks done")
         daemons.stop_all()

@@ -39,10 +39,14 @@ def jobs_of(service_key: str, n: int, seconds: float = 0.3, **options) -> list:
 def test_four_agents_race_2000_tasks_each_done_exactly_once_in_order(make_service, daemons, db_url):
     make_service("race")
     api.start_many([api.JobSpec(service="race", params={}) for _ in range(2000)])
+    # The tasks are queued once all four agents run, so they race for them from the first claim.
+    agents = daemons.agents_together([f"race-{i}" for i in range(4)], "race", "--max-concurrent", "16")
     assert len(transitions.start_due_jobs(limit=5000)) == 2000
-    agents = [daemons.agent(f"race-{i}", "race", "--max-concurrent", "16", "--once") for i in range(4)]
+    wait_for(lambda: Task.objects.filter(status="done").count() == 2000, timeout=180, message="2000 tasks done")
     for proc in agents:
-        assert proc.wait(timeout=180) == 0, proc.log_path.read_text()[-2000:]
+        proc.terminate()
+    for proc in agents:
+        assert proc.wait(timeout=60) == 0, proc.log_path.read_text()[-2000:]
     assert Task.objects.filter(status="done").count() == 2000
     assert Task.objects.exclude(attempt=1).count() == 0, "no task was claimed twice"
     assert Attempt.objects.count() == 2000 and Attempt.objects.filter(status="succeeded").count() == 2000

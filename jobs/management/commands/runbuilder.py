@@ -7,6 +7,7 @@ Bad options and settings are refused before anything starts: one line on stderr,
 from __future__ import annotations
 
 from accs_site.cli import OperatorCommand, bounded
+from accs_site.daemon import ensure_daemon_logging
 from jobs.builder import Builder
 from jobs.leader import LEASE_SECONDS
 
@@ -26,6 +27,7 @@ class Command(OperatorCommand):
         parser.add_argument("--once", action="store_true", help="Run one tick (and all maintenance) and exit.")
 
     def handle(self, *args, **options) -> None:
+        ensure_daemon_logging()
         builder = Builder(tick_seconds=options["tick"], batch=options["batch"], once=options["once"],
                           lease_seconds=options["lease_seconds"])
         builder.install_signal_handlers()

@@ -10,6 +10,7 @@ import re
 
 from accs_site.cli import OperatorCommand, bounded, usage_error
 from accs_site.conf import SettingError, accs, parse_labels
+from accs_site.daemon import ensure_daemon_logging
 from nodes.agent import Agent
 from nodes.models import Node
 
@@ -55,6 +56,7 @@ class Command(OperatorCommand):
                             help="Most tasks claimed per statement, 1-1000 (default: --max-concurrent).")
 
     def handle(self, *args, **options) -> None:
+        ensure_daemon_logging()
         services = [s.strip() for s in options["services"].split(",") if s.strip()]
         if not services:
             raise usage_error("--services needs at least one service key")
