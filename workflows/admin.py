@@ -152,8 +152,7 @@ class ServiceAdmin(DefinitionAdmin):
         """Ask why and for how long, then pause each selected service (no agent claims its tasks)."""
         form = RaiseConditionForm(request.POST if "apply" in request.POST else None)
         if "apply" in request.POST and form.is_valid():
-            minutes = form.cleaned_data["minutes"]
-            expires = timezone.now() + timedelta(minutes=minutes) if minutes else None
+            expires = _expires_at(form)
             perform(request, self, "Pause", list(queryset), lambda s: _pause(
                 s.key, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request)))
             return None
@@ -167,6 +166,12 @@ class ServiceAdmin(DefinitionAdmin):
 
     def action_subject(self, obj: Service) -> str:
         return obj.key
+
+
+def _expires_at(form: forms.Form) -> datetime | None:
+    """When a pause or a raised condition set from a reason page ends: its minutes from now, or never."""
+    minutes = form.cleaned_data["minutes"]
+    return timezone.now() + timedelta(minutes=minutes) if minutes else None
 
 
 #: The fields a version that jobs use keeps: jobs name the version, and it names the steps they ran.
@@ -439,8 +444,7 @@ class GovernorConditionAdmin(admin.ModelAdmin):
         """Ask for a reason and a duration, then raise each selected condition."""
         form = RaiseConditionForm(request.POST if "apply" in request.POST else None)
         if "apply" in request.POST and form.is_valid():
-            minutes = form.cleaned_data["minutes"]
-            expires = timezone.now() + timedelta(minutes=minutes) if minutes else None
+            expires = _expires_at(form)
             perform(request, self, "Raise", list(queryset), lambda c: _raise(
                 c.name, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request)))
             return None
