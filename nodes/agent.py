@@ -638,10 +638,7 @@ class Agent:
                 # This site's allow-lists are asked again before every run, whatever the row says.
                 outcome = not_allowed(task, service.executor, service.config)
                 if outcome is None:
-                    _read_step_context(task, ctx)
-                    if ctx.output_dir and accs.minio.configured:
-                        _stage_inputs(task, ctx)
-                    outcome = executor.run(task, ctx)
+                    outcome = _prepare_and_run(task, ctx, executor, limit=lease_seconds)
             except Exception as exc:  # noqa: BLE001 - an executor bug fails the attempt, not the agent
                 log.exception("executor crashed", extra={"task_id": task.id, "job_id": task.job_id})
                 outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed",
@@ -649,7 +646,7 @@ class Agent:
             outcome = sanitize_outcome(_as_stopped(outcome, ctx, lease_seconds=lease_seconds), secrets=ctx.secrets)
             outcome = output_violation(outcome, ctx.output_schema)
             try:
-                _store_artifacts(task, ctx, outcome)
+                _store_artifacts(task, ctx, outcome, limit=lease_seconds)
             finally:
                 remove_scratch(ctx)
                 inbox.put(("done", key, outcome))
@@ -1013,10 +1010,67 @@ def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> O
                    exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
 
 
+def _prepare_and_run(task: ClaimedTask, ctx: RunContext, executor: Any, *, limit: float) -> Outcome:
+    """Read what the attempt needs from the database and storage, then run it. Stopped while it
+    waited out an outage (see :func:`_while_reachable`), the attempt ends ``canceled`` before it
+    ran, which :func:`_as_stopped` names by why it was stopped."""
+    steps: list[tuple[str, Callable[[ClaimedTask, RunContext], None]]] = [
+        ("read its parents' outputs", _read_step_context)]
+    if ctx.output_dir and accs.minio.configured:
+        steps.append(("stage its input artifacts", _stage_inputs))
+    for what, step in steps:
+        if not _while_reachable(task, ctx, what, step, limit=limit):
+            return Outcome(task_id=task.id, attempt=task.attempt, status="canceled", error="stopped before it ran")
+    return executor.run(task, ctx)
+
+
+def _while_reachable(task: ClaimedTask, ctx: RunContext, what: str,
+                     step: Callable[[ClaimedTask, RunContext], object], *, limit: float) -> bool:
+    """Run ``step`` (the attempt's database work outside its own code) until it succeeds; return
+    whether it did.
+
+    While the database is unreachable (a restart, a cut connection) the step is tried again with
+    backoff rather than failing the attempt: the attempt holds its lease meanwhile (the renewals run
+    on their own thread), and an outage is no fault of the task. The waiting ends when the attempt
+    is stopped (an operator's cancel, or the lease watchdog once the outage outlasts the lease,
+    which names the outage as the reason): False. A database that answers but keeps failing the
+    step for ``limit`` seconds, or any other error, is the step's own and is raised.
+    """
+    backoff = daemon.Backoff(base=0.2, cap=5.0)
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            close_old_connections()  # this worker thread's connection may have died in an outage
+            step(task, ctx)
+        except Exception as exc:
+            if not _database_unreachable(exc) or time.monotonic() > deadline:
+                raise
+            daemon.close_django_connection()
+            if backoff.failures == 0:
+                log.warning("task %s attempt %d could not %s (%s); trying again until the database answers",
+                            task.id, task.attempt, what, daemon.first_line(exc),
+                            extra={"task_id": task.id, "job_id": task.job_id})
+            if ctx.cancel.wait(backoff.next_delay()):
+                return False
+        else:
+            if backoff.failures:
+                log.info("task %s attempt %d could %s again", task.id, task.attempt, what,
+                         extra={"task_id": task.id, "job_id": task.job_id})
+            return True
+
+
+def _database_unreachable(exc: BaseException) -> bool:
+    """Return whether ``exc`` is the database (not storage, not the step) failing to answer."""
+    from django.db import utils as dj
+
+    if isinstance(exc, (dj.OperationalError, dj.InterfaceError, psycopg.OperationalError, psycopg.InterfaceError)):
+        return True
+    return daemon.is_transient(exc) and isinstance(exc.__cause__, psycopg.Error)
+
+
 def _read_step_context(task: ClaimedTask, ctx: RunContext) -> None:
     """Give the attempt its parents' outputs and its step's output schema (:func:`jobs.inputs.step_context`);
     a secret among those outputs is redacted from what the attempt logs, as a secret param is."""
-    close_old_connections()
     found = step_context(task.id)
     ctx.inputs, ctx.output_schema = found.inputs, found.output_schema
     ctx.secrets += secrets_in(found.inputs)
@@ -1024,12 +1078,11 @@ def _read_step_context(task: ClaimedTask, ctx: RunContext) -> None:
 
 def _stage_inputs(task: ClaimedTask, ctx: RunContext) -> None:
     """Download the task's input artifacts into a fresh directory (ACCS_INPUT_DIR)."""
-    close_old_connections()
-    ctx.input_dir = scratch_dir(task)
+    ctx.input_dir = ctx.input_dir or scratch_dir(task)  # tried again after an outage: the same folder
     artifacts.stage_inputs(job_id=task.job_id, task_id=task.id, directory=ctx.input_dir)
 
 
-def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> None:
+def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome, *, limit: float) -> None:
     """Upload output files and the attempt's log, in the worker thread, when storage is configured."""
     if not accs.minio.configured:
         return
@@ -1038,18 +1091,21 @@ def _store_artifacts(task: ClaimedTask, ctx: RunContext, outcome: Outcome) -> No
     # One upload each: output files the store refuses must not cost the attempt's log.
     output_dir = ctx.output_dir
     if output_dir:
-        _guarded_upload(task, lambda: artifacts.collect_outputs(
+        _guarded_upload(task, ctx, "upload its output files", limit, lambda: artifacts.collect_outputs(
             job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt,
             directory=output_dir))
-    _guarded_upload(task, lambda: artifacts.upload_attempt_log(
+    _guarded_upload(task, ctx, "upload its log", limit, lambda: artifacts.upload_attempt_log(
         job_id=task.job_id, task_id=task.id, task_key=task.task_key, attempt=task.attempt, records=records))
 
 
-def _guarded_upload(task: ClaimedTask, upload: Callable[[], object]) -> None:
-    """Run one artifact upload; storage trouble is logged and must not lose the outcome."""
+def _guarded_upload(task: ClaimedTask, ctx: RunContext, what: str, limit: float,
+                    upload: Callable[[], object]) -> None:
+    """Run one artifact upload, waiting out an outage of the database as the attempt's preparation
+    does; storage trouble is logged and must not lose the outcome."""
     try:
-        close_old_connections()  # this worker thread's connection may have died in an outage
-        upload()
+        if not _while_reachable(task, ctx, what, lambda _task, _ctx: upload(), limit=limit):
+            log.warning("task %s attempt %d: gave up trying to %s (the attempt was stopped)", task.id, task.attempt,
+                        what, extra={"task_id": task.id, "job_id": task.job_id})
     except Exception:  # noqa: BLE001 - storage trouble must not lose the outcome
         log.exception("artifact upload failed", extra={"task_id": task.id, "job_id": task.job_id})
         daemon.close_django_connection()

@@ -166,7 +166,10 @@ def test_a_fleet_through_pgbouncer_survives_a_leader_kill_and_a_restart(make_ser
           f"{writes} units), "
           f"first fence {first_fence}, not done {not_done}, run twice {run_twice}, overlaps {len(overlaps)}")
     assert not_done == 0
-    assert run_twice == 0
+    assert run_twice == 0, _query(db_url, """
+        SELECT a.task_id, a.attempt_no, a.node, a.status, a.started_at, a.finished_at, left(a.error_text, 200)
+        FROM accs_attempt a WHERE a.task_id IN (SELECT task_id FROM accs_attempt GROUP BY task_id HAVING count(*) > 1)
+        ORDER BY a.task_id, a.attempt_no""")
     assert terms >= 2, "the killed leader was replaced by a new term"
     assert writing_terms >= 1, "the leaders wrote (the rate-window duty), so the overlap check means something"
     assert overlaps == []

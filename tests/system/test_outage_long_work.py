@@ -119,3 +119,41 @@ def test_long_work_survives_a_postgresql_stop_with_its_services_lease(make_servi
     assert "Traceback" not in text and "Logging error" not in text, text[-3000:]
     assert "the timeline cannot take log lines" in text, "the long task logged through the handler in the stop"
     assert "the timeline takes log lines again" in text
+
+
+def test_an_attempt_waits_out_a_restart_that_catches_it_reading_its_inputs(make_service, daemons, db_url):
+    """PostgreSQL restarts while a claimed attempt reads its parents' outputs, before its work runs.
+
+    The read is held on a lock (a test connection holds the workflow table exclusively) until the
+    restart cuts it. The attempt tries the read again once the database answers and runs: one
+    attempt, succeeded, nothing logged as an error. (Before, the read's error failed the attempt as
+    an executor crash and a second attempt ran the work.)
+    """
+    local = subprocess.run([PG_LOCAL, "url"], capture_output=True, text=True, check=True).stdout.strip()
+    if urlparse(db_url).port != urlparse(local).port:
+        pytest.skip("restarting PostgreSQL needs the project-local server (scripts/pg_local.sh)")
+    make_service("reads-inputs", backoff_base_seconds=0, backoff_cap_seconds=0)
+    job = api.start_service("reads-inputs")  # before the lock: starting a job reads the workflow table too
+    blocker = psycopg.connect(db_url)
+    blocker.execute("LOCK TABLE accs_workflow IN ACCESS EXCLUSIVE MODE")
+    agent = daemons.agent("inputs", "reads-inputs", env={"ACC_LOG_FORMAT": "json"})
+    wait_for(lambda: _rows(db_url, """
+        SELECT count(*) FROM pg_stat_activity
+         WHERE wait_event_type = 'Lock' AND query LIKE '%%accs_workflow wf%%'""")[0][0] == 1,
+             timeout=60, message="the attempt's read of its inputs waits on the lock")
+    connections.close_all()  # this test's own connections die with the server
+    subprocess.run([PG_LOCAL, "stop"], check=True, capture_output=True)
+    subprocess.run([PG_LOCAL, "start"], check=True, capture_output=True)
+    blocker.close()
+
+    wait_for(lambda: _statuses(db_url, [job.id]).get(job.id) in ("done", "error"), timeout=90, interval=0.3,
+             message="the job final")
+    attempts = _rows(db_url, """
+        SELECT a.attempt_no, a.status, a.error_text FROM accs_task t JOIN accs_attempt a ON a.task_id = t.id
+         WHERE t.job_id = %s ORDER BY a.attempt_no""", [job.id])
+    assert [(n, status) for n, status, _ in attempts] == [(1, "succeeded")], attempts
+    agent.terminate()
+    agent.wait(timeout=30)
+    text = agent.log_path.read_text()
+    assert "could not read its parents' outputs" in text
+    assert "Traceback" not in text and '"level": "error"' not in text, text[-3000:]
