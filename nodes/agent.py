@@ -949,7 +949,13 @@ class Agent:
         if self._drain_deadline is not None and not self.stop_now:  # wake up when the drain time is over
             timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
         fds = [self._wake_r]
+        was_listening = self._listen is not None
         listen_fd = self._listen_fd()
+        if listen_fd is not None and not was_listening:
+            # Listening only from now on: work queued after the last claim sent its NOTIFY to
+            # nobody (at start-up, or after LISTEN was lost), so claim once more before sleeping.
+            self._notified = True
+            return
         if listen_fd is not None:
             fds.append(listen_fd)
         try:
