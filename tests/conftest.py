@@ -7,6 +7,7 @@ hold plain functions and classes that tests import.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -195,13 +196,39 @@ def pytest_runtest_call(item):
         outcome.force_exception(AssertionError("status changes outside the transition table: " + "; ".join(bad[:5])))
 
 
+# Seconds each long test took in a recent full run (setup + call + teardown, under make test's
+# parallel workers), written by hand from ``--durations``; a test not listed counts as short.
+DURATIONS = json.loads((Path(__file__).parent / "durations.json").read_text())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the tests marked ``slow`` first (in their collected order; the rest keep theirs too).
+    """Run the longest tests first: the ones ``tests/durations.json`` lists, longest first, then the
+    other ``slow`` ones, then the rest (each in its collected order).
 
     Under ``make test``'s parallel workers the longest tests then start at once instead of ending
-    the run on one worker while the others sit idle. Every worker sorts alike, as xdist requires.
+    the run on one worker while the others sit idle. The tests of an ``xdist_group`` run one after
+    another on one worker, so the group counts as long as all of them together. Every worker sorts
+    alike, as xdist requires.
     """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    groups: dict[str, float] = {}
+    for item in items:
+        group = _xdist_group(item)
+        if group:
+            groups[group] = groups.get(group, 0.0) + DURATIONS.get(item.nodeid, 0.0)
+
+    def key(item: pytest.Item) -> tuple[float, bool]:
+        group = _xdist_group(item)
+        seconds = groups[group] if group else DURATIONS.get(item.nodeid, 0.0)
+        return -seconds, item.get_closest_marker("slow") is None
+
+    items.sort(key=key)
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return None
+    return str(marker.args[0] if marker.args else marker.kwargs.get("name"))
 
 
 @pytest.fixture(autouse=True)
