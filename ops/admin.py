@@ -30,7 +30,7 @@ from ops.nodepage import node_page_context
 from ops.rates import page_rates
 from ops.timerange import time_range_filter
 from workflows.admin import ServiceAdmin
-from workflows.models import Service
+from workflows.models import Service, Workflow
 
 admin.site.site_header = "ACCS operations"
 admin.site.site_title = "ACCS"
@@ -46,25 +46,54 @@ def _with_page(view: Callable[..., HttpResponse], request: HttpRequest, object_i
     return view(request, object_id, form_url, extra_context=extra)
 
 
-class AttemptServiceFilter(admin.SimpleListFilter):
-    """Filter attempts by their task's service (the services are few)."""
+class DefinitionFilter(admin.SimpleListFilter):
+    """Filter a list by a service or workflow (the definitions are few), offered to those who may read the
+    definitions: a service's or workflow's name may name another tenant, which a tenant admin does not see.
+    The parameter works for everyone (a link from the dashboard or a service's page)."""
 
-    title = "service"
-    parameter_name = "service"
+    definition: type[Service] | type[Workflow] = Service
+    label = "key"
+    field = "service_id"
 
     def lookups(self, request, model_admin):
-        return [(str(pk), key) for pk, key in Service.objects.order_by("key").values_list("pk", "key")]
+        model = self.definition._meta
+        if not request.user.has_perm(f"{model.app_label}.view_{model.model_name}"):
+            return []
+        return [(str(pk), name) for pk, name in self.definition.objects.order_by(self.label)
+                .values_list("pk", self.label)]
+
+    def has_output(self) -> bool:
+        return bool(self.lookup_choices)
 
     def queryset(self, request, queryset):
         value = self.value() or ""
-        return queryset.filter(task__service_id=int(value)) if value.isdigit() else queryset
+        return queryset.filter(**{self.field: int(value)}) if value.isdigit() else queryset
+
+
+class AttemptServiceFilter(DefinitionFilter):
+    """Filter attempts by their task's service."""
+
+    title, parameter_name, field = "service", "service", "task__service_id"
+
+
+class JobServiceFilter(DefinitionFilter):
+    """Filter jobs by their service (``job_service_idx``); the redrive form reads the same parameter."""
+
+    title, parameter_name, field = "service", "service__id__exact", "service_id"
+
+
+class JobWorkflowFilter(DefinitionFilter):
+    """Filter jobs by their workflow (``job_workflow_idx``)."""
+
+    title, parameter_name, field, definition, label = ("workflow", "workflow__id__exact", "workflow_id", Workflow,
+                                                       "name")
 
 
 class JobPageAdmin(JobAdmin):
     """Jobs, filterable by service, workflow and creation time, with the job page: DAG, tasks, attempts,
     artifacts, timeline, why it is stuck, buttons."""
 
-    list_filter: ClassVar[tuple[Any, ...]] = (*JobAdmin.list_filter, "service", "workflow",
+    list_filter: ClassVar[tuple[Any, ...]] = (*JobAdmin.list_filter, JobServiceFilter, JobWorkflowFilter,
                                               time_range_filter("created_at"))
     change_form_template = "admin/jobs/job/change_form.html"
 

@@ -1,10 +1,10 @@
 """Which node, which service is sick: attempts that succeeded and failed per node and per service over a
 time range (:mod:`ops.timerange`), on the dashboard, a node's page and a service's page.
 
-The read is bounded whatever the range: the first and the last attempt of the range are found through
-``attempt_started_idx`` (one probe each), then the newest attempts between them are read by primary key
-(or through ``attempt_node_idx`` for one node), at most :data:`RATES_SAMPLE`; a range holding more says
-so (``partial``) and the figures are those of its newest attempts.
+The read is bounded whatever the range: the newest attempts of the range are read backwards through
+``attempt_started_idx``, at most :data:`RATES_SAMPLE`; for one node, its attempts between the range's
+first and last id (one probe of ``attempt_started_idx`` each) through ``attempt_node_idx``. A range
+holding more says so (``partial``) and the figures are those of its newest attempts.
 """
 
 from __future__ import annotations
@@ -40,14 +40,19 @@ SELECT (SELECT a.id FROM accs_attempt a WHERE a.started_at >= %(since)s AND a.st
          ORDER BY a.started_at DESC LIMIT 1)
 """
 
+#: Every node: the range's newest attempts by start, attempt_started_idx read backwards from the
+#: range's end, stopping at the sample.
+EVERY_NODE = ("a.started_at >= %(since)s AND a.started_at < %(until)s", "a.started_at DESC")
+#: One node: its attempts between the range's first and last id, attempt_node_idx read backwards (the
+#: node's rows only, however many other nodes ran in the range).
+ONE_NODE = ("a.node = %(node)s AND a.id BETWEEN %(lo)s AND %(hi)s", "a.id DESC")
+
 RATES_SQL = """
--- The range's newest attempts by primary key (attempt_node_idx for one node), bounded by the range's
--- first and last ids and by the sample; then counted per node and per service (a grouping set each).
--- Inlined, not materialized: the task of each attempt is one primary-key lookup.
+-- The range's newest attempts (see EVERY_NODE and ONE_NODE), at most the sample, then counted per node
+-- and per service (a grouping set each). Inlined, not materialized: the task of each attempt is one
+-- primary-key lookup.
 WITH recent AS NOT MATERIALIZED (
-    SELECT a.task_id, a.node, a.status FROM accs_attempt a
-     WHERE a.id BETWEEN %(lo)s AND %(hi)s AND a.started_at >= %(since)s AND a.started_at < %(until)s {node}
-     ORDER BY a.id DESC LIMIT %(sample)s
+    SELECT a.task_id, a.node, a.status FROM accs_attempt a WHERE {where} ORDER BY {order} LIMIT %(sample)s
 )
 SELECT GROUPING(r.node), r.node, t.service_id,
        count(*) FILTER (WHERE r.status = 'succeeded'),
@@ -135,7 +140,8 @@ def rates(*, since: datetime, until: datetime, tenant_ids: set[UUID] | None = No
             return Rates(since=since, until=until, nodes=[], services=[], partial=False)
         cur.execute("SELECT id, key FROM accs_service")
         names = dict(cur.fetchall())
-        cur.execute(RATES_SQL.format(tenants=where, node="AND a.node = %(node)s" if node else "",
+        among, order = ONE_NODE if node else EVERY_NODE
+        cur.execute(RATES_SQL.format(tenants=where, where=among, order=order,
                                      service="AND t.service_id = %(service)s" if service_id else ""),
                     {"lo": bounds[0], "hi": bounds[1], "since": since, "until": until, "sample": sample,
                      "node": node, "service": service_id, **params})
