@@ -409,9 +409,9 @@ class CaptureSQL:
 
 def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_service):
     """With many finished tasks and attempts, the dashboard's queries avoid scanning them."""
-    from django.db import connection
-
     from datetime import timedelta
+
+    from django.db import connection
 
     from ops import charts, overview, rates
 

@@ -10,8 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.contrib.admin.models import LogEntry
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from jobs import api
 from jobs.models import Attempt, AttemptStatus, Job, JobStatus
