@@ -241,3 +241,24 @@ def test_an_action_over_the_filtered_list_covers_more_than_a_page_after_a_count(
     entries = LogEntry.objects.filter(object_id=None)
     assert entries.count() == 1 and "Cancel: 130 of 130 jobs" in entries.get().change_message
     assert "4 batch(es)" in entries.get().change_message
+
+
+_values = st.one_of(st.none(), st.integers(), st.text(max_size=30),
+                    st.dictionaries(st.text(min_size=1, max_size=10), st.text(max_size=10), max_size=3))
+
+
+@given(rows=st.lists(st.fixed_dictionaries({"a": _values, "b": _values}), max_size=20))
+def test_a_streamed_export_reads_back_as_the_rows_it_was_given(rows):
+    from accs_site.admin_kit import _cell, stream_export
+
+    def body(fmt: str) -> str:
+        response = stream_export(iter([dict(r) for r in rows]), ("a", "b"), fmt=fmt, filename="x")
+        return b"".join(part if isinstance(part, bytes) else part.encode() for part in response.streaming_content
+                        ).decode()
+
+    assert json.loads(body("json")) == rows
+    read = list(csv.reader(io.StringIO(body("csv"), newline="")))
+    assert read[0] == ["a", "b"]
+    assert read[1:] == [[_cell(r["a"]), _cell(r["b"])] for r in rows]
+    with pytest.raises(ValueError, match="unknown export format 'xml'"):
+        stream_export(iter([]), ("a",), fmt="xml", filename="x")
