@@ -14,22 +14,36 @@ deleted object's), and actions only touch objects the user may act on.
 
 from __future__ import annotations
 
+import csv
+import itertools
+import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from django.contrib import admin, messages
 from django.contrib.admin import ShowFacets, helpers
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Coalesce, Now
-from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+    StreamingHttpResponse,
+)
 from django.template.response import TemplateResponse
-from django.urls import path
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
@@ -69,8 +83,11 @@ def human_age(seconds: float | None) -> str:
 
 #: From this offset on, a list page picks its rows' keys first (EstimatedCountPaginator.page).
 DEFERRED_OFFSET = 1_000
-#: An action over "all N selected" acts on at most this many objects per click.
+#: An action over the selected rows acts on at most this many objects per click.
 MAX_BULK = 1_000
+#: An action over the whole filtered list (the admin's "Select all N") acts on at most this many rows per
+#: click, :data:`FILTER_BATCH` per transaction.
+MAX_FILTER_BULK, FILTER_BATCH = 10_000, 500
 
 
 class EstimatedCountPaginator(Paginator):
@@ -129,7 +146,7 @@ def _some(subjects: list[str], limit: int = 5) -> str:
 
 def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
            results: list[ActionResult], *, denied: int = 0, capped: bool = False,
-           subjects: list[str] | None = None) -> None:
+           subjects: list[str] | None = None, cap: int = MAX_BULK) -> None:
     """Summarise action outcomes in one message naming what changed, what did not and why.
 
     ``subjects`` names the object of each result (in order); without them the message gives
@@ -157,7 +174,7 @@ def report(request: HttpRequest, modeladmin: admin.ModelAdmin, verb: str,
     if denied:
         parts.append(f"{denied} not permitted (another tenant, or viewer role)")
     if capped:
-        parts.append(f"stopped after {MAX_BULK}; run the action again for the rest")
+        parts.append(f"stopped after {cap:,}; run the action again for the rest")
     level = messages.SUCCESS if changed and not unchanged and not denied else (
         messages.WARNING if changed else messages.ERROR)
     modeladmin.message_user(request, "; ".join(parts) or f"{verb}: nothing selected", level)
@@ -247,19 +264,122 @@ class TenantListFilter(admin.SimpleListFilter):
         return queryset.filter(**{self.tenant_path: value}) if value else queryset
 
 
+#: Rows an export reads per query (keyset pagination by primary key).
+EXPORT_BATCH = 1_000
+EXPORT_FORMATS = ("csv", "json")
+
+
+class _Echo:
+    """A file-like object whose ``write`` returns what it was given (csv.writer into a stream)."""
+
+    def write(self, value: str) -> str:
+        return value
+
+
+def _cell(value: Any) -> str:
+    """Return a value as a CSV cell: JSON for objects and lists, ISO 8601 for times, '' for none."""
+    if value is None:
+        return ""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, cls=DjangoJSONEncoder)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def export_rows(queryset: QuerySet, fields: tuple[str, ...], *, redacted: tuple[str, ...],
+                batch: int = EXPORT_BATCH) -> Iterator[dict[str, Any]]:
+    """Yield the rows of ``queryset`` (newest first by primary key), ``batch`` per query, secrets as ``***``.
+
+    Keyset pagination: each query starts below the last key read, so each costs its batch (the
+    primary key's index read backwards), and no more than one batch is ever held in memory.
+    """
+    if batch < 1:
+        raise ValueError(f"an export batch must be at least one row, got {batch}")
+    rows = queryset.order_by("-pk").values("pk", *fields)
+    last = None
+    while True:
+        page = list((rows if last is None else rows.filter(pk__lt=last))[:batch])
+        for row in page:
+            key = row.pop("pk")
+            yield {name: redact_params(row[name]) if name in redacted else row[name] for name in fields}
+        if len(page) < batch:
+            return
+        last = key
+
+
+def stream_export(rows: Iterator[dict[str, Any]], fields: tuple[str, ...], *, fmt: str,
+                  filename: str) -> StreamingHttpResponse:
+    """Stream ``rows`` as CSV (a header line, then one line a row) or as a JSON array, as a download."""
+    if fmt == "csv":
+        writer = csv.writer(_Echo())
+        body: Iterator[str] = itertools.chain(
+            [writer.writerow(fields)], (writer.writerow([_cell(r[f]) for f in fields]) for r in rows))
+        content_type = "text/csv; charset=utf-8"
+    elif fmt == "json":
+        def array() -> Iterator[str]:
+            yield "["
+            for i, row in enumerate(rows):
+                yield ("," if i else "") + "\n" + json.dumps(row, cls=DjangoJSONEncoder, sort_keys=True)
+            yield "\n]\n"
+
+        body, content_type = array(), "application/json"
+    else:
+        raise ValueError(f"unknown export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    response = StreamingHttpResponse(body, content_type=content_type)
+    response["Content-Disposition"] = f'attachment; filename="{filename}.{fmt}"'
+    return response
+
+
 class TenantScopedAdmin(admin.ModelAdmin):
     """Admin for a tenant-owned model: lists, pages and actions follow :mod:`tenants.scoping`.
 
     Members of a tenant (non-superuser staff with a TenantMembership) may view these models
     without Django model permissions; acting needs the tenant-admin role. Superusers see all.
+
+    A list naming ``export_fields`` offers its rows as CSV and JSON (``export.csv`` / ``export.json``
+    beside the list, URL ``admin:<app>_<model>_export``): the rows the list shows under the same
+    filters, search and tenant scope, streamed, their ``redacted_fields`` redacted as the pages show them.
     """
 
     tenant_path = "tenant_id"
     #: JSON fields holding params: their page shows them through :func:`accs_site.redaction.redact_params`.
     redacted_fields: tuple[str, ...] = ()
+    #: The columns an export writes (model fields; foreign keys by their ``_id``); none: no export.
+    export_fields: tuple[str, ...] = ()
     show_full_result_count = False  # no exact COUNT(*) of the unfiltered table
     show_facets = ShowFacets.NEVER  # facet counts are one COUNT per filter option
     paginator = EstimatedCountPaginator
+    change_list_template = "admin/accs/export_change_list.html"
+
+    def get_urls(self) -> list[URLPattern]:
+        urls = super().get_urls()
+        if not self.export_fields:
+            return urls
+        name = f"{self.opts.app_label}_{self.opts.model_name}_export"
+        return [path("export.<str:fmt>", self.admin_site.admin_view(self.export_view), name=name), *urls]
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        extra = dict(extra_context or {})
+        if self.export_fields:
+            url = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_export", args=["csv"])[:-len("csv")]
+            query = f"?{request.GET.urlencode()}" if request.GET else ""
+            extra["export_urls"] = [(fmt.upper(), f"{url}{fmt}{query}") for fmt in EXPORT_FORMATS]
+        return super().changelist_view(request, extra_context=extra)
+
+    def export_view(self, request: HttpRequest, fmt: str) -> HttpResponse | StreamingHttpResponse:
+        """Stream the list's rows (its filters, search and the viewer's tenants) as ``fmt``."""
+        if fmt not in EXPORT_FORMATS:
+            return HttpResponseBadRequest(f"unknown export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        try:
+            changelist = self.get_changelist_instance(request)
+        except IncorrectLookupParameters as exc:
+            return HttpResponseBadRequest(f"the list's filters are not valid: {exc}")
+        rows = export_rows(changelist.queryset, self.export_fields, redacted=self.redacted_fields)
+        stamp = timezone.now().strftime("%Y%m%d-%H%M%S")
+        return stream_export(rows, self.export_fields, fmt=fmt, filename=f"{self.opts.model_name}s-{stamp}")
 
     def tenant_of(self, obj: Any) -> UUID | None:
         """Return the tenant id an object belongs to (override when ``tenant_path`` crosses a relation)."""
@@ -371,23 +491,109 @@ def _options(request: HttpRequest, names: tuple[str, ...]) -> dict[str, str]:
     return {name: request.POST.get(name, "").strip() for name in names}
 
 
-def bulk_actions(table: ActionTable, noun: str, *, confirm: frozenset[str] = DESTRUCTIVE) -> tuple[Callable, ...]:
+#: Verbs that act on a batch of ids in one transaction (their rows locked in the engine's lock order),
+#: for an action over a whole filtered list: name → ``fn(ids, by=operator)`` → {id: ActionResult}.
+BatchTable = dict[str, Callable[..., dict[Any, ActionResult]]]
+
+
+def filtered_keys(queryset: QuerySet, *, limit: int, batch: int) -> Iterator[list[Any]]:
+    """Yield the primary keys of ``queryset`` in ascending order, ``batch`` at a time, ``limit`` in all.
+
+    Keyset pagination: each query starts after the last key read, so a batch costs its own size.
+    """
+    keys = queryset.order_by("pk").values_list("pk", flat=True)
+    taken, last = 0, None
+    while taken < limit:
+        page = list((keys if last is None else keys.filter(pk__gt=last))[:min(batch, limit - taken)])
+        if not page:
+            return
+        yield page
+        taken += len(page)
+        last = page[-1]
+
+
+def confirm_filter_page(request: HttpRequest, modeladmin: admin.ModelAdmin, *, verb: str, noun: str,
+                        queryset: QuerySet, options: tuple[str, ...], note: str) -> HttpResponse:
+    """Ask before an action over the whole filtered list, naming how many rows it matches (counted up to
+    :data:`MAX_FILTER_BULK`, the most one click acts on)."""
+    matched = queryset.order_by()[:MAX_FILTER_BULK + 1].count()
+    over = matched > MAX_FILTER_BULK
+    count = f"more than {MAX_FILTER_BULK:,}" if over else f"{matched:,}"
+    hidden = [("action", request.POST.get("action", "")), ("select_across", "1"), ("index", "0")]
+    # The admin runs an action only with a row ticked, even over every row; one of the list's stands for them.
+    hidden += [(helpers.ACTION_CHECKBOX_NAME, str(pk)) for pk in queryset.order_by().values_list("pk", flat=True)[:1]]
+    context = {
+        **modeladmin.admin_site.each_context(request), "opts": modeladmin.opts, "verb": verb,
+        "title": f"{verb} all {count} {noun} matching the list's filter?", "subjects": [], "hidden": hidden,
+        "options": options, "filter_bulk": True, "filter_count": matched, "filter_over": over,
+        "filter_cap": MAX_FILTER_BULK, "filter_query": request.GET.urlencode(),
+        "note": " ".join(x for x in (note, f"Only the first {MAX_FILTER_BULK:,} (oldest first) are done by this click; "
+                                           "run the action again for the rest." if over else "") if x),
+        "back_url": safe_next(request, _same_site(request, request.META.get("HTTP_REFERER") or "")),
+    }
+    return TemplateResponse(request, CONFIRM_TEMPLATE, context)
+
+
+def act_on_filter(request: HttpRequest, modeladmin: TenantScopedAdmin, queryset: QuerySet, *, verb: str, noun: str,
+                  fn: Callable[[Any], ActionResult], batch_fn: Callable[[list[Any]], dict[Any, ActionResult]] | None,
+                  ) -> None:
+    """Run an action on every row of the filtered list the user may act on, in batches of :data:`FILTER_BATCH`.
+
+    A verb with a batch form (``batch_fn``) takes each batch in one transaction, locking its job
+    rows, then its task rows, each sorted by id (:mod:`jobs.locks`); the others run per row, each in
+    its own transaction. One admin log entry per click names the verb, the count and the filter.
+    """
+    allowed = scope(queryset, request.user, write=True, field=modeladmin.tenant_path)
+    denied = queryset.order_by()[:MAX_FILTER_BULK + 1].count() - allowed.order_by()[:MAX_FILTER_BULK + 1].count()
+    results: list[ActionResult] = []
+    batches, last = 0, None
+    for keys in filtered_keys(allowed, limit=MAX_FILTER_BULK, batch=FILTER_BATCH):
+        outcome = batch_fn(keys) if batch_fn is not None else {key: fn(key) for key in keys}
+        results += [outcome.get(key) or ActionResult(False, "no longer there") for key in keys]
+        batches, last = batches + 1, keys[-1]
+    capped = len(results) >= MAX_FILTER_BULK and allowed.filter(pk__gt=last).exists()
+    report(request, modeladmin, f"{verb} (every {modeladmin.opts.verbose_name} matching the filter)", results,
+           denied=max(denied, 0), capped=capped, cap=MAX_FILTER_BULK)
+    changed = sum(r.changed for r in results)
+    if changed:
+        log_bulk(request, modeladmin.model, f"{verb}: {changed} of {len(results)} {noun} matching the filter "
+                                            f"({request.GET.urlencode() or 'no filter'}), {batches} batch(es)")
+
+
+def bulk_actions(table: ActionTable, noun: str, *, confirm: frozenset[str] = DESTRUCTIVE,
+                 batched: BatchTable | None = None) -> tuple[Callable, ...]:
     """Build the list page's bulk actions from the same table as the page buttons.
 
     Each becomes ``<name>_<noun>`` ("retry_jobs"), needs the act permission, and runs its
     transition on every selected object the user may act on (:meth:`TenantScopedAdmin.act_on`).
     Those named in ``confirm`` first show :func:`confirm_page` for the selection.
+
+    Over the whole filtered list (the admin's "Select all N"), every action first shows how many rows
+    the filter matches and asks (:func:`confirm_filter_page`), then runs over them in batches
+    (:func:`act_on_filter`), through the verb's batch form in ``batched`` when it has one.
     """
     built = []
     for name, (verb, fn) in table.items():
         def action(modeladmin, request, queryset, verb=verb, fn=fn, name=name):
             options = getattr(modeladmin, "page_action_options", {}).get(name, ())
+            note = getattr(modeladmin, "confirm_notes", {}).get(name, "")
+            if request.POST.get("select_across") == "1":
+                if "confirm" not in request.POST:
+                    return confirm_filter_page(request, modeladmin, verb=verb, noun=noun, queryset=queryset,
+                                               options=options, note=note)
+                extra = _options(request, options)
+                by = actor(request)
+                many = (batched or {}).get(name)
+                act_on_filter(request, modeladmin, queryset, verb=verb, noun=noun,
+                              fn=lambda key: fn(key, by=by, **extra),
+                              batch_fn=(lambda keys: many(keys, by=by, **extra)) if many else None)
+                return None
             if name in confirm and "confirm" not in request.POST:
                 objects = list(queryset.order_by()[:MAX_BULK])
                 hidden = [("action", request.POST.get("action", "")), ("select_across", "0"), ("index", "0")]
                 hidden += [(helpers.ACTION_CHECKBOX_NAME, str(obj.pk)) for obj in objects]
                 return confirm_page(request, modeladmin, verb=verb, objects=objects, hidden=hidden, options=options,
-                                    note=getattr(modeladmin, "confirm_notes", {}).get(name, ""))
+                                    note=note)
             extra = _options(request, options)
             modeladmin.act_on(request, queryset, verb, lambda obj: fn(obj.pk, by=actor(request), **extra))
             return None

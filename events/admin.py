@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
 from uuid import UUID
 
 from django.contrib import admin
@@ -33,9 +34,11 @@ class EventAdmin(ReadOnlyScopedAdmin):
     # node or host events, are visible to superusers only).
     tenant_path = "job__tenant_id"
     list_display = ("time", "level", "type", "source", "job_id", "task_id", "attempt", "message")
-    list_filter = ("level", EventTypeFilter)
+    list_filter: ClassVar[tuple[Any, ...]] = ("level", EventTypeFilter)
     search_fields = ("message",)
     search_help_text = "A job or task id (exact), or words of the message."
+    # The list's columns; ``data`` stays on the event's page (it may carry a job's params).
+    export_fields = ("id", "ts", "level", "type", "source", "job_id", "task_id", "attempt", "message")
     # The partitioned table's primary key is (id, ts): ordering by id reads it backwards per
     # partition; ordering by ts would sort the whole timeline.
     ordering = ("-id",)

@@ -291,7 +291,7 @@ class JobAdmin(RedriveAdmin):
     list_display = ("short_id", "tenant", "target", "status_badge", "progress_pct", "current_task_key", "age",
                     "duration", "last_error")
     list_display_links = ("short_id",)
-    list_filter = ("status", "approval_state", "source", TenantListFilter)
+    list_filter: ClassVar[tuple[Any, ...]] = ("status", "approval_state", "source", TenantListFilter)
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A job id or one of its tasks' ids, a job's short id (its id's last 10 hex digits) or a job "
                         "id's first characters (4 or more hex digits), "
@@ -299,7 +299,7 @@ class JobAdmin(RedriveAdmin):
                         "or a part (3+ characters, any case) of the job's or one of its tasks' errors.")
     list_select_related = ("tenant", "workflow", "service", "created_by")
     ordering = ("-created_at",)  # job_created_idx
-    actions = bulk_actions(JOB_ACTIONS, "jobs")
+    actions = bulk_actions(JOB_ACTIONS, "jobs", batched={"retry": transitions.retry_jobs})
     redrive_jobs = True
     fieldsets = (
         (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress", "current_task_key",
@@ -313,6 +313,10 @@ class JobAdmin(RedriveAdmin):
 
     readonly_fields = ("django_task",)
     redacted_fields = ("step_params",)
+    export_fields = ("id", "tenant_id", "workflow_id", "service_id", "status", "approval_state", "progress",
+                     "current_task_key", "priority", "source", "source_ref", "external_id", "dedupe_key",
+                     "correlation_id", "scheduled_at", "created_at", "started_at", "finished_at", "error_code",
+                     "error_message", "step_params")
 
     def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
         fieldsets = super().get_fieldsets(request, obj)
@@ -477,8 +481,11 @@ class TaskAdmin(RedriveAdmin):
                         "hex digits) of either; else an exact task key or service key.")
     list_select_related = ("service", "host", "job__workflow")
     ordering = ("-pk",)  # the primary key is the only index covering every task
-    actions = bulk_actions(TASK_ACTIONS, "tasks")
+    actions = bulk_actions(TASK_ACTIONS, "tasks", batched={"retry": transitions.retry_tasks})
     redacted_fields = ("params", "results")  # results: the step's output, which its dependents receive
+    export_fields = ("id", "job_id", "tenant_id", "task_key", "step_key", "service_id", "host_id", "status",
+                     "attempt", "max_attempts", "node", "progress", "created_at", "started_at", "finished_at",
+                     "error_code", "error_message", "params", "results")
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Task],
                            search_term: str) -> tuple[QuerySet[Task], bool]:
@@ -543,11 +550,13 @@ class TaskAdmin(RedriveAdmin):
 class AttemptAdmin(ReadOnlyScopedAdmin):
     tenant_path = "task__tenant_id"
     list_display = ("task", "attempt_no", "status_badge", "node", "pid", "exit_code", "started_at", "finished_at")
-    list_filter = ("status",)
+    list_filter: ClassVar[tuple[Any, ...]] = ("status",)
     search_fields = ("task__id",)
     search_help_text = "A task id (exact)."
     list_select_related = ("task",)
     ordering = ("-id",)  # newest first, by primary key
+    export_fields = ("id", "task_id", "attempt_no", "node", "agent_id", "pid", "status", "started_at", "finished_at",
+                     "exit_code", "error_text")
 
     def tenant_of(self, obj: Attempt) -> UUID | None:
         return obj.task.tenant_id

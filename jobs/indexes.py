@@ -76,6 +76,9 @@ READERS: dict[str, dict[str, str]] = {
                              "ops.charts.CHART_SQL",
         "attempt_task_no_unique": "one row per attempt of a task (the rule); the report's and the failure "
                                   "path's update of the attempt (task_id, attempt_no); retention's delete",
+        "attempt_started_idx": "ops.rates.RATES_SQL (success and failure per node and service over a time "
+                               "range); the attempts list's time range (ops.timerange.TimeRangeFilter)",
+        "attempt_node_idx": "the attempts list filtered by node, newest first (ops.admin.AttemptNodeFilter)",
     },
     "accs_job_step": {
         "accs_job_step_pkey": "the row's identity (the ORM); no query reads it by id",

@@ -412,6 +412,12 @@ class Attempt(models.Model):
     class Meta:
         db_table = "accs_attempt"
         ordering = ["task", "attempt_no"]
+        indexes = [
+            # The operators' rates over a time range and the attempts list by range (ops.rates).
+            models.Index(fields=["started_at"], name="attempt_started_idx"),
+            # The attempts list filtered by node, newest first.
+            models.Index(fields=["node", "id"], name="attempt_node_idx"),
+        ]
         constraints = [
             _choices_check("status", AttemptStatus, "attempt_status_valid"),
             models.UniqueConstraint(fields=["task", "attempt_no"], name="attempt_task_no_unique"),

@@ -112,7 +112,8 @@ class NodeAdmin(PageActionsMixin, admin.ModelAdmin):
 
 
 class NodeListFilter(admin.SimpleListFilter):
-    """Filter tasks by the node that holds or last held them (the nodes are few; tasks are many)."""
+    """Filter tasks by the node that holds or last held them, attempts by the node that ran them (the nodes
+    are few; tasks and attempts are many)."""
 
     title = "node"
     parameter_name = "node"

@@ -10,7 +10,7 @@ from ``ops``. The other operators' pages are wired in :mod:`ops.urls`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
@@ -24,8 +24,13 @@ from jobs.admin import AttemptAdmin, JobAdmin, TaskAdmin
 from jobs.models import Attempt, Job, Task
 from nodes.admin import NodeAdmin, NodeListFilter
 from nodes.models import Node
+from ops.dashboard import sees_infrastructure
 from ops.jobpage import job_page_context, task_page_context
 from ops.nodepage import node_page_context
+from ops.rates import page_rates
+from ops.timerange import time_range_filter
+from workflows.admin import ServiceAdmin
+from workflows.models import Service, Workflow
 
 admin.site.site_header = "ACCS operations"
 admin.site.site_title = "ACCS"
@@ -41,9 +46,55 @@ def _with_page(view: Callable[..., HttpResponse], request: HttpRequest, object_i
     return view(request, object_id, form_url, extra_context=extra)
 
 
-class JobPageAdmin(JobAdmin):
-    """Jobs, with the job page: DAG, tasks, attempts, artifacts, timeline, why it is stuck, buttons."""
+class DefinitionFilter(admin.SimpleListFilter):
+    """Filter a list by a service or workflow (the definitions are few), offered to those who may read the
+    definitions: a service's or workflow's name may name another tenant, which a tenant admin does not see.
+    The parameter works for everyone (a link from the dashboard or a service's page)."""
 
+    definition: type[Service] | type[Workflow] = Service
+    label = "key"
+    field = "service_id"
+
+    def lookups(self, request, model_admin):
+        model = self.definition._meta
+        if not request.user.has_perm(f"{model.app_label}.view_{model.model_name}"):
+            return []
+        return [(str(pk), name) for pk, name in self.definition.objects.order_by(self.label)
+                .values_list("pk", self.label)]
+
+    def has_output(self) -> bool:
+        return bool(self.lookup_choices)
+
+    def queryset(self, request, queryset):
+        value = self.value() or ""
+        return queryset.filter(**{self.field: int(value)}) if value.isdigit() else queryset
+
+
+class AttemptServiceFilter(DefinitionFilter):
+    """Filter attempts by their task's service."""
+
+    title, parameter_name, field = "service", "service", "task__service_id"
+
+
+class JobServiceFilter(DefinitionFilter):
+    """Filter jobs by their service (``job_service_idx``); the redrive form reads the same parameter."""
+
+    title, parameter_name, field = "service", "service__id__exact", "service_id"
+
+
+class JobWorkflowFilter(DefinitionFilter):
+    """Filter jobs by their workflow (``job_workflow_idx``)."""
+
+    title, parameter_name, field, definition, label = ("workflow", "workflow__id__exact", "workflow_id", Workflow,
+                                                       "name")
+
+
+class JobPageAdmin(JobAdmin):
+    """Jobs, filterable by service, workflow and creation time, with the job page: DAG, tasks, attempts,
+    artifacts, timeline, why it is stuck, buttons."""
+
+    list_filter: ClassVar[tuple[Any, ...]] = (*JobAdmin.list_filter, JobServiceFilter, JobWorkflowFilter,
+                                              time_range_filter("created_at"))
     change_form_template = "admin/jobs/job/change_form.html"
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
@@ -54,7 +105,8 @@ class JobPageAdmin(JobAdmin):
 class TaskPageAdmin(TaskAdmin):
     """Tasks, filterable by node, with the task page: summary, buttons, attempts, why it is not moving."""
 
-    list_filter = (*TaskAdmin.list_filter, NodeListFilter)
+    # Tasks' ids are time-ordered (uuid7): the range is a range of the primary key.
+    list_filter = (*TaskAdmin.list_filter, NodeListFilter, time_range_filter("pk", by_id=True))
     change_form_template = "admin/jobs/task/change_form.html"
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
@@ -71,6 +123,21 @@ class NodePageAdmin(NodeAdmin):
         return _with_page(super().change_view, request, object_id, form_url, extra_context,
                           self.get_object(request, object_id),
                           lambda node: node_page_context(request, node, can_act=self.has_act_permission(request, node)))
+
+
+class ServiceRatesAdmin(ServiceAdmin):
+    """Services, with each service's success and failure per node over the time range on its page."""
+
+    change_form_template = "admin/workflows/service/change_form.html"
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        def page(service: Service) -> dict[str, Any]:
+            window = page_rates(request, service_id=service.pk)
+            return {"service_rates": window["rates"], "service_rates_range": window["range"],
+                    "service_rates_picker": window["picker"], "service_rates_nodes": sees_infrastructure(request.user)}
+
+        return _with_page(super().change_view, request, object_id, form_url, extra_context,
+                          self.get_object(request, object_id), page)
 
 
 #: What an empty cell shows, as Django's lists do.
@@ -131,13 +198,18 @@ class LinkedRowsMixin(admin.ModelAdmin):
 
 
 class EventLinksAdmin(LinkedRowsMixin, EventAdmin):
-    """The timeline, each row linking to its job and task."""
+    """The timeline, each row linking to its job and task, in the time range (the partitions' key)."""
+
+    list_filter: ClassVar[tuple[Any, ...]] = (*EventAdmin.list_filter, time_range_filter("ts"))
 
     list_select_related = ("task",)
 
 
 class AttemptLinksAdmin(LinkedRowsMixin, AttemptAdmin):
-    """Attempts, each row linking to its job, task and node."""
+    """Attempts, each row linking to its job, task and node, filterable by node, service and time range."""
+
+    list_filter: ClassVar[tuple[Any, ...]] = (*AttemptAdmin.list_filter, NodeListFilter, AttemptServiceFilter,
+                        time_range_filter("started_at"))
 
     task_column = "task"
     list_display_links = ("attempt_no",)  # the first column links its job: the attempt's own page is its number
@@ -150,6 +222,7 @@ class ArtifactLinksAdmin(LinkedRowsMixin, ArtifactAdmin):
 
 
 for model, page_admin in ((Job, JobPageAdmin), (Task, TaskPageAdmin), (Node, NodePageAdmin),
-                          (Event, EventLinksAdmin), (Attempt, AttemptLinksAdmin), (Artifact, ArtifactLinksAdmin)):
+                          (Event, EventLinksAdmin), (Attempt, AttemptLinksAdmin), (Artifact, ArtifactLinksAdmin),
+                          (Service, ServiceRatesAdmin)):
     admin.site.unregister(model)
     admin.site.register(model, page_admin)

@@ -19,23 +19,32 @@ from django.utils.safestring import SafeString, mark_safe
 from accs_site.admin_kit import human_age
 from accs_site.dbrouter import read_connection
 from ops.overview import _tenant_filter
+from ops.rates import range_ids
 
-#: How far back the charts reach, and the width of one bar.
+#: How far back the charts reach by default, and the width of one bar; a chosen range keeps the number of bars.
 CHART_SPAN, CHART_BUCKET = timedelta(hours=6), timedelta(minutes=10)
+CHART_BARS = int(CHART_SPAN / CHART_BUCKET)
+
+
+def chart_span(since: datetime, until: datetime, *, bars: int = CHART_BARS) -> tuple[timedelta, timedelta]:
+    """Return the span and bar width that draw ``since``..``until`` in ``bars`` bars (a bar at least a second)."""
+    bucket = timedelta(seconds=max(1, round((until - since).total_seconds() / bars)))
+    return bucket * bars, bucket
 #: Attempts read at most (the newest by primary key).
 CHART_SAMPLE = 50_000
 #: Services drawn one by one (the busiest); the rest are in the overall charts.
 CHART_SERVICES = 8
 
 CHART_SQL = """
--- The newest attempts by primary key, then those started inside the span, counted per bar (and
+-- The newest attempts by primary key up to the span's last one (ops.rates.range_ids), then those
+-- started inside the span, counted per bar (and
 -- per service): attempts started, those that failed or timed out, and the median queue latency of
 -- tasks' current attempts (claim time − the time the task became claimable).
 -- The sample is read twice (inlined: a materialized copy would hide its size from the planner,
 -- which then hashes the whole task table instead of looking each task up by its key).
 WITH recent AS NOT MATERIALIZED (
     SELECT a.task_id, a.attempt_no, a.status, a.started_at
-      FROM accs_attempt a ORDER BY a.id DESC LIMIT %(sample)s
+      FROM accs_attempt a WHERE a.id <= %(last)s ORDER BY a.id DESC LIMIT %(sample)s
 ), r AS (
     SELECT t.service_id, r.status,
            floor(extract(epoch FROM r.started_at - %(since)s) / %(bucket)s)::int AS bar,
@@ -87,12 +96,14 @@ def chart_data(*, tenant_ids: set[UUID] | None = None, now: datetime | None = No
     bars = int(span / bucket)
     since = now - bars * bucket
     where, params = _tenant_filter("t.tenant_id", tenant_ids)
+    rows: list[tuple] = []
     with read_connection().cursor() as cur:
         cur.execute("SELECT id, key FROM accs_service")
         names = dict(cur.fetchall())
-        cur.execute(CHART_SQL.format(tenants=where),
-                    {"sample": sample, "since": since, "bucket": bucket.total_seconds(), **params})
-        rows = cur.fetchall()
+        if bounds := range_ids(cur, since=since, until=now):
+            cur.execute(CHART_SQL.format(tenants=where), {"sample": sample, "since": since, "last": bounds[1],
+                                                          "bucket": bucket.total_seconds(), **params})
+            rows = cur.fetchall()
     series: dict[int | None, Series] = {}
     first_bar, full_sample = bars, False
     for service_id, bar, started, failed, latency, earliest, read in rows:
@@ -113,6 +124,8 @@ def bars_svg(values: list[float | None], *, since: datetime, bucket_seconds: int
              width: int = 288, height: int = 44, label: str = "") -> SafeString:
     """Draw values as bars (oldest left), each with a tooltip naming its time and value."""
     top = max((v for v in values if v), default=0) or 1
+    # A bar's time as precise as a bar is narrow: seconds for a quarter hour, the day for a week.
+    stamp = "%H:%M:%S" if bucket_seconds < 60 else ("%Y-%m-%d %H:%M" if bucket_seconds >= 3600 else "%H:%M")
     step = width / max(len(values), 1)
 
     def text(v: float | None) -> str:
@@ -122,7 +135,7 @@ def bars_svg(values: list[float | None], *, since: datetime, bucket_seconds: int
 
     def bar(i: int, v: float | None) -> tuple[str, ...]:
         tall = (v or 0) / top * (height - 2)
-        at = timezone.localtime(since + timedelta(seconds=i * bucket_seconds)).strftime("%H:%M")
+        at = timezone.localtime(since + timedelta(seconds=i * bucket_seconds)).strftime(stamp)
         return (f"{i * step:.1f}", f"{height - tall:.1f}", f"{max(step - 1, 1):.1f}", f"{tall:.1f}", colour, at,
                 text(v))
 
@@ -153,4 +166,4 @@ def chart_rows(charts: Charts) -> list[dict[str, object]]:
     return rows
 
 
-__all__ = ["Charts", "Series", "bars_svg", "chart_data", "chart_rows"]
+__all__ = ["CHART_BARS", "Charts", "Series", "bars_svg", "chart_data", "chart_rows", "chart_span"]

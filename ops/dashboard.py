@@ -21,12 +21,16 @@ from django.utils.http import urlencode
 from accs_site.conf import accs
 from jobs.models import RetentionMark
 from jobs.retention import MARK_NAME
-from ops.charts import chart_data, chart_rows
+from ops.charts import chart_data, chart_rows, chart_span
 from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
+from ops.rates import rates
+from ops.timerange import ALL_ONCE, current_range, picker
 from tenants.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.
 REFRESH_SECONDS = 5
+#: The range the dashboard's charts and rates cover until the operator picks one (ops.timerange).
+DASHBOARD_RANGE = "6h"
 
 
 def query_int(request: HttpRequest, name: str, *, default: int, low: int, high: int) -> int:
@@ -58,7 +62,9 @@ def list_links(*, tenant_id: str = "", now: datetime) -> dict[str, str]:
     scope = {"tenant": tenant_id} if tenant_id else {}
 
     def url(base: str, **params: str) -> str:
-        return f"{base}?{urlencode({**params, **scope})}"
+        # A card counts what is there now, whatever its age: its list opens on every time, not on the
+        # range the charts were last looked at over (ops.timerange remembers that one for the lists).
+        return f"{base}?{urlencode({**params, **scope, 'range': ALL_ONCE})}"
 
     return {
         "jobs": url(jobs),
@@ -93,8 +99,13 @@ def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
         "infra": sees_infrastructure(request.user),
         "refresh_seconds": refresh_seconds(request),
     }
-    charts = chart_data(tenant_ids=tenant_ids_for(request.user), now=data.generated_at)
-    context.update(charts=charts, chart_rows=chart_rows(charts))
+    chosen = current_range(request, default=DASHBOARD_RANGE, now=data.generated_at)
+    since, until = chosen.bounded(now=data.generated_at)
+    span, bucket = chart_span(since, until)
+    charts = chart_data(tenant_ids=tenant_ids_for(request.user), now=until, span=span, bucket=bucket)
+    window = rates(since=since, until=until, tenant_ids=tenant_ids_for(request.user), range_params=chosen.params())
+    context.update(charts=charts, chart_rows=chart_rows(charts), rates=window, time_range=chosen,
+                   picker=picker(request, chosen, path=reverse("ops:dashboard")))
     if context["infra"]:
         context["retention"] = last_prune(now=data.generated_at)
     return data, context
@@ -118,4 +129,9 @@ def dashboard_data_view(request: HttpRequest) -> JsonResponse:
     """Return the dashboard's figures as JSON, with the rendered body for the page's refresh."""
     data, context = build(request)
     html = render_to_string("admin/accs/_dashboard_body.html", context, request=request)
-    return JsonResponse({"generated_at": data.generated_at.isoformat(), "html": html, "data": data.as_json()})
+    window = context["rates"]
+    figures = {**data.as_json(), "time_range": context["time_range"].params(),
+               "rates": {"since": window.since.isoformat(), "until": window.until.isoformat(),
+                         "partial": window.partial, "nodes": [r.as_json() for r in window.nodes],
+                         "services": [r.as_json() for r in window.services]}}
+    return JsonResponse({"generated_at": data.generated_at.isoformat(), "html": html, "data": figures})

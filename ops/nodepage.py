@@ -16,6 +16,7 @@ from accs_site.admin_kit import run_interval
 from jobs.models import TASK_HELD, Attempt, AttemptStatus, Task
 from nodes.models import Node
 from ops.jobpage import attempt_text, elapsed_text, shown_progress
+from ops.rates import page_rates
 
 #: Held tasks listed on a node's page (a node holds as many as its slots).
 NODE_PAGE_TASKS = 200
@@ -46,7 +47,9 @@ def node_page_context(request: HttpRequest, node: Node, *, can_act: bool) -> dic
     ops = []
     if can_act:
         ops = ["undrain"] if node.state == "draining" else ["drain"]
+    window = page_rates(request, node=node.name)
     return {
+        "node_rates": window["rates"], "node_rates_range": window["range"], "node_rates_picker": window["picker"],
         "node_held": held,
         "node_failures": failures,
         "node_ops": ops,

@@ -85,3 +85,4 @@ STUCK_LABELS = {"no_agent": "no agent", "suspect": "suspect node", "draining": "
 def stuck_pill(reason: str) -> str:
     """Render a stuck reason's kind as a short pill."""
     return format_html('<span class="accs-pill accs-stuck-{}">{}</span>', reason, STUCK_LABELS.get(reason, reason))
+

@@ -9,6 +9,8 @@ change of the statement or of the index's condition would break.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.db import connection, transaction
 from django.utils import timezone
@@ -88,6 +90,16 @@ SELECT gen_random_uuid(), j.id, %(tenant)s, 't', 't', %(svc)s, false, s.status, 
 """
 
 
+# One attempt per task that ran, over twenty nodes, started a minute before it finished (or now).
+ATTEMPTS_SQL = """
+INSERT INTO accs_attempt (task_id, attempt_no, node, agent_id, status, started_at, finished_at,
+                          stdout_tail, stderr_tail, error_text)
+SELECT t.id, 1, 'n' || mod(t.order_seq, 20), '', CASE WHEN t.status = 'error' THEN 'failed' ELSE 'succeeded' END,
+       coalesce(t.finished_at, now()) - interval '1 minute', coalesce(t.finished_at, now()), '', '', ''
+  FROM accs_task t WHERE t.status IN ('done', 'error')
+"""
+
+
 @pytest.fixture
 def history(make_service, default_tenant):
     """A small engine with mostly finished history; return the service and a running job's id."""
@@ -99,7 +111,8 @@ def history(make_service, default_tenant):
     host = Host.objects.create(name="h1", node_id="n1")
     with connection.cursor() as cur:
         cur.execute(FILL_SQL, {"tenant": default_tenant.id, "svc": svc.id, "n": N_JOBS})
-        for table in ("accs_job", "accs_task", "accs_tenant", "accs_job_step", "accs_workflow"):
+        cur.execute(ATTEMPTS_SQL)
+        for table in ("accs_job", "accs_task", "accs_tenant", "accs_job_step", "accs_workflow", "accs_attempt"):
             cur.execute(f"ANALYZE {table}")
         cur.execute("SELECT id FROM accs_job WHERE status = 'running' LIMIT 1")
         running = cur.fetchone()[0]
@@ -225,6 +238,54 @@ def _jobs_of_workflow(h):
     return _orm(Job.objects.filter(workflow_id__in=[1, 2]).order_by().values("id"))
 
 
+def _rates_bounds(h):
+    from ops.rates import BOUNDS_SQL
+
+    return BOUNDS_SQL, {"since": timezone.now() - timedelta(hours=1), "until": timezone.now()}
+
+
+def _rates_of_node(h):
+    from ops.overview import _tenant_filter
+    from ops.rates import RATES_SQL
+
+    where, params = _tenant_filter("t.tenant_id", {h["tenant"].id})
+    from ops.rates import ONE_NODE
+
+    sql = RATES_SQL.format(tenants=where, where=ONE_NODE[0], order=ONE_NODE[1], service="")
+    return sql, {"lo": 1, "hi": 10**9, "since": timezone.now() - timedelta(days=7), "until": timezone.now(),
+                 "sample": 50_000, "node": "n3", **params}
+
+
+def _attempts_of_node(h):
+    from jobs.models import Attempt
+
+    return _orm(Attempt.objects.filter(node="n3").order_by("-id").values("id")[:100])
+
+
+def _attempts_in_range(h):
+    from jobs.models import Attempt
+
+    since = timezone.now() - timedelta(days=7)
+    return _orm(Attempt.objects.filter(started_at__gte=since, started_at__lt=since + timedelta(hours=1))
+                .order_by("started_at").values("id")[:100])
+
+
+def _jobs_created_in_range(h):
+    from jobs.models import Job
+
+    since = timezone.now() - timedelta(days=2)
+    return _orm(Job.objects.filter(created_at__gte=since, created_at__lt=since + timedelta(hours=1))
+                .order_by("-created_at").values("id")[:100])
+
+
+def _tasks_in_range(h):
+    from jobs.ids import id_range
+    from jobs.models import Task
+
+    lo, hi = id_range(timezone.now() - timedelta(hours=1), timezone.now())
+    return _orm(Task.objects.filter(pk__gte=lo, pk__lte=hi).order_by("-pk").values("id")[:100])
+
+
 def _orm(queryset) -> tuple[str, list]:
     sql, params = queryset.query.sql_with_params()
     return sql, list(params)
@@ -254,6 +315,11 @@ PLANS = [
     ("dashboard's dead letters", _dead_letters, ["task_dead_letter_count_idx"]),
     ("jobs of a service (search, delete)", _jobs_of_service, ["job_service_idx"]),
     ("jobs of a workflow (search, delete)", _jobs_of_workflow, ["job_workflow_idx"]),
+    ("rates: the range's first and last attempt", _rates_bounds, ["attempt_started_idx"]),
+    ("rates of one node", _rates_of_node, ["attempt_node_idx", "accs_task_pkey"]),
+    ("attempts list by node", _attempts_of_node, ["attempt_node_idx"]),
+    ("attempts list by time range", _attempts_in_range, ["attempt_started_idx"]),
+    ("tasks list by time range", _tasks_in_range, ["accs_task_pkey"]),
 ]
 
 
@@ -265,9 +331,15 @@ def test_the_reader_uses_its_index(history, reader, statement, indexes):
     for wanted in indexes:
         either = wanted if isinstance(wanted, tuple) else (wanted,)
         assert used & set(either), f"{reader}: {' or '.join(either)} not in\n{plan}"
-        assert all(index in READERS["accs_job"] or index in READERS["accs_task"] for index in either), either
+        assert all(any(index in table for table in READERS.values()) for index in either), either
     # The job list's newest-first index holds every job: a hot reader walking it reads history.
     assert "job_created_idx" not in used, f"{reader}:\n{plan}"
+
+
+def test_the_jobs_list_by_creation_time_reads_its_range_of_the_creation_index(history):
+    sql, params = _jobs_created_in_range(history)
+    plan = _plan(sql, params)
+    assert "job_created_idx" in plan and "Index Cond" in plan, plan
 
 
 def test_finished_work_is_not_in_the_hot_indexes(history):

@@ -337,7 +337,8 @@ def test_dashboard_page_and_json_show_cards_nodes_and_conditions(client, root, t
     page = client.get(reverse("ops:dashboard"))
     body = page.content.decode()
     assert page.status_code == 200
-    assert 'id="accs-cards"' in body and 'data-live-url="/admin/dashboard/data.json"' in body
+    # The page refreshes over its own time range (the default 6 h), whatever another tab picked since.
+    assert 'id="accs-cards"' in body and 'data-live-url="/admin/dashboard/data.json?range=6h"' in body
     data = client.get(reverse("ops:dashboard_data")).json()
     by_tenant = {c["tenant"]: c for c in data["data"]["tenants"]}
     assert by_tenant["acme"]["dead_letter"] == 1 and by_tenant["globex"]["dead_letter"] == 1
@@ -408,9 +409,11 @@ class CaptureSQL:
 
 def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_service):
     """With many finished tasks and attempts, the dashboard's queries avoid scanning them."""
+    from datetime import timedelta
+
     from django.db import connection
 
-    from ops import charts, overview
+    from ops import charts, overview, rates
 
     svc = make_service("hist")
     job = api.start_service("hist", tenant=tenants.acme)
@@ -432,7 +435,12 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
             ("recent", overview.RECENT_STATS_SQL.format(tenants="TRUE"), {"sample": 1000, "since": job.created_at}),
             ("failures", overview.RECENT_FAILURES_SQL.format(tenants="TRUE"), {"sample": 1000, "limit": 10}),
             ("charts", charts.CHART_SQL.format(tenants="TRUE"), {"sample": 1000, "since": job.created_at,
-                                                                   "bucket": 600}),
+                                                                   "bucket": 600, "last": 10**9}),
+            ("rates bounds", rates.BOUNDS_SQL, {"since": job.created_at, "until": job.created_at + timedelta(hours=1)}),
+            ("rates", rates.RATES_SQL.format(tenants="TRUE", where=rates.EVERY_NODE[0], order=rates.EVERY_NODE[1],
+                                             service=""),
+             {"lo": 1, "hi": 10**9, "since": job.created_at, "until": job.created_at + timedelta(hours=1),
+              "sample": 1000}),
         ):
             cur.execute("EXPLAIN " + sql, params)
             plans[name] = "\n".join(r[0] for r in cur.fetchall())
@@ -440,6 +448,8 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
         assert "Seq Scan on accs_task " not in plan and "Seq Scan on accs_attempt" not in plan, f"{name}:\n{plan}"
     assert "accs_attempt_pkey" in plans["recent"], plans["recent"]
     assert "accs_attempt_pkey" in plans["charts"], plans["charts"]
+    assert "attempt_started_idx" in plans["rates bounds"], plans["rates bounds"]
+    assert "attempt_started_idx" in plans["rates"] and "accs_task_pkey" in plans["rates"], plans["rates"]
 
 
 # --------------------------------------------------------------------------------------------
