@@ -206,7 +206,9 @@ def step(key: str, service: ServiceDef | str | Any, *, depends_on: Sequence[str]
                         f" not {type(service).__name__}")
     data: dict[str, Any] = {"key": key, "service": service_key, "depends_on": list(depends_on),
                             "default_params": dict(default_params or {})}
-    for name, value in (("fan_out", dict(fan_out) if isinstance(fan_out, Mapping) else fan_out), ("on_failure", on_failure), ("always", always),
+    if isinstance(fan_out, Mapping):
+        fan_out = dict(fan_out)
+    for name, value in (("fan_out", fan_out), ("on_failure", on_failure), ("always", always),
                         ("output_schema", output_schema), ("when", when)):
         if value is not None:
             data[name] = value

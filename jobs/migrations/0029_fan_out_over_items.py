@@ -155,7 +155,8 @@ f AS (
            status = CASE WHEN v.failure IS NOT NULL THEN 'error' WHEN v.n = 0 THEN 'skipped' ELSE t.status END,
            finished_at = CASE WHEN v.failure IS NOT NULL OR v.n = 0 THEN p_now END,
            error_code = CASE WHEN v.failure IS NOT NULL THEN 'fan_out_failed' ELSE t.error_code END,
-           error_message = CASE WHEN v.failure IS NOT NULL THEN left('fan_out over ' || v.over || ' ' || v.failure, 2000)
+           error_message = CASE WHEN v.failure IS NOT NULL
+                                     THEN left('fan_out over ' || v.over || ' ' || v.failure, 2000)
                                 WHEN v.n = 0 THEN left('fan_out over an empty list: ' || v.over, 2000)
                                 ELSE t.error_message END,
            updated_at = p_now

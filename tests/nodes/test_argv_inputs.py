@@ -98,7 +98,8 @@ class _Service:
     backoff_base_seconds = backoff_cap_seconds = None
     priority_adjust_during: dict = {}
     block_during: list = []
-    rate_period_seconds, rate_limit, rate_key, rate_key_limit, concurrency_key, concurrency_key_limit = 1, 0, "", 0, "", 0
+    rate_period_seconds, rate_limit, rate_key_limit, concurrency_key_limit = 1, 0, 0, 0
+    rate_key = concurrency_key = ""
 
     def __init__(self, argv: list[str]) -> None:
         self.executor_config = {"argv": argv}

@@ -1,6 +1,6 @@
 """Workflows as code in a team's own site (tests/embedded_site/shop/pipelines.py): ``accs_sync`` stores
-the four-step pipeline (a fan-out over a parent's list, a branch), the site's real agents run it, an edit becomes version 2 while a version 1 job
-finishes on version 1, and ``accs_sync --check`` reports drift."""
+the four-step pipeline (a fan-out over a parent's list, a branch), the site's real agents run it, an edit
+becomes version 2 while a version 1 job finishes on version 1, and ``accs_sync --check`` reports drift."""
 
 from __future__ import annotations
 
