@@ -213,6 +213,13 @@ f AS (
            CASE status WHEN 'waiting' THEN jsonb_build_object('fan_out', over, 'tasks', n)
                 ELSE jsonb_build_object('from', 'waiting', 'to', status, 'reason', error_message, 'fan_out', over) END
       FROM t
+    UNION ALL
+    -- The job's own line, as a failed task's fail_job policy writes one: why the job fails.
+    SELECT t.job_id, NULL, %(source)s, 'error', 'policy',
+           left('job fails (on_failure fail_job): ' || t.error_message, 2000),
+           jsonb_build_object('on_failure', 'fail_job', 'reason', t.error_message, 'fan_out', t.over)
+      FROM t JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key
+     WHERE t.status = 'error' AND js.on_failure = 'fail_job'
 )
 SELECT count(*) FROM t WHERE t.status <> 'waiting'
 """

@@ -123,6 +123,9 @@ def test_more_items_than_the_limit_fail_the_job_naming_the_limit_and_make_no_tas
         "fan_out over $.pick.parcels found 4 items, more than the limit of 3 (ACC_MAX_FAN_OUT_ITEMS)")
     assert Event.objects.filter(task_id=label.id, data__to="error", level="error").exists()
     assert _tasks(job)["ship"] == "skipped", "the job fails: its unstarted tasks are skipped"
+    assert Event.objects.get(job_id=job.id, task_id=None, type="policy").message == (
+        "job fails (on_failure fail_job): fan_out over $.pick.parcels found 4 items, more than the limit of 3"
+        " (ACC_MAX_FAN_OUT_ITEMS)")
     _run_step(job, "close", results=lambda inputs: {})
     assert Job.objects.get(pk=job.pk).status == "error"
 
