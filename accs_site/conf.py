@@ -312,6 +312,12 @@ class AccsSettings:
         return _int("ACC_MAX_PARAMS_BYTES", 2 * 1024 * 1024, minimum=1024, maximum=64 * 1024 * 1024)
 
     @cached_property
+    def max_fan_out_items(self) -> int:
+        """The most tasks a step fanning out over a parent's list may make (docs/workflows-as-code.md); a
+        longer list fails the step's task, naming this limit, before any task of it is made."""
+        return _int("ACC_MAX_FAN_OUT_ITEMS", 1000, minimum=1, maximum=100_000)
+
+    @cached_property
     def poll_interval_sec(self) -> float:
         return _float("ACC_POLL_INTERVAL_SEC", 2.0, minimum=0.01)
 

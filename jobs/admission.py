@@ -212,10 +212,11 @@ SELECT r.id, r.job_id, r.tenant_id, r.task_key, r.step_key, r.service_id, r.host
 
 INSERT_STEPS_SQL = """
 INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked, released,
-                           poisoned, on_failure, always)
-SELECT r.job_id, r.step_key, r.position, r.total, 0, 0, 0, 0, r.blocked, false, false, r.on_failure, r.always
+                           poisoned, on_failure, always, max_items)
+SELECT r.job_id, r.step_key, r.position, r.total, 0, 0, 0, 0, r.blocked, false, false, r.on_failure, r.always,
+       r.max_items
   FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(job_id uuid, step_key text, position int, total int, blocked int,
-                                               on_failure text, always boolean)
+                                               on_failure text, always boolean, max_items int)
 """
 
 

@@ -529,10 +529,10 @@ WITH j AS (
     RETURNING id, task_key, status
 ), s AS (
     INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked,
-                               released, poisoned, on_failure, always)
-    SELECT j.id, r.step_key, r.position, r.total, 0, 0, 0, 0, 0, false, false, r.on_failure, r.always
+                               released, poisoned, on_failure, always, max_items)
+    SELECT j.id, r.step_key, r.position, r.total, 0, 0, 0, 0, 0, false, false, r.on_failure, r.always, r.max_items
       FROM j, jsonb_to_recordset(%(steps)s::jsonb) AS r(step_key text, position int, total int, on_failure text,
-                                                       always boolean)
+                                                       always boolean, max_items int)
 ), ev AS (
     -- ONE row records the job's creation with its tasks (events.timeline.creation_event's shape):
     -- the job's move, each task's id, key and first status in data.tasks; readers unfold it.

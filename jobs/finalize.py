@@ -118,6 +118,112 @@ c AS (
 SELECT count(*) FROM sk
 """
 
+# The reason jobs.failure.apply gives the tasks it skips when a fail_job failure fails their job.
+JOB_FAILED_REASON = "job failed"
+
+#: The most tasks a step fanning out over a parent's list makes when its step row names no limit (a job made
+#: by a release before the limit was recorded); the site's ACC_MAX_FAN_OUT_ITEMS is recorded otherwise.
+DEFAULT_MAX_FAN_OUT_ITEMS = 1000
+
+
+def item_task_id(task: str, index: str) -> str:
+    """Return SQL making the id of item ``index`` of the fan-out of the task aliased ``task``: the layout of
+    :func:`jobs.ids.uuid7` (48-bit milliseconds, version 7, a 42-bit counter, variant, 32 random bits) with
+    the item's index as the counter and a time after the task's own id, so the step's tasks sort by id in
+    the order of the list (the order its gatherers receive their outputs in)."""
+    ms = (f"greatest((extract(epoch FROM clock_timestamp()) * 1000)::bigint,"
+          f" ('x' || left(replace({task}.id::text, '-', ''), 12))::bit(48)::bigint + 1)")
+    return (f"encode(int8send(({ms} << 16) | 28672 | (({index})::bigint >> 30 & 4095))"
+            f" || int8send(x'8000000000000000'::bit(64)::bigint | ((({index})::bigint & 1073741823) << 32)"
+            f" | floor(random() * 4294967296)::bigint), 'hex')::uuid")
+
+
+FAN_OUT_SQL = f"""
+-- Tasks about to be promoted whose step fans out over a list a parent returned ("fan_out": {{"over":
+-- jsonpath}}, read from the workflow version the job runs on) become one task per item: the task itself
+-- is item 0 (its key gains "[0]"), a copy is inserted for each further item (key "<step>[i]") and the
+-- step's total grows to match, so its dependents wait for every item. Each item task reads its item
+-- from the same list when it runs (jobs.inputs). An empty list skips the step's task; no list, or more
+-- items than the step row's limit, fails it with the reason; either way no item task is made.
+WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
+f AS (
+    SELECT w.id, w.job_id, w.step_key, fo.over, coalesce(js.max_items, {DEFAULT_MAX_FAN_OUT_ITEMS}) AS max_items,
+           jsonb_path_query_first({parent_outputs("w")}, fo.over::jsonpath, '{{}}'::jsonb, true) AS list
+      FROM accs_task w JOIN accs_job j ON j.id = w.job_id
+      JOIN accs_job_step js ON js.job_id = w.job_id AND js.step_key = w.step_key
+     CROSS JOIN LATERAL (SELECT {step_field("w", "j", "fan_out")} ->> 'over' AS over) fo
+     WHERE {PROMOTABLE}
+       AND w.task_key = w.step_key AND fo.over IS NOT NULL
+), v AS (
+    SELECT f.*, CASE WHEN f.list IS NULL THEN 'found no value in the parents'' outputs'
+                     WHEN jsonb_typeof(f.list) <> 'array' THEN 'found ' || jsonb_typeof(f.list) || ', not a list'
+                     WHEN jsonb_array_length(f.list) > f.max_items
+                         THEN 'found ' || jsonb_array_length(f.list) || ' items, more than the limit of '
+                              || f.max_items || ' (ACC_MAX_FAN_OUT_ITEMS)'
+                END AS failure,
+           CASE WHEN jsonb_typeof(f.list) = 'array' THEN jsonb_array_length(f.list) END AS n
+      FROM f
+), t AS (
+    UPDATE accs_task t
+       SET task_key = CASE WHEN v.failure IS NULL AND v.n > 0 THEN t.step_key || '[0]' ELSE t.task_key END,
+           status = CASE WHEN v.failure IS NOT NULL THEN 'error' WHEN v.n = 0 THEN 'skipped' ELSE t.status END,
+           finished_at = CASE WHEN v.failure IS NOT NULL OR v.n = 0 THEN %(now)s END,
+           error_code = CASE WHEN v.failure IS NOT NULL THEN 'fan_out_failed' ELSE t.error_code END,
+           error_message = CASE WHEN v.failure IS NOT NULL
+                                     THEN left('fan_out over ' || v.over || ' ' || v.failure, 2000)
+                                WHEN v.n = 0 THEN left('fan_out over an empty list: ' || v.over, 2000)
+                                ELSE t.error_message END,
+           updated_at = %(now)s
+      FROM v WHERE t.id = v.id
+    RETURNING t.id, t.job_id, t.step_key, t.status, t.error_message, v.n, v.over
+), more AS (
+    INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status,
+                           depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds,
+                           params, assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at)
+    SELECT {item_task_id("w", "i")}, w.job_id, w.tenant_id, w.step_key || '[' || i || ']', w.step_key,
+           w.service_id, w.host_id, w.exclusive, 'waiting', w.depends_on, 0, w.max_attempts, %(now)s, w.priority,
+           w.order_seq, w.timeout_seconds, w.params, w.assigned_node, '', '', '', '', %(now)s, %(now)s
+      FROM v JOIN accs_task w ON w.id = v.id CROSS JOIN LATERAL generate_series(1, v.n - 1) AS i
+     WHERE v.failure IS NULL AND v.n > 1
+     ORDER BY w.id, i
+), grow AS (
+    UPDATE accs_job_step s SET total = s.total + v.n - 1
+      FROM v WHERE s.job_id = v.job_id AND s.step_key = v.step_key AND v.failure IS NULL AND v.n > 1
+), halt AS (
+    -- A failed fan-out of an on_failure "fail_job" step fails its job as a failed task does (jobs.failure):
+    -- the job's other unstarted tasks are skipped, except those of "always" steps.
+    UPDATE accs_task o SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
+           error_message = '{JOB_FAILED_REASON}'
+      FROM (SELECT u.id, u.status AS was FROM accs_task u
+             WHERE u.job_id IN (SELECT v.job_id FROM v JOIN accs_job_step js ON js.job_id = v.job_id
+                                                        AND js.step_key = v.step_key
+                                 WHERE v.failure IS NOT NULL AND js.on_failure = 'fail_job')
+               AND u.status IN {sql_in(TASK_UNSTARTED)} AND NOT {is_always("u")}
+               AND u.id NOT IN (SELECT id FROM v)) x
+     WHERE o.id = x.id
+    RETURNING o.id, o.job_id, x.was
+), ev AS (
+    INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
+    SELECT job_id, id, %(source)s, 'warn', 'status', 'task ' || was || ' → skipped ({JOB_FAILED_REASON})',
+           jsonb_build_object('from', was, 'to', 'skipped', 'reason', '{JOB_FAILED_REASON}') FROM halt
+    UNION ALL
+    SELECT job_id, id, %(source)s, CASE status WHEN 'error' THEN 'error' ELSE 'info' END, 'status',
+           CASE status WHEN 'waiting' THEN 'step ' || step_key || ' fanned out over ' || over || ': ' || n || ' task(s)'
+                ELSE left('task waiting → ' || status || ' (' || error_message || ')', 2000) END,
+           CASE status WHEN 'waiting' THEN jsonb_build_object('fan_out', over, 'tasks', n)
+                ELSE jsonb_build_object('from', 'waiting', 'to', status, 'reason', error_message, 'fan_out', over) END
+      FROM t
+    UNION ALL
+    -- The job's own line, as a failed task's fail_job policy writes one: why the job fails.
+    SELECT t.job_id, NULL, %(source)s, 'error', 'policy',
+           left('job fails (on_failure fail_job): ' || t.error_message, 2000),
+           jsonb_build_object('on_failure', 'fail_job', 'reason', t.error_message, 'fan_out', t.over)
+      FROM t JOIN accs_job_step js ON js.job_id = t.job_id AND js.step_key = t.step_key
+     WHERE t.status = 'error' AND js.on_failure = 'fail_job'
+)
+SELECT count(*) FROM t WHERE t.status <> 'waiting'
+"""
+
 PROMOTE_SQL = f"""
 -- Waiting dependents of the steps just settled (or, with roots, tasks with no dependency at all)
 -- become queued once every step they depend on is done; an "always" step's tasks once every step
@@ -218,8 +324,6 @@ def finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, r
     notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
 
 
-# The reason jobs.failure.apply gives the tasks it skips when a fail_job failure fails their job.
-JOB_FAILED_REASON = "job failed"
 
 REWAIT_ALWAYS_SQL = f"""
 -- Queued (never started) tasks of "always" steps go back to waiting while a step they depend on
@@ -311,6 +415,7 @@ def finalize_function_sql() -> str:
                     "SELECT coalesce(array_agg(x.job_id), '{}'), coalesce(array_agg(x.step_key), '{}')"
                     " INTO v_job_ids, v_steps FROM x")
     condition_skip = _into(_bind(CONDITION_SKIP_SQL), "SELECT count(*) FROM sk", "v_n")
+    fan_out = _into(_bind(FAN_OUT_SQL), "SELECT count(*) FROM t WHERE t.status <> 'waiting'", "v_m")
     return f"""CREATE OR REPLACE FUNCTION {FINALIZE_FUNCTION}(p_jobs uuid[], p_now timestamptz, p_source text,
                                               p_roots bool)
 RETURNS SETOF text
@@ -325,10 +430,12 @@ DECLARE
     v_steps text[];
     v_roots uuid[];
     v_n bigint;
+    v_m bigint;
 BEGIN
     v_roots := CASE WHEN p_roots THEN p_jobs ELSE '{{}}'::uuid[] END;
-    -- A pass skips and releases what settled, skips the tasks whose step's condition does not hold and
-    -- promotes the rest; steps skipped by a condition settle too, so passes repeat until none is.
+    -- A pass skips and releases what settled, skips the tasks whose step's condition does not hold, makes
+    -- one task per item of the steps fanning out over a parent's list and promotes the rest; steps a
+    -- condition or a fan-out ended settle too, so passes repeat until none is.
     FOR k IN 1..{MAX_DAG_DEPTH} LOOP
         FOR i IN 1..{MAX_DAG_DEPTH} LOOP
             {poison};
@@ -339,6 +446,8 @@ BEGIN
         v_n := 0;
         IF cardinality(v_job_ids) > 0 OR cardinality(v_roots) > 0 THEN
             {condition_skip};
+            {fan_out};
+            v_n := v_n + v_m;
             RETURN QUERY {_bind(PROMOTE_SQL)};
         END IF;
         v_roots := '{{}}'::uuid[];

@@ -7,6 +7,9 @@ task order (a gather). A parent that never ran (skipped, for a step that runs ``
 The same expression (:func:`parent_outputs`) is what a step's condition (``when``) is evaluated over
 when its tasks are promoted (:mod:`jobs.finalize`).
 
+A task of a step that fans out over a list a parent returned (``fan_out: {"over": path}``) also gets its
+item of that list as ``item`` and the item's place in it (from 0) as ``index``.
+
 The agent reads this once per attempt, in the attempt's worker thread, just before the executor runs
 (:func:`step_context`), rather than when the task is promoted: promotion is set-based SQL in every
 report's transaction, and copying each parent's output (up to a megabyte, times the fan-out) into each
@@ -49,9 +52,20 @@ def step_field(task: str, job: str, name: str) -> str:
          LIMIT 1)"""
 
 
+# A task of a step fanning out over a parent's list is "<step>[i]" (jobs.finalize): its item is element i of
+# the list the step's path finds in the same parents' outputs, read again here rather than copied into it.
+ITEM_INDEX = r"substring(t.task_key FROM '\[([0-9]+)\]$')::int"
+
 STEP_CONTEXT_SQL = f"""
-SELECT {parent_outputs("t")} AS inputs, {step_field("t", "j", "output_schema")} AS output_schema
+SELECT po.inputs || coalesce((SELECT jsonb_build_object(
+                                  'item', jsonb_path_query_first(po.inputs, fo.over::jsonpath, '{{}}', true) -> ix.i,
+                                  'index', ix.i)
+                                FROM (SELECT {ITEM_INDEX} AS i) ix WHERE ix.i IS NOT NULL AND fo.over IS NOT NULL),
+                              '{{}}'::jsonb) AS inputs,
+       {step_field("t", "j", "output_schema")} AS output_schema
   FROM accs_task t JOIN accs_job j ON j.id = t.job_id
+ CROSS JOIN LATERAL (SELECT {parent_outputs("t")} AS inputs) po
+ CROSS JOIN LATERAL (SELECT {step_field("t", "j", "fan_out")} ->> 'over' AS over) fo
  WHERE t.id = %(task)s
 """
 

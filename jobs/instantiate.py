@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from accs_site.conf import accs
 from jobs.ids import uuid7
 from jobs.models import TaskStatus
 from workflows.models import StepFailurePolicy
@@ -91,7 +92,8 @@ def step_rows(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         step = steps.get(key)
         if step is None:
             step = steps[key] = {"job_id": key[0], "step_key": key[1], "position": row["position"], "total": 0,
-                                 "blocked": 0, "on_failure": row["on_failure"], "always": row["always"]}
+                                 "blocked": 0, "on_failure": row["on_failure"], "always": row["always"],
+                                 "max_items": row.get("max_items")}
         step["total"] += 1
         step["blocked"] += row["status"] == TaskStatus.BLOCKED
     return list(steps.values())
@@ -99,7 +101,11 @@ def step_rows(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceInfo], *, hosts: list[HostInfo],
                     blocked: set[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Return one dict per task of the job, keyed by the columns :data:`jobs.admission.INSERT_TASKS_SQL` reads."""
+    """Return one dict per task of the job, keyed by the columns :data:`jobs.admission.INSERT_TASKS_SQL` reads.
+
+    A step fanning out over a parent's list gets one task now, which becomes one per item when its parents
+    are done (:mod:`jobs.finalize`); its step row carries the most items it may make.
+    """
     rows: list[dict[str, Any]] = []
     for position, step in enumerate(steps):
         service = services.get(step["service"])
@@ -125,6 +131,7 @@ def build_task_rows(job: JobRow, steps: list[dict], services: dict[str, ServiceI
                 "timeout_seconds": service.timeout_seconds, "params": params, "position": position,
                 # The step's failure policy, copied to its accs_job_step row (not a task column).
                 "on_failure": step.get("on_failure") or StepFailurePolicy.FAIL_JOB, "always": bool(step.get("always")),
+                "max_items": accs.max_fan_out_items if isinstance(step.get("fan_out"), dict) else None,
                 "assigned_node": (host.node_id or "") if host else "",
                 "error_code": "host_blocked" if is_blocked else "",
                 "error_message": f"{service.key} is blocked on {host.name}" if is_blocked and host else "",

@@ -368,6 +368,11 @@ class JobStep(models.Model):
         db_default=False,
         help_text="Copied from the workflow step: it runs once its dependencies are final, whatever their outcome.",
     )
+    max_items = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="For a step fanning out over a parent's list: the most tasks it may make (ACC_MAX_FAN_OUT_ITEMS"
+                  " when the job was made).",
+    )
 
     class Meta:
         db_table = "accs_job_step"

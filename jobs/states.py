@@ -37,7 +37,8 @@ JOB_RETRYABLE: frozenset[str] = frozenset(models.JOB_FAILED)
 TASK_TRANSITIONS: dict[str, frozenset[str]] = {
     "created": frozenset({T.WAITING, T.QUEUED, T.BLOCKED}),
     # waiting → queued: its dependencies are done (for an "always" step: final, whatever their outcome).
-    T.WAITING: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED}),
+    # waiting → error: its step fans out over a parent's list and found no list, or too many items.
+    T.WAITING: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED, T.ERROR}),
     # scheduled → queued: the retry's backoff is over.
     T.SCHEDULED: frozenset({T.QUEUED, T.SKIPPED, T.CANCELED, T.WAITING}),
     # queued → waiting: a retried job waits for admission before its tasks are claimable again.

@@ -80,7 +80,7 @@ except ImportError:
 from jobs import api
 from jobs.definitions import TTL as DEFINITIONS_TTL
 from jobs.models import Attempt, AttemptStatus, Job, JobSource, JobStatus, Task as TaskRow, TaskStatus
-from workflows.code import ServiceDef, task_origin
+from workflows.code import ServiceDef, takes_inputs, task_origin
 from workflows.models import Service
 from workflows.validation import TASKS_ADAPTER
 
@@ -646,13 +646,17 @@ def run_task(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     is not JSON fails it with a TypeError naming the type.
     """
     task = _load_task(ctx.service_config["task"])
-    result = _running_result(task, ctx)
+    own_job = _is_own_job(ctx)
+    result = _running_result(task, ctx, own_job=own_job)
     sender = type(task.get_backend())
     task_started.send(sender=sender, task_result=result)
     args = list(params.get("args") or [])
     kwargs = dict(params.get("kwargs") or {})
     if task.takes_context:
         args.insert(0, TaskContext(task_result=result))
+    if takes_inputs(task.func) and not own_job:
+        # A step of a workflow: the function declared where its parents' outputs go (workflows.code.step).
+        kwargs["inputs"] = dict(ctx.inputs)
     try:
         value = normalize_json(task.call(*args, **kwargs))
     except BaseException as exc:
@@ -677,10 +681,15 @@ def _class_path_of(exc: BaseException, ctx: Any) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _running_result(task: Task, ctx: Any) -> TaskResult:
+def _is_own_job(ctx: Any) -> bool:
+    """Return whether the running task is the one task of a job started by ``enqueue()`` (not a workflow's step)."""
+    return Job.objects.filter(pk=ctx.task.job_id, service__isnull=False).exists()
+
+
+def _running_result(task: Task, ctx: Any, *, own_job: bool) -> TaskResult:
     """Return the result as the task itself sees it while it runs (status RUNNING, attempts so far)."""
     backend = task.get_backend()
-    if not Job.objects.filter(pk=ctx.task.job_id, service__isnull=False).exists():
+    if not own_job:
         return _step_result(task, ctx)
     job = _task_job(str(ctx.task.job_id))
     row = TaskRow.objects.filter(pk=ctx.task.id).first()

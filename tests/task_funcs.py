@@ -142,3 +142,9 @@ def slow(seconds: float) -> str:
     """Sleep longer than the decorator's timeout allows."""
     time.sleep(seconds)
     return "woke"
+
+
+@task()
+def count_parcels(order: str, inputs: dict | None = None) -> str:
+    """A workflow step: its parents' outputs arrive in ``inputs``."""
+    return f"{order}: {len((inputs or {}).get('pick', {}).get('parcels', []))} parcel(s)"

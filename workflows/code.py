@@ -159,6 +159,15 @@ def task_service(task: Any) -> ServiceDef:
     return import_string(_task_service_path)(task)
 
 
+def takes_inputs(func: Any) -> bool:
+    """Return whether a ``@task`` function declares an ``inputs`` parameter (its parents' outputs go there)."""
+    try:
+        parameter = inspect.signature(func).parameters.get("inputs")
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+
+
 def task_origin(func: Any) -> Origin:
     """Return where a function is defined (a ``@task`` step's service is placed there)."""
     func = inspect.unwrap(func)
@@ -166,7 +175,7 @@ def task_origin(func: Any) -> Origin:
 
 
 def step(key: str, service: ServiceDef | str | Any, *, depends_on: Sequence[str] = (),
-         default_params: Mapping[str, Any] | None = None, fan_out: str | None = None,
+         default_params: Mapping[str, Any] | None = None, fan_out: str | Mapping[str, str] | None = None,
          on_failure: str | None = None, always: bool | None = None,
          output_schema: Mapping[str, Any] | None = None, when: str | None = None) -> StepDef:
     """Declare a workflow step run by ``service``: a :func:`service`, a stored service's key or a ``@task``.
@@ -174,7 +183,10 @@ def step(key: str, service: ServiceDef | str | Any, *, depends_on: Sequence[str]
     A ``@task`` step's ``default_params`` are the function's keyword arguments. ``output_schema`` (a JSON
     Schema) is what the step's output must meet: an attempt whose output breaks it fails. ``when`` (a
     PostgreSQL jsonpath predicate over ``{parent step key: output}``, e.g. ``"$.check.ok == true"``) makes
-    the step run only when it holds; otherwise its tasks are skipped.
+    the step run only when it holds; otherwise its tasks are skipped. ``fan_out`` is ``"hosts"`` (one task per
+    host) or ``{"over": "$.pick.parcels"}``: one task per item of the list a parent returned, each given its
+    item as ``inputs["item"]`` and its place as ``inputs["index"]``. A ``@task`` function that declares an
+    ``inputs`` parameter is given ``{parent step key: output}`` in it.
     """
     declared: ServiceDef | None
     if isinstance(service, ServiceDef):
@@ -185,12 +197,17 @@ def step(key: str, service: ServiceDef | str | Any, *, depends_on: Sequence[str]
         declared = task_service(service)
         _registry.add_service(declared)
         service_key = declared.key
+        if default_params and "inputs" in default_params and takes_inputs(service.func):
+            raise TypeError(f"step {key!r}: {service.module_path} receives its parents' outputs as inputs=;"
+                            " default_params cannot set it")
         default_params = {"args": [], "kwargs": dict(default_params or {})}
     else:
         raise TypeError(f"step {key!r}: service must be code.service(...), a service key or a @task function,"
                         f" not {type(service).__name__}")
     data: dict[str, Any] = {"key": key, "service": service_key, "depends_on": list(depends_on),
                             "default_params": dict(default_params or {})}
+    if isinstance(fan_out, Mapping):
+        fan_out = dict(fan_out)
     for name, value in (("fan_out", fan_out), ("on_failure", on_failure), ("always", always),
                         ("output_schema", output_schema), ("when", when)):
         if value is not None:

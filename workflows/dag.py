@@ -54,6 +54,8 @@ class StepState:
     service: str = ""
     depends_on: list[str] = field(default_factory=list)
     fan_out: bool = False
+    #: What the step fans out over: "hosts", or "items" (a list a parent returned).
+    fan_out_over: str = "hosts"
     counts: Counter = field(default_factory=Counter)
     attempt: int = 0
     max_attempts: int = 0
@@ -85,7 +87,8 @@ def steps_from(definition: Iterable[dict[str, Any]], task_rows: Iterable[dict[st
         if isinstance(step, dict) and isinstance(step.get("key"), str):
             steps[step["key"]] = StepState(key=step["key"], service=str(step.get("service", "")),
                                            depends_on=[d for d in step.get("depends_on") or [] if isinstance(d, str)],
-                                           fan_out=step.get("fan_out") == "hosts",
+                                           fan_out=step.get("fan_out") is not None,
+                                           fan_out_over="items" if isinstance(step.get("fan_out"), dict) else "hosts",
                                            on_failure=str(step.get("on_failure") or "fail_job"),
                                            always=step.get("always") is True)
     for row in task_rows:
@@ -201,7 +204,7 @@ def render_svg(steps: list[StepState], *, title: str = "", link_prefix: str = "#
             out.append(f'<text class="policy-tag" x="{x + BOX_W - 8}" y="{y + 16 + 12 * i}" font-size="10" '
                        f'text-anchor="end" fill="{POLICY_COLOUR}" font-weight="600">'
                        f"{escape(POLICY_TAGS[tag][0])}</text>")
-        sub = step.service + (f" × {step.tasks} hosts" if step.fan_out and step.tasks else "")
+        sub = step.service + (f" × {step.tasks} {step.fan_out_over}" if step.fan_out and step.tasks else "")
         out.append(f'<text x="{x + 10}" y="{y + 37}" font-size="11" fill="#475569">{escape(_truncate(sub, 30))}</text>')
         out.append(f'<text x="{x + 10}" y="{y + 54}" font-size="11" fill="{stroke}" font-weight="600">'
                    f"{escape(_truncate(_status_line(step), 32))}</text>")

@@ -126,7 +126,8 @@ class StepIn(In):
     service: str = Field(min_length=1, max_length=100)
     depends_on: list[str] = Field(default_factory=list)
     default_params: dict[str, Any] = Field(default_factory=dict)
-    fan_out: Literal["hosts"] | None = None
+    # "hosts", or {"over": "<jsonpath to a list in a parent's output>"}: the validator checks the object.
+    fan_out: Literal["hosts"] | dict[str, str] | None = None
     on_failure: Literal["fail_job", "continue"] | None = None
     always: StrictBool | None = None
     # What the step's output must meet, and the condition over its parents' outputs under which it runs

@@ -34,6 +34,13 @@ CONDITION_NAME_RE = re.compile(r"^[-a-zA-Z0-9_]{1,100}$")
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 FAN_OUT_VALUES = ("hosts",)
+#: What each task of a step fanning out over a parent's list finds among its inputs besides its parents'
+#: outputs: its item of the list and the item's place in it (from 0).
+FAN_OUT_ITEM_INPUTS = ("item", "index")
+FAN_OUT_EXAMPLE = '{"over": "$.pick.parcels"}'
+# An argv placeholder reading the step's inputs: ``{inputs.<parent step key>.<name>...}`` (a number
+# picks an element of a list), ``{inputs.item}`` for a step fanning out over a list.
+INPUT_PLACEHOLDER_RE = re.compile(r"^inputs(\.[A-Za-z0-9_-]+)+$")
 STEP_FIELDS = frozenset({"key", "service", "depends_on", "default_params", "fan_out", "on_failure", "always",
                          "output_schema", "when"})
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -144,10 +151,13 @@ def argv_fields(arg: str) -> list[tuple[str, str | None]]:
             continue
         if field == "" or field.isdigit():
             raise ValueError(f"positional placeholder in {arg!r}; name it ({{param}}) or {LITERAL_BRACES_HINT}")
+        if INPUT_PLACEHOLDER_RE.match(field) and not spec and not conversion:
+            pieces.append((literal, field))
+            continue
         if not field.isidentifier() or spec or conversion:
             shown = field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-            raise ValueError(f"{{{shown}}} in {arg!r} is not a plain {{name}} placeholder (no attributes, indexing,"
-                             f" conversions or format specs); {LITERAL_BRACES_HINT}")
+            raise ValueError(f"{{{shown}}} in {arg!r} is not a plain {{name}} placeholder (or {{inputs.<step>.<name>}};"
+                             f" no attributes, indexing, conversions or format specs); {LITERAL_BRACES_HINT}")
         pieces.append((literal, field))
     return pieces
 
@@ -155,6 +165,18 @@ def argv_fields(arg: str) -> list[tuple[str, str | None]]:
 def argv_placeholders(argv: Iterable[str]) -> set[str]:
     """Return the ``{name}`` placeholders used in an argv template (ValueError for any other field)."""
     return {name for arg in argv for _, name in argv_fields(arg) if name}
+
+
+def input_path(placeholder: str) -> list[str] | None:
+    """Return the path an ``{inputs.<step>.<name>...}`` placeholder reads (``["pick", "items"]``), else None."""
+    if not INPUT_PLACEHOLDER_RE.match(placeholder):
+        return None
+    return placeholder.split(".")[1:]
+
+
+def param_placeholders(argv: Iterable[str]) -> set[str]:
+    """Return the placeholders of an argv template that params fill (not those reading the step's inputs)."""
+    return {name for name in argv_placeholders(argv) if input_path(name) is None}
 
 
 def program_problems(argv: list[str], *, field: str) -> list[Problem]:
@@ -208,7 +230,7 @@ def service_problems(service) -> list[Problem]:
             problems.append(Problem("executor_config.argv", "a command service needs a non-empty list of strings"))
         else:
             try:
-                used = argv_placeholders(argv)
+                used = param_placeholders(argv)
             except ValueError as exc:
                 problems.append(Problem("executor_config.argv", f"bad placeholder syntax: {exc}"))
                 used = set()
@@ -582,6 +604,7 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
     for key in duplicates:
         problems.append(Problem(f"step '{key}'", "duplicate step key"))
     known_keys = set(keys)
+    by_key = {step["key"]: step for step in steps if isinstance(step, dict) and step.get("key") in known_keys}
     graph: dict[str, list[str]] = {}
     for step in steps:
         if not isinstance(step, dict) or not isinstance(step.get("key"), str) or step["key"] not in known_keys:
@@ -613,15 +636,92 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
         elif service is not None and isinstance(service.params_schema, dict):
             for err in schema_errors(service.params_schema, params, partial=True):
                 problems.append(Problem(where, f"default_params.{err}"))
-        fan_out = step.get("fan_out")
-        if fan_out is not None and fan_out not in FAN_OUT_VALUES:
-            problems.append(Problem(where, f"fan_out must be one of {list(FAN_OUT_VALUES)} or absent, got {fan_out!r}"))
+        problems += fan_out_problems(step.get("fan_out"), deps, by_key, where=where)
+        problems += argv_input_problems(service, deps, over_items=isinstance(step.get("fan_out"), dict), where=where)
         problems += policy_problems(step, where=where)
         problems += output_schema_problems(step.get("output_schema"), where=where)
         problems += when_problems(step.get("when"), deps, where=where)
     cycle = find_cycle(graph)
     if cycle:
         problems.append(Problem("steps", "dependency cycle: " + " → ".join(cycle)))
+    return problems
+
+
+def fan_out_problems(fan_out: Any, deps: list[str], steps: Mapping[str, Any], *, where: str) -> list[Problem]:
+    """Check a step's ``fan_out``: ``"hosts"`` (one task per host of the job's options), or ``{"over": path}``
+    (one task per item of the list a jsonpath finds in one parent's output, made when the parents are done)."""
+    if fan_out is None or fan_out in FAN_OUT_VALUES:
+        return []
+    over = fan_out.get("over") if isinstance(fan_out, dict) and set(fan_out) == {"over"} else None
+    if not isinstance(over, str) or not over.strip() or len(over) > WHEN_MAX_CHARS:
+        return [Problem(where, f'fan_out must be "hosts", {{"over": "<jsonpath to a list in a parent\'s output>"}} '
+                               f"(e.g. {FAN_OUT_EXAMPLE}) or absent, got {fan_out!r}")]
+    if not deps:
+        return [Problem(where, f"fan_out over {over!r} reads a parent's output; the step has no depends_on")]
+    named = when_parents(over)
+    problems = []
+    if len(named) != 1:
+        problems.append(Problem(where, f"fan_out over {over!r} must read one parent's output: start the path with "
+                                       f"$.<parent step key>, e.g. {FAN_OUT_EXAMPLE}"))
+    missing = sorted(named - set(deps))
+    if missing:
+        problems.append(Problem(where, f"fan_out reads {missing}, which it does not depend on (depends_on: {deps})"))
+    clash = sorted(set(deps) & set(FAN_OUT_ITEM_INPUTS))
+    if clash:
+        problems.append(Problem(where, f"a step fanning out over a list finds its item as inputs "
+                                       f"{list(FAN_OUT_ITEM_INPUTS)}: it cannot depend on steps keyed {clash}"))
+    syntax = jsonpath_error(over)
+    if syntax:
+        problems.append(Problem(where, f"fan_out over {over!r} is not a jsonpath PostgreSQL accepts: {syntax}"))
+    elif len(named) == 1 and not missing:
+        problems += _fan_out_type_problems(over, steps.get(next(iter(named))), where=where)
+    return problems
+
+
+# A plain path into a parent's output: $.step.name."other name" (no filters, wildcards or indexes).
+SIMPLE_PATH_RE = re.compile(r'^\$((?:\s*\.\s*(?:"(?:[^"\\]|\\.)*"|[A-Za-z_][A-Za-z0-9_]*))+)\s*$')
+PATH_SEGMENT_RE = re.compile(r'\.\s*(?:"((?:[^"\\]|\\.)*)"|([A-Za-z_][A-Za-z0-9_]*))')
+
+
+def _fan_out_type_problems(over: str, parent: Any, *, where: str) -> list[Problem]:
+    """Refuse a fan-out over what the parent's ``output_schema`` says is not a list (when it says)."""
+    match = SIMPLE_PATH_RE.match(over)
+    schema = parent.get("output_schema") if isinstance(parent, dict) else None
+    if match is None or not isinstance(schema, dict):
+        return []
+    names = [quoted or bare for quoted, bare in PATH_SEGMENT_RE.findall(match.group(1))][1:]
+    for name in names:
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        schema = properties.get(name) if isinstance(properties, dict) else None
+        if not isinstance(schema, dict):
+            return []
+    kind = schema.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if kinds and "array" not in kinds:
+        return [Problem(where, f"fan_out over {over!r}: step {parent['key']!r}'s output_schema says it is "
+                               f"{' or '.join(sorted(kinds))}, not a list")]
+    return []
+
+
+def argv_input_problems(service: Any, deps: list[str], *, over_items: bool, where: str) -> list[Problem]:
+    """Check that each ``{inputs.<step>...}`` placeholder of a command step's argv reads a step it depends on
+    (or ``item`` / ``index``, for a step fanning out over a list): any other would never have a value."""
+    config = getattr(service, "executor_config", None)
+    argv = config.get("argv") if isinstance(config, dict) and getattr(service, "executor", None) == "command" else None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        return []
+    try:
+        placeholders = argv_placeholders(argv)
+    except ValueError:
+        return []  # the service's own problem
+    readable = set(deps) | (set(FAN_OUT_ITEM_INPUTS) if over_items else set())
+    problems = []
+    for name in sorted(placeholders):
+        path = input_path(name)
+        if path is not None and path[0] not in readable:
+            problems.append(Problem(where, f"argv placeholder {{{name}}} of service {service.key!r} reads "
+                                           f"{path[0]!r}, which is not among the step's inputs "
+                                           f"({sorted(readable) or 'it has no depends_on'})"))
     return problems
 
 

@@ -16,7 +16,7 @@ import math
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ from accs_site.conf import known_secrets
 from accs_site.redaction import SECRET_KEY_RE, redact, secrets_in  # noqa: F401 (re-exported: the executors use them by these names)
 from jobs.claim import ClaimedTask
 from jobs.transitions import Outcome
-from workflows.validation import argv_fields, not_allowed_problems, validator_errors
+from workflows.validation import argv_fields, input_path, not_allowed_problems, validator_errors
 
 TAIL_CHARS = 4000
 
@@ -207,20 +207,44 @@ class OptionInjection(ValueError):
     """A param whose value would be read as an option of the tool (it starts with '-')."""
 
 
-def render_argv(template: list[str], params: dict[str, Any], *, option_params: Iterable[str] = ()) -> list[str]:
-    """Render each argv element's plain ``{name}`` fields from params; each stays one argument.
+def _arg_text(value: Any) -> str:
+    """Return a value as the text of one argument: JSON for an object or a list, "" for null."""
+    return json.dumps(value) if isinstance(value, (dict, list)) else ("" if value is None else str(value))
 
-    Anything but a plain name (attributes, indexing, conversions, format specs) is refused, even in
-    a row written to the database without validation. Params never choose the program (a placeholder
-    in argv[0] is refused) and never become options: an element whose leading ``-`` comes from a
-    param is refused unless it follows a literal ``--`` element or the param is one of
-    ``option_params`` (the service's ``executor_config.option_params``).
+
+def _input_text(name: str, path: list[str], inputs: Mapping[str, Any]) -> str:
+    """Return the text of an ``{inputs.<step>.<name>...}`` placeholder: the value at ``path`` in the step's
+    inputs (a number picks an element of a list); ValueError naming what is missing."""
+    value: Any = inputs
+    for depth, part in enumerate(path):
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            where = "the step's inputs" if depth == 0 else "inputs." + ".".join(path[:depth])
+            raise ValueError(f"argv placeholder {{{name}}} has no value: {where} has no {part!r}")
+    return _arg_text(value)
+
+
+def render_argv(template: list[str], params: dict[str, Any], *, option_params: Iterable[str] = (),
+                inputs: Mapping[str, Any] | None = None) -> list[str]:
+    """Render each argv element's plain ``{name}`` fields from params, and its ``{inputs.<step>.<name>}``
+    fields from the outputs of the steps the task depends on (``inputs``); each stays one argument.
+
+    Anything else (attributes, indexing, conversions, format specs) is refused, even in a row written to
+    the database without validation. Neither params nor inputs choose the program (a placeholder in
+    argv[0] is refused) or become options: an element whose leading ``-`` comes from a param is refused
+    unless it follows a literal ``--`` element or the param is one of ``option_params`` (the service's
+    ``executor_config.option_params``); one whose leading ``-`` comes from an input only after ``--``.
     """
-    values = {
-        k: (json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else str(v)))
-        for k, v in params.items()
-    }
-    options = set(option_params)
+    values = {k: _arg_text(v) for k, v in params.items()}
+    for arg in template:
+        for _, name in argv_fields(arg):
+            path = input_path(name) if name else None
+            if path is not None and name:
+                values[name] = _input_text(name, path, inputs or {})
+    options = {name for name in option_params if input_path(name) is None}
     out = []
     after_separator = False
     for index, arg in enumerate(template):
@@ -239,6 +263,10 @@ def render_argv(template: list[str], params: dict[str, Any], *, option_params: I
                 rendered.append(values[name])
         text = "".join(rendered)
         if leader is not None and text.startswith("-") and not after_separator and leader not in options:
+            if input_path(leader) is not None:
+                raise OptionInjection(
+                    f"{{{leader}}} is {_clip(values[leader])!r}, which starts with '-' and would be read as an"
+                    " option of the tool; put '--' before it in argv (a step's inputs never become options)")
             raise OptionInjection(
                 f"param {leader!r} is {_clip(values[leader])!r}, which starts with '-' and would be read as an"
                 " option of the tool; put '--' before it in argv or list it in executor_config.option_params")

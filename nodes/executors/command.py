@@ -19,7 +19,7 @@ class CommandExecutor:
         try:
             options = ctx.service_config.get("option_params")
             argv = render_argv(ctx.service_config.get("argv", []), task.params,
-                               option_params=options if isinstance(options, list) else ())
+                               option_params=options if isinstance(options, list) else (), inputs=ctx.inputs)
         except ValueError as exc:
             return _outcome(task, "failed", error=str(exc), retryable=False, error_code="bad_params")
         return run_process(task, ctx, argv)

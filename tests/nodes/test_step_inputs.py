@@ -89,6 +89,30 @@ def test_a_step_whose_parent_never_ran_receives_null_for_it(make_service, daemon
     assert tidy.results["inputs"] == {"boom": None, "after": None}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_real_agents_give_each_task_of_a_fan_out_over_a_list_its_item_in_a_process_isolated_ctx(
+        make_service, daemons, db_url):
+    make_service("py-echo", executor_config={"callable": "tests.callables:echo"})
+    make_service("py-iso", executor_config={"callable": "tests.callables:inputs_of", "isolation": "process"},
+                 params_schema={"type": "object", "properties": {"parents": {"type": "array"}}})
+    create_workflow(name="per-item", steps=[
+        {"key": "one", "service": "py-echo"},
+        {"key": "each", "service": "py-iso", "depends_on": ["one"], "fan_out": {"over": "$.one.echo.parcels"}},
+        {"key": "all", "service": "py-iso", "depends_on": ["each"], "default_params": {"parents": ["each"]}}])
+    job = api.start_workflow("per-item", step_params={"one": {"parcels": ["p1", {"p": 2}]}})
+    daemons.agent("n1", "py-echo,py-iso", "--max-concurrent", "4")
+    wait_all_final(db_url, timeout=90)
+    tasks = {t.task_key: t for t in Task.objects.filter(job=job)}
+    assert set(tasks) == {"one", "each[0]", "each[1]", "all"}
+    parent = {"echo": {"parcels": ["p1", {"p": 2}]}}
+    for index, item in enumerate(["p1", {"p": 2}]):
+        each = tasks[f"each[{index}]"]
+        assert each.status == "done", each.error_message
+        assert each.results["inputs"] == {"one": parent, "item": item, "index": index}
+    assert tasks["all"].results["task_output"] == {"each": [tasks["each[0]"].results, tasks["each[1]"].results]}
+    assert Job.objects.get(pk=job.pk).status == "done"
+
+
 # --------------------------------------------------------------------------------------------
 # The gather and the schema check, without a database
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Workflows as code in a team's own site (tests/embedded_site/shop/pipelines.py): ``accs_sync`` stores
-the four-step pipeline, the site's real agents run it, an edit becomes version 2 while a version 1 job
-finishes on version 1, and ``accs_sync --check`` reports drift."""
+the four-step pipeline (a fan-out over a parent's list, a branch), the site's real agents run it, an edit
+becomes version 2 while a version 1 job finishes on version 1, and ``accs_sync --check`` reports drift."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _line_of(text: str) -> int:
 
 
 def _tasks(env, job_id: str) -> dict[str, tuple[str, dict]]:
-    rows = query(env, "SELECT step_key, status, results FROM accs_task WHERE job_id = %s", uuid.UUID(job_id))
+    rows = query(env, "SELECT task_key, status, results FROM accs_task WHERE job_id = %s", uuid.UUID(job_id))
     return {key: (status, results) for key, status, results in rows}
 
 
@@ -66,16 +66,21 @@ def test_code_pipeline_is_synced_run_by_real_agents_and_versioned_on_change(site
                                     "ON w.id = j.workflow_id"))
     assert versions == {first: 1, second: 2}, "the first job ran on the version it started with"
     one, two = _tasks(site_env, first), _tasks(site_env, second)
-    assert set(one) == {"pick", "label", "receipt", "ship"}
+    assert set(one) == {"pick", "label[0]", "label[1]", "receipt", "ship"}, "one label task per parcel"
     assert all(status == "done" for status, _ in one.values())
-    assert one["pick"][1] == {"picked": "R-1", "items": 2}, "the step's default params from code"
-    assert one["label"][1] == {"label": "R-1", "items": 2}, "the command read pick's output from ACCS_INPUTS"
-    assert one["receipt"][1] == {"return_value": "receipt for from-code"}, "the @task step got its kwargs"
-    assert one["ship"][1] == {"closed": "R-1", "carrier": "post", "label": "R-1",
-                              "receipt": "receipt for from-code"}, "ship gathered label's and receipt's outputs"
-    # The second order is empty: its receipt's condition does not hold, the always step still closes it.
-    assert two["receipt"][0] == "skipped" and two["label"][1] == {"label": "R-2", "items": 0}
-    assert two["ship"] == ("done", {"closed": "R-2", "carrier": "ups", "label": "R-2", "receipt": None})
-    assert query(site_env, "SELECT e.message FROM accs_event e JOIN accs_task t ON t.id = e.task_id "
-                           "WHERE t.job_id = %s AND t.step_key = 'receipt' AND e.data->>'to' = 'skipped'",
-                 uuid.UUID(second)) == [("task waiting → skipped (condition did not hold: $.pick.items > 0)",)]
+    assert one["pick"][1] == {"picked": "R-1", "items": 2, "parcels": ["R-1/1", "R-1/2"]}, "default params from code"
+    assert [one[f"label[{i}]"][1] for i in (0, 1)] == [{"label": "R-1/1", "n": 1, "of": 2},
+                                                       {"label": "R-1/2", "n": 2, "of": 2}], (
+        "each label task got its parcel in argv ({inputs.item}) and its index and pick's output in ACCS_INPUTS")
+    assert one["receipt"][1] == {"return_value": "receipt for from-code: 2 item(s)"}, (
+        "the @task step got its kwargs and, in inputs=, pick's output")
+    assert one["ship"][1] == {"closed": "R-1", "carrier": "post", "labels": ["R-1/1", "R-1/2"],
+                              "receipt": "receipt for from-code: 2 item(s)"}, "ship gathered the labels in order"
+    # The second order is empty: no parcel to label (the fan-out is skipped), its receipt's condition does
+    # not hold, and the always step still closes it.
+    assert two["label"][0] == "skipped" and two["receipt"][0] == "skipped"
+    assert two["ship"] == ("done", {"closed": "R-2", "carrier": "ups", "labels": [], "receipt": None})
+    skips = dict(query(site_env, "SELECT t.step_key, e.message FROM accs_event e JOIN accs_task t ON t.id = e.task_id "
+                                 "WHERE t.job_id = %s AND e.data->>'to' = 'skipped'", uuid.UUID(second)))
+    assert skips == {"receipt": "task waiting → skipped (condition did not hold: $.pick.items > 0)",
+                     "label": "task waiting → skipped (fan_out over an empty list: $.pick.parcels)"}

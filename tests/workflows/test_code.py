@@ -120,6 +120,40 @@ def test_a_condition_on_a_missing_parent_is_refused_at_the_step_line(write):
         refused(name))
 
 
+@pytest.mark.parametrize(("fan_out", "expected"), [
+    ('{"over": "$.ghost.parcels"}', "fan_out reads ['ghost'], which it does not depend on"),
+    ('{"over": "$.a.count"}', "fan_out over '$.a.count': step 'a''s output_schema says it is integer, not a list"),
+])
+def test_a_fan_out_over_a_missing_parent_or_a_non_list_is_refused_at_the_step_line(write, fan_out, expected):
+    name, path = write(f"""
+        svc = code.service("fan-svc", executor="python", executor_config={NOOP})
+        code.workflow("fanned", steps=[
+            code.step("a", svc, output_schema={{"type": "object", "properties": {{"count": {{"type": "integer"}}}}}}),
+            code.step("b", svc, depends_on=["a"],
+                      fan_out={fan_out})])
+    """)
+    line = line_of(path, 'code.step("b"')
+    assert f"{path}:{line}: workflow 'fanned' step 'b': {expected}" in refused(name)
+
+
+def test_a_fan_out_over_a_parents_list_in_code_is_stored_with_its_step(write):
+    name, _ = write(f"""
+        svc = code.service("fan-ok-svc", executor="python", executor_config={NOOP})
+        code.workflow("fanned-ok", steps=[code.step("a", svc),
+            code.step("b", svc, depends_on=["a"], fan_out={{"over": "$.a.parcels"}})])
+    """)
+    sync.apply(code.discover([name]))
+    assert Workflow.objects.get(name="fanned-ok").steps[1]["fan_out"] == {"over": "$.a.parcels"}
+
+
+def test_a_task_step_declaring_inputs_gets_them_and_default_params_cannot_set_them():
+    from tests.task_funcs import add, count_parcels
+
+    assert code.takes_inputs(count_parcels.func) and not code.takes_inputs(add.func)
+    with pytest.raises(TypeError, match="receives its parents' outputs as inputs="):
+        code.step("count", count_parcels, depends_on=["pick"], default_params={"order": "R", "inputs": {}})
+
+
 def test_a_nul_in_default_params_is_refused_at_the_step_line(write):
     name, path = write(f"""
         svc = code.service("nul-svc", executor="python", executor_config={NOOP})

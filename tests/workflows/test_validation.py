@@ -46,7 +46,7 @@ def step(key, service="ingest", deps=(), params=None):
          "step 'a': default_params.(root): Additional properties are not allowed"),
         ([], "steps: a workflow needs a non-empty list of steps"),
         ([{"key": "a", "service": "ingest", "oops": 1}], "step 'a': unknown fields ['oops']"),
-        ([step("a") | {"fan_out": "planets"}], "step 'a': fan_out must be one of ['hosts']"),
+        ([step("a") | {"fan_out": "planets"}], 'step \'a\': fan_out must be "hosts", {"over": '),
         ([step("a") | {"output_schema": ["n"]}], "step 'a': output_schema must be a JSON object (a JSON Schema)"),
         ([step("a") | {"output_schema": {"type": "integr"}}], "step 'a': output_schema is not a valid JSON Schema"),
     ],

@@ -5,6 +5,9 @@ except ImportError:
 
 
 @task()
-def receipt(reference: str) -> str:
-    """Return the receipt line of an order."""
-    return f"receipt for {reference}"
+def receipt(reference: str, inputs: dict | None = None) -> str:
+    """Return the receipt line of an order; as a step of the shop's pipeline, ``inputs`` holds what ``pick``
+    returned (ACCS gives a ``@task`` step that declares ``inputs`` its parents' outputs there)."""
+    if inputs is None:
+        return f"receipt for {reference}"
+    return f"receipt for {reference}: {inputs['pick']['items']} item(s)"

@@ -8,12 +8,16 @@ def pack(params: dict, ctx) -> dict:
 
 
 def pick(params: dict, ctx) -> dict:
-    """Return the items picked for an order."""
-    return {"picked": params["reference"], "items": params.get("items", 1)}
+    """Return the items picked for an order and its parcels, one per item."""
+    items = params.get("items", 1)
+    return {"picked": params["reference"], "items": items,
+            "parcels": [f"{params['reference']}/{n}" for n in range(1, items + 1)]}
 
 
 def finish(params: dict, ctx) -> dict:
-    """Return the closing note of a shipment: its label and receipt from the steps before (ctx.inputs)."""
-    receipt = ctx.inputs.get("receipt")  # None when the receipt step was skipped
+    """Return the closing note of a shipment: its labels (one per parcel, gathered in order) and its receipt,
+    from the steps before (ctx.inputs); a step that was skipped gives None."""
+    labels = ctx.task_output("label") or []
+    receipt = ctx.inputs.get("receipt")
     return {"closed": params["reference"], "carrier": params.get("carrier", "post"),
-            "label": ctx.task_output("label")["label"], "receipt": receipt["return_value"] if receipt else None}
+            "labels": [label["label"] for label in labels], "receipt": receipt["return_value"] if receipt else None}
