@@ -304,7 +304,7 @@ _previous = import_module("jobs.migrations.0028_finalize_conditions")
 
 
 class Migration(migrations.Migration):
-    dependencies = [("jobs", "0028_finalize_conditions")]
+    dependencies = [("jobs", "0029_attempt_window_indexes")]
 
     operations = [
         migrations.AddField(
