@@ -134,8 +134,12 @@ def test_a_task_receives_each_parents_output_and_a_fanned_parents_outputs_in_tas
     transitions.start_due_jobs(limit=10)
     outputs = st.one_of(st.none(), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
                         st.lists(st.integers(), max_size=2))
-    for task in Task.objects.filter(job__in=jobs).exclude(step_key="child"):
-        Task.objects.filter(pk=task.pk).update(results=data.draw(outputs))
+    # Drawn before the rows are read, so the draws never depend on what the database holds.
+    drawn = data.draw(st.lists(outputs, min_size=2 * (hosts + 2), max_size=2 * (hosts + 2)))
+    made = list(Task.objects.filter(job__in=jobs).exclude(step_key="child").order_by("id"))
+    assert len(made) == len(drawn), "each job: single, other and one task per host"
+    for task, output in zip(made, drawn, strict=True):
+        Task.objects.filter(pk=task.pk).update(results=output)
     for job in jobs:
         tasks = Task.objects.filter(job=job)
         fanned = [t.results for t in tasks.filter(step_key="many").order_by("id")]
