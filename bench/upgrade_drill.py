@@ -24,8 +24,12 @@ Printed at the end, every gate of which must hold (exit 1 otherwise):
   over 0.5 s (the server's ``log_lock_waits`` with ``deadlock_timeout`` 500 ms; ``migrate`` runs
   under its own application name, so its own waits are not counted);
 * ``leader_overlaps``: pairs of leader terms whose writes overlap (``accs_leader_term``);
-* ``leader_gap_s`` under the builders' lease: the longest time with no leader between two terms;
-* ``old_token_after_migrate``: the previous release creates an API token on the new schema.
+* ``leader_gap_over_lease``: a time with no leader between two terms longer than the builders'
+  lease (``leader_gap_max_s`` is printed);
+* ``old_token_after_migrate_failed``: the previous release cannot create an API token on the new schema;
+* ``new_web_not_ready``: the new web's ``/api/v1/ready`` did not answer 200;
+* with ``--rollback``, ``rollback_old_migrate_check_failed`` and ``rollback_no_jobs_after`` (no job
+  accepted after the schema went back).
 
     python bench/upgrade_drill.py [--previous REV] [--rollback] [--keep]
 """
@@ -52,12 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from chaos.run import Cluster, free_port  # noqa: E402
-from tests.daemons import OVERLAP_SQL, STARTED_LINES  # noqa: E402
+from tests.daemons import OVERLAP_SQL, STARTED_LINES, wait_for  # noqa: E402
 
 VERSION = re.search(r'VERSION = "([^"]+)"', (ROOT / "accs_site" / "version.py").read_text()).group(1)
 PREVIOUS_RELEASE = os.environ.get("PREVIOUS_RELEASE", "8a12ebc")
@@ -253,17 +258,6 @@ def last_migrations(tree: Path) -> dict[str, str]:
     return out
 
 
-def wait_for(what: str, predicate, *, timeout: float, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
-
-
 def log_says(proc: Proc, text: str) -> bool:
     return text in proc.log_files[-1][1].read_text(errors="replace")
 
@@ -336,9 +330,9 @@ class Drill:
         for proc in (*self.builders, *self.agents):
             proc.start(self.old)
         self.web.start(self.old)
-        wait_for("the old web", lambda: http_status(self.web.url + "/api/v1/health") == 200, timeout=60)
-        wait_for("an old builder leading", lambda: any(log_says(b, "now the leader") for b in self.builders),
-                 timeout=60)
+        wait_for(lambda: http_status(self.web.url + "/api/v1/health") == 200, timeout=60, message="the old web")
+        wait_for(lambda: any(log_says(b, "now the leader") for b in self.builders), timeout=60,
+                 message="an old builder leading")
         load = Load(self.web.url, token)
         load.start()
         say("the previous release is running with a job stream")
@@ -376,20 +370,18 @@ class Drill:
         """The recipe's rolling restart onto ``release``: web reload, builders one by one, agents one by one."""
         self.web.reload(release)
         wanted = VERSION if release is self.new else "old"
-        wait_for(f"the web's workers on the {release.name} release", lambda: self.web.serves(wanted), timeout=90)
+        wait_for(lambda: self.web.serves(wanted), timeout=90,
+                 message=f"the web's workers on the {release.name} release")
         self.step(f"web reloaded onto the {release.name} release (HUP)", t0)
-        for builder in self.builders:
-            builder.stop(timeout=30)
-            builder.start(release)
-            wait_for(f"{builder.name} ({release.name}) to start",
-                     lambda b=builder: log_says(b, STARTED_LINES["runbuilder"]), timeout=120)
-            self.step(f"{builder.name} restarted on the {release.name} release", t0)
-        for agent in self.agents:
-            agent.stop(timeout=150)
-            agent.start(release)
-            wait_for(f"{agent.name} ({release.name}) to start",
-                     lambda a=agent: log_says(a, STARTED_LINES["runagent"]), timeout=120)
-            self.step(f"{agent.name} drained and restarted on the {release.name} release", t0)
+        # A builder's SIGTERM ends its tick and its lease; an agent's drains its running tasks.
+        for procs, command, stop_timeout, verb in ((self.builders, "runbuilder", 30, "restarted"),
+                                                   (self.agents, "runagent", 150, "drained and restarted")):
+            for proc in procs:
+                proc.stop(timeout=stop_timeout)
+                proc.start(release)
+                wait_for(lambda p=proc, c=command: log_says(p, STARTED_LINES[c]), timeout=120,
+                         message=f"{proc.name} started on the {release.name} release")
+                self.step(f"{proc.name} {verb} on the {release.name} release", t0)
 
     def _old_token(self) -> str:
         try:
@@ -405,8 +397,8 @@ class Drill:
                     not conn.execute("SELECT 1 FROM accs_job j WHERE NOT EXISTS"
                                      " (SELECT 1 FROM accs_task t WHERE t.job_id = j.id) LIMIT 1").fetchone()
             try:
-                wait_for("every task to finish", finished, timeout=timeout, every=0.5)
-            except RuntimeError:
+                wait_for(finished, timeout=timeout, interval=0.5, message="every task to finish")
+            except pytest.fail.Exception:
                 pass  # counted as stuck
         return round(time.monotonic() - started, 1)
 
