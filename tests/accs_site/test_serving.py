@@ -116,6 +116,7 @@ def _reload_under_a_stream(argv: list[str], *, env: dict[str, str], tmp_path: Pa
     return len(answered), errors
 
 
+@pytest.mark.slow  # four reloads of a two-worker gunicorn: about a minute
 def test_a_graceful_reload_refuses_no_request(subprocess_env, tmp_path: Path):
     """``kill -HUP`` (``systemctl reload accs-web``, the upgrade's web step) under a stream of new connections.
 
