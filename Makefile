@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
 .PHONY: install db demo serve lint test test-fast test-dj61 bench bench-churn bench-compare bench-keyed bench-history \
-	bench-cockpit-data bench-cockpit-pages chaos stop check
+	bench-cockpit-data bench-cockpit-pages chaos upgrade-drill stop check
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -120,6 +120,12 @@ bench-compare: db
 # The fault scenario against real processes (chaos/README.md); CHAOS_TASKS=300 for a short run.
 chaos: install
 	@$(PY) chaos/run.py $(if $(CHAOS_TASKS),--tasks $(CHAOS_TASKS),)
+
+# The previous release (PREVIOUS_RELEASE, a git revision) live under a job stream, upgraded to this tree in
+# docs/deploy.md's order on a private cluster (bench/upgrade_drill.py); DRILL_ROLLBACK=1 also rolls it back.
+PREVIOUS_RELEASE ?= 8a12ebc
+upgrade-drill: install
+	@PREVIOUS_RELEASE=$(PREVIOUS_RELEASE) $(PY) bench/upgrade_drill.py $(DRILL_ARGS)
 
 check: install
 	@$(PY) manage.py makemigrations --check --dry-run

@@ -27,6 +27,20 @@ WAITING_LINE = "waiting for PostgreSQL"
 START_TIMEOUT = 180.0
 
 
+# Any two terms whose leader-only writes overlap in time (different fences, intersecting spans).
+OVERLAP_SQL = """
+SELECT a.fence, b.fence FROM accs_leader_term a JOIN accs_leader_term b ON a.fence < b.fence
+ WHERE a.first_write_at IS NOT NULL AND b.first_write_at IS NOT NULL
+   AND (a.last_write_at >= b.first_write_at OR a.last_write_at >= b.acquired_at)
+"""
+
+
+def overlapping_terms(db_url: str) -> list[tuple[int, int]]:
+    """Return the pairs of builder leader terms (fences) whose leader-only writes overlap in time."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        return conn.execute(OVERLAP_SQL).fetchall()
+
+
 class Daemons:
     """Start daemons; stop them all at teardown (SIGTERM, then SIGKILL).
 

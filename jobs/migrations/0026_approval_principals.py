@@ -12,6 +12,10 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    # One transaction per statement: in one transaction, the lock on the first table (accs_job) would
+    # be held while waiting for the second (accs_trigger), and a daemon reading the two in the
+    # other order deadlocks with it (the upgrade drill met it). Each ALTER is catalogue-only and brief.
+    atomic = False
 
     dependencies = [
         ('jobs', '0025_claim_tries_capped_locks'),

@@ -5,7 +5,9 @@ Also, in process: every error under ``/api/`` is JSON.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -74,6 +76,56 @@ def test_a_hundred_concurrent_webhooks_all_get_answers_from_the_production_serve
     assert not errors, f"{len(errors)} senders got no answer: {errors[:3]}"
     assert sorted(answers) == [201] * 100, sorted(answers)
     assert Job.objects.filter(external_id__startswith="gh-").count() == 100
+
+
+def _reload_under_a_stream(argv: list[str], *, env: dict[str, str], tmp_path: Path, reloads: int) -> tuple[int, list]:
+    """Serve with ``argv`` (pid file in ``tmp_path``), HUP it ``reloads`` times under four streams of requests.
+
+    Each request opens a new connection, as webhooks do. Returns (requests answered, errors).
+    """
+    port, pidfile, log = free_port(), tmp_path / "gunicorn.pid", tmp_path / "gunicorn.log"
+    answered: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        while not stop.is_set():
+            try:
+                answered.append(requests.get(f"{url}/api/v1/health", timeout=30).status_code)
+            except requests.RequestException as exc:
+                errors.append(exc)
+
+    with http_server([*argv, "--pid", str(pidfile)], env={**env, "ACCS_WEB_PORT": str(port)}, port=port,
+                     log_path=log, name="gunicorn") as url:
+        master = int(pidfile.read_text())
+        senders = [threading.Thread(target=stream) for _ in range(4)]
+        for sender in senders:
+            sender.start()
+        try:
+            for n in range(1, reloads + 1):
+                before = len(answered)
+                os.kill(master, signal.SIGHUP)
+                # A reload is over when every old worker has exited and requests flow again.
+                wait_for(lambda n=n, before=before: log.read_text().count("Worker exiting") >= 2 * n
+                         and len(answered) > before + 20, timeout=60, message=f"reload {n} done and answering")
+        finally:
+            stop.set()
+            for sender in senders:
+                sender.join(60)
+    assert set(answered) <= {200}, set(answered)
+    return len(answered), errors
+
+
+@pytest.mark.slow  # four reloads of a two-worker gunicorn: about a minute
+def test_a_graceful_reload_refuses_no_request(subprocess_env, tmp_path: Path):
+    """``kill -HUP`` (``systemctl reload accs-web``, the upgrade's web step) under a stream of new connections.
+
+    gunicorn's own threaded worker, told to stop, accepts what arrives during its last poll and exits
+    without answering it (a reset connection); deploy/gunicorn.conf.py's worker answers it.
+    """
+    env = {**subprocess_env, "ACCS_WEB_HOST": "127.0.0.1"}
+    answered, errors = _reload_under_a_stream([str(SERVE)], env=env, tmp_path=tmp_path, reloads=4)
+    assert not errors, f"{len(errors)} of {answered + len(errors)} requests refused across 4 reloads: {errors[:3]}"
 
 
 @pytest.mark.django_db(transaction=True)

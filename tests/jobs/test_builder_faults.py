@@ -12,18 +12,12 @@ from jobs import api
 from jobs.builder import INSTANTIATE_MAX_BATCHES
 from jobs.claim import claim
 from jobs.models import Attempt, Task
-from tests.daemons import wait_until
+from tests.daemons import overlapping_terms, wait_until
 from tests.engine_helpers import NODE, spec
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 LEADER_SQL = "SELECT holder, fence FROM accs_leader WHERE name = 'builder' AND expires_at > now()"
-# Any two terms whose leader-only writes overlap in time (different fences, intersecting spans).
-OVERLAP_SQL = """
-SELECT a.fence, b.fence FROM accs_leader_term a JOIN accs_leader_term b ON a.fence < b.fence
- WHERE a.first_write_at IS NOT NULL AND b.first_write_at IS NOT NULL
-   AND (a.last_write_at >= b.first_write_at OR a.last_write_at >= b.acquired_at)
-"""
 
 
 def _leader(db_url: str) -> tuple[str, int] | None:
@@ -40,11 +34,6 @@ def _locks(db_url: str) -> list:
 
 def _pid_of(holder: str) -> int:
     return int(holder.split(":")[1])
-
-
-def overlapping_terms(db_url: str) -> list[tuple[int, int]]:
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        return conn.execute(OVERLAP_SQL).fetchall()
 
 
 def _expired_task(make_service, key: str, *, lease: float = 0.5):

@@ -49,6 +49,9 @@ def check_argv(argv: list[str], where: str) -> None:
         assert importlib.util.find_spec("gunicorn"), f"{where}: gunicorn is not installed (requirements.txt)"
         module = argv[words.index("gunicorn") + 1].split(":")[0]
         assert importlib.util.find_spec(module), f"{where}: WSGI module {module} does not exist"
+        if "-c" in argv:
+            config = argv[argv.index("-c") + 1].removeprefix("/opt/accs/")
+            assert (ROOT / config).is_file(), f"{where}: gunicorn config {config} does not exist"
 
 
 def unit(path: Path) -> configparser.RawConfigParser:

@@ -27,8 +27,7 @@ from django.db import connections
 from jobs import api
 from jobs.models import Job, Task
 from tests.api_helpers import user_with_token
-from tests.daemons import free_port, http_server, stop_process, wait_for, wait_until
-from tests.jobs.test_builder_faults import overlapping_terms
+from tests.daemons import free_port, http_server, overlapping_terms, stop_process, wait_for, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

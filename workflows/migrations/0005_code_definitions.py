@@ -4,6 +4,10 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    # One transaction per statement: in one transaction, the lock on the first table (accs_service) would
+    # be held while waiting for the second (accs_workflow), and a daemon reading the two in the
+    # other order deadlocks with it (the upgrade drill met it). Each ALTER is catalogue-only and brief.
+    atomic = False
 
     dependencies = [
         ('workflows', '0004_service_lease_seconds'),
