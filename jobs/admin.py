@@ -70,8 +70,21 @@ from accs_site.admin_kit import (
 )
 from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
-from jobs.models import ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Trigger, TriggerType
+from jobs.models import (
+    ApprovalState,
+    Attempt,
+    Job,
+    JobStatus,
+    LeaderTerm,
+    Outage,
+    Task,
+    TaskStatus,
+    Trigger,
+    TriggerType,
+)
+from jobs.outcomes import attempt_status_words
 from jobs.progress import attempt_text, job_progress, job_progress_subquery
+from jobs.pulse import outage_words
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
@@ -561,7 +574,54 @@ class AttemptAdmin(ReadOnlyScopedAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Attempt) -> str:
-        return status_pill(obj.status)
+        return attempt_pill(obj)
+
+
+def attempt_pill(attempt: Attempt) -> str:
+    """An attempt's status pill; an interrupted one names what interrupted it (an outage or a shutdown)."""
+    return status_pill(attempt.status, label=attempt_status_words(attempt.status, attempt.error_text))
+
+
+# --------------------------------------------------------------------------------------------
+# The system's own record: outages and leadership terms (read-only; the system timeline links here)
+# --------------------------------------------------------------------------------------------
+
+class SystemRecordAdmin(admin.ModelAdmin):
+    """Rows the engine writes about itself: shown, never added, changed or deleted by hand."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Outage)
+class OutageAdmin(SystemRecordAdmin):
+    """PostgreSQL's outages as the builders' pulse recorded them (jobs.pulse), with how long each lasted."""
+
+    list_display = ("began_at", "ended_at", "lasted", "cause")
+    list_filter = ("cause",)
+    ordering = ("-ended_at",)  # outage_ended_idx
+    fields = ("began_at", "ended_at", "lasted", "cause")
+    readonly_fields = fields
+
+    @admin.display(description="lasted")
+    def lasted(self, obj: Outage) -> str:
+        return outage_words(began_at=obj.began_at, ended_at=obj.ended_at)
+
+
+@admin.register(LeaderTerm)
+class LeaderTermAdmin(SystemRecordAdmin):
+    """Who led the builders when (one row per leadership term), and the release each leader ran."""
+
+    list_display = ("fence", "holder", "acquired_at", "expires_at", "writes")
+    ordering = ("-fence",)
+    fields = ("fence", "holder", "acquired_at", "expires_at", "first_write_at", "last_write_at", "writes")
+    readonly_fields = fields
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,11 +18,13 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.http import urlencode
 
+from accs_site.admin_kit import human_age
 from accs_site.conf import accs
 from jobs.models import RetentionMark
 from jobs.retention import MARK_NAME
-from ops.charts import chart_data, chart_rows
+from ops.charts import CHART_SPAN, chart_data, chart_rows
 from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
+from ops.system_timeline import system_timeline
 from tenants.scoping import tenant_ids_for
 
 #: Seconds between refreshes of the dashboard page.
@@ -97,6 +99,8 @@ def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
     context.update(charts=charts, chart_rows=chart_rows(charts))
     if context["infra"]:
         context["retention"] = last_prune(now=data.generated_at)
+        context.update(system_events=system_timeline(since=data.generated_at - CHART_SPAN, until=data.generated_at),
+                       system_window=f"last {human_age(CHART_SPAN.total_seconds())}")
     return data, context
 
 

@@ -18,6 +18,14 @@ def pill(status: str) -> str:
 
 
 @register.filter
+def attempt_pill(attempt) -> str:
+    """Render an attempt's status pill; an interrupted one says whether an outage or a shutdown stopped it."""
+    from jobs.admin import attempt_pill as pill_of
+
+    return pill_of(attempt)
+
+
+@register.filter
 def short_id(value: object) -> str:
     """Render a job's or task's id in its short form (the end of the id, see ``jobs.ids.short_id``)."""
     return ids.short_id(str(value))
