@@ -58,6 +58,8 @@ LEVELS = tuple(Level.values)
 REFRESH_SECONDS = 3
 #: Lines an attempt log page shows by default (``?tail=N`` overrides, up to MAX_TAIL).
 DEFAULT_TAIL, MAX_TAIL = 500, 20_000
+#: The lengths the log page's "Lines" control offers (besides the one shown).
+TAIL_CHOICES = (100, DEFAULT_TAIL, 2_000, MAX_TAIL)
 #: Level names agents may write, mapped onto the page's levels.
 LOG_LEVEL_ALIASES = {"warning": "warn", "critical": "error", "fatal": "error"}
 
@@ -604,6 +606,8 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
         "level": level,
         "level_links": level_links,
         "tail": tail,
+        "tail_choices": sorted({*TAIL_CHOICES, tail}),
+        "max_tail": MAX_TAIL,
         "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
         "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]) if artifact else "",
     }

@@ -1,0 +1,111 @@
+"""The operators' fourth round, the rest, in a real browser (headless Chromium against a live server): a
+system timeline beside the job's, an attempt stopped by an outage saying so, a log length chosen without
+editing the URL, and the keyboard ("/" to search, a skip link to the first row).
+
+Set ``ACCS_SCREENSHOT_DIR=docs/screenshots`` to refresh the screenshots docs/operators.md links.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.ops_helpers import make_user, pipeline_scene, system_scene, two_tenants
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+def logged_in(browser, live_server) -> str:
+    make_user("root", superuser=True)
+    log_in(browser, live_server.url, "root")
+    return live_server.url
+
+
+def test_the_system_timeline_links_the_outage_to_its_length_and_sits_beside_the_job_timeline(browser, live_server,
+                                                                                              shots):
+    from django.utils import timezone
+
+    from jobs.models import Attempt
+
+    scene = pipeline_scene(two_tenants())
+    now = timezone.now()
+    system_scene(now=now)
+    # The failed job ran across the outage; one of its attempts was stopped by it.
+    scene.failed.created_at = now - timedelta(hours=1)
+    scene.failed.save(update_fields=["created_at"])
+    attempt = Attempt.objects.filter(task__job=scene.failed).order_by("id").first()
+    Attempt.objects.filter(pk=attempt.pk).update(
+        status="interrupted", error_text="outage: the database was unreachable, so the agent could not renew the lease")
+    base = logged_in(browser, live_server)
+
+    for theme in ("light", "dark"):
+        browser.execute_script(f"localStorage.setItem('theme', '{theme}')")
+        browser.get(f"{base}/admin/dashboard/?refresh=60")
+        wait(browser, lambda d: css(d, '#accs-system-timeline tr[data-kind="outage"]'), "the outage on the dashboard")
+        full_page_screenshot(browser, shots / f"system_timeline_dashboard_{theme}.png")
+    kinds = [r.get_attribute("data-kind") for r in css(browser, "#accs-system-timeline tr.accs-system-event")]
+    assert {"outage", "leader", "deploy", "pause", "resume"} <= set(kinds), kinds
+    stamp = css(browser, '#accs-system-timeline tr[data-kind="outage"] time')[0].text
+    assert stamp.endswith(" UTC") and len(stamp) == len("2026-11-28 12:00:00 UTC"), stamp
+
+    browser.execute_script("localStorage.setItem('theme', 'light')")
+    browser.get(f"{base}/admin/jobs/job/{scene.failed.pk}/change/?refresh=60")
+    wait(browser, lambda d: css(d, "#accs-system-timeline"), "the system timeline on the job page")
+    sections = [s.get_attribute("id") for s in css(browser, "#accs-job .accs-section")]
+    assert sections.index("accs-system-timeline") + 1 == sections.index("accs-timeline"), "beside the job's timeline"
+    assert "while this job ran" in css(browser, "#accs-system-timeline h2")[0].text
+    pills = [p.text for p in css(browser, "#accs-attempts .accs-pill")]
+    assert "interrupted: database outage" in pills, pills
+    full_page_screenshot(browser, shots / "system_timeline_job_page.png")
+    browser.set_window_size(390, 844)
+    full_page_screenshot(browser, shots / "system_timeline_job_page_phone.png")
+    browser.set_window_size(1440, 1000)
+
+    css(browser, '#accs-system-timeline tr[data-kind="outage"] a')[0].click()
+    wait(browser, lambda d: "/admin/jobs/outage/" in d.current_url, "the outage's page")
+    assert "database reachable again after 50.5 s" in css(browser, "#content")[0].text
+
+    browser.get(f"{base}/admin/jobs/attempt/")
+    wait(browser, lambda d: css(d, "#result_list"), "the attempts list")
+    assert "interrupted: database outage" in css(browser, "#result_list")[0].text
+    assert "the agent shut down" not in css(browser, "#result_list")[0].text
+
+
+def test_the_log_length_is_chosen_from_a_control_keeping_the_level(browser, live_server):
+    from jobs.models import Attempt
+
+    scene = pipeline_scene(two_tenants())
+    running = Attempt.objects.get(task__job=scene.running, status="running")
+    base = logged_in(browser, live_server)
+    browser.get(f"{base}/admin/job/{scene.running.pk}/attempts/{running.pk}/log/?level=warn")
+    wait(browser, lambda d: css(d, "#accs-tail"), "the lines control")
+    from selenium.webdriver.support.ui import Select
+
+    Select(css(browser, "#accs-tail")[0]).select_by_value("100")
+    wait(browser, lambda d: "tail=100" in d.current_url, "the page at 100 lines")
+    assert "level=warn" in browser.current_url, browser.current_url
+    assert Select(css(browser, "#accs-tail")[0]).first_selected_option.text == "100"
+
+
+def test_slash_focuses_search_and_the_first_tab_stop_skips_to_the_first_row(browser, live_server):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    pipeline_scene(two_tenants())
+    base = logged_in(browser, live_server)
+    browser.get(f"{base}/admin/jobs/job/")
+    wait(browser, lambda d: css(d, "#result_list tbody tr"), "the jobs list")
+    ActionChains(browser).send_keys("/").perform()
+    wait(browser, lambda d: d.switch_to.active_element.get_attribute("id") == "searchbar", "'/' focuses the search")
+    assert css(browser, "#searchbar")[0].get_attribute("value") == "", "the '/' is not typed into it"
+
+    browser.get(f"{base}/admin/jobs/job/")
+    wait(browser, lambda d: css(d, "#accs-skip-rows"), "the skip link")
+    ActionChains(browser).send_keys(Keys.TAB).perform()
+    assert browser.switch_to.active_element.get_attribute("id") == "accs-skip-rows", "the first tab stop"
+    ActionChains(browser).send_keys(Keys.ENTER).perform()
+    focused = browser.switch_to.active_element
+    first_row_link = css(browser, "#result_list tbody tr a")[0]
+    assert focused == first_row_link, focused.get_attribute("outerHTML")[:200]
