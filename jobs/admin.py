@@ -67,6 +67,7 @@ from accs_site.admin_kit import (
     status_pill,
     uuid_or_none,
     uuid_prefix_range,
+    when_html,
 )
 from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
@@ -483,7 +484,7 @@ TASK_ACTIONS: ActionTable = {
 @admin.register(Task)
 class TaskAdmin(RedriveAdmin):
     list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "node", "host",
-                    "finished_at", "last_error")
+                    "finished", "last_error")
     list_filter: ClassVar[tuple[Any, ...]] = ("status", "service", TenantListFilter)  # by node: ops.admin
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, the short id (last 10 hex digits) or the first characters (4 or more "
@@ -531,6 +532,10 @@ class TaskAdmin(RedriveAdmin):
     def status_badge(self, obj: Task) -> str:
         return status_pill(obj.status)
 
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: Task) -> str:
+        return when_html(obj.finished_at)
+
     @admin.display(description="error")
     def last_error(self, obj: Task) -> str:
         """The task's last error, shortened (the full text is its title and on the task page)."""
@@ -555,7 +560,7 @@ class TaskAdmin(RedriveAdmin):
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyScopedAdmin):
     tenant_path = "task__tenant_id"
-    list_display = ("task", "attempt_no", "status_badge", "node", "pid", "exit_code", "started_at", "finished_at")
+    list_display = ("task", "attempt_no", "status_badge", "node", "pid", "exit_code", "started", "finished")
     list_filter = ("status",)
     search_fields = ("task__id",)
     search_help_text = "A task id (exact)."
@@ -575,6 +580,14 @@ class AttemptAdmin(ReadOnlyScopedAdmin):
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Attempt) -> str:
         return attempt_pill(obj)
+
+    @admin.display(description="started", ordering="started_at")
+    def started(self, obj: Attempt) -> str:
+        return when_html(obj.started_at)
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: Attempt) -> str:
+        return when_html(obj.finished_at)
 
 
 def attempt_pill(attempt: Attempt) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import template
 from django.utils.html import format_html
 
-from accs_site.admin_kit import human_age, status_pill
+from accs_site.admin_kit import human_age, status_pill, when_html
 from jobs import ids
 
 register = template.Library()
@@ -23,6 +23,13 @@ def attempt_pill(attempt) -> str:
     from jobs.admin import attempt_pill as pill_of
 
     return pill_of(attempt)
+
+
+@register.filter
+def when(value, precision: str = "") -> str:
+    """Render a moment the admin's one way (``2026-11-28 13:04:39 UTC``; ``when:"ms"`` adds milliseconds),
+    shown in the operator's chosen zone by ops/static/ops/timezone.js."""
+    return when_html(value, ms=precision == "ms")
 
 
 @register.filter

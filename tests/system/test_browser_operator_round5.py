@@ -109,3 +109,35 @@ def test_slash_focuses_search_and_the_first_tab_stop_skips_to_the_first_row(brow
     focused = browser.switch_to.active_element
     first_row_link = css(browser, "#result_list tbody tr a")[0]
     assert focused == first_row_link, focused.get_attribute("outerHTML")[:200]
+
+
+def test_one_time_format_with_its_zone_and_a_remembered_display_zone(browser, live_server, shots):
+    from datetime import datetime
+
+    from selenium.webdriver.support.ui import Select
+
+    scene = pipeline_scene(two_tenants())
+    base = logged_in(browser, live_server)
+    browser.get(f"{base}/admin/jobs/job/{scene.failed.pk}/change/?refresh=60")
+    wait(browser, lambda d: css(d, "#accs-tz"), "the display-zone picker")
+    times = css(browser, "#accs-job time.accs-when")
+    assert len(times) > 5, "the job page's times are <time> elements"
+    shape = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d{3})? UTC$"
+    import re
+
+    assert all(re.match(shape, t.text) for t in times), [t.text for t in times][:8]
+    assert Select(css(browser, "#accs-tz")[0]).first_selected_option.get_attribute("value") == "UTC"
+
+    Select(css(browser, "#accs-tz")[0]).select_by_value("Asia/Tokyo")
+    first = css(browser, "#accs-job time.accs-when")[0]
+    wait(browser, lambda d: first.text.endswith("GMT+9"), "times rewritten in Tokyo's zone")
+    moment = datetime.fromisoformat(first.get_attribute("datetime"))
+    shown = datetime.strptime(first.text.rsplit(" ", 1)[0].split(".")[0], "%Y-%m-%d %H:%M:%S")
+    assert (shown - moment.replace(tzinfo=None, microsecond=0)).total_seconds() == 9 * 3600, (first.text, moment)
+    full_page_screenshot(browser, shots / "time_zone_job_page.png")
+
+    # Remembered: another page (the events list, its times to the millisecond) in the same zone.
+    browser.get(f"{base}/admin/events/event/")
+    wait(browser, lambda d: css(d, "#result_list time.accs-when"), "the events list's times")
+    assert all(t.text.endswith("GMT+9") and re.search(r"\.\d{3} GMT\+9$", t.text)
+               for t in css(browser, "#result_list time.accs-when"))
