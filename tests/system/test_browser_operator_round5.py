@@ -141,3 +141,38 @@ def test_one_time_format_with_its_zone_and_a_remembered_display_zone(browser, li
     wait(browser, lambda d: css(d, "#result_list time.accs-when"), "the events list's times")
     assert all(t.text.endswith("GMT+9") and re.search(r"\.\d{3} GMT\+9$", t.text)
                for t in css(browser, "#result_list time.accs-when"))
+
+
+def test_the_dashboard_job_page_and_jobs_list_fit_a_390_px_phone(browser, live_server, shots):
+    scene = pipeline_scene(two_tenants())
+    system_scene_now(scene)
+    base = logged_in(browser, live_server)
+    browser.set_window_size(390, 844)
+    width = "return document.documentElement.clientWidth"
+    pages = {"dashboard": "/admin/dashboard/?refresh=60", "job_page": f"/admin/jobs/job/{scene.failed.pk}/change/?refresh=60",
+             "jobs_list": "/admin/jobs/job/"}
+    for name, path in pages.items():
+        for theme in ("light", "dark"):
+            browser.execute_script(f"localStorage.setItem('theme', '{theme}')")
+            browser.get(base + path)
+            wait(browser, lambda d: css(d, "#content"), name)
+            viewport = browser.execute_script(width)
+            wide = browser.execute_script(
+                "return document.documentElement.scrollWidth")
+            assert wide <= viewport + 1, f"{name} is {wide} px wide on a {viewport} px screen"
+            full_page_screenshot(browser, shots / f"phone_{name}_{theme}.png", max_height=3200)
+    browser.get(base + pages["jobs_list"])
+    wait(browser, lambda d: css(d, "#result_list"), "the jobs list")
+    failed_row = [r for r in css(browser, "#result_list tbody tr") if "step render" in r.text]
+    assert failed_row, "the failed job's row shows its error"
+    status = failed_row[0].find_element("css selector", ".field-status_badge")
+    error = failed_row[0].find_element("css selector", ".field-last_error")
+    for cell in (status, error):
+        assert cell.is_displayed() and cell.rect["x"] >= 0 and cell.rect["x"] + cell.rect["width"] <= 391, \
+            (cell.get_attribute("class"), cell.rect)
+
+
+def system_scene_now(scene) -> None:
+    from django.utils import timezone
+
+    system_scene(now=timezone.now())
