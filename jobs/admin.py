@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 from uuid import UUID
@@ -150,8 +151,10 @@ class RedriveForm(forms.Form):
     tenant = forms.ChoiceField(required=False)
     error_contains = forms.CharField(required=False, max_length=500,
                                      help_text="Part of the error message (any case).")
-    since = forms.DateTimeField(required=False, help_text="Finished at or after.")
-    until = forms.DateTimeField(required=False, help_text="Finished before.")
+    since = forms.DateTimeField(required=False, widget=forms.DateTimeInput(
+        attrs={"type": "datetime-local", "step": 1}, format="%Y-%m-%dT%H:%M:%S"))
+    until = forms.DateTimeField(required=False, widget=forms.DateTimeInput(
+        attrs={"type": "datetime-local", "step": 1}, format="%Y-%m-%dT%H:%M:%S"))
     node = forms.CharField(required=False, max_length=200, help_text="Node that last held the task.")
     include = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
                                         choices=[(s, s) for s in sorted(redrive.JOB_EXTRA)],
@@ -162,6 +165,9 @@ class RedriveForm(forms.Form):
         tenant = self.fields["tenant"]
         assert isinstance(tenant, forms.ChoiceField)  # declared so above; self.fields holds a copy of each
         tenant.choices = [("", "every tenant you administer")] + [(str(t.id), t.slug) for t in tenants]
+        zone = timezone.get_current_timezone_name()  # how the server reads a time typed without a zone
+        self.fields["since"].help_text = f"Finished at or after: YYYY-MM-DD HH:MM[:SS], {zone}."
+        self.fields["until"].help_text = f"Finished before: YYYY-MM-DD HH:MM[:SS], {zone}."
         if not jobs:
             del self.fields["include"]
 
@@ -171,6 +177,18 @@ class RedriveForm(forms.Form):
             jobs=jobs, service=data["service"] or None, tenant=data["tenant"] or None,
             error_contains=data["error_contains"] or None, since=data["since"], until=data["until"],
             node=data["node"] or None, include=frozenset(data.get("include") or ()))
+
+
+#: Matches a redrive from the admin retries per transaction.
+REDRIVE_BATCH = 500
+
+
+def redrive_summary(done: redrive.RedriveResult, *, seconds: float) -> str:
+    """Say what a redrive did: matched, redriven, skipped and why, in how many batches and how long."""
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(done.reasons.items()))
+    return (f"Redrive: {done.matched} matched, {done.redriven} redriven, {done.skipped} skipped (no longer "
+            f"applicable{': ' + why if why else ''}) in {done.batches} batch{'es' if done.batches != 1 else ''} "
+            f"of up to {REDRIVE_BATCH}, {seconds:.1f} s")
 
 
 class RedriveAdmin(PageActionsAdmin):
@@ -213,9 +231,9 @@ class RedriveAdmin(PageActionsAdmin):
             flt = form.to_filter(jobs=self.redrive_jobs)
             try:
                 if "confirm" in request.POST:
-                    done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed)
-                    summary = (f"Redrive: {done.matched} matched, {done.redriven} redriven, "
-                               f"{done.skipped} skipped (no longer applicable)")
+                    started = time.monotonic()
+                    done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed, batch=REDRIVE_BATCH)
+                    summary = redrive_summary(done, seconds=time.monotonic() - started)
                     self.message_user(request, summary, messages.SUCCESS if not done.skipped else messages.WARNING)
                     if done.redriven:
                         log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
@@ -231,6 +249,7 @@ class RedriveAdmin(PageActionsAdmin):
             **self.admin_site.each_context(request), "opts": self.opts, "form": form, "matched": matched,
             "title": "Redrive failed jobs" if self.redrive_jobs else "Redrive dead-lettered tasks",
             "noun": "failed job(s)" if self.redrive_jobs else "dead-lettered task(s)",
+            "batch": REDRIVE_BATCH, "batches": -(-(matched or 0) // REDRIVE_BATCH),
         }
         return TemplateResponse(request, "admin/jobs/redrive.html", context)
 

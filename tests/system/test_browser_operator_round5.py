@@ -176,3 +176,26 @@ def system_scene_now(scene) -> None:
     from django.utils import timezone
 
     system_scene(now=timezone.now())
+
+
+def test_the_redrive_form_takes_dates_from_a_picker_and_sums_up_its_batches(browser, live_server, shots):
+    from tests.ops_helpers import failed_service_job
+
+    tenants = two_tenants()
+    for i in range(3):
+        failed_service_job(tenants.acme, key=f"flaky-{i}")
+    base = logged_in(browser, live_server)
+    browser.get(f"{base}/admin/jobs/task/redrive/")
+    wait(browser, lambda d: css(d, "#id_since"), "the redrive form")
+    since = css(browser, "#id_since")[0]
+    assert since.get_attribute("type") == "datetime-local", "a date picker, not free text"
+    assert "YYYY-MM-DD HH:MM[:SS], UTC" in css(browser, "#content-main")[0].text, "the format and zone are said"
+    browser.execute_script("arguments[0].value = '2020-01-01T00:00'", since)
+    css(browser, 'input[name="preview"]')[0].click()
+    wait(browser, lambda d: css(d, "#accs-redrive-count"), "the count")
+    assert "In 1 batch of up to 500" in css(browser, "#accs-redrive-plan")[0].text
+    full_page_screenshot(browser, shots / "redrive_form.png", max_height=1200)
+    css(browser, "#accs-redrive-confirm")[0].click()
+    wait(browser, lambda d: css(d, "ul.messagelist li"), "the summary")
+    said = css(browser, "ul.messagelist li")[0].text
+    assert said.startswith("Redrive: 3 matched, 3 redriven, 0 skipped") and "in 1 batch of up to 500" in said, said
