@@ -149,16 +149,15 @@ def test_the_dashboard_job_page_and_jobs_list_fit_a_390_px_phone(browser, live_s
     base = logged_in(browser, live_server)
     browser.set_window_size(390, 844)
     width = "return document.documentElement.clientWidth"
-    pages = {"dashboard": "/admin/dashboard/?refresh=60", "job_page": f"/admin/jobs/job/{scene.failed.pk}/change/?refresh=60",
-             "jobs_list": "/admin/jobs/job/"}
+    pages = {"dashboard": "/admin/dashboard/?refresh=60",
+             "job_page": f"/admin/jobs/job/{scene.failed.pk}/change/?refresh=60", "jobs_list": "/admin/jobs/job/"}
     for name, path in pages.items():
         for theme in ("light", "dark"):
             browser.execute_script(f"localStorage.setItem('theme', '{theme}')")
             browser.get(base + path)
             wait(browser, lambda d: css(d, "#content"), name)
             viewport = browser.execute_script(width)
-            wide = browser.execute_script(
-                "return document.documentElement.scrollWidth")
+            wide = browser.execute_script("return document.documentElement.scrollWidth")
             assert wide <= viewport + 1, f"{name} is {wide} px wide on a {viewport} px screen"
             full_page_screenshot(browser, shots / f"phone_{name}_{theme}.png", max_height=3200)
     browser.get(base + pages["jobs_list"])
