@@ -85,7 +85,7 @@ from jobs.models import (
     TriggerType,
 )
 from jobs.outcomes import attempt_status_words
-from jobs.progress import attempt_text, job_progress, job_progress_subquery
+from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery
 from jobs.pulse import outage_words
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
 from tenants.models import Tenant
@@ -335,7 +335,7 @@ class JobAdmin(RedriveAdmin):
     actions = bulk_actions(JOB_ACTIONS, "jobs")
     redrive_jobs = True
     fieldsets = (
-        (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress", "current_task_key",
+        (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress_shown", "current_task_key",
                            "priority", "order_seq", "scheduled_at")}),
         ("Approval", {"fields": ("approval_state", "approved_by", "approved_at")}),
         ("Origin", {"fields": ("source", "source_ref", "external_id", "dedupe_key", "correlation_id", "created_by")}),
@@ -344,8 +344,14 @@ class JobAdmin(RedriveAdmin):
         ("Parameters", {"fields": ("options", "step_params"), "classes": ("collapse",)}),
     )
 
-    readonly_fields = ("django_task",)
+    readonly_fields = ("django_task", "progress_shown")
     redacted_fields = ("step_params",)
+
+    @admin.display(description="progress")
+    def progress_shown(self, obj: Job) -> str:
+        """The job's progress as the list and the page's summary say it (the mean of its tasks'), not the
+        stored share of finished tasks, which reads 0 % beside a task at 32 %."""
+        return f"{job_progress_of(obj) * 100:.0f} %"
 
     def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
         fieldsets = super().get_fieldsets(request, obj)

@@ -52,12 +52,12 @@ def percent(ratio: float | None) -> str:
 
 @register.filter
 def rate(per_minute: float | None) -> str:
-    """Render a per-minute rate compactly (per second when it is high)."""
-    if not per_minute:
-        return "0/min"
-    if per_minute >= 600:
-        return f"{per_minute / 60:.1f}/s"
-    return f"{per_minute:.1f}/min" if per_minute >= 1 else f"{per_minute * 60:.0f}/h"
+    """Render a per-minute rate per hour, always (one unit beside another: no "/h" next to "/min"):
+    ``1,240/h``, ``0.5/h`` under one an hour, ``0/h``."""
+    per_hour = (per_minute or 0.0) * 60
+    if per_hour and per_hour < 9.95:
+        return f"{per_hour:.1f}/h"
+    return f"{per_hour:,.0f}/h"
 
 
 @register.filter

@@ -198,3 +198,32 @@ def test_the_redrive_form_takes_dates_from_a_picker_and_sums_up_its_batches(brow
     wait(browser, lambda d: css(d, "ul.messagelist li"), "the summary")
     said = css(browser, "ul.messagelist li")[0].text
     assert said.startswith("Redrive: 3 matched, 3 redriven, 0 skipped") and "in 1 batch of up to 500" in said, said
+
+
+def test_a_jobs_progress_and_rates_agree_wherever_they_are_shown(browser, live_server):
+    from jobs import transitions
+    from jobs.models import Task
+    from tests.engine_helpers import claim_for
+    from tests.ops_helpers import _service
+
+    scene = pipeline_scene(two_tenants())
+    service = _service("encode", max_attempts=3)
+    from jobs import api
+
+    job = api.start_service("encode", tenant=scene.failed.tenant)
+    (claimed,) = claim_for(service)
+    transitions.mark_running([(claimed.id, claimed.attempt, 4242)], agent_id="agent-t", source="agent:test")
+    transitions.report_progress([(claimed.id, claimed.attempt, 0.32)], source="agent:test")
+    assert Task.objects.get(pk=claimed.id).progress == pytest.approx(0.32)
+    base = logged_in(browser, live_server)
+    browser.get(f"{base}/admin/jobs/job/{job.pk}/change/?refresh=60")
+    wait(browser, lambda d: css(d, "#accs-job-progress"), "the job page")
+    summary = css(browser, "#accs-job-progress")[0].text
+    fields = css(browser, ".field-progress_shown .readonly")[0].text
+    task = css(browser, '#accs-tasks tr[data-task-key="encode"] .accs-progress-pct')[0].text
+    assert summary == fields == task == "32 %", (summary, fields, task)
+
+    browser.get(f"{base}/admin/dashboard/?refresh=60")
+    wait(browser, lambda d: css(d, "#accs-services"), "the dashboard")
+    text = css(browser, "#accs-dashboard")[0].text
+    assert "/min" not in text and "/h" in text, "one rate unit throughout"
