@@ -309,8 +309,8 @@ class TenantScopedAdmin(admin.ModelAdmin):
         perform(request, self, verb, objects, fn, denied=len(ids) - len(objects), capped=capped)
 
 
-class ReadOnlyScopedAdmin(TenantScopedAdmin):
-    """State changes go through jobs.transitions, never through a form."""
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows shown, never added, changed or deleted through the admin."""
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
@@ -320,6 +320,10 @@ class ReadOnlyScopedAdmin(TenantScopedAdmin):
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
+
+
+class ReadOnlyScopedAdmin(ReadOnlyAdmin, TenantScopedAdmin):
+    """State changes go through jobs.transitions, never through a form."""
 
 
 def when_text(value: datetime, *, ms: bool = False) -> str:

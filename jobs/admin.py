@@ -56,6 +56,7 @@ from accs_site.admin_kit import (
     ActionTable,
     PageActionsAdmin,
     PageActionsMixin,
+    ReadOnlyAdmin,
     ReadOnlyScopedAdmin,
     TenantListFilter,
     TenantScopedAdmin,
@@ -621,24 +622,12 @@ def attempt_pill(attempt: Attempt) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The system's own record: outages and leadership terms (read-only; the system timeline links here)
+# The system's own record: outages and leadership terms, rows the engine writes about itself
+# (read-only; the system timeline links here)
 # --------------------------------------------------------------------------------------------
 
-class SystemRecordAdmin(admin.ModelAdmin):
-    """Rows the engine writes about itself: shown, never added, changed or deleted by hand."""
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
 @admin.register(Outage)
-class OutageAdmin(SystemRecordAdmin):
+class OutageAdmin(ReadOnlyAdmin):
     """PostgreSQL's outages as the builders' pulse recorded them (jobs.pulse), with how long each lasted."""
 
     list_display = ("began_at", "ended_at", "lasted", "cause")
@@ -653,7 +642,7 @@ class OutageAdmin(SystemRecordAdmin):
 
 
 @admin.register(LeaderTerm)
-class LeaderTermAdmin(SystemRecordAdmin):
+class LeaderTermAdmin(ReadOnlyAdmin):
     """Who led the builders when (one row per leadership term), and the release each leader ran."""
 
     list_display = ("fence", "holder", "acquired_at", "expires_at", "writes")
