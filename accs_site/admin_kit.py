@@ -20,7 +20,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone as dt_timezone
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -46,6 +46,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
+from django.utils.safestring import mark_safe
 
 from accs_site.counting import EXACT_COUNT_LIMIT, estimated_count
 from accs_site.redaction import redact_params
@@ -427,8 +428,8 @@ class TenantScopedAdmin(admin.ModelAdmin):
         perform(request, self, verb, objects, fn, denied=len(ids) - len(objects), capped=capped)
 
 
-class ReadOnlyScopedAdmin(TenantScopedAdmin):
-    """State changes go through jobs.transitions, never through a form."""
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows shown, never added, changed or deleted through the admin."""
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
@@ -438,6 +439,26 @@ class ReadOnlyScopedAdmin(TenantScopedAdmin):
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
+
+
+class ReadOnlyScopedAdmin(ReadOnlyAdmin, TenantScopedAdmin):
+    """State changes go through jobs.transitions, never through a form."""
+
+
+def when_text(value: datetime, *, ms: bool = False) -> str:
+    """Say a moment the one way the admin does: ``2026-11-28 13:04:39 UTC`` (``.123`` before the zone with ``ms``)."""
+    utc = value.astimezone(dt_timezone.utc)
+    clock = f"{utc:%Y-%m-%d %H:%M:%S}" + (f".{utc.microsecond // 1000:03d}" if ms else "")
+    return f"{clock} UTC"
+
+
+def when_html(value: datetime | None, *, ms: bool = False) -> str:
+    """Render a moment as a ``<time>`` element in UTC (:func:`when_text`); the page's display-zone choice
+    (ops/static/ops/timezone.js) rewrites it in the operator's zone, the zone named either way."""
+    if value is None:
+        return "—"
+    return format_html('<time class="accs-when" datetime="{}"{}>{}</time>', value.isoformat(),
+                       mark_safe(' data-ms="1"') if ms else "", when_text(value, ms=ms))
 
 
 def status_pill(status: str, *, extra: str = "", label: str | None = None) -> str:

@@ -7,10 +7,9 @@ from uuid import UUID
 
 from django.contrib import admin
 from django.db.models import Q
-from django.utils import timezone
 from django.utils.html import format_html
 
-from accs_site.admin_kit import ReadOnlyScopedAdmin, uuid_or_none
+from accs_site.admin_kit import ReadOnlyScopedAdmin, uuid_or_none, when_html
 from events.models import Artifact, Event, EventType
 
 
@@ -49,9 +48,7 @@ class EventAdmin(ReadOnlyScopedAdmin):
     @admin.display(description="time")
     def time(self, obj: Event) -> str:
         """The event's time to the millisecond (events of one second are often many)."""
-        ts = timezone.localtime(obj.ts)
-        return format_html('<span style="white-space:nowrap">{} {}</span>',
-                           f"{ts:%Y-%m-%d}", f"{ts:%H:%M:%S}.{ts.microsecond // 1000:03d}")
+        return format_html('<span style="white-space:nowrap">{}</span>', when_html(obj.ts, ms=True))
 
     def get_search_results(self, request, queryset, search_term):
         as_uuid = uuid_or_none(search_term)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 from uuid import UUID
@@ -55,6 +56,7 @@ from accs_site.admin_kit import (
     ActionTable,
     PageActionsAdmin,
     PageActionsMixin,
+    ReadOnlyAdmin,
     ReadOnlyScopedAdmin,
     TenantListFilter,
     TenantScopedAdmin,
@@ -67,11 +69,25 @@ from accs_site.admin_kit import (
     status_pill,
     uuid_or_none,
     uuid_prefix_range,
+    when_html,
 )
 from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
-from jobs.models import ApprovalState, Attempt, Job, JobStatus, Task, TaskStatus, Trigger, TriggerType
-from jobs.progress import attempt_text, job_progress, job_progress_subquery
+from jobs.models import (
+    ApprovalState,
+    Attempt,
+    Job,
+    JobStatus,
+    LeaderTerm,
+    Outage,
+    Task,
+    TaskStatus,
+    Trigger,
+    TriggerType,
+)
+from jobs.outcomes import attempt_status_words
+from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery
+from jobs.pulse import outage_words
 from jobs.tasks_backend import SOURCE_REF_PREFIX as DJANGO_TASK_REF
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
@@ -136,8 +152,10 @@ class RedriveForm(forms.Form):
     tenant = forms.ChoiceField(required=False)
     error_contains = forms.CharField(required=False, max_length=500,
                                      help_text="Part of the error message (any case).")
-    since = forms.DateTimeField(required=False, help_text="Finished at or after.")
-    until = forms.DateTimeField(required=False, help_text="Finished before.")
+    since = forms.DateTimeField(required=False, widget=forms.DateTimeInput(
+        attrs={"type": "datetime-local", "step": 1}, format="%Y-%m-%dT%H:%M:%S"))
+    until = forms.DateTimeField(required=False, widget=forms.DateTimeInput(
+        attrs={"type": "datetime-local", "step": 1}, format="%Y-%m-%dT%H:%M:%S"))
     node = forms.CharField(required=False, max_length=200, help_text="Node that last held the task.")
     include = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
                                         choices=[(s, s) for s in sorted(redrive.JOB_EXTRA)],
@@ -148,6 +166,9 @@ class RedriveForm(forms.Form):
         tenant = self.fields["tenant"]
         assert isinstance(tenant, forms.ChoiceField)  # declared so above; self.fields holds a copy of each
         tenant.choices = [("", "every tenant you administer")] + [(str(t.id), t.slug) for t in tenants]
+        zone = timezone.get_current_timezone_name()  # how the server reads a time typed without a zone
+        self.fields["since"].help_text = f"Finished at or after: YYYY-MM-DD HH:MM[:SS], {zone}."
+        self.fields["until"].help_text = f"Finished before: YYYY-MM-DD HH:MM[:SS], {zone}."
         if not jobs:
             del self.fields["include"]
 
@@ -157,6 +178,18 @@ class RedriveForm(forms.Form):
             jobs=jobs, service=data["service"] or None, tenant=data["tenant"] or None,
             error_contains=data["error_contains"] or None, since=data["since"], until=data["until"],
             node=data["node"] or None, include=frozenset(data.get("include") or ()))
+
+
+#: Matches a redrive from the admin retries per transaction.
+REDRIVE_BATCH = 500
+
+
+def redrive_summary(done: redrive.RedriveResult, *, seconds: float) -> str:
+    """Say what a redrive did: matched, redriven, skipped and why, in how many batches and how long."""
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(done.reasons.items()))
+    return (f"Redrive: {done.matched} matched, {done.redriven} redriven, {done.skipped} skipped (no longer "
+            f"applicable{': ' + why if why else ''}) in {done.batches} batch{'es' if done.batches != 1 else ''} "
+            f"of up to {REDRIVE_BATCH}, {seconds:.1f} s")
 
 
 class RedriveAdmin(PageActionsAdmin):
@@ -199,9 +232,9 @@ class RedriveAdmin(PageActionsAdmin):
             flt = form.to_filter(jobs=self.redrive_jobs)
             try:
                 if "confirm" in request.POST:
-                    done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed)
-                    summary = (f"Redrive: {done.matched} matched, {done.redriven} redriven, "
-                               f"{done.skipped} skipped (no longer applicable)")
+                    started = time.monotonic()
+                    done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed, batch=REDRIVE_BATCH)
+                    summary = redrive_summary(done, seconds=time.monotonic() - started)
                     self.message_user(request, summary, messages.SUCCESS if not done.skipped else messages.WARNING)
                     if done.redriven:
                         log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
@@ -217,6 +250,7 @@ class RedriveAdmin(PageActionsAdmin):
             **self.admin_site.each_context(request), "opts": self.opts, "form": form, "matched": matched,
             "title": "Redrive failed jobs" if self.redrive_jobs else "Redrive dead-lettered tasks",
             "noun": "failed job(s)" if self.redrive_jobs else "dead-lettered task(s)",
+            "batch": REDRIVE_BATCH, "batches": -(-(matched or 0) // REDRIVE_BATCH),
         }
         return TemplateResponse(request, "admin/jobs/redrive.html", context)
 
@@ -302,7 +336,7 @@ class JobAdmin(RedriveAdmin):
     actions = bulk_actions(JOB_ACTIONS, "jobs", batched={"retry": transitions.retry_jobs})
     redrive_jobs = True
     fieldsets = (
-        (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress", "current_task_key",
+        (None, {"fields": ("id", "tenant", "workflow", "service", "status", "progress_shown", "current_task_key",
                            "priority", "order_seq", "scheduled_at")}),
         ("Approval", {"fields": ("approval_state", "approved_by", "approved_at")}),
         ("Origin", {"fields": ("source", "source_ref", "external_id", "dedupe_key", "correlation_id", "created_by")}),
@@ -311,12 +345,18 @@ class JobAdmin(RedriveAdmin):
         ("Parameters", {"fields": ("options", "step_params"), "classes": ("collapse",)}),
     )
 
-    readonly_fields = ("django_task",)
+    readonly_fields = ("django_task", "progress_shown")
     redacted_fields = ("step_params",)
     export_fields = ("id", "tenant_id", "workflow_id", "service_id", "status", "approval_state", "progress",
                      "current_task_key", "priority", "source", "source_ref", "external_id", "dedupe_key",
                      "correlation_id", "scheduled_at", "created_at", "started_at", "finished_at", "error_code",
                      "error_message", "step_params")
+
+    @admin.display(description="progress")
+    def progress_shown(self, obj: Job) -> str:
+        """The job's progress as the list and the page's summary say it (the mean of its tasks'), not the
+        stored share of finished tasks, which reads 0 % beside a task at 32 %."""
+        return f"{job_progress_of(obj) * 100:.0f} %"
 
     def get_fieldsets(self, request: HttpRequest, obj: Job | None = None) -> Any:
         fieldsets = super().get_fieldsets(request, obj)
@@ -474,7 +514,7 @@ TASK_ACTIONS: ActionTable = {
 @admin.register(Task)
 class TaskAdmin(RedriveAdmin):
     list_display = ("task_key", "job_link", "workflow", "service", "status_badge", "attempts", "node", "host",
-                    "finished_at", "last_error")
+                    "finished", "last_error")
     list_filter: ClassVar[tuple[Any, ...]] = ("status", "service", TenantListFilter)  # by node: ops.admin
     search_fields = ("id",)  # see get_search_results: exact matches and id ranges only
     search_help_text = ("A task id or job id, the short id (last 10 hex digits) or the first characters (4 or more "
@@ -525,6 +565,10 @@ class TaskAdmin(RedriveAdmin):
     def status_badge(self, obj: Task) -> str:
         return status_pill(obj.status)
 
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: Task) -> str:
+        return when_html(obj.finished_at)
+
     @admin.display(description="error")
     def last_error(self, obj: Task) -> str:
         """The task's last error, shortened (the full text is its title and on the task page)."""
@@ -549,7 +593,7 @@ class TaskAdmin(RedriveAdmin):
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyScopedAdmin):
     tenant_path = "task__tenant_id"
-    list_display = ("task", "attempt_no", "status_badge", "node", "pid", "exit_code", "started_at", "finished_at")
+    list_display = ("task", "attempt_no", "status_badge", "node", "pid", "exit_code", "started", "finished")
     list_filter: ClassVar[tuple[Any, ...]] = ("status",)
     search_fields = ("task__id",)
     search_help_text = "A task id (exact)."
@@ -570,7 +614,50 @@ class AttemptAdmin(ReadOnlyScopedAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Attempt) -> str:
-        return status_pill(obj.status)
+        return attempt_pill(obj)
+
+    @admin.display(description="started", ordering="started_at")
+    def started(self, obj: Attempt) -> str:
+        return when_html(obj.started_at)
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: Attempt) -> str:
+        return when_html(obj.finished_at)
+
+
+def attempt_pill(attempt: Attempt) -> str:
+    """An attempt's status pill; an interrupted one names what interrupted it (an outage or a shutdown)."""
+    return status_pill(attempt.status, label=attempt_status_words(attempt.status, attempt.error_text))
+
+
+# --------------------------------------------------------------------------------------------
+# The system's own record: outages and leadership terms, rows the engine writes about itself
+# (read-only; the system timeline links here)
+# --------------------------------------------------------------------------------------------
+
+@admin.register(Outage)
+class OutageAdmin(ReadOnlyAdmin):
+    """PostgreSQL's outages as the builders' pulse recorded them (jobs.pulse), with how long each lasted."""
+
+    list_display = ("began_at", "ended_at", "lasted", "cause")
+    list_filter = ("cause",)
+    ordering = ("-ended_at",)  # outage_ended_idx
+    fields = ("began_at", "ended_at", "lasted", "cause")
+    readonly_fields = fields
+
+    @admin.display(description="lasted")
+    def lasted(self, obj: Outage) -> str:
+        return outage_words(began_at=obj.began_at, ended_at=obj.ended_at)
+
+
+@admin.register(LeaderTerm)
+class LeaderTermAdmin(ReadOnlyAdmin):
+    """Who led the builders when (one row per leadership term), and the release each leader ran."""
+
+    list_display = ("fence", "holder", "acquired_at", "expires_at", "writes")
+    ordering = ("-fence",)
+    fields = ("fence", "holder", "acquired_at", "expires_at", "first_write_at", "last_write_at", "writes")
+    readonly_fields = fields
 
 
 # --------------------------------------------------------------------------------------------

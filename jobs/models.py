@@ -394,7 +394,7 @@ class AttemptStatus(models.TextChoices):
     TIMEOUT = "timeout", "Timed out"
     CANCELED = "canceled", "Canceled"
     BLOCKED = "blocked", "Blocked"
-    INTERRUPTED = "interrupted", "Interrupted (the agent shut down; retried)"
+    INTERRUPTED = "interrupted", "Interrupted (agent shutdown or database outage; retried)"
 
 
 class Attempt(models.Model):
@@ -577,6 +577,8 @@ class LeaderTerm(models.Model):
 
     class Meta:
         db_table = "accs_leader_term"
+        # The system timeline reads the terms that began in a window (ops.system_timeline).
+        indexes = [models.Index(fields=["acquired_at"], name="leader_term_acquired_idx")]
 
     def __str__(self) -> str:
         return f"term {self.fence} of {self.holder}"

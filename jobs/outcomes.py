@@ -57,6 +57,20 @@ ATTEMPT_ENDINGS = ("failed", "timeout", "canceled", "interrupted")
 DEFAULT_ERRORS = {"timeout": "timeout", "interrupted": "interrupted: the agent shut down"}
 
 
+def attempt_status_words(status: str, error: str) -> str:
+    """Say an attempt's status as lists show it: an interrupted attempt names what interrupted it.
+
+    The attempt row keeps the error text, not the code: an outage's starts ``outage:`` (the agent's or
+    the rescue's report) or ``lease_lost:`` (an agent that lost its lease to a restart of PostgreSQL,
+    which the failure policy counts as the outage's).
+    """
+    if status != "interrupted":
+        return status
+    if error.startswith((f"{INTERRUPTED_BY_OUTAGE}:", f"{LEASE_LOST}:")):
+        return "interrupted: database outage"
+    return "interrupted: agent shut down"
+
+
 def attempt_ending(o: Outcome) -> tuple[str, str]:
     """Return the status and error text a report writes on its attempt row."""
     if o.status == "succeeded":

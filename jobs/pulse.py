@@ -32,6 +32,12 @@ GAP_SECONDS = 5.0
 RESTARTED_AT_SQL = "greatest(pg_postmaster_start_time(), (SELECT stats_reset FROM pg_stat_bgwriter))"
 
 
+def outage_words(*, began_at: datetime, ended_at: datetime) -> str:
+    """Say how long a recorded outage lasted, as a daemon logs it: ``database reachable again after 50.5 s``
+    (from the last stamp before it to the first after it)."""
+    return f"database reachable again after {(ended_at - began_at).total_seconds():.1f} s"
+
+
 def stamp(*, gap_seconds: float = GAP_SECONDS) -> datetime | None:
     """Stamp the pulse; record an outage when the last stamp is older than ``gap_seconds`` or
     PostgreSQL restarted since. Return the outage's start when one was recorded, else None."""

@@ -24,6 +24,7 @@ from jobs.retention import MARK_NAME
 from ops.charts import chart_data, chart_rows, chart_span
 from ops.overview import FAILED_WINDOW, Overview, group_by_tenant, overview
 from ops.rates import rates
+from ops.system_timeline import system_timeline
 from ops.timerange import ALL_ONCE, current_range, picker
 from tenants.scoping import tenant_ids_for
 
@@ -108,6 +109,8 @@ def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
                    picker=picker(request, chosen, path=reverse("ops:dashboard")))
     if context["infra"]:
         context["retention"] = last_prune(now=data.generated_at)
+        # The chosen range (the charts'), so an outage shows where its bars dip.
+        context.update(system_events=system_timeline(since=since, until=until), system_window=chosen.label)
     return data, context
 
 

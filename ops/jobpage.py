@@ -42,6 +42,7 @@ from jobs.verbs import self_approval_reason
 from ops.dag import job_dag_svg
 from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
 from ops.overview import job_stuck_reasons
+from ops.system_timeline import system_timeline
 from tenants.scoping import can_act, scope
 
 #: Rows shown on the job page (the sections link to the full, filtered admin lists).
@@ -57,6 +58,8 @@ LEVELS = tuple(Level.values)
 REFRESH_SECONDS = 3
 #: Lines an attempt log page shows by default (``?tail=N`` overrides, up to MAX_TAIL).
 DEFAULT_TAIL, MAX_TAIL = 500, 20_000
+#: The lengths the log page's "Lines" control offers (besides the one shown).
+TAIL_CHOICES = (100, DEFAULT_TAIL, 2_000, MAX_TAIL)
 #: Level names agents may write, mapped onto the page's levels.
 LOG_LEVEL_ALIASES = {"warning": "warn", "critical": "error", "fatal": "error"}
 
@@ -226,7 +229,18 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "moves_links": _filter_links(request, page_url, "moves", [("all", "every job status change")],
                                      unset="hide job running ↔ waiting"),
         "can_act": can,
+        **_system_context(request, job),
     }
+
+
+def _system_context(request: HttpRequest, job: Job) -> dict[str, Any]:
+    """The system timeline while the job ran (created → finished, or now), for those who see the infrastructure."""
+    if not sees_infrastructure(request.user):
+        return {}
+    until = job.finished_at or timezone.now()
+    return {"system_events": system_timeline(since=min(job.created_at, until), until=until),
+            "system_window": "while this job ran" if job.finished_at else "since this job was created",
+            "show_system": True}
 
 
 def task_page_context(request: HttpRequest, task: Task) -> dict[str, Any]:
@@ -592,6 +606,8 @@ def attempt_log_view(request: HttpRequest, job_id: UUID, attempt_id: int) -> Htt
         "level": level,
         "level_links": level_links,
         "tail": tail,
+        "tail_choices": sorted({*TAIL_CHOICES, tail}),
+        "max_tail": MAX_TAIL,
         "job_url": reverse("admin:jobs_job_change", args=[job.pk]),
         "download_url": reverse("ops:job_artifact", args=[job.pk, artifact.pk]) if artifact else "",
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.contrib.auth import get_user_model
 from django.utils import timezone
@@ -14,6 +14,7 @@ from nodes.models import DiskSample, Host, Node
 from tenants.models import Tenant, TenantMembership
 from tests.engine_helpers import claim_for, run_fail, run_ok
 from workflows.api import create_workflow, save_service
+from workflows.models import Service
 
 PASSWORD = "correct horse battery staple"
 
@@ -138,3 +139,23 @@ def signed_in_session(base: str, username: str):
                        headers={"Referer": f"{base}/admin/login/"}, timeout=30)
     assert answer.status_code == 200 and "sessionid" in http.cookies, answer.text[:300]
     return http
+
+
+def system_scene(*, now: datetime) -> dict[str, object]:
+    """Record what the system timeline shows, in the hour before ``now``: an outage of 50.5 s, two
+    leadership terms (the second on another release: a deploy) and a service paused then resumed."""
+    from jobs.models import LeaderTerm, Outage
+    from workflows import governor
+
+    began = now - timedelta(minutes=30)
+    outage = Outage.objects.create(began_at=began, ended_at=began + timedelta(seconds=50.5), cause="restart")
+    LeaderTerm.objects.create(fence=41, holder="build-a:11:aa0001 0.1.0", acquired_at=now - timedelta(hours=2),
+                              expires_at=now - timedelta(minutes=50))
+    LeaderTerm.objects.create(fence=42, holder="build-b:12:bb0002 0.2.0", acquired_at=now - timedelta(minutes=40),
+                              expires_at=now + timedelta(seconds=30))
+    if not Service.objects.filter(key="render").exists():
+        _service("render")
+    governor.pause_service("render", reason="disk swap on the render farm", by="alice",
+                           now=now - timedelta(minutes=20))
+    governor.resume_service("render", by="bob", now=now - timedelta(minutes=10))
+    return {"outage": outage}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import template
 from django.utils.html import format_html
 
-from accs_site.admin_kit import human_age, status_pill
+from accs_site.admin_kit import human_age, status_pill, when_html
 from jobs import ids
 
 register = template.Library()
@@ -15,6 +15,21 @@ register = template.Library()
 def pill(status: str) -> str:
     """Render a status as a coloured pill (colours in admin/accs/_styles.html)."""
     return status_pill(status)
+
+
+@register.filter
+def attempt_pill(attempt) -> str:
+    """Render an attempt's status pill; an interrupted one says whether an outage or a shutdown stopped it."""
+    from jobs.admin import attempt_pill as pill_of
+
+    return pill_of(attempt)
+
+
+@register.filter
+def when(value, precision: str = "") -> str:
+    """Render a moment the admin's one way (``2026-11-28 13:04:39 UTC``; ``when:"ms"`` adds milliseconds),
+    shown in the operator's chosen zone by ops/static/ops/timezone.js."""
+    return when_html(value, ms=precision == "ms")
 
 
 @register.filter
@@ -37,12 +52,12 @@ def percent(ratio: float | None) -> str:
 
 @register.filter
 def rate(per_minute: float | None) -> str:
-    """Render a per-minute rate compactly (per second when it is high)."""
-    if not per_minute:
-        return "0/min"
-    if per_minute >= 600:
-        return f"{per_minute / 60:.1f}/s"
-    return f"{per_minute:.1f}/min" if per_minute >= 1 else f"{per_minute * 60:.0f}/h"
+    """Render a per-minute rate per hour, always (one unit beside another: no "/h" next to "/min"):
+    ``1,240/h``, ``0.5/h`` under one an hour, ``0/h``."""
+    per_hour = (per_minute or 0.0) * 60
+    if per_hour and per_hour < 9.95:
+        return f"{per_hour:.1f}/h"
+    return f"{per_hour:,.0f}/h"
 
 
 @register.filter

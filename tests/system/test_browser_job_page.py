@@ -117,7 +117,7 @@ def test_attempt_log_page_shows_lines_and_filters_by_level(browser, live_server,
     wait(browser, lambda d: css(d, "tr.accs-log-line"), "the log's lines")
     lines = css(browser, "tr.accs-log-line")
     assert [r.get_attribute("data-level") for r in lines] == ["info", "info", "warn", "error", "info"]
-    assert lines[0].find_element("css selector", ".accs-time").text == "11:04:39.123"
+    assert lines[0].find_element("css selector", ".accs-time").text.endswith(" 11:04:39.123 UTC")
     assert "out of memory" in lines[3].text
     full_page_screenshot(browser, shots / "attempt_log.png", max_height=900)
 

@@ -21,7 +21,8 @@
             const payload = await response.json();
             live.innerHTML = payload.html;
             live.dataset.refreshed = String(Number(live.dataset.refreshed || 0) + 1);
-            stamp.textContent = new Date(payload.generated_at).toLocaleTimeString();
+            stamp.textContent = window.accsFormatTime ? window.accsFormatTime(new Date(payload.generated_at), false)
+              : new Date(payload.generated_at).toISOString();
             if (payload.status !== undefined) {
               live.dataset.status = payload.status;
             }
