@@ -7,6 +7,7 @@ from django.utils.html import format_html
 
 from accs_site.admin_kit import human_age, status_pill, when_html
 from jobs import ids
+from jobs.admin import attempt_pill as pill_of
 
 register = template.Library()
 
@@ -20,8 +21,6 @@ def pill(status: str) -> str:
 @register.filter
 def attempt_pill(attempt) -> str:
     """Render an attempt's status pill; an interrupted one says whether an outage or a shutdown stopped it."""
-    from jobs.admin import attempt_pill as pill_of
-
     return pill_of(attempt)
 
 
