@@ -11,6 +11,7 @@ through the finders they register (:func:`register_service_users`).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import string
@@ -633,6 +634,11 @@ def step_problems(steps: Any, services: Mapping[str, Any]) -> list[Problem]:
         elif has_nul(params):
             problems.append(Problem(where, "default_params hold a NUL character (\\u0000), which PostgreSQL cannot "
                                            "store in JSON"))
+        elif (size := len(json.dumps(params).encode())) > accs.max_params_bytes:
+            # Every start of the workflow would be refused: say so when it is saved.
+            problems.append(Problem(where, f"default_params are {size:,} bytes of JSON, more than the limit of "
+                                           f"{accs.max_params_bytes:,} bytes (ACC_MAX_PARAMS_BYTES) every start is "
+                                           "held to; pass large inputs as artifacts"))
         elif service is not None and isinstance(service.params_schema, dict):
             for err in schema_errors(service.params_schema, params, partial=True):
                 problems.append(Problem(where, f"default_params.{err}"))

@@ -164,6 +164,20 @@ def test_a_nul_in_default_params_is_refused_at_the_step_line(write):
         refused(name))
 
 
+def test_default_params_over_the_params_limit_are_refused_at_the_step_line(write):
+    """Every start would be refused (params over ACC_MAX_PARAMS_BYTES): the definition is; nothing is written."""
+    from workflows.models import Workflow
+
+    name, path = write(f"""
+        svc = code.service("big-svc", executor="python", executor_config={NOOP})
+        code.workflow("big", steps=[
+            code.step("a", svc, default_params={{"blob": "x" * 3_000_000}})])
+    """)
+    assert (f"{path}:{line_of(path, 'code.step(')}: workflow 'big' step 'a': default_params are 3,000,012 bytes"
+            " of JSON, more than the limit of 2,097,152 bytes (ACC_MAX_PARAMS_BYTES)") in refused(name)
+    assert not Workflow.objects.filter(name="big").exists()
+
+
 def test_bad_service_fields_are_refused_at_the_service_line(write):
     name, path = write(f"""
         code.service("heavy", executor="python", executor_config={NOOP}, cpu_weight=9)
