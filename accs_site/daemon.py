@@ -1,8 +1,8 @@
 """What the long-running daemons (agent, builder) share to survive a bad day.
 
 * :class:`Backoff` — exponential delays with jitter, capped, reset after a good pass;
-* :func:`is_transient` / :func:`is_data_error` — sort database errors into "retry later" and
-  "this payload can never be written";
+* :func:`is_transient` (:func:`is_database_unreachable`: the database's part alone) /
+  :func:`is_data_error` — sort errors into "retry later" and "this payload can never be written";
 * :class:`Guard` — run one step of a loop, never let it kill the daemon, and log an outage once
   (when it starts and when it ends), not once per retry;
 * :func:`wait_for_database` — block start-up until PostgreSQL answers, saying so in one line;
@@ -63,14 +63,15 @@ class Backoff:
         self.failures = 0
 
 
-def _error_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _error_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """Return (the database's transient errors, the network's, data errors)."""
     from django.db import utils as dj
 
-    transient = (dj.OperationalError, dj.InterfaceError, psycopg.OperationalError, psycopg.InterfaceError,
-                 ConnectionError, TimeoutError, socket.timeout)
+    database = (dj.OperationalError, dj.InterfaceError, psycopg.OperationalError, psycopg.InterfaceError)
+    network = (ConnectionError, TimeoutError, socket.timeout)
     data = (dj.DataError, dj.IntegrityError, dj.ProgrammingError, psycopg.DataError, psycopg.IntegrityError,
             psycopg.ProgrammingError, ValueError, TypeError)
-    return transient, data
+    return database, network, data
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -78,9 +79,17 @@ def is_transient(exc: BaseException) -> bool:
 
     A statement cancelled by ``statement_timeout``, a deadlock victim, a lost or refused
     connection, a server shutting down: the transaction rolled back and nothing was written.
+    A plain network error (a socket's, not the database driver's) counts too.
     """
-    transient, _ = _error_classes()
-    return isinstance(exc, transient) or _lost_mid_command(exc)
+    _, network, _ = _error_classes()
+    return is_database_unreachable(exc) or isinstance(exc, network)
+
+
+def is_database_unreachable(exc: BaseException) -> bool:
+    """Return whether ``exc`` is the database driver's transient error: the database (not storage,
+    not another service on the network) failed to answer, or answered with a cancel or a deadlock."""
+    database, _, _ = _error_classes()
+    return isinstance(exc, database) or _lost_mid_command(exc)
 
 
 def _lost_mid_command(exc: BaseException) -> bool:
@@ -92,8 +101,8 @@ def _lost_mid_command(exc: BaseException) -> bool:
 
 def is_data_error(exc: BaseException) -> bool:
     """Return whether ``exc`` says the payload itself cannot be written (retrying cannot help)."""
-    transient, data = _error_classes()
-    return isinstance(exc, data) and not isinstance(exc, transient)
+    _, _, data = _error_classes()
+    return isinstance(exc, data) and not is_transient(exc)
 
 
 def first_line(exc: BaseException) -> str:

@@ -1049,7 +1049,7 @@ def _while_reachable(task: ClaimedTask, ctx: RunContext, what: str,
             close_old_connections()  # this worker thread's connection may have died in an outage
             step(task, ctx)
         except Exception as exc:
-            if not _database_unreachable(exc) or time.monotonic() > deadline:
+            if not daemon.is_database_unreachable(exc) or time.monotonic() > deadline:
                 raise
             daemon.close_django_connection()
             if backoff.failures == 0:
@@ -1063,15 +1063,6 @@ def _while_reachable(task: ClaimedTask, ctx: RunContext, what: str,
                 log.info("task %s attempt %d could %s again", task.id, task.attempt, what,
                          extra={"task_id": task.id, "job_id": task.job_id})
             return True
-
-
-def _database_unreachable(exc: BaseException) -> bool:
-    """Return whether ``exc`` is the database (not storage, not the step) failing to answer."""
-    from django.db import utils as dj
-
-    if isinstance(exc, (dj.OperationalError, dj.InterfaceError, psycopg.OperationalError, psycopg.InterfaceError)):
-        return True
-    return daemon.is_transient(exc) and isinstance(exc.__cause__, psycopg.Error)
 
 
 def _read_step_context(task: ClaimedTask, ctx: RunContext) -> None:
