@@ -43,6 +43,7 @@ from uuid import UUID
 
 from django.db import DatabaseError, connection, transaction
 
+from jobs import limit_keys
 from jobs.locks import (
     ADVISORY_LOCKS_SQL,
     LOCK_WAIT_SQL,
@@ -281,11 +282,13 @@ def params_key_at(alias: str, parts: str) -> str:
 
 
 # Per-key limits. The keys at their limit are read once per claim, per service (cfull: held tasks
-# at the key cap; rfull: starts in the window at the key rate), and the walk below passes over a
-# task whose key is among them with one lookup in a hash table built once per claim. So the cost
-# of a full key does not grow with its limit, and a keyed claim costs about what an unkeyed one
-# does (bench/keyed_claim.py). The parts of a kind of key (c: a cap, r: a rate) are left out of
-# the statement when no service of the claim has that kind: each costs planning and scan time.
+# at the key cap; rfull: starts in the window at the key rate). The scan below passes over a full
+# key in the one row where its queue begins (jobs.limit_keys), never over its queued tasks, and a
+# candidate whose key is among them is passed over with one lookup in a hash table built once per
+# claim. So the claim's cost follows its room, the keys at their limit and the held work, not the
+# backlog behind the full keys, and a keyed claim costs about what an unkeyed one does
+# (bench/keyed_claim.py). The parts of a kind of key (c: a cap, r: a rate) are left out of the
+# statement when no service of the claim has that kind: each costs planning and scan time.
 #
 # cused: held tasks per key of the services with a per-key cap (task_held_service_idx: the held
 # tasks of those services only, so the cost follows the running work).
@@ -294,7 +297,7 @@ def params_key_at(alias: str, parts: str) -> str:
 _USED = {
     "c": f"""
 , cused AS MATERIALIZED (
-    SELECT h.service_id, {params_key_sql('h', 'svc.cpath')} AS key, count(*) AS used
+    SELECT h.service_id, {params_key_at('h', 'svc.cparts')} AS key, count(*) AS used
       FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
      WHERE svc.climit > 0
      GROUP BY 1, 2
@@ -323,8 +326,8 @@ def _key_cols(kinds: str) -> str:
     return "".join(f",\n               {cols[k]} AS {k}key" for k in "rc")
 
 
-def _key_filter(kinds: str, *, walked: bool, single: bool) -> str:
-    """SQL that passes over a task whose key is at its limit (or, ``walked``, filled by this walk).
+def _key_filter(kinds: str, *, single: bool) -> str:
+    """SQL that passes over a task whose key, read from its params, is at its limit.
 
     A hashed subplan: one lookup per task, however many keys are full. ``single``: one service of
     the claim has per-key limits, so its full keys are the only ones and the lookup is by key alone.
@@ -334,74 +337,140 @@ def _key_filter(kinds: str, *, walked: bool, single: bool) -> str:
         key = params_key_at("t", _PARTS[k])
         full = (f"{key} NOT IN (SELECT key FROM {k}full)" if single
                 else f"(t.service_id, {key}) NOT IN (SELECT * FROM {k}full)")
-        # (The key is read from the params once per task while no key is filled: the common case.)
-        sat = f"\n                AND (cardinality(w.{k}sat) = 0 OR {key} <> ALL(w.{k}sat))" if walked else ""
-        parts.append(f"\n           AND ({_LIMIT[k]} = 0 OR ({full}{sat}))")
+        parts.append(f"\n           AND ({_LIMIT[k]} = 0 OR {full})")
     return "".join(parts)
 
 
-def _walk_step(kinds: str, *, where: str, order: str, single: bool) -> str:
-    """Return the walk's scan for a service's next task of a tenant: one index descent, LIMIT 1."""
-    key_filter = _key_filter(kinds, walked=True, single=single)
-    return f"""SELECT t.id, t.priority, t.order_seq, t.created_at{_key_cols(kinds)}
-          FROM accs_task t
-         WHERE t.service_id = svc.id AND t.tenant_id = w.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
-           AND {where}
-           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
-         ORDER BY {order} LIMIT 1"""
+def _before(a: str, b: str, *, a_id: str = "id", b_id: str = "id") -> str:
+    """SQL: whether position ``a`` comes strictly before position ``b`` in the claim order."""
+    return (f"({a}.priority > {b}.priority OR ({a}.priority = {b}.priority"
+            f" AND ({a}.order_seq, {a}.created_at, {a}.{a_id}) < ({b}.order_seq, {b}.created_at, {b}.{b_id})))")
 
 
-def _saturated(kinds: str, kind: str) -> str:
-    """SQL for the walk's keys of one kind filled once the found task is taken."""
-    if kind not in kinds:
-        return f"w.{kind}sat"
-    return f"""w.{kind}sat || CASE
-               WHEN f.{kind}key IS NOT NULL AND cardinality(array_positions(w.{kind}ks || f.{kind}key, f.{kind}key))
-                    >= {_LIMIT[kind]} - coalesce((SELECT u.used FROM {kind}used u
-                                                  WHERE u.service_id = svc.id AND u.key = f.{kind}key), 0)
-               THEN ARRAY[f.{kind}key] ELSE '{{}}'::text[] END"""
+def _key_room(kinds: str) -> tuple[str, str, str]:
+    """Return the SQL of a key's room left (the nearer of its limits), the joins it reads, and
+    the filter that passes over a key at its limit.
 
-
-def _free_walk(kinds: str, *, single: bool) -> str:
-    """Return the CTEs that find and lock the host-free candidates of services with per-key limits.
-
-    A walk down each tenant's queue (task_claim_idx) that takes no more of a key than the key has
-    room for. Each step is one index descent to the next task in the order whose key is neither at
-    its limit (cfull, rfull) nor filled by the tasks the walk already took (csat, rsat): a key with
-    a long run of tasks at the head yields its room and the walk moves on, so a claim fills its room
-    from as many keys as it needs. The walk reads without locks (a locking clause is not allowed in
-    a recursive query); its tasks are then locked by id with SKIP LOCKED and must still be queued.
-    Claimers of a keyed service hold its lock, so no other claimer takes a task from under a walk.
+    A kind of limit counts here when its path is the one the tasks are keyed by (accs_limit_key_path);
+    a second limit on another path is kept per task (_key_filter, and the pick after the claim's scans).
     """
+    aligned = {k: f"{_LIMIT[k]} > 0 AND svc.{k}path = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)"
+               for k in kinds}
+    lefts = ", ".join(f"CASE WHEN {aligned[k]} THEN {_LIMIT[k]} - coalesce({k}u.used, 0) END" for k in kinds)
+    joins = "".join(f"""
+      LEFT JOIN {k}used {k}u ON {k}u.service_id = h.service_id AND {k}u.key = h.key""" for k in kinds)
+    full = "".join(f"""
+           AND NOT ({aligned[k]} AND (h.service_id, h.key) IN (SELECT service_id, key FROM {k}full))""" for k in kinds)
+    return f"least({lefts})", joins, full
+
+
+# How many key rows past the full ones a claim reads per tenant, beyond its room: rows that lag
+# behind their key (its first tasks were claimed or canceled since) still leave it keys to fill from.
+KEY_ROWS_SPARE = 8
+
+
+def _free_keyed(kinds: str, *, single: bool) -> str:
+    """Return the CTEs that find and lock the host-free candidates when some service has per-key limits.
+
+    Tasks are found by their key, never by passing over the queued tasks of a full key (jobs.limit_keys
+    keeps each queued task's key and a row per key where its queue begins):
+
+    * kheads: each tenant's key rows in the claim order (limit_key_head_order_idx), a key at its
+      limit passed over in its one row, up to the service's room and a few spare rows;
+    * kkeys: those keys, each with the room it has left;
+    * ktasks: each key's first tasks (task_limit_key_idx, one descent), no more than its room left
+      or the service's;
+    * kpicked: the first ``room`` of them per tenant, in the global order; then locked by id with
+      SKIP LOCKED and still queued (free).
+
+    After the claim's update (_KEY_ROWS_MOVE), the rows read are brought up to date: a row of a key
+    whose first queued task now lies later is moved there, and a key with none left is marked
+    emptied, for jobs.limit_keys.settle to settle in the claim's transaction.
+
+    Each task's key is read again from its params where it is picked (_key_filter here, and the
+    per-key ranks after the scans), so the stored key only finds tasks: a stale one could delay a
+    task, never let a key exceed its limit. Claimers of a keyed service hold its lock, so no other
+    claimer takes a task or moves a row from under this one. Services of the claim without
+    per-key limits take the plain scan.
+    """
+    left, joins, full = _key_room(kinds)
+    plain = _FREE_SCAN.replace("t.created_at\n          FROM accs_task t",
+                               f"t.created_at{_key_cols(kinds)}\n          FROM accs_task t")
     return f"""
-, walk AS (
-    -- Each tenant's walk starts above every priority (a bigint: no int is as high).
-    SELECT q.service_id, q.tenant_id, NULL::uuid AS id, 2147483648::bigint AS priority, 0::bigint AS order_seq,
-           NULL::timestamptz AS created_at, '{{}}'::text[] AS cks, '{{}}'::text[] AS rks, '{{}}'::text[] AS csat,
-           '{{}}'::text[] AS rsat, 0 AS n
-      FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
-    UNION ALL
-    SELECT w.service_id, w.tenant_id, f.id, f.priority, f.order_seq, f.created_at, w.cks || f.ckey,
-           w.rks || f.rkey, {_saturated(kinds, 'c')}, {_saturated(kinds, 'r')}, w.n + 1
-      FROM walk w JOIN svc ON svc.id = w.service_id CROSS JOIN LATERAL (
-        -- The next task after the last one: later in the same priority, else the first of a lower one.
-        ({_walk_step(kinds, where='t.priority = w.priority AND (t.order_seq, t.created_at, t.id) > '
-                                  '(w.order_seq, w.created_at, w.id)', order='t.order_seq, t.created_at, t.id',
-                            single=single)})
-        UNION ALL
-        ({_walk_step(kinds, where='t.priority < w.priority',
-                     order='t.priority DESC, t.order_seq, t.created_at, t.id', single=single)})
-        LIMIT 1) f
-     WHERE w.n < svc.room
+, kheads AS MATERIALIZED (
+    SELECT q.service_id, q.tenant_id, h.id AS hid, h.key, h.priority, h.order_seq, h.created_at, h.task_id
+      FROM queued_tenants q JOIN svc ON svc.id = q.service_id CROSS JOIN LATERAL (
+        SELECT h.id, h.service_id, h.key, h.priority, h.order_seq, h.created_at, h.task_id
+          FROM accs_limit_key_head h
+         WHERE h.service_id = svc.id AND h.tenant_id = q.tenant_id AND NOT h.emptied{full}
+         ORDER BY h.priority DESC, h.order_seq, h.created_at, h.task_id
+         LIMIT svc.room + {KEY_ROWS_SPARE}) h
+     WHERE q.tenant_id IS NOT NULL AND (svc.climit > 0 OR svc.rlimit > 0)
+), kkeys AS MATERIALIZED (
+    SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key, {left} AS kleft
+      FROM kheads h JOIN svc ON svc.id = h.service_id{joins}
+     ORDER BY h.service_id, h.tenant_id, h.key
+), ktasks AS (
+    SELECT k.service_id, k.tenant_id, f.*
+      FROM kkeys k JOIN svc ON svc.id = k.service_id CROSS JOIN LATERAL (
+        SELECT t.id, t.priority, t.order_seq, t.created_at
+          FROM accs_task t
+         WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
+           AND t.host_id IS NULL AND t.limit_key = k.key
+           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){_key_filter(kinds, single=single)}
+         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
+         LIMIT least(k.kleft, svc.room)) f
+     WHERE k.kleft > 0
+), kpicked AS (
+    SELECT x.id FROM (SELECT ktasks.*, row_number() OVER (PARTITION BY service_id, tenant_id
+                                                          ORDER BY priority DESC, order_seq, created_at, id) AS r
+                        FROM ktasks) x
+      JOIN svc ON svc.id = x.service_id
+     WHERE x.r <= svc.room
 ), free AS (
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM (SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq,
                    t.created_at{_key_cols(kinds)}
               FROM accs_task t JOIN svc ON svc.id = t.service_id
-             WHERE t.id = ANY(ARRAY(SELECT id FROM walk WHERE n > 0)) AND t.status = 'queued' AND t.host_id IS NULL
+             WHERE t.id = ANY(ARRAY(SELECT id FROM kpicked)) AND t.status = 'queued' AND t.host_id IS NULL
              ORDER BY t.id
                FOR UPDATE OF t SKIP LOCKED) c JOIN svc ON svc.id = c.service_id
+    UNION ALL
+{plain.format(stamp=STAMP_SQL).rstrip()}
+     WHERE svc.climit = 0 AND svc.rlimit = 0
 """
+
+
+# The key rows the claim read, brought up to date after its update (see _free_keyed): each key's
+# first queued task now, the claimed ones left out; a row before it is moved there (one row kept
+# per key, the others dropped), a key with none is marked emptied. A row locked by a transaction
+# queueing a task of its key is skipped (SKIP LOCKED), never waited for.
+_KEY_ROWS_MOVE = f""", kfirst AS (
+    SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at
+      FROM kkeys k LEFT JOIN LATERAL (
+        SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
+         WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
+           AND t.host_id IS NULL AND t.limit_key = k.key AND t.id <> ALL(ARRAY(SELECT id FROM upd))
+         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id LIMIT 1) n ON true
+), kstale AS (
+    SELECT h.id, h.service_id, h.tenant_id, h.key, f.id AS first_id, f.priority, f.order_seq, f.created_at
+      FROM accs_limit_key_head h
+      JOIN kfirst f ON f.service_id = h.service_id AND f.tenant_id = h.tenant_id AND f.key = h.key
+     WHERE h.id = ANY(ARRAY(SELECT hid FROM kheads))
+       AND (f.id IS NULL OR {_before("h", "f", a_id="task_id")})
+     ORDER BY h.id
+       FOR UPDATE OF h SKIP LOCKED
+), kkeep AS (
+    SELECT min(id) AS id FROM kstale GROUP BY service_id, tenant_id, key
+), kmoved AS (
+    UPDATE accs_limit_key_head h
+       SET priority = coalesce(s.priority, h.priority), order_seq = coalesce(s.order_seq, h.order_seq),
+           created_at = coalesce(s.created_at, h.created_at), task_id = coalesce(s.first_id, h.task_id),
+           emptied = s.first_id IS NULL
+      FROM kstale s WHERE h.id = s.id AND s.id IN (SELECT id FROM kkeep)
+), kdropped AS (
+    DELETE FROM accs_limit_key_head h WHERE h.id IN (SELECT id FROM kstale WHERE id NOT IN (SELECT id FROM kkeep))
+)"""
 
 
 def _keyed_pick(kinds: str) -> str:
@@ -452,9 +521,10 @@ def claim_sql(*, kinds: str = "", rated: bool, single: bool = False) -> str:
                                   free=", free AS (\n" + _FREE_SCAN.format(stamp=STAMP_SQL), stamp=STAMP_SQL)
     return _CLAIM_HEAD.format(
         keyed_ctes="".join(_USED[k] for k in "cr" if k in kinds), bound_key_cols=_key_cols(kinds),
-        bound_key_filter=_key_filter(kinds, walked=False, single=single), keyed_pick=_keyed_pick(kinds),
+        bound_key_filter=_key_filter(kinds, single=single), keyed_pick=_keyed_pick(kinds),
         source="keyed_cand",
-        record_starts=_RECORD_STARTS if rated else "", free=_free_walk(kinds, single=single), stamp=STAMP_SQL)
+        record_starts=(_RECORD_STARTS if rated else "") + _KEY_ROWS_MOVE, free=_free_keyed(kinds, single=single),
+        stamp=STAMP_SQL)
 
 
 def _kinds(specs: Sequence[ServiceSpec]) -> str:
@@ -989,10 +1059,15 @@ def _claim_general(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent
         cur.execute(sql, {**params, "now": now, "hosts": eligible, "slots": slots, "cpu": cpu, "agent": agent_id,
                           "node": limits.name, "lease": float(lease_seconds), "pid": pid,
                           "source": f"agent:{limits.name}", "exclude": [str(t) for t in exclude]})
-        return [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
-                            service_key=by_id[row[7]].key,
-                            lease_seconds=float(by_id[row[7]].lease_seconds or lease_seconds))
-                for row in cur.fetchall()]
+        tasks = [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
+                             service_key=by_id[row[7]].key,
+                             lease_seconds=float(by_id[row[7]].lease_seconds or lease_seconds))
+                 for row in cur.fetchall()]
+        keyed = [s.id for s in by_id.values() if s.keyed]
+        if keyed:
+            # The key rows this claim found empty, seen again now that it holds them (jobs.limit_keys).
+            limit_keys.settle(cur, keyed)
+        return tasks
 
 
 ADOPT_SQL = """
