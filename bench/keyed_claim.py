@@ -58,7 +58,6 @@ from workflows.api import save_service  # noqa: E402
 from workflows.models import Service  # noqa: E402
 
 
-
 @dataclass(frozen=True)
 class Layout:
     """A backlog: ``tasks`` queued over ``keys`` keys, the first ``full`` keys of the order at their limit."""

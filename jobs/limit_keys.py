@@ -43,6 +43,8 @@ A migration holds a copy of :data:`LIMIT_KEY_SQL` (0028); a test compares them.
 
 from __future__ import annotations
 
+from django.db.backends.utils import CursorWrapper
+
 # The SQL expression of a task's key at the path {path} (NULL: the service names no path).
 # The same value as jobs.claim.params_key_sql reads from a task's params.
 KEY_AT_PATH = "CASE WHEN {path} IS NULL THEN NULL ELSE coalesce({params} #>> string_to_array({path}, '.'), '') END"
@@ -150,8 +152,9 @@ WITH e AS (
 DELETE FROM accs_limit_key_head h USING e WHERE h.id = e.id AND e.task_id IS NULL
 """
 
-# The keys of queued tasks written before the triggers existed: a batch in id order after ``after``
-# (keyset pagination, so each batch is one short transaction), returning the batch's last id.
+# The keys of queued tasks written before the triggers existed (migration 0028 runs a copy): a batch
+# in id order after ``after`` (keyset pagination, so each batch is one short transaction), returning
+# the batch's last id.
 BACKFILL_KEYS_SQL = f"""
 WITH batch AS (
     SELECT t.id FROM accs_task t
@@ -185,18 +188,6 @@ SELECT DISTINCT ON (t.service_id, t.tenant_id, t.limit_key) t.service_id, t.tena
 """
 
 
-def settle(cur, service_ids: list[int]) -> None:
+def settle(cur: CursorWrapper, service_ids: list[int]) -> None:
     """Settle the key rows the claim just found empty (call in the claim's transaction, after it)."""
     cur.execute(SETTLE_SQL, {"svc_ids": service_ids})
-
-
-def backfill(cur, *, limit: int = 2000) -> None:
-    """Key every queued task of a keyed service in short batches, then give each key its row."""
-    after = "00000000-0000-0000-0000-000000000000"
-    while True:
-        cur.execute(BACKFILL_KEYS_SQL, {"after": after, "limit": limit})
-        last = cur.fetchone()[0]
-        if last is None:
-            break
-        after = last
-    cur.execute(BACKFILL_HEADS_SQL)

@@ -18,8 +18,7 @@ from collections import Counter, defaultdict
 
 import pytest
 from django.db import connection, transaction
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions
 from jobs.claim import NodeLimits, claim_many, claim_statement, service_spec
