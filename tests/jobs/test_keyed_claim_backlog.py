@@ -25,6 +25,7 @@ from jobs.claim import NodeLimits, claim_many, claim_statement, service_spec
 from jobs.limit_keys import LIMIT_KEY_SQL
 from tests.daemons import wait_for
 from tests.engine_helpers import run_fail, run_ok
+from tests.jobs.test_flow_control import PEAK_TRIGGER  # the held tasks of each claimed key, at commit
 
 NODE = NodeLimits(name="node-kb", slot_cap=1000, cpu_budget=10_000, per_service={})
 SCHEMA = {"params_schema": {"type": "object", "properties": {"customer": {"type": "string"},
@@ -151,20 +152,6 @@ def test_tasks_requeued_after_a_failure_are_keyed_and_covered_again(make_service
 # Racing claimers, each on its own connection
 # --------------------------------------------------------------------------------------------
 
-PEAK_TRIGGER = """
-CREATE TABLE kb_peak (customer text, held int);
-CREATE FUNCTION kb_record_held() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO kb_peak SELECT NEW.params->>'customer', count(*) FROM accs_task
-     WHERE service_id = NEW.service_id AND status IN ('starting', 'running')
-       AND params->>'customer' = NEW.params->>'customer';
-    RETURN NULL;
-END $$;
-CREATE CONSTRAINT TRIGGER kb_record_held AFTER UPDATE OF status ON accs_task DEFERRABLE INITIALLY DEFERRED
-   FOR EACH ROW WHEN (NEW.status = 'starting') EXECUTE FUNCTION kb_record_held();
-"""
-
-
 @pytest.mark.django_db(transaction=True)
 def test_racing_claimers_on_their_own_connections_never_exceed_a_key_limit(make_service):
     """Four claimers, a finisher and an enqueuer race; at every claim's commit each key holds <= 2."""
@@ -223,12 +210,12 @@ def test_racing_claimers_on_their_own_connections_never_exceed_a_key_limit(make_
         stop.set()
         for t in threads:
             t.join(timeout=60)
-        peaks = dict(rows_of("SELECT customer, max(held) FROM kb_peak GROUP BY 1"))
+        peaks = dict(rows_of("SELECT customer, max(held) FROM fc_peak GROUP BY 1"))
     finally:
         stop.set()
         with connection.cursor() as cur:
-            cur.execute("DROP TABLE IF EXISTS kb_peak; DROP TRIGGER IF EXISTS kb_record_held ON accs_task;"
-                        " DROP FUNCTION IF EXISTS kb_record_held()")
+            cur.execute("DROP TABLE IF EXISTS fc_peak; DROP TRIGGER IF EXISTS fc_record_held ON accs_task;"
+                        " DROP FUNCTION IF EXISTS fc_record_held()")
     assert not errors, errors
     assert rows_of("SELECT count(*) FROM accs_task WHERE status = 'queued'") == [(0,)], "every task was claimed"
     assert sum(claimed.values()) >= 60 + 36 + 80
