@@ -38,7 +38,7 @@ A row locked by a transaction queueing a task is skipped, never waited for.
 Neither structure is the limit itself: the claim reads each task's key from its params again where
 it picks it, so a wrong key or row could delay a task, never let a key exceed its limit.
 
-A migration holds a copy of :data:`LIMIT_KEY_SQL` (0029); a test compares them.
+A migration holds a copy of :data:`LIMIT_KEY_SQL` (0032); a test compares them.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ WITH e AS (
 DELETE FROM accs_limit_key_head h USING e WHERE h.id = e.id AND e.task_id IS NULL
 """
 
-# The keys of queued tasks written before the triggers existed (migration 0029 runs a copy): a batch
+# The keys of queued tasks written before the triggers existed (migration 0032 runs a copy): a batch
 # in id order after ``after`` (keyset pagination, so each batch is one short transaction), returning
 # the batch's last id.
 BACKFILL_KEYS_SQL = f"""

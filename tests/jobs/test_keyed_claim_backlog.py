@@ -279,7 +279,7 @@ def test_claims_over_generated_layouts_take_what_a_model_of_the_rules_takes(make
 # --------------------------------------------------------------------------------------------
 
 def test_the_migration_creates_the_triggers_this_module_describes():
-    migration = importlib.import_module("jobs.migrations.0029_limit_keys")
+    migration = importlib.import_module("jobs.migrations.0032_limit_keys")
     assert migration.LIMIT_KEY_SQL == LIMIT_KEY_SQL
 
 

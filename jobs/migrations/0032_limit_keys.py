@@ -19,7 +19,7 @@ Safe while the previous release's daemons run:
 * the index on accs_task is built CONCURRENTLY (the migration is not atomic for that reason).
 
 The previous release's claim never reads the column nor the table. The functions and triggers are
-a copy of jobs.limit_keys.LIMIT_KEY_SQL (a test compares them). (Numbered 0029: 0026 to 0028 are
+a copy of jobs.limit_keys.LIMIT_KEY_SQL (a test compares them). (Numbered 0032: 0026 to 0031 are
 other changes of the same release.)
 """
 
@@ -155,7 +155,7 @@ class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction; each step is its own
 
     dependencies = [
-        ("jobs", "0028_finalize_conditions"),
+        ("jobs", "0031_leader_term_acquired_idx"),
         ("workflows", "0005_code_definitions"),
     ]
 
