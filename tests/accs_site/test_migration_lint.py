@@ -84,6 +84,11 @@ REVIEWED: dict[tuple[str, str, str], str] = {
         "EXCLUSIVE is held for milliseconds once granted (it queues behind a long transaction on accs_job)",
     ("jobs", "0026_approval_principals", "adding-foreign-key-constraint"):
         "safe: the new column accs_trigger.updated_by is NULL in every row, so its foreign key validates at once",
+    ("jobs", "0032_limit_keys", HOT_LOCK):
+        "safe: ADD COLUMN limit_key (nullable, no default) on accs_task changes the catalog only, under "
+        "lock_timeout 5s so the migration fails rather than queue the daemons behind it",
+    ("jobs", "0032_limit_keys", "require-concurrent-index-creation"):
+        "safe: limit_key_head_emptied_idx is built on accs_limit_key_head, created empty by the same migration",
     ("workflows", "0004_service_lease_seconds", "constraint-missing-not-valid"):
         "safe: the CHECK service_lease_at_least_3 scans accs_service (definitions, a few rows) in milliseconds",
 }
