@@ -43,8 +43,6 @@ A migration holds a copy of :data:`LIMIT_KEY_SQL` (0032); a test compares them.
 
 from __future__ import annotations
 
-from django.db.backends.utils import CursorWrapper
-
 # The SQL expression of a task's key at the path {path} (NULL: the service names no path).
 # The same value as jobs.claim.params_key_sql reads from a task's params.
 KEY_AT_PATH = "CASE WHEN {path} IS NULL THEN NULL ELSE coalesce({params} #>> string_to_array({path}, '.'), '') END"
@@ -187,7 +185,3 @@ SELECT DISTINCT ON (t.service_id, t.tenant_id, t.limit_key) t.service_id, t.tena
  ORDER BY t.service_id, t.tenant_id, t.limit_key, t.priority DESC, t.order_seq, t.created_at, t.id
 """
 
-
-def settle(cur: CursorWrapper, service_ids: list[int]) -> None:
-    """Settle the key rows the claim just found empty (call in the claim's transaction, after it)."""
-    cur.execute(SETTLE_SQL, {"svc_ids": service_ids})
