@@ -561,6 +561,22 @@ _QUEUED_HERE = """(EXISTS (SELECT 1 FROM accs_task t
 _PROMOTE_PARAMS = {"now": "p_now", "services": "p_svc_ids", "limit": "p_promote_limit", "source": "p_source"}
 
 
+# Both claim functions, under their locks: the claim's instant, the node's hosts and its held work,
+# and the node's slots and CPU left.
+_NODE_ROOM = """        v_stamp := coalesce(p_now, clock_timestamp());
+        SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
+               coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{}')
+          INTO v_hosts_all, v_hosts_ok, v_hosts
+          FROM accs_host h WHERE h.node_id = p_node;
+        -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
+        SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
+          FROM accs_task t JOIN accs_service s ON s.id = t.service_id
+         WHERE t.status IN ('starting', 'running') AND t.node = p_node;
+        v_slots := least(p_free,
+                         CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
+        v_cpu := p_cpu_budget - v_held_cpu;"""
+
+
 def _bind(statement: str, names: Mapping[str, str]) -> str:
     """Return ``statement`` with its instant and its parameters bound to a function's variables."""
     return re.sub(r"%\((\w+)\)s", lambda m: names[m.group(1)], statement.replace(STAMP_SQL, "v_stamp"))
@@ -702,18 +718,7 @@ BEGIN
                || coalesce(array_agg(c.id) FILTER (WHERE NOT {_QUEUED_HERE.format(svc="c.id")}), '{{}}')
           INTO v_full FROM unnest(v_capped) AS c(id) WHERE c.id <> ALL(v_busy);
         EXIT claiming WHEN cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids);
-        v_stamp := coalesce(p_now, clock_timestamp());
-        SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
-               coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')
-          INTO v_hosts_all, v_hosts_ok, v_hosts
-          FROM accs_host h WHERE h.node_id = p_node;
-        -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
-        SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
-          FROM accs_task t JOIN accs_service s ON s.id = t.service_id
-         WHERE t.status IN ('starting', 'running') AND t.node = p_node;
-        v_slots := least(p_free,
-                         CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
-        v_cpu := p_cpu_budget - v_held_cpu;
+{_NODE_ROOM}
         IF v_slots > 0 THEN
             -- Each service's room (service_room): the node's slots and CPU, its per-node cap, and its
             -- fleet-wide cap as the look read it, less what the whole fleet holds now (under its lock).
@@ -891,18 +896,7 @@ BEGIN
                            WHERE s.id = ANY(v_ids) AND (s.max_concurrent > 0 OR s.rate_limit > 0)) THEN
             CONTINUE;
         END IF;
-        v_stamp := coalesce(p_now, clock_timestamp());
-        SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
-               coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')
-          INTO v_hosts_all, v_hosts_ok, v_hosts
-          FROM accs_host h WHERE h.node_id = p_node;
-        -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
-        SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
-          FROM accs_task t JOIN accs_service s ON s.id = t.service_id
-         WHERE t.status IN ('starting', 'running') AND t.node = p_node;
-        v_slots := least(p_free,
-                         CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
-        v_cpu := p_cpu_budget - v_held_cpu;
+{_NODE_ROOM}
         IF v_slots <= 0 THEN
             RETURN;
         END IF;
