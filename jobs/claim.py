@@ -282,16 +282,22 @@ def params_key_at(alias: str, parts: str) -> str:
 # with both kinds of key (c: a cap, r: a rate): a service without a limit of a kind passes that
 # kind's parts at the cost of a comparison, and the statement is planned once per connection.
 #
-# cused: held tasks per key of the services with a per-key cap (task_held_service_idx: the held
-# tasks of those services only, so the cost follows the running work).
+# cused: held tasks per key of the services with a per-key cap. Where the cap's path is the one the
+# service's tasks are keyed by (jobs.limit_keys), the count kept per key (accs_limit_key_held, one
+# row per key with held work); else counted from the held tasks' params (task_held_service_idx).
 # rused: starts in the window per key of the services with a per-key rate (rate_start_service_at_idx;
 # the window's starts only: older ones are forgotten by the forget_old_rate_starts duty).
 _USED = {
     "c": f"""
 , cused AS MATERIALIZED (
+    SELECT k.service_id, k.key, k.held AS used
+      FROM svc JOIN accs_limit_key_held k ON k.service_id = svc.id AND k.held > 0
+     WHERE svc.climit > 0 AND svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)
+    UNION ALL
     SELECT h.service_id, {params_key_at('h', 'svc.cparts')} AS key, count(*) AS used
       FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
      WHERE svc.climit > 0
+       AND svc.cpath IS DISTINCT FROM accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)
      GROUP BY 1, 2
 ), cfull AS MATERIALIZED (
     SELECT u.service_id, u.key FROM cused u JOIN svc ON svc.id = u.service_id WHERE u.used >= svc.climit

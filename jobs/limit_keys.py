@@ -106,9 +106,52 @@ BEGIN
       FROM accs_task t
      WHERE t.service_id = NEW.id AND t.status = 'queued' AND t.host_id IS NULL AND t.limit_key IS NOT NULL
      ORDER BY t.tenant_id, t.limit_key, t.priority DESC, t.order_seq, t.created_at, t.id;
+    -- Its held tasks too, and their counts afresh: every task that could move in or out of held work
+    -- is locked now (the queued ones above, the held ones here), so the count is exact.
+    UPDATE accs_task t SET limit_key = {KEY_AT_PATH.format(path="v_path", params="t.params")}
+     WHERE t.id = ANY(ARRAY(SELECT x.id FROM accs_task x WHERE x.service_id = NEW.id
+                                AND x.status IN ('starting', 'running') ORDER BY x.id FOR UPDATE));
+    DELETE FROM accs_limit_key_held k WHERE k.service_id = NEW.id;
+    INSERT INTO accs_limit_key_held (service_id, key, held)
+    SELECT t.service_id, t.limit_key, count(*) FROM accs_task t
+     WHERE t.service_id = NEW.id AND t.status IN ('starting', 'running') AND t.limit_key IS NOT NULL
+     GROUP BY 1, 2;
     RETURN NULL;
 END
 $$;
+
+-- Held tasks per key (the per-key cap's count), kept by the database on each task's way into and
+-- out of held work, in the transaction that moves it, whichever release's daemon moves it
+-- (accs_limit_key_held: jobs.models.LimitKeyHeld).
+CREATE OR REPLACE FUNCTION accs_task_key_held() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_ARGV[0] = 'in' THEN
+        INSERT INTO accs_limit_key_held AS k (service_id, key, held) VALUES (NEW.service_id, NEW.limit_key, 1)
+        ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + 1;
+    ELSE
+        UPDATE accs_limit_key_held k SET held = k.held - 1
+         WHERE k.service_id = OLD.service_id AND k.key = OLD.limit_key;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
+CREATE TRIGGER accs_task_key_held_in AFTER UPDATE OF status ON accs_task
+    FOR EACH ROW WHEN (NEW.limit_key IS NOT NULL AND NEW.status IN ('starting', 'running')
+                       AND OLD.status NOT IN ('starting', 'running'))
+    EXECUTE FUNCTION accs_task_key_held('in');
+
+DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
+CREATE TRIGGER accs_task_key_held_out AFTER UPDATE OF status ON accs_task
+    FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running')
+                       AND NEW.status NOT IN ('starting', 'running'))
+    EXECUTE FUNCTION accs_task_key_held('out');
+
+DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
+CREATE TRIGGER accs_task_key_held_delete AFTER DELETE ON accs_task
+    FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running'))
+    EXECUTE FUNCTION accs_task_key_held('out');
 
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 CREATE TRIGGER accs_service_rekey
@@ -124,6 +167,10 @@ DROP_LIMIT_KEY_SQL = """
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 DROP TRIGGER IF EXISTS accs_task_limit_key_update ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_limit_key_insert ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
+DROP FUNCTION IF EXISTS accs_task_key_held();
 DROP FUNCTION IF EXISTS accs_service_rekey();
 DROP FUNCTION IF EXISTS accs_task_limit_key();
 DROP FUNCTION IF EXISTS accs_limit_key_path(int, text, int, text);
@@ -185,3 +232,33 @@ SELECT DISTINCT ON (t.service_id, t.tenant_id, t.limit_key) t.service_id, t.tena
  ORDER BY t.service_id, t.tenant_id, t.limit_key, t.priority DESC, t.order_seq, t.created_at, t.id
 """
 
+
+# The held tasks of keyed services held before the triggers existed (migration 0032 runs a copy):
+# each gets its key and is counted in the same transaction, while locked (a task leaving held work
+# after this is uncounted by the trigger; one that left before was never counted). A batch in id
+# order after ``after``, returning the batch's last id.
+BACKFILL_HELD_SQL = f"""
+WITH batch AS (
+    SELECT t.id FROM accs_task t
+     WHERE t.status IN ('starting', 'running') AND t.limit_key IS NULL AND t.id > %(after)s::uuid
+       AND t.service_id IN (SELECT s.id FROM accs_service s
+                             WHERE accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
+                                                       s.rate_key) IS NOT NULL)
+     ORDER BY t.id LIMIT %(limit)s
+), locked AS (
+    SELECT t.id, accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
+                                     s.rate_key) AS path, t.params
+      FROM accs_task t JOIN accs_service s ON s.id = t.service_id
+     WHERE t.id IN (SELECT id FROM batch) AND t.status IN ('starting', 'running') AND t.limit_key IS NULL
+     ORDER BY t.id FOR UPDATE OF t
+), upd AS (
+    UPDATE accs_task t SET limit_key = {KEY_AT_PATH.format(path="l.path", params="l.params")}
+      FROM locked l WHERE t.id = l.id AND l.path IS NOT NULL
+    RETURNING t.service_id, t.limit_key
+), counted AS (
+    INSERT INTO accs_limit_key_held AS k (service_id, key, held)
+    SELECT service_id, limit_key, count(*) FROM upd GROUP BY 1, 2
+    ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + excluded.held
+)
+SELECT max(id::text) FROM batch
+"""

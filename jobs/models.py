@@ -585,6 +585,23 @@ class LimitKeyHead(models.Model):
         return f"key {self.key!r} of service {self.service_id} from task {self.task_id}"
 
 
+class LimitKeyHeld(models.Model):
+    """How many tasks of a key of a keyed service are held (starting or running): the per-key cap's count.
+
+    Kept by the database (jobs.limit_keys), in the transaction that moves a task into or out of held
+    work, so the keyed claim reads one row per key instead of counting the held tasks' params.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    service_id = models.BigIntegerField()
+    key = models.TextField(db_collation="C")
+    held = models.IntegerField()
+
+    class Meta:
+        db_table = "accs_limit_key_held"
+        constraints = [models.UniqueConstraint(fields=["service_id", "key"], name="limit_key_held_key_uniq")]
+
+
 class LeaderLease(models.Model):
     """The builder leader's lease: one row, taken and renewed in short transactions (jobs/leader.py).
 

@@ -7,7 +7,10 @@ jobs.claim how the claim reads them.
 
 Safe while the previous release's daemons run:
 
-* the new table is read and written only by the triggers below and the new release's claim;
+* the new tables are read and written only by the triggers below and the new release's claim; the
+  held counts (accs_limit_key_held) are kept by triggers on every task's way into and out of held
+  work, so the previous release's claims and reports keep them exact too, and the tasks held
+  before the triggers are counted by a backfill that locks each while it keys and counts it;
 * the column is nullable without a default: adding it changes the catalogue only (a brief lock,
   bounded by ``lock_timeout``: the migration fails rather than queue the daemons behind it);
 * the triggers are created in one short transaction (SHARE ROW EXCLUSIVE on accs_task and
@@ -89,9 +92,52 @@ BEGIN
       FROM accs_task t
      WHERE t.service_id = NEW.id AND t.status = 'queued' AND t.host_id IS NULL AND t.limit_key IS NOT NULL
      ORDER BY t.tenant_id, t.limit_key, t.priority DESC, t.order_seq, t.created_at, t.id;
+    -- Its held tasks too, and their counts afresh: every task that could move in or out of held work
+    -- is locked now (the queued ones above, the held ones here), so the count is exact.
+    UPDATE accs_task t SET limit_key = CASE WHEN v_path IS NULL THEN NULL ELSE coalesce(t.params #>> string_to_array(v_path, '.'), '') END
+     WHERE t.id = ANY(ARRAY(SELECT x.id FROM accs_task x WHERE x.service_id = NEW.id
+                                AND x.status IN ('starting', 'running') ORDER BY x.id FOR UPDATE));
+    DELETE FROM accs_limit_key_held k WHERE k.service_id = NEW.id;
+    INSERT INTO accs_limit_key_held (service_id, key, held)
+    SELECT t.service_id, t.limit_key, count(*) FROM accs_task t
+     WHERE t.service_id = NEW.id AND t.status IN ('starting', 'running') AND t.limit_key IS NOT NULL
+     GROUP BY 1, 2;
     RETURN NULL;
 END
 $$;
+
+-- Held tasks per key (the per-key cap's count), kept by the database on each task's way into and
+-- out of held work, in the transaction that moves it, whichever release's daemon moves it
+-- (accs_limit_key_held: jobs.models.LimitKeyHeld).
+CREATE OR REPLACE FUNCTION accs_task_key_held() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_ARGV[0] = 'in' THEN
+        INSERT INTO accs_limit_key_held AS k (service_id, key, held) VALUES (NEW.service_id, NEW.limit_key, 1)
+        ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + 1;
+    ELSE
+        UPDATE accs_limit_key_held k SET held = k.held - 1
+         WHERE k.service_id = OLD.service_id AND k.key = OLD.limit_key;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
+CREATE TRIGGER accs_task_key_held_in AFTER UPDATE OF status ON accs_task
+    FOR EACH ROW WHEN (NEW.limit_key IS NOT NULL AND NEW.status IN ('starting', 'running')
+                       AND OLD.status NOT IN ('starting', 'running'))
+    EXECUTE FUNCTION accs_task_key_held('in');
+
+DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
+CREATE TRIGGER accs_task_key_held_out AFTER UPDATE OF status ON accs_task
+    FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running')
+                       AND NEW.status NOT IN ('starting', 'running'))
+    EXECUTE FUNCTION accs_task_key_held('out');
+
+DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
+CREATE TRIGGER accs_task_key_held_delete AFTER DELETE ON accs_task
+    FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running'))
+    EXECUTE FUNCTION accs_task_key_held('out');
 
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 CREATE TRIGGER accs_service_rekey
@@ -107,6 +153,10 @@ DROP_LIMIT_KEY_SQL = r"""
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 DROP TRIGGER IF EXISTS accs_task_limit_key_update ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_limit_key_insert ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
+DROP FUNCTION IF EXISTS accs_task_key_held();
 DROP FUNCTION IF EXISTS accs_service_rekey();
 DROP FUNCTION IF EXISTS accs_task_limit_key();
 DROP FUNCTION IF EXISTS accs_limit_key_path(int, text, int, text);
@@ -129,6 +179,32 @@ WITH batch AS (
 ), upd AS (
     UPDATE accs_task t SET limit_key = CASE WHEN l.path IS NULL THEN NULL ELSE coalesce(l.params #>> string_to_array(l.path, '.'), '') END
       FROM locked l WHERE t.id = l.id AND l.path IS NOT NULL
+)
+SELECT max(id::text) FROM batch
+"""
+
+BACKFILL_HELD_SQL = r"""
+WITH batch AS (
+    SELECT t.id FROM accs_task t
+     WHERE t.status IN ('starting', 'running') AND t.limit_key IS NULL AND t.id > %(after)s::uuid
+       AND t.service_id IN (SELECT s.id FROM accs_service s
+                             WHERE accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
+                                                       s.rate_key) IS NOT NULL)
+     ORDER BY t.id LIMIT %(limit)s
+), locked AS (
+    SELECT t.id, accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
+                                     s.rate_key) AS path, t.params
+      FROM accs_task t JOIN accs_service s ON s.id = t.service_id
+     WHERE t.id IN (SELECT id FROM batch) AND t.status IN ('starting', 'running') AND t.limit_key IS NULL
+     ORDER BY t.id FOR UPDATE OF t
+), upd AS (
+    UPDATE accs_task t SET limit_key = CASE WHEN l.path IS NULL THEN NULL ELSE coalesce(l.params #>> string_to_array(l.path, '.'), '') END
+      FROM locked l WHERE t.id = l.id AND l.path IS NOT NULL
+    RETURNING t.service_id, t.limit_key
+), counted AS (
+    INSERT INTO accs_limit_key_held AS k (service_id, key, held)
+    SELECT service_id, limit_key, count(*) FROM upd GROUP BY 1, 2
+    ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + excluded.held
 )
 SELECT max(id::text) FROM batch
 """
@@ -277,9 +353,14 @@ WITH RECURSIVE svc AS (
              AS s(id, room, weight, adjust, scan, rpath, rlimit, cpath, climit, period, rated)
 )
 , cused AS MATERIALIZED (
+    SELECT k.service_id, k.key, k.held AS used
+      FROM svc JOIN accs_limit_key_held k ON k.service_id = svc.id AND k.held > 0
+     WHERE svc.climit > 0 AND svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)
+    UNION ALL
     SELECT h.service_id, coalesce(h.params #>> svc.cparts, '') AS key, count(*) AS used
       FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
      WHERE svc.climit > 0
+       AND svc.cpath IS DISTINCT FROM accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)
      GROUP BY 1, 2
 ), cfull AS MATERIALIZED (
     SELECT u.service_id, u.key FROM cused u JOIN svc ON svc.id = u.service_id WHERE u.used >= svc.climit
@@ -532,7 +613,8 @@ DROP_KEYED_CLAIM = ("DROP FUNCTION IF EXISTS accs_claim_keyed(bigint[], int[], i
 
 
 def backfill(apps, schema_editor):
-    """Key the tasks queued before the triggers existed, a short batch at a time; then their keys' rows."""
+    """Key the tasks queued before the triggers existed, a short batch at a time; then their keys' rows; then
+    key and count the tasks held before them."""
     after = "00000000-0000-0000-0000-000000000000"
     with schema_editor.connection.cursor() as cur:
         while True:
@@ -542,6 +624,13 @@ def backfill(apps, schema_editor):
                 break
             after = last
         cur.execute(BACKFILL_HEADS_SQL)
+        after = "00000000-0000-0000-0000-000000000000"
+        while True:
+            cur.execute(BACKFILL_HELD_SQL, {"after": after, "limit": 2000})
+            last = cur.fetchone()[0]
+            if last is None:
+                break
+            after = last
 
 
 class Migration(migrations.Migration):
@@ -581,6 +670,19 @@ class Migration(migrations.Migration):
         migrations.AddIndex(
             model_name='limitkeyhead',
             index=models.Index(condition=models.Q(('emptied', True)), fields=['service_id'], name='limit_key_head_emptied_idx'),
+        ),
+        migrations.CreateModel(
+            name='LimitKeyHeld',
+            fields=[
+                ('id', models.BigAutoField(primary_key=True, serialize=False)),
+                ('service_id', models.BigIntegerField()),
+                ('key', models.TextField(db_collation='C')),
+                ('held', models.IntegerField()),
+            ],
+            options={
+                'db_table': 'accs_limit_key_held',
+                'constraints': [models.UniqueConstraint(fields=('service_id', 'key'), name='limit_key_held_key_uniq')],
+            },
         ),
         migrations.RunSQL("SET lock_timeout = '5s'", "RESET lock_timeout"),
         migrations.AddField(

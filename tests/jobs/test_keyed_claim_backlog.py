@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions
 from jobs.claim import NodeLimits, claim_many, claim_statement, service_spec
-from jobs.limit_keys import LIMIT_KEY_SQL
+from jobs.limit_keys import BACKFILL_HELD_SQL, LIMIT_KEY_SQL
 from tests.daemons import wait_for
-from tests.engine_helpers import run_fail, run_ok
+from tests.engine_helpers import KEY_HELD_DRIFT_SQL, run_fail, run_ok
 from tests.jobs.test_flow_control import PEAK_TRIGGER  # the held tasks of each claimed key, at commit
 
 NODE = NodeLimits(name="node-kb", slot_cap=1000, cpu_budget=10_000, per_service={})
@@ -137,6 +137,46 @@ def test_a_changed_key_path_keys_the_queued_tasks_again_in_the_same_transaction(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_each_keys_held_count_follows_claims_failures_a_new_path_deletes_and_the_backfill(make_service):
+    """The count the keyed claim trusts stays exact through every way a task enters or leaves held work."""
+    from workflows.models import Service
+
+    svc = make_service("counted", concurrency_key="customer", concurrency_key_limit=2, max_attempts=2,
+                       backoff_base_seconds=0, params_schema={"type": "object"})
+    api.start_many([api.JobSpec(service="counted", params={"customer": c, "region": r})
+                    for c, r in [("a", "eu"), ("a", "eu"), ("b", "eu"), ("c", "us")]])
+    transitions.start_due_jobs(limit=100)
+    kept = "SELECT key, held FROM accs_limit_key_held WHERE service_id = %s AND held <> 0 ORDER BY key" % svc.id
+    got = claim(svc, 10)
+    assert rows_of(kept) == [("a", 2), ("b", 1), ("c", 1)]
+    run_fail([t for t in got if t.params["customer"] == "b"])  # held -> scheduled for a retry
+    assert rows_of(kept) == [("a", 2), ("c", 1)]
+    # A new path keys the held tasks again and counts them afresh, in the same transaction.
+    Service.objects.filter(id=svc.id).update(concurrency_key="region")
+    assert rows_of(kept) == [("eu", 2), ("us", 1)]
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+    # A held task deleted (its job pruned or removed) gives its key's room back.
+    with connection.cursor() as cur:
+        cur.execute("SELECT id FROM accs_task WHERE status IN ('starting', 'running') AND limit_key = 'us'")
+        gone = [r[0] for r in cur.fetchall()]
+        cur.execute("DELETE FROM accs_event WHERE task_id = ANY(%s)", [gone])
+        cur.execute("DELETE FROM accs_attempt WHERE task_id = ANY(%s)", [gone])
+        cur.execute("DELETE FROM accs_task WHERE id = ANY(%s)", [gone])
+    assert rows_of(kept) == [("eu", 2)]
+    # Tasks held before the counts existed (no stored key): the migration's backfill keys and counts them.
+    with connection.cursor() as cur:
+        cur.execute("UPDATE accs_task SET limit_key = NULL WHERE status IN ('starting', 'running')")
+        cur.execute("DELETE FROM accs_limit_key_held")
+        cur.execute(BACKFILL_HELD_SQL, {"after": "00000000-0000-0000-0000-000000000000", "limit": 1})
+        cur.execute(BACKFILL_HELD_SQL, {"after": "00000000-0000-0000-0000-000000000000", "limit": 100})
+    assert rows_of(kept) == [("eu", 2)]
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+    run_ok([t for t in got if t.params["customer"] == "a"])
+    assert rows_of(kept) == []
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+
+
+@pytest.mark.django_db(transaction=True)
 def test_tasks_requeued_after_a_failure_are_keyed_and_covered_again(make_service):
     svc = make_service("again", concurrency_key="customer", concurrency_key_limit=1, max_attempts=3,
                        backoff_base_seconds=0, **SCHEMA)
@@ -221,6 +261,8 @@ def test_racing_claimers_on_their_own_connections_never_exceed_a_key_limit(make_
     assert sum(claimed.values()) >= 60 + 36 + 80
     assert peaks and max(peaks.values()) <= 2, peaks
     assert max(peaks.values()) == 2, "the limit was reached, so the race was real"
+    # The counts kept per key followed every claim and finish of the race exactly.
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,6 +313,7 @@ def test_claims_over_generated_layouts_take_what_a_model_of_the_rules_takes(make
             for t in done:
                 held[t.params["customer"]].remove(t)
         assert rows_of(UNCOVERED_SQL) == []
+        assert rows_of(KEY_HELD_DRIFT_SQL) == []
         assert all(v <= limit for v in held_per_key(svc.id).values())
 
 
@@ -281,6 +324,7 @@ def test_claims_over_generated_layouts_take_what_a_model_of_the_rules_takes(make
 def test_the_migration_creates_the_triggers_this_module_describes():
     migration = importlib.import_module("jobs.migrations.0032_limit_keys")
     assert migration.LIMIT_KEY_SQL == LIMIT_KEY_SQL
+    assert migration.BACKFILL_HELD_SQL == BACKFILL_HELD_SQL
 
 
 def _plan_nodes(node: dict):
