@@ -317,7 +317,7 @@ class AccsCollector:
             governor.add_metric([cond.name], 1 if cond.holds else 0)
             if (service := paused_service_key(cond.name)) is not None:
                 paused.add_metric([service], 1 if cond.holds else 0)
-            if (slug := slugs.get(cond.paused_tenant)) is not None:
+            if cond.paused_tenant is not None and (slug := slugs.get(cond.paused_tenant)) is not None:
                 tenant_paused.add_metric([slug], 1 if cond.holds else 0)
         yield from (up, seen, draining, running, disk, release, governor, paused, tenant_paused)
 

@@ -34,8 +34,8 @@ from accs_site.dbrouter import read_connection, replica_lag
 from accs_site.version import VERSION
 from jobs.claim import params_key_sql
 from nodes.api import stale_after_seconds
-from workflows.governor import PAUSE_PREFIX, paused_service_key, paused_tenant_id
 from tenants.models import Tenant
+from workflows.governor import PAUSE_PREFIX, paused_service_key, paused_tenant_id
 from workflows.models import GovernorCondition
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
