@@ -21,6 +21,9 @@ the host is eligible; an exclusive task only while no other exclusive task is he
 ``required_labels`` the node lacks is not claimed at all. Tasks the agent still runs are never
 claimed by it again.
 
+A tenant an operator paused (:func:`workflows.governor.pause_tenant`) is left out by the statement
+itself, so every claimer honours the pause.
+
 Tenants take turns at equal priority: the scan reads each tenant's head of a service's queue, and
 the order is priority, then turn (each tenant's first task, then each one's second...), then the
 tenant served least recently, then ``order_seq`` (see the parts marked "Tenant fairness").
@@ -162,8 +165,9 @@ WITH RECURSIVE svc AS (
       FROM tenant_heads q WHERE q.tenant_id IS NOT NULL
 ), paused_tenants AS MATERIALIZED (
     -- The tenants an operator paused (workflows.governor.pause_tenant): their queued tasks are passed
-    -- over, bound to a host or not. Left out here, after the skip scan, a paused tenant's backlog
-    -- costs the claim its one index descent, never a walk through its tasks.
+    -- over. Left out here, after the skip scan, a paused tenant's backlog bound to no host costs the
+    -- claim its one index descent, never a walk through its tasks; the host scan below (by host, not
+    -- tenant) passes over its tasks bound to this node's hosts one by one.
     {paused}
 ), queued_tenants AS (
     SELECT q.service_id, q.tenant_id FROM tenant_heads q

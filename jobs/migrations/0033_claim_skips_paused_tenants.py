@@ -196,8 +196,9 @@ WITH RECURSIVE svc AS (
       FROM tenant_heads q WHERE q.tenant_id IS NOT NULL
 ), paused_tenants AS MATERIALIZED (
     -- The tenants an operator paused (workflows.governor.pause_tenant): their queued tasks are passed
-    -- over, bound to a host or not. Left out here, after the skip scan, a paused tenant's backlog
-    -- costs the claim its one index descent, never a walk through its tasks.
+    -- over. Left out here, after the skip scan, a paused tenant's backlog bound to no host costs the
+    -- claim its one index descent, never a walk through its tasks; the host scan below (by host, not
+    -- tenant) passes over its tasks bound to this node's hosts one by one.
     SELECT substr(g.name, 14) FROM accs_governor_condition g WHERE starts_with(g.name, 'tenant-pause-') AND g.raised_at IS NOT NULL AND (g.cleared_at IS NULL OR g.cleared_at < g.raised_at) AND (g.expires_at IS NULL OR g.expires_at > v_stamp)
 ), queued_tenants AS (
     SELECT q.service_id, q.tenant_id FROM tenant_heads q
