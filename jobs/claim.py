@@ -21,6 +21,9 @@ the host is eligible; an exclusive task only while no other exclusive task is he
 ``required_labels`` the node lacks is not claimed at all. Tasks the agent still runs are never
 claimed by it again.
 
+A tenant an operator paused (:func:`workflows.governor.pause_tenant`) is left out by the statement
+itself, so every claimer honours the pause.
+
 Tenants take turns at equal priority: the scan reads each tenant's head of a service's queue, and
 the order is priority, then turn (each tenant's first task, then each one's second...), then the
 tenant served least recently, then ``order_seq`` (see the parts marked "Tenant fairness").
@@ -55,6 +58,7 @@ from jobs.locks import (
 from jobs.notify import service_channel
 from jobs.reports import PROMOTE_DUE_SQL, promote_scheduled_in
 from jobs.sql import from_json
+from workflows.governor import PAUSED_TENANTS_SQL
 
 log = logging.getLogger("accs.claim")
 
@@ -145,7 +149,7 @@ WITH RECURSIVE svc AS (
                          %(scans)s::int[], %(rpaths)s::text[], %(rlimits)s::int[], %(cpaths)s::text[],
                          %(climits)s::int[], %(periods)s::int[], %(rated)s::bool[])
              AS s(id, room, weight, adjust, scan, rpath, rlimit, cpath, climit, period, rated)
-){keyed_ctes}, queued_tenants AS (
+){keyed_ctes}, tenant_heads AS (
     -- Tenant fairness, part 1: the tenants with queued work of each service, by a skip scan of
     -- task_claim_idx (one index descent per tenant), so the scan below reads each tenant's head
     -- and a tenant with thousands of tasks at the top of the order cannot hide another's behind them.
@@ -158,7 +162,16 @@ WITH RECURSIVE svc AS (
                            WHERE t.service_id = q.service_id AND t.status = 'queued' AND t.host_id IS NULL
                              AND t.tenant_id > q.tenant_id
                            ORDER BY t.tenant_id LIMIT 1)
-      FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
+      FROM tenant_heads q WHERE q.tenant_id IS NOT NULL
+), paused_tenants AS MATERIALIZED (
+    -- The tenants an operator paused (workflows.governor.pause_tenant): their queued tasks are passed
+    -- over. Left out here, after the skip scan, a paused tenant's backlog bound to no host costs the
+    -- claim its one index descent, never a walk through its tasks; the host scan below (by host, not
+    -- tenant) passes over its tasks bound to this node's hosts one by one.
+    {paused}
+), queued_tenants AS (
+    SELECT q.service_id, q.tenant_id FROM tenant_heads q
+     WHERE q.tenant_id IS NOT NULL AND q.tenant_id::text NOT IN (SELECT * FROM paused_tenants)
 ){free}), bound AS (
     -- Tasks bound to this node's eligible hosts, per host and service: task_claim_host_idx. Other
     -- nodes' host-bound work is never scanned.
@@ -169,6 +182,7 @@ WITH RECURSIVE svc AS (
           FROM accs_task t
          WHERE t.host_id = h.id AND t.service_id = svc.id AND t.status = 'queued'
            AND t.next_attempt_at <= {stamp}
+           AND t.tenant_id::text NOT IN (SELECT * FROM paused_tenants)
            AND t.id <> ALL(%(exclude)s::uuid[]){bound_key_filter}
            -- Exclusive work: not while another exclusive task is held on the host (served by
            -- the partial unique index task_one_held_per_exclusive_host).
@@ -245,6 +259,9 @@ SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_se
   FROM upd LEFT JOIN accs_host h ON h.id = upd.host_id
  ORDER BY upd.priority DESC, upd.order_seq, upd.created_at, upd.id
 """
+
+
+_PAUSED = PAUSED_TENANTS_SQL.format(stamp=STAMP_SQL)
 
 
 # Tasks bound to no host, the plain scan (services without per-key limits).
@@ -447,14 +464,15 @@ def claim_sql(*, kinds: str = "", rated: bool, single: bool = False) -> str:
     if set(kinds) - set("cr"):
         raise ValueError(f"unknown kind of key limit in {kinds!r}: 'c' (cap) and 'r' (rate) exist")
     if not kinds:
-        return _CLAIM_HEAD.format(keyed_ctes="", bound_key_cols="", bound_key_filter="", keyed_pick="",
+        return _CLAIM_HEAD.format(keyed_ctes="", bound_key_cols="", bound_key_filter="", keyed_pick="", paused=_PAUSED,
                                   source="cand", record_starts=_RECORD_STARTS if rated else "",
                                   free=", free AS (\n" + _FREE_SCAN.format(stamp=STAMP_SQL), stamp=STAMP_SQL)
     return _CLAIM_HEAD.format(
         keyed_ctes="".join(_USED[k] for k in "cr" if k in kinds), bound_key_cols=_key_cols(kinds),
         bound_key_filter=_key_filter(kinds, walked=False, single=single), keyed_pick=_keyed_pick(kinds),
         source="keyed_cand",
-        record_starts=_RECORD_STARTS if rated else "", free=_free_walk(kinds, single=single), stamp=STAMP_SQL)
+        record_starts=_RECORD_STARTS if rated else "", free=_free_walk(kinds, single=single), paused=_PAUSED,
+        stamp=STAMP_SQL)
 
 
 def _kinds(specs: Sequence[ServiceSpec]) -> str:

@@ -51,7 +51,7 @@ def status_lines(data: Overview, *, took: float, database: str = "", style: Styl
     """
     style = style or no_style()
     return [*_summary(data, style, database=database), *_stuck(data, style), *_tenants(data, style),
-            *_services(data, style), *_nodes(data, style), *_conditions(data, style),
+            *_services(data, style), *_nodes(data, style), *_paused_tenants(data, style), *_conditions(data, style),
             *_failures(data, style, took=took)]
 
 
@@ -161,6 +161,19 @@ def _nodes(data: Overview, style: Style) -> list[str]:
              if n.presence == "online" and n.version != VERSION]
     if older:
         out(style.WARNING(f"online on another release than this code ({VERSION}): {', '.join(older)}"))
+    return lines
+
+
+def _paused_tenants(data: Overview, style: Style) -> list[str]:
+    """The tenants an operator paused (nothing when none is): no agent claims their tasks."""
+    lines: list[str] = []
+    if not data.paused_tenants:
+        return lines
+    _heading(lines.append, style, "Paused tenants")
+    for p in data.paused_tenants:
+        until = f"until {timezone.localtime(p.expires_at):%Y-%m-%d %H:%M}" if p.expires_at else "until resumed"
+        since = f" at {timezone.localtime(p.raised_at):%Y-%m-%d %H:%M:%S}" if p.raised_at else ""
+        lines.append(style.WARNING(f"{p.tenant}: paused by {p.raised_by or 'api'}{since}, {until}: {p.reason}"))
     return lines
 
 

@@ -7,7 +7,7 @@ Four kinds of entry, each linking to what it concerns:
 * ``leader``: another builder took the leadership (``accs_leader_term``); links to the term's page.
 * ``deploy``: a leadership term whose holder names another release than the term before it (builders
   write their release in their holder, :func:`jobs.leader.default_holder`).
-* ``pause`` / ``resume`` / ``condition``: a service paused or resumed, a governor condition raised
+* ``pause`` / ``resume`` / ``condition``: a service or a tenant paused or resumed, a governor condition raised
   (``accs_governor_condition``: one row per condition, its last raise and clear); links to the condition.
 
 Each query reads an index (outages by their end, terms by their start) or the small conditions table,
@@ -26,7 +26,8 @@ from django.urls import reverse
 from accs_site.admin_kit import human_age
 from jobs.leader import holder_version
 from jobs.pulse import outage_words
-from workflows.governor import paused_service_key
+from tenants.models import Tenant
+from workflows.governor import paused_service_key, paused_tenant_id
 from workflows.models import GovernorCondition
 
 #: Entries a timeline shows at most (the newest).
@@ -105,16 +106,29 @@ def release_words(version: str) -> str:
 def _conditions(*, since: datetime, until: datetime) -> list[SystemEntry]:
     # One row per condition (a few dozen): read whole.
     entries = []
-    for c in GovernorCondition.objects.only("pk", "name", "reason", "raised_at", "cleared_at", "raised_by"):
+    conditions = list(GovernorCondition.objects.only("pk", "name", "reason", "raised_at", "cleared_at", "raised_by"))
+    tenants = dict(Tenant.objects.filter(pk__in=[t for c in conditions if (t := paused_tenant_id(c.name))])
+                   .values_list("pk", "slug"))
+    for c in conditions:
         url = reverse("admin:workflows_governorcondition_change", args=[c.pk])
-        service = paused_service_key(c.name)
+        paused = _paused_words(c.name, tenants)
         if c.raised_at and since <= c.raised_at <= until:
-            said = f"service {service} paused" if service else f"condition {c.name} raised"
-            entries.append(SystemEntry(at=c.raised_at, kind="pause" if service else "condition", url=url,
+            said = f"{paused} paused" if paused else f"condition {c.name} raised"
+            entries.append(SystemEntry(at=c.raised_at, kind="pause" if paused else "condition", url=url,
                                        text=f"{said} by {c.raised_by or 'someone'}: {c.reason or 'no reason given'}"))
         if c.cleared_at and since <= c.cleared_at <= until and (c.raised_at is None or c.cleared_at >= c.raised_at):
             held = human_age((c.cleared_at - c.raised_at).total_seconds()) if c.raised_at else "?"
-            said = f"service {service} resumed" if service else f"condition {c.name} cleared"
-            entries.append(SystemEntry(at=c.cleared_at, kind="resume" if service else "condition", url=url,
+            said = f"{paused} resumed" if paused else f"condition {c.name} cleared"
+            entries.append(SystemEntry(at=c.cleared_at, kind="resume" if paused else "condition", url=url,
                                        text=f"{said} after {held}"))
     return entries
+
+
+def _paused_words(name: str, tenants: dict) -> str | None:
+    """Name what a condition pauses ("service resize", "tenant acme"), or None for any other condition."""
+    if (service := paused_service_key(name)) is not None:
+        return f"service {service}"
+    tenant = paused_tenant_id(name)
+    if tenant is not None:
+        return f"tenant {tenants.get(tenant, tenant)}"
+    return None
