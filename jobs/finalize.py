@@ -28,7 +28,7 @@ from datetime import datetime
 from uuid import UUID
 
 from events.timeline import EventRow
-from jobs.inputs import parent_outputs, step_field
+from jobs.inputs import GATHERED_OUTPUT, parent_outputs, step_field
 from jobs.notify import notify, service_channel
 from jobs.states import JOB_ADMITTED, TASK_HELD, TASK_UNSTARTED, sql_in
 
@@ -74,7 +74,13 @@ SELECT count(DISTINCT id) FROM sk
 RELEASE_STEPS_SQL = f"""
 -- Steps whose tasks are all final, whatever their outcome: their waiting dependents are looked at
 -- once (an unsuccessful step can only promote "always" dependents; the others were skipped).
-UPDATE accs_job_step s SET released = true
+-- Each such step's output is gathered once here, for its dependents' tasks to read from this row (see
+-- jobs.inputs), when the job has another step that could read it.
+UPDATE accs_job_step s
+   SET released = true,
+       output = CASE WHEN EXISTS (SELECT 1 FROM accs_job_step o WHERE o.job_id = s.job_id AND o.step_key <> s.step_key)
+                     THEN (SELECT {GATHERED_OUTPUT} FROM accs_task p
+                            WHERE p.job_id = s.job_id AND p.step_key = s.step_key) END
  WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.released AND {finished("s")} = s.total
    AND s.job_id IN (SELECT id FROM accs_job WHERE id = ANY(%(jobs)s::uuid[]) AND status IN {sql_in(JOB_ADMITTED)})
 RETURNING s.job_id, s.step_key
