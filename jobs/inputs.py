@@ -36,7 +36,6 @@ from django.db import connection
 
 from jobs.sql import from_json
 
-
 # One step's output from its tasks (aliased ``p``, grouped by step): a single task's results, or the list of
 # a fanned-out step's results in task order.
 GATHERED_OUTPUT = ("CASE WHEN bool_or(p.task_key <> p.step_key) THEN jsonb_agg(p.results ORDER BY p.id)\n"
@@ -80,7 +79,8 @@ SELECT po.inputs || coalesce((SELECT jsonb_build_object(
  CROSS JOIN LATERAL (SELECT CASE
             WHEN cardinality(t.depends_on) = 0 THEN '{{}}'::jsonb
             -- The parents' gathered outputs, one step row each (job_step_unique), when every parent has one.
-            ELSE coalesce((SELECT CASE WHEN bool_and(s.output IS NOT NULL) THEN jsonb_object_agg(s.step_key, s.output) END
+            ELSE coalesce((SELECT CASE WHEN bool_and(s.output IS NOT NULL)
+                                       THEN jsonb_object_agg(s.step_key, s.output) END
                              FROM accs_job_step s
                             WHERE s.job_id = t.job_id AND s.step_key = ANY (t.depends_on) AND s.total > 0),
                           {parent_outputs("t")})

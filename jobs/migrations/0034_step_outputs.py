@@ -333,7 +333,8 @@ SELECT po.inputs || coalesce((SELECT jsonb_build_object(
  CROSS JOIN LATERAL (SELECT CASE
             WHEN cardinality(t.depends_on) = 0 THEN '{}'::jsonb
             -- The parents' gathered outputs, one step row each (job_step_unique), when every parent has one.
-            ELSE coalesce((SELECT CASE WHEN bool_and(s.output IS NOT NULL) THEN jsonb_object_agg(s.step_key, s.output) END
+            ELSE coalesce((SELECT CASE WHEN bool_and(s.output IS NOT NULL)
+                                       THEN jsonb_object_agg(s.step_key, s.output) END
                              FROM accs_job_step s
                             WHERE s.job_id = t.job_id AND s.step_key = ANY (t.depends_on) AND s.total > 0),
                           coalesce((SELECT jsonb_object_agg(g.step_key, g.output)
