@@ -64,13 +64,33 @@ def step_field(task: str, job: str, name: str) -> str:
          LIMIT 1)"""
 
 
+#: A jsonpath read from a stored workflow step (``when``, ``fan_out.over``) goes through this function: the
+#: validator refuses an invalid one on every save path, but a row written by hand would otherwise make every
+#: statement that reads it raise (a report settling its job, the agent's read), so an invalid one is NULL.
+JSONPATH_FUNCTION = "accs_jsonpath"
+
+
+def jsonpath_function_sql() -> str:
+    """Return the CREATE FUNCTION statement of :data:`JSONPATH_FUNCTION` (a migration holds a copy)."""
+    return f"""CREATE OR REPLACE FUNCTION {JSONPATH_FUNCTION}(p_text text)
+RETURNS jsonpath
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+AS $jsonpath$
+BEGIN
+    RETURN p_text::jsonpath;
+EXCEPTION WHEN syntax_error OR invalid_parameter_value OR data_exception THEN
+    RETURN NULL;  -- not a jsonpath
+END
+$jsonpath$"""
+
+
 # A task of a step fanning out over a parent's list is "<step>[i]" (jobs.finalize): its item is element i of
 # the list the step's path finds in the same parents' outputs, read again here rather than copied into it.
 ITEM_INDEX = r"substring(t.task_key FROM '\[([0-9]+)\]$')::int"
 
 STEP_CONTEXT_SQL = f"""
 SELECT po.inputs || coalesce((SELECT jsonb_build_object(
-                                  'item', jsonb_path_query_first(po.inputs, fo.over::jsonpath, '{{}}', true) -> ix.i,
+                                  'item', jsonb_path_query_first(po.inputs, {JSONPATH_FUNCTION}(fo.over), '{{}}', true) -> ix.i,
                                   'index', ix.i)
                                 FROM (SELECT {ITEM_INDEX} AS i) ix WHERE ix.i IS NOT NULL AND fo.over IS NOT NULL),
                               '{{}}'::jsonb) AS inputs,

@@ -12,6 +12,11 @@ state, so a gathered output is never older than the step's tasks. The agent read
 statement at every attempt cost 5 ms), and falls back to the tasks when a parent has none; a task with no
 dependency reads no parent at all.
 
+A stored ``when`` or ``fan_out.over`` that is not a jsonpath (written past the validator, which refuses it on
+every save path) made every report settling its job raise. Both functions now read it through
+``accs_jsonpath`` (new: NULL for an invalid one): such a condition never holds and its step is skipped
+saying so, and such a fan-out fails its step saying so.
+
 Safe under running daemons: adding a nullable column changes the catalogue only (no rewrite; a brief lock
 on accs_job_step alone, not on accs_task or accs_job); CREATE OR REPLACE keeps both functions' names,
 arguments and results; only this release's agents call the new function. The previous release's agents
@@ -21,6 +26,17 @@ read parents from their tasks as before and never see the column. Going back dro
 from importlib import import_module
 
 from django.db import migrations, models
+
+JSONPATH = r"""CREATE OR REPLACE FUNCTION accs_jsonpath(p_text text)
+RETURNS jsonpath
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
+AS $jsonpath$
+BEGIN
+    RETURN p_text::jsonpath;
+EXCEPTION WHEN syntax_error OR invalid_parameter_value OR data_exception THEN
+    RETURN NULL;  -- not a jsonpath
+END
+$jsonpath$"""
 
 FINALIZE = r"""CREATE OR REPLACE FUNCTION accs_finalize_jobs(p_jobs uuid[], p_now timestamptz, p_source text,
                                               p_roots bool)
@@ -85,10 +101,13 @@ SELECT coalesce(array_agg(x.job_id), '{}'), coalesce(array_agg(x.step_key), '{}'
             -- Tasks about to be promoted whose step runs only when a condition over its parents' outputs holds
 -- ("when": a jsonpath predicate, read from the workflow version the job runs on) and it does not
 -- (false, or no boolean at all) are skipped, the condition on the timeline; their dependents then
--- follow the skip rules. Only tasks of workflow steps that have a condition evaluate one.
+-- follow the skip rules. Only tasks of workflow steps that have a condition evaluate one. A stored
+-- condition that is not a jsonpath at all (written past the validator) never holds, and says so.
 WITH r AS (SELECT * FROM unnest(v_job_ids::uuid[], v_steps::text[]) AS r(job_id, step_key)),
 c AS (
-    SELECT w.id, w.job_id, cond.expr
+    SELECT w.id, w.job_id, cond.expr,
+           CASE WHEN accs_jsonpath(cond.expr) IS NULL THEN 'condition is not a valid jsonpath'
+                ELSE 'condition did not hold' END AS why
       FROM accs_task w JOIN accs_job j ON j.id = w.job_id
      CROSS JOIN LATERAL (SELECT (SELECT s.value -> 'when'
           FROM accs_workflow wf CROSS JOIN LATERAL jsonb_array_elements(wf.steps) AS s(value)
@@ -107,17 +126,18 @@ c AS (
                             ELSE (array_agg(p.results))[1] END AS output
                   FROM accs_task p
                  WHERE p.job_id = w.job_id AND p.step_key = ANY (w.depends_on)
-                 GROUP BY p.step_key) g), '{}'::jsonb), cond.expr::jsonpath, '{}'::jsonb, true), false)
+                 GROUP BY p.step_key) g), '{}'::jsonb), accs_jsonpath(cond.expr), '{}'::jsonb, true),
+                        false)
 ), sk AS (
     UPDATE accs_task t SET status = 'skipped', finished_at = p_now, updated_at = p_now,
-           error_message = left('condition did not hold: ' || c.expr, 2000)
+           error_message = left(c.why || ': ' || c.expr, 2000)
       FROM c WHERE t.id = c.id
-    RETURNING t.id, t.job_id, c.expr
+    RETURNING t.id, t.job_id, c.expr, c.why
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT job_id, id, p_source, 'info', 'status', left('task waiting → skipped (condition did not hold: '
-                                                          || expr || ')', 2000),
-           jsonb_build_object('from', 'waiting', 'to', 'skipped', 'reason', 'condition did not hold', 'when', expr)
+    SELECT job_id, id, p_source, 'info', 'status', left('task waiting → skipped (' || why || ': ' || expr || ')',
+                                                          2000),
+           jsonb_build_object('from', 'waiting', 'to', 'skipped', 'reason', why, 'when', expr)
       FROM sk
 )
 SELECT count(*) INTO v_n FROM sk;
@@ -136,7 +156,7 @@ f AS (
                             ELSE (array_agg(p.results))[1] END AS output
                   FROM accs_task p
                  WHERE p.job_id = w.job_id AND p.step_key = ANY (w.depends_on)
-                 GROUP BY p.step_key) g), '{}'::jsonb), fo.over::jsonpath, '{}'::jsonb, true) AS list
+                 GROUP BY p.step_key) g), '{}'::jsonb), accs_jsonpath(fo.over), '{}'::jsonb, true) AS list
       FROM accs_task w JOIN accs_job j ON j.id = w.job_id
       JOIN accs_job_step js ON js.job_id = w.job_id AND js.step_key = w.step_key
      CROSS JOIN LATERAL (SELECT (SELECT s.value -> 'fan_out'
@@ -151,7 +171,8 @@ f AS (
                           AND CASE WHEN EXISTS (SELECT 1 FROM accs_job_step own WHERE own.job_id = w.job_id AND own.step_key = w.step_key AND own.always) THEN (d.done + d.error + d.skipped + d.canceled + d.blocked) ELSE d.done END < d.total)
        AND w.task_key = w.step_key AND fo.over IS NOT NULL
 ), v AS (
-    SELECT f.*, CASE WHEN f.list IS NULL THEN 'found no value in the parents'' outputs'
+    SELECT f.*, CASE WHEN accs_jsonpath(f.over) IS NULL THEN 'is not a valid jsonpath'
+                     WHEN f.list IS NULL THEN 'found no value in the parents'' outputs'
                      WHEN jsonb_typeof(f.list) <> 'array' THEN 'found ' || jsonb_typeof(f.list) || ', not a list'
                      WHEN jsonb_array_length(f.list) > f.max_items
                          THEN 'found ' || jsonb_array_length(f.list) || ' items, more than the limit of '
@@ -321,7 +342,7 @@ AS $context$
 BEGIN
     RETURN QUERY
 SELECT po.inputs || coalesce((SELECT jsonb_build_object(
-                                  'item', jsonb_path_query_first(po.inputs, fo.over::jsonpath, '{}', true) -> ix.i,
+                                  'item', jsonb_path_query_first(po.inputs, accs_jsonpath(fo.over), '{}', true) -> ix.i,
                                   'index', ix.i)
                                 FROM (SELECT substring(t.task_key FROM '\[([0-9]+)\]$')::int AS i) ix WHERE ix.i IS NOT NULL AND fo.over IS NOT NULL),
                               '{}'::jsonb) AS inputs,
@@ -396,6 +417,7 @@ class Migration(migrations.Migration):
                 help_text="The step's output gathered once its tasks were all final (a fanned-out step's as a list),"
                           " read by its dependents; cleared when a task of it leaves or enters a final state again."),
         ),
+        migrations.RunSQL(JSONPATH, "DROP FUNCTION IF EXISTS accs_jsonpath(text)"),
         migrations.RunSQL(STEP_COUNTS, _counts_before.LINEAR),
         migrations.RunSQL(FINALIZE, _finalize_before.FINALIZE),
         migrations.RunSQL(STEP_CONTEXT, "DROP FUNCTION IF EXISTS accs_step_context(uuid)"),

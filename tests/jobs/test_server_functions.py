@@ -17,7 +17,7 @@ from events.models import Event
 from jobs import api, transitions
 from jobs.claim import PLAIN_CLAIM_FUNCTION, NodeLimits, claim_many, claim_round, plain_claim_function_sql, service_spec
 from jobs.finalize import FINALIZE_FUNCTION, finalize_function_sql
-from jobs.inputs import STEP_CONTEXT_FUNCTION, step_context_function_sql
+from jobs.inputs import JSONPATH_FUNCTION, STEP_CONTEXT_FUNCTION, jsonpath_function_sql, step_context_function_sql
 from jobs.models import Task
 from jobs.reports import REPORT_FUNCTION, report_function_sql
 from tests.engine_helpers import NODE, claim_for, run_ok
@@ -37,7 +37,8 @@ def _body(create_sql: str) -> str:
 @pytest.mark.parametrize(("name", "build"), [(PLAIN_CLAIM_FUNCTION, plain_claim_function_sql),
                                              (FINALIZE_FUNCTION, finalize_function_sql),
                                              (REPORT_FUNCTION, report_function_sql),
-                                             (STEP_CONTEXT_FUNCTION, step_context_function_sql)])
+                                             (STEP_CONTEXT_FUNCTION, step_context_function_sql),
+                                             (JSONPATH_FUNCTION, jsonpath_function_sql)])
 def test_the_database_function_runs_the_statements_the_code_holds_now(name, build):
     """A change to a statement the function copies needs a migration that replaces the function."""
     with connection.cursor() as cur:
