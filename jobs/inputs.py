@@ -90,7 +90,8 @@ ITEM_INDEX = r"substring(t.task_key FROM '\[([0-9]+)\]$')::int"
 
 STEP_CONTEXT_SQL = f"""
 SELECT po.inputs || coalesce((SELECT jsonb_build_object(
-                                  'item', jsonb_path_query_first(po.inputs, {JSONPATH_FUNCTION}(fo.over), '{{}}', true) -> ix.i,
+                                  'item', jsonb_path_query_first(po.inputs, {JSONPATH_FUNCTION}(fo.over), '{{}}',
+                                                                 true) -> ix.i,
                                   'index', ix.i)
                                 FROM (SELECT {ITEM_INDEX} AS i) ix WHERE ix.i IS NOT NULL AND fo.over IS NOT NULL),
                               '{{}}'::jsonb) AS inputs,

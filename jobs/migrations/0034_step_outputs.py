@@ -342,7 +342,8 @@ AS $context$
 BEGIN
     RETURN QUERY
 SELECT po.inputs || coalesce((SELECT jsonb_build_object(
-                                  'item', jsonb_path_query_first(po.inputs, accs_jsonpath(fo.over), '{}', true) -> ix.i,
+                                  'item', jsonb_path_query_first(po.inputs, accs_jsonpath(fo.over), '{}',
+                                                                 true) -> ix.i,
                                   'index', ix.i)
                                 FROM (SELECT substring(t.task_key FROM '\[([0-9]+)\]$')::int AS i) ix WHERE ix.i IS NOT NULL AND fo.over IS NOT NULL),
                               '{}'::jsonb) AS inputs,
