@@ -172,9 +172,10 @@ WITH RECURSIVE svc AS (
 ), queued_tenants AS (
     SELECT q.service_id, q.tenant_id FROM tenant_heads q
      WHERE q.tenant_id IS NOT NULL AND q.tenant_id::text NOT IN (SELECT * FROM paused_tenants)
-){free}), bound AS (
+){free}), bound_seen AS (
     -- Tasks bound to this node's eligible hosts, per host and service: task_claim_host_idx. Other
-    -- nodes' host-bound work is never scanned.
+    -- nodes' host-bound work is never scanned. Read without locks: a node with many hosts (a
+    -- 1,000-host fan-out) would otherwise lock every host's head at each claim to take a few.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM svc CROSS JOIN unnest(%(hosts)s::bigint[]) AS h(id) CROSS JOIN LATERAL (
         SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq,
@@ -189,8 +190,23 @@ WITH RECURSIVE svc AS (
            AND NOT (t.exclusive AND EXISTS (SELECT 1 FROM accs_task x WHERE x.host_id = t.host_id AND x.exclusive
                                                AND x.status IN ('starting', 'running')))
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
-         LIMIT svc.scan
-           FOR UPDATE OF t SKIP LOCKED) c
+         LIMIT svc.scan) c
+), bound AS (
+    -- Of those, each service's and tenant's first, as many as the service's scan (what the scan of
+    -- unbound tasks reads of each tenant's queue), locked by id: SKIP LOCKED, and still queued once
+    -- locked (a row another claimer took since it was read is passed over).
+    SELECT b.* FROM bound_seen b JOIN (
+        SELECT t.id FROM accs_task t
+         WHERE t.id = ANY(ARRAY(SELECT r.id
+                                  FROM (SELECT s.id, s.service_id,
+                                               row_number() OVER (PARTITION BY s.service_id, s.tenant_id
+                                                                  ORDER BY s.priority DESC, s.order_seq, s.created_at,
+                                                                           s.id) AS nth
+                                          FROM bound_seen s) r JOIN svc ON svc.id = r.service_id
+                                 WHERE r.nth <= svc.scan))
+           AND t.status = 'queued'
+         ORDER BY t.id
+           FOR UPDATE OF t SKIP LOCKED) l ON l.id = b.id
 ), cand AS (
     SELECT * FROM free UNION ALL SELECT * FROM bound
 ){keyed_pick}, turns AS (

@@ -373,6 +373,11 @@ class JobStep(models.Model):
         help_text="For a step fanning out over a parent's list: the most tasks it may make (ACC_MAX_FAN_OUT_ITEMS"
                   " when the job was made).",
     )
+    output = models.JSONField(
+        null=True, blank=True,
+        help_text="The step's output gathered once its tasks were all final (a fanned-out step's as a list), read"
+                  " by its dependents; cleared when a task of it leaves or enters a final state again.",
+    )
 
     class Meta:
         db_table = "accs_job_step"

@@ -60,7 +60,9 @@ def test_every_reader_is_described():
 N_JOBS = 4000
 # Jobs by i % 10: six done and one in error (finished 40 days ago, due for retention), one queued
 # (no tasks yet), one waiting (its task queued, waiting or a retry in backoff), one running (on one
-# of 20 nodes).
+# of 100 nodes, spread by job id whatever the sequences stand at: one node's held tasks are 1 in 100 of
+# the fleet's, so reading every held task through the lease index is never the cheaper plan for the
+# node's held counts; spread by order_seq over 20 nodes, n1 held half of them in some runs, and it was).
 FILL_SQL = """
 WITH j AS (
     INSERT INTO accs_job (id, tenant_id, service_id, status, progress, current_task_key, priority, options,
@@ -85,7 +87,7 @@ SELECT gen_random_uuid(), j.id, %(tenant)s, 't', 't', %(svc)s, false, s.status, 
   FROM j CROSS JOIN LATERAL (
        SELECT CASE WHEN j.status = 'waiting' THEN (ARRAY['queued', 'waiting', 'scheduled'])[j.order_seq %% 3 + 1]
                    ELSE j.status END AS status,
-              CASE WHEN j.status = 'running' THEN 'n' || j.order_seq %% 20 ELSE '' END AS agent) s
+              CASE WHEN j.status = 'running' THEN 'n' || abs(hashtext(j.id::text)) %% 100 ELSE '' END AS agent) s
  WHERE j.status <> 'queued'
 """
 
