@@ -3,7 +3,8 @@
 The lint (:mod:`tests.migration_lint`: squawk over the SQL ``migrate`` really runs, plus two rules of
 ours) fails on an index built or dropped without CONCURRENTLY, an ACCESS EXCLUSIVE lock on
 accs_job, accs_task, accs_event or accs_attempt, NOT NULL without a default on a table old code
-writes, a column or table dropped or renamed, a constraint added without NOT VALID. A migration
+writes, a column or table dropped or renamed, a constraint added without NOT VALID, an atomic
+migration altering two existing tables (a deadlock with a daemon locking them in the other order). A migration
 that must break a rule is listed in :data:`REVIEWED` with why it is safe, or what the CHANGELOG
 tells operators about it; an entry that no longer matches a finding fails too, so the list stays true.
 """
@@ -21,7 +22,7 @@ from hypothesis import given, strategies as st
 
 from tests import migration_lint
 from tests.daemons import ROOT
-from tests.migration_lint import DROPPED_DEFAULT, HOT_LOCK, HOT_TABLES, Finding, lint, own_findings
+from tests.migration_lint import DROPPED_DEFAULT, HOT_LOCK, HOT_TABLES, TWO_TABLES, Finding, lint, own_findings
 
 # Applied on every site that runs a release already; they run only on an empty database, where no
 # daemon runs. Kept here because they break the rules as written today.
@@ -33,7 +34,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
                                                       "constraint-missing-not-valid",
                                                       "require-concurrent-index-deletion"),
         "0003_job_steps_partial_interrupted": (HOT_LOCK, "adding-foreign-key-constraint", "adding-required-field",
-                                               "constraint-missing-not-valid"),
+                                               "constraint-missing-not-valid", TWO_TABLES),
         "0004_scheduled_retries_and_claim_indexes": (HOT_LOCK, "constraint-missing-not-valid",
                                                      "require-concurrent-index-creation",
                                                      "require-concurrent-index-deletion"),
@@ -217,3 +218,17 @@ def test_access_exclusive_is_flagged_exactly_on_hot_tables(table, action, only, 
 def test_an_explicit_lock_table_is_flagged_only_in_access_exclusive_mode(table, mode):
     flagged = own_findings([_migration(f"LOCK TABLE {table}{mode}")])
     assert bool(flagged) == (mode in ("", " IN ACCESS EXCLUSIVE MODE"))
+
+
+@given(first=st.sampled_from(["accs_service", "accs_workflow", "accs_job", "accs_trigger"]),
+       second=st.sampled_from(["accs_service", "accs_workflow", "accs_job", "accs_trigger"]),
+       atomic=st.booleans(), second_is_weak=st.booleans(), first_is_new=st.booleans())
+def test_an_atomic_migration_altering_two_existing_tables_is_caught(first, second, atomic, second_is_weak,
+                                                                   first_is_new):
+    statements = [*([f'CREATE TABLE "{first}" ("id" int)'] if first_is_new else []),
+                  f'ALTER TABLE "{first}" ADD COLUMN "a" integer NULL',
+                  f'ALTER TABLE "{second}" ' + ('VALIDATE CONSTRAINT "c"' if second_is_weak
+                                               else 'ADD COLUMN "b" integer NULL')]
+    flagged = [f for f in own_findings([_migration(*statements, atomic=atomic)]) if f.rule == TWO_TABLES]
+    # One transaction holding one table's strong lock while it asks for another's is the deadlock's shape.
+    assert bool(flagged) == (atomic and first != second and not second_is_weak and not first_is_new), statements
