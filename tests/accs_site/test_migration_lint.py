@@ -12,8 +12,11 @@ tells operators about it; an entry that no longer matches a finding fails too, s
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -232,3 +235,42 @@ def test_an_atomic_migration_altering_two_existing_tables_is_caught(first, secon
     flagged = [f for f in own_findings([_migration(*statements, atomic=atomic)]) if f.rule == TWO_TABLES]
     # One transaction holding one table's strong lock while it asks for another's is the deadlock's shape.
     assert bool(flagged) == (atomic and first != second and not second_is_weak and not first_is_new), statements
+
+
+# --------------------------------------------------------------------------------------------
+# The CHANGELOG says, for each migration the previous release lacks, whether it is safe under it
+# --------------------------------------------------------------------------------------------
+
+SAFE = re.compile(r"safe under the previous release(?:'s daemons)?:?\**:?\s*\**\s*(yes|no)\b", re.IGNORECASE)
+
+
+def _new_migrations() -> list[str]:
+    """``app.NNNN`` of the ACCS migration files this tree has and PREVIOUS_RELEASE (the Makefile's) lacks."""
+    previous = re.search(r"^PREVIOUS_RELEASE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
+    then = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", previous], capture_output=True,
+                          text=True, check=True).stdout.split()
+    now = [str(p.relative_to(ROOT)) for app in migration_lint.ACCS_APPS
+           for p in (ROOT / app / "migrations").glob("[0-9][0-9][0-9][0-9]_*.py")]
+    return sorted(f"{Path(p).parts[0]}.{Path(p).stem[:4]}" for p in set(now) - set(then))
+
+
+def _release_items() -> list[str]:
+    """The bullet items (sub-items apart) of the CHANGELOG's newest release section."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    section = re.split(r"^## ", text, flags=re.MULTILINE)[1]
+    return re.split(r"^\s*- ", section, flags=re.MULTILINE)[1:]
+
+
+def test_the_changelog_says_for_each_new_migration_whether_it_is_safe_under_the_previous_release():
+    new = _new_migrations()
+    assert new, "this release has migrations the previous one lacks (else PREVIOUS_RELEASE is stale)"
+    items = _release_items()
+    unsaid = [m for m in new if not any(m in item and SAFE.search(item) for item in items)]
+    assert not unsaid, (f"CHANGELOG.md's release section names no 'safe under the previous release: yes/no' in "
+                        f"the item about: {unsaid}")
+
+
+@given(verdict=st.sampled_from(["yes", "no"]), daemons=st.booleans(), bold=st.booleans())
+def test_the_changelog_verdict_is_read_in_the_forms_it_is_written(verdict, daemons, bold):
+    phrase = f"Safe under the previous release{chr(39) + 's daemons' if daemons else ''}: {verdict}"
+    assert SAFE.search(f"adds a column. {'**' + phrase + '**' if bold else phrase}.").group(1) == verdict
