@@ -364,12 +364,18 @@ class Drill:
             t0 = time.monotonic()
             done = manage(self.new, "migrate", *migration.split("."), "--noinput", env=self.migrate_env, check=False)
             self.step(f"migrate {migration} (new code, old daemons running)", t0)
+            self._note_lock_waits(done)
             self.facts["per_migration"].append({
                 "migration": migration, "exit": done.returncode, "seconds": round(time.monotonic() - t0, 1),
                 "old_error_lines": len(self._old_errors()) - errors_before,
                 "old_blocked_over_0_5s": len(self._old_blocked()) - blocked_before,
                 **({"output": (done.stdout + done.stderr)[-1500:]} if done.returncode else {})})
         self.facts["old_token_after_migrate"] = self._old_token()
+
+    def _note_lock_waits(self, done: subprocess.CompletedProcess) -> None:
+        """Keep migrate's lines about lock waits it gave up and tried again (its lock timeout at work)."""
+        waits = self.facts.setdefault("migrate_lock_waits", [])
+        waits.extend(line.strip() for line in done.stdout.splitlines() if "lock wait over" in line)
 
     def _pending_migrations(self) -> list[str]:
         """Return the migrations the new code would apply, ``app.name`` in its plan's order."""
@@ -382,6 +388,7 @@ class Drill:
         if done.returncode:
             raise RuntimeError(f"migrate (new code) failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
         self.step("migrate (new code, old daemons running)", t0)
+        self._note_lock_waits(done)
         self.facts["old_token_after_migrate"] = self._old_token()
 
         self._roll(self.new, t0=time.monotonic())
@@ -392,7 +399,7 @@ class Drill:
             self._roll(self.old, t0=time.monotonic())
             t0 = time.monotonic()
             for app, name in self.facts["previous_migrations"].items():
-                manage(self.new, "migrate", app, name, "--noinput", "-v0", env=self.migrate_env)
+                self._note_lock_waits(manage(self.new, "migrate", app, name, "--noinput", env=self.migrate_env))
             self.step("migrate down (new code's migrate APP MIGRATION), old daemons running", t0)
             check = manage(self.old, "migrate", "--check", env=self.migrate_env, check=False)
             self.facts["rollback_old_migrate_check_exit"] = check.returncode
