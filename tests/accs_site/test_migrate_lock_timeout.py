@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from django.core.management import CommandError, call_command
 from hypothesis import given, strategies as st
 
 from accs_site.migrate_locks import LockPolicy, concurrent_index_name, is_lock_timeout
@@ -29,11 +30,14 @@ APP = {
     "__init__.py": "",
     "migrations/__init__.py": "",
     "migrations/0001_task_column.py": f'''
-from django.db import migrations
+from django.db import migrations, models
 
 class Migration(migrations.Migration):
-    operations = [migrations.RunSQL('ALTER TABLE accs_task ADD COLUMN {COLUMN} text',
-                                    'ALTER TABLE accs_task DROP COLUMN {COLUMN}')]
+    operations = [
+        migrations.CreateModel("Note", [("id", models.BigAutoField(primary_key=True)), ("text", models.TextField())]),
+        migrations.RunSQL('ALTER TABLE accs_task ADD COLUMN {COLUMN} text',
+                          'ALTER TABLE accs_task DROP COLUMN {COLUMN}'),
+    ]
 ''',
     "migrations/0002_task_index.py": f'''
 from django.db import migrations
@@ -60,6 +64,7 @@ def probe_env(subprocess_env, tmp_path: Path, db_url: str) -> Iterator[dict[str,
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(f"DROP INDEX IF EXISTS {INDEX}")
         conn.execute(f"ALTER TABLE accs_task DROP COLUMN IF EXISTS {COLUMN}")
+        conn.execute("DROP TABLE IF EXISTS lockprobe_note")
         conn.execute("DELETE FROM django_migrations WHERE app = 'lockprobe'")
 
 
@@ -102,6 +107,7 @@ class Reader(threading.Thread):
 def _state(db_url: str) -> dict[str, object]:
     with psycopg.connect(db_url, autocommit=True) as conn:
         return {
+            "table": conn.execute("SELECT to_regclass('lockprobe_note') IS NOT NULL").fetchone()[0],
             "column": conn.execute("SELECT 1 FROM information_schema.columns WHERE table_name = 'accs_task'"
                                    " AND column_name = %s", [COLUMN]).fetchone() is not None,
             "index_valid": (conn.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)",
@@ -131,7 +137,8 @@ def test_a_held_lock_delays_other_sessions_at_most_the_lock_timeout_and_migrate_
     longest = reader.stop()
     # The reader queued behind migrate's waiting request (so the timeout mattered), never beyond it.
     assert 0.3 < longest < 1.0 + 0.8, longest
-    assert _state(db_url) == {"column": True, "index_valid": None, "applied": ["0001_task_column"]}
+    # Its first operation (a new table) ran on every try, rolled back with the timeout, and stands once.
+    assert _state(db_url) == {"table": True, "column": True, "index_valid": None, "applied": ["0001_task_column"]}
 
 
 @pytest.mark.django_db(transaction=True)
@@ -148,7 +155,7 @@ def test_migrate_gives_up_after_its_tries_with_one_line_and_nothing_of_the_migra
     assert "migrate gave up on lockprobe.0001_task_column after 3 tries" in line, line
     assert "AccessExclusiveLock on accs_task" in line and "old-agent" in line and "nothing of it is applied" in line
     assert stdout.count("lock wait over 0.3 s") == 2, stdout
-    assert _state(db_url) == {"column": False, "index_valid": None, "applied": []}
+    assert _state(db_url) == {"table": False, "column": False, "index_valid": None, "applied": []}
 
 
 @pytest.mark.django_db(transaction=True)
@@ -171,7 +178,7 @@ def test_an_index_build_that_timed_out_leaves_an_invalid_index_the_next_try_drop
     stdout, stderr = again.communicate(timeout=120)
     assert again.returncode == 0, stderr
     assert "dropping the INVALID index lockprobe_task_idx" in stdout
-    assert _state(db_url) == {"column": True, "index_valid": True,
+    assert _state(db_url) == {"table": True, "column": True, "index_valid": True,
                               "applied": ["0001_task_column", "0002_task_index"]}
 
 
@@ -214,3 +221,11 @@ def test_only_the_lock_timeout_counts_as_a_lock_wait(db_url):
         with pytest.raises(psycopg.errors.UndefinedTable) as other:
             conn.execute("SELECT 1 FROM no_such_table")
     assert is_lock_timeout(timed_out.value) and not is_lock_timeout(other.value)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("option", "value", "problem"), [("lock_timeout", 0, "lock timeout must be above 0"),
+                                                          ("lock_tries", 0, "at least 1 try")])
+def test_migrate_refuses_a_lock_option_that_bounds_nothing(option, value, problem):
+    with pytest.raises(CommandError, match=problem):
+        call_command("migrate", "--check", **{option: value})
