@@ -228,7 +228,7 @@ class RetryingExecutor(MigrationExecutor):
         state before every try instead costs a third more time on a full migrate; this costs only a retry.
         """
         self.loader.build_graph()
-        return self._create_project_state(with_applied_migrations=True)
+        return self._create_project_state(with_applied_migrations=True)  # type: ignore[attr-defined]
 
     def _tries(self, migration: Migration, fake: bool, run: Callable[[int], ProjectState]) -> ProjectState:
         whole = migration.atomic and self.connection.features.can_rollback_ddl and not fake
