@@ -29,8 +29,6 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import (
     BinaryField,
     Case,
-    DurationField,
-    ExpressionWrapper,
     F,
     ForeignKey,
     Func,
@@ -42,7 +40,6 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -69,6 +66,7 @@ from accs_site.admin_kit import (
     status_pill,
     uuid_or_none,
     uuid_prefix_range,
+    when_ago_html,
     when_html,
 )
 from accs_site.redaction import keep_secrets, redact_params
@@ -381,9 +379,8 @@ class JobAdmin(RedriveAdmin):
             path, json.dumps(params.get("args", [])), json.dumps(redact_params(params.get("kwargs", {}))), returned)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
-        # Ages and durations by the database's clock, the one that stamped the times.
+        # Durations by the database's clock, the one that stamped the times.
         return super().get_queryset(request).annotate(
-            age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
             run_interval=run_interval(),
             tasks_share=job_progress_subquery(),
             failed_task=failed_task_subquery(),
@@ -471,9 +468,7 @@ class JobAdmin(RedriveAdmin):
 
     @admin.display(description="age", ordering="-created_at")
     def age(self, obj: Job) -> str:
-        interval = getattr(obj, "age_interval", None)
-        return format_html('<span title="created {}">{}</span>', obj.created_at.isoformat(timespec="seconds"),
-                           human_age(interval.total_seconds()) if interval is not None else "—")
+        return when_ago_html(obj.created_at)
 
     @admin.display(description="duration")
     def duration(self, obj: Job) -> str:
@@ -775,20 +770,11 @@ class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
 
     @admin.display(description="next run", ordering="next_run_at")
     def next_run(self, obj: Trigger) -> str:
-        if obj.next_run_at is None:
-            return "—"
-        ahead = (obj.next_run_at - timezone.now()).total_seconds()
-        text = f"in {human_age(ahead)}" if ahead >= 0 else f"due {human_age(-ahead)} ago"
-        return format_html('<span title="{}" style="white-space:nowrap">{}</span>',
-                           obj.next_run_at.isoformat(timespec="seconds"), text)
+        return when_ago_html(obj.next_run_at)
 
     @admin.display(description="last fired", ordering="last_fired_at")
     def last_fired(self, obj: Trigger) -> str:
-        if obj.last_fired_at is None:
-            return "never"
-        return format_html('<span title="{}" style="white-space:nowrap">{} ago</span>',
-                           obj.last_fired_at.isoformat(timespec="seconds"),
-                           human_age((timezone.now() - obj.last_fired_at).total_seconds()))
+        return when_ago_html(obj.last_fired_at, never="never")
 
     @admin.display(description="jobs")
     def fired_jobs(self, obj: Trigger) -> str:
