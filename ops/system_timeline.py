@@ -6,11 +6,13 @@ Four kinds of entry, each linking to what it concerns:
   long it lasted ("database reachable again after 50.5 s"); links to the outage's admin page.
 * ``leader``: another builder took the leadership (``accs_leader_term``); links to the term's page.
 * ``deploy``: a leadership term whose holder names another release than the term before it (builders
-  write their release in their holder, :func:`jobs.leader.default_holder`).
+  write their release in their holder, :func:`jobs.leader.default_holder`), or a node whose agent
+  started on another release than the node last reported (``accs_node_deploy``, written by
+  :func:`nodes.api.register_node`); links to the term's or the node's page.
 * ``pause`` / ``resume`` / ``condition``: a service paused or resumed, a governor condition raised
   (``accs_governor_condition``: one row per condition, its last raise and clear); links to the condition.
 
-Each query reads an index (outages by their end, terms by their start) or the small conditions table,
+Each query reads an index (outages by their end, terms and node deploys by their start) or the small conditions table,
 and every list is capped at ``limit`` entries, so the dashboard and the job page stay fast however
 long the history.
 """
@@ -49,6 +51,13 @@ UNION ALL
 ORDER BY acquired_at
 """
 
+# Nodes' deploys in the window, newest first (node_deploy_started_idx).
+NODE_DEPLOYS_SQL = """
+SELECT node_name, version, previous_version, started_at FROM accs_node_deploy
+ WHERE started_at >= %(since)s AND started_at <= %(until)s
+ ORDER BY started_at DESC LIMIT %(limit)s
+"""
+
 
 @dataclass(frozen=True)
 class SystemEntry:
@@ -66,7 +75,7 @@ def system_timeline(*, since: datetime, until: datetime, limit: int = SYSTEM_TIM
     if until < since:
         raise ValueError(f"a timeline's window must not end ({until}) before it begins ({since})")
     window = {"since": since, "until": until, "limit": limit}
-    entries = [*_outages(window), *_terms(window), *_conditions(since=since, until=until)]
+    entries = [*_outages(window), *_terms(window), *_node_deploys(window), *_conditions(since=since, until=until)]
     return sorted(entries, key=lambda e: e.at, reverse=True)[:limit]
 
 
@@ -95,6 +104,15 @@ def _terms(window: dict) -> list[SystemEntry]:
                                                 f"(was {release_words(holder_version(before))})"))
         before = holder
     return entries
+
+
+def _node_deploys(window: dict) -> list[SystemEntry]:
+    with connection.cursor() as cur:
+        cur.execute(NODE_DEPLOYS_SQL, window)
+        rows = cur.fetchall()
+    return [SystemEntry(at=at, kind="deploy", url=reverse("admin:nodes_node_change", args=[node]),
+                        text=f"node {node} runs ACCS {release_words(version)} (was {release_words(previous)})")
+            for node, version, previous, at in rows]
 
 
 def release_words(version: str) -> str:

@@ -12,8 +12,7 @@ from django.contrib import admin
 from django.db import models
 from django.urls import reverse
 from django.utils import timezone
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from accs_site.admin_kit import display_for_field, when_ago_html, when_text
 from jobs.models import LeaderTerm, Trigger
