@@ -7,8 +7,6 @@ Set ``ACCS_SCREENSHOT_DIR=docs/screenshots`` to refresh the screenshots docs/ope
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from tests.browser import css, full_page_screenshot, log_in, wait
