@@ -486,8 +486,9 @@ def display_for_field(value: Any, field: Any, empty_value_display: str, **option
 def show_times_one_way() -> None:
     """Make Django's own date columns (every changelist, every read-only field, Django's own models too) use
     :func:`display_for_field`: Django formats them in its locale's way in exactly these two places."""
-    admin_list.display_for_field = display_for_field
-    helpers.display_for_field = display_for_field
+    # Both modules import Django's function by name; their stubs do not declare it.
+    admin_list.display_for_field = display_for_field  # type: ignore[attr-defined]
+    helpers.display_for_field = display_for_field  # type: ignore[attr-defined]
 
 
 def status_pill(status: str, *, extra: str = "", label: str | None = None) -> str:

@@ -59,8 +59,10 @@ def _ids(db_url: str) -> dict[str, str]:
         failed = conn.execute("SELECT id FROM accs_task WHERE status = 'error' ORDER BY id LIMIT 1").fetchone()
         node = conn.execute("SELECT name FROM accs_node ORDER BY name LIMIT 1").fetchone()
         wf = conn.execute("SELECT name, version FROM accs_workflow ORDER BY name LIMIT 1").fetchone()
+        service = conn.execute("SELECT id FROM accs_service ORDER BY key LIMIT 1").fetchone()
     return {"job": str(big[0]), "task": str(task[0]), "failed_task": str(failed[0]) if failed else str(task[0]),
-            "node": node[0], "workflow": f"{wf[0]}/{wf[1]}" if wf else ""}
+            "node": node[0], "workflow": f"{wf[0]}/{wf[1]}" if wf else "",
+            "service": str(service[0]) if service else "0"}
 
 
 def _pages(ids: dict[str, str]) -> list[tuple[str, str, str]]:
@@ -80,6 +82,9 @@ def _pages(ids: dict[str, str]) -> list[tuple[str, str, str]]:
         ("task page", f"/admin/jobs/task/{ids['task']}/change/", "admin"),
         ("task page (dead letter)", f"/admin/jobs/task/{ids['failed_task']}/change/", "admin"),
         ("attempt list", "/admin/jobs/attempt/", "admin"),
+        ("attempt list, one service", f"/admin/jobs/attempt/?service={ids['service']}", "admin"),
+        ("dashboard, 7 d", "/admin/dashboard/?range=7d", "admin"),
+        ("redrive form (dead letters)", "/admin/jobs/task/redrive/", "admin"),
         ("event list", "/admin/events/event/", "admin"),
         ("node list", "/admin/nodes/node/", "admin"),
         ("node page", f"/admin/nodes/node/{ids['node']}/change/", "admin"),

@@ -252,12 +252,13 @@ class RedriveAdmin(PageActionsAdmin):
                 if done.redriven:
                     log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
                         f"{k}={v}" for k, v in flt.describe().items()))
-            yield format_html('<li class="accs-redrive-summary" id="accs-redrive-summary"><b>{}</b></li>', summary)
+            yield format_html('<li class="accs-redrive-summary" id="accs-redrive-summary" style="list-style:none">'
+                              '<b>{}</b></li>', summary)
             yield tail
 
         return StreamingHttpResponse(lines(), content_type="text/html; charset=utf-8")
 
-    def redrive_view(self, request: HttpRequest) -> HttpResponse:
+    def redrive_view(self, request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
         if not self.has_act_permission(request):
             raise PermissionDenied
         allowed = tenant_ids_for(request.user, write=True)

@@ -173,7 +173,7 @@ def _conditions(data: Overview, style: Style) -> list[str]:
         for c in holding:
             until = f"until {when_text(c.expires_at)}" if c.expires_at else "until cleared"
             out(style.WARNING(
-                f"{c.name}: holds since {when_text(c.raised_at)} by {c.raised_by or 'api'},"
+                f"{c.name}: holds since {when_text(c.raised_at) if c.raised_at else '—'} by {c.raised_by or 'api'},"
                 f" {until}{': ' + c.reason if c.reason else ''}"))
     else:
         out("(none holds)")

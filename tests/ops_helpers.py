@@ -171,6 +171,6 @@ def redrive_page(client, url: str, data: dict) -> str:
 
 def redrive_summary_of(page: str) -> str:
     """The summary line of a finished redrive's page."""
-    found = re.search(r'id="accs-redrive-summary"><b>([^<]*)</b>', page)
+    found = re.search(r'id="accs-redrive-summary"[^>]*><b>([^<]*)</b>', page)
     assert found, page[-1500:]
     return found.group(1)
