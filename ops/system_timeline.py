@@ -79,19 +79,21 @@ def system_timeline(*, since: datetime, until: datetime, limit: int = SYSTEM_TIM
     return sorted(entries, key=lambda e: e.at, reverse=True)[:limit]
 
 
-def _outages(window: dict) -> list[SystemEntry]:
+def _read(sql: str, window: dict) -> list[tuple]:
     with connection.cursor() as cur:
-        cur.execute(OUTAGES_SQL, window)
-        rows = cur.fetchall()
+        cur.execute(sql, window)
+        return cur.fetchall()
+
+
+def _outages(window: dict) -> list[SystemEntry]:
+    rows = _read(OUTAGES_SQL, window)
     return [SystemEntry(at=began, kind="outage", url=reverse("admin:jobs_outage_change", args=[pk]),
                         text=f"PostgreSQL out of reach ({cause}): {outage_words(began_at=began, ended_at=ended)}")
             for pk, began, ended, cause in rows]
 
 
 def _terms(window: dict) -> list[SystemEntry]:
-    with connection.cursor() as cur:
-        cur.execute(TERMS_SQL, window)
-        rows = cur.fetchall()  # oldest first; the first may be the term before the window
+    rows = _read(TERMS_SQL, window)  # oldest first; the first may be the term before the window
     entries, before = [], None
     for fence, holder, acquired in rows:
         if acquired >= window["since"]:
@@ -107,9 +109,7 @@ def _terms(window: dict) -> list[SystemEntry]:
 
 
 def _node_deploys(window: dict) -> list[SystemEntry]:
-    with connection.cursor() as cur:
-        cur.execute(NODE_DEPLOYS_SQL, window)
-        rows = cur.fetchall()
+    rows = _read(NODE_DEPLOYS_SQL, window)
     return [SystemEntry(at=at, kind="deploy", url=reverse("admin:nodes_node_change", args=[node]),
                         text=f"node {node} runs ACCS {release_words(version)} (was {release_words(previous)})")
             for node, version, previous, at in rows]
