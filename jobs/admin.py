@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 from uuid import UUID
@@ -29,8 +30,6 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import (
     BinaryField,
     Case,
-    DurationField,
-    ExpressionWrapper,
     F,
     ForeignKey,
     Func,
@@ -42,8 +41,7 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Now
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
+from django.http import HttpRequest, HttpResponse, QueryDict, StreamingHttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
@@ -69,6 +67,7 @@ from accs_site.admin_kit import (
     status_pill,
     uuid_or_none,
     uuid_prefix_range,
+    when_ago_html,
     when_html,
 )
 from accs_site.redaction import keep_secrets, redact_params
@@ -192,6 +191,15 @@ def redrive_summary(done: redrive.RedriveResult, *, seconds: float) -> str:
             f"of up to {REDRIVE_BATCH}, {seconds:.1f} s")
 
 
+def redrive_batch_line(done: redrive.RedriveResult, *, seconds: float) -> str:
+    """One batch of a redrive as it committed: the running totals, and a script moving the progress bar."""
+    return format_html(
+        '<li class="accs-redrive-batch">batch {}: {} taken in so far, {} redriven, {} skipped, {} s</li>'
+        '<script>document.getElementById("accs-redrive-bar").value = {};'
+        'document.getElementById("accs-redrive-done").textContent = "{}";</script>\n',
+        done.batches, done.matched, done.redriven, done.skipped, f"{seconds:.1f}", done.matched, done.matched)
+
+
 class RedriveAdmin(PageActionsAdmin):
     """A list with "Redrive all matching…": a form with the list's current filters, the dry-run
     count, then the redrive on confirmation (:mod:`jobs.redrive`), reported with ``message_user``."""
@@ -219,7 +227,38 @@ class RedriveAdmin(PageActionsAdmin):
             initial["tenant"] = str(tenant)
         return initial
 
-    def redrive_view(self, request: HttpRequest) -> HttpResponse:
+    def _redrive_progress(self, request: HttpRequest, flt: redrive.RedriveFilter,
+                          batches: Iterator[redrive.RedriveResult], *, matched: int) -> StreamingHttpResponse:
+        """Answer a confirmed redrive with a page that grows a line per batch as it commits, then the
+        summary. The batches run while the page is sent: a browser that goes away stops the redrive
+        after the batch in hand (whole), and what was done is still logged."""
+        back = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
+        back = f"{back}?{request.GET.urlencode()}" if request.GET else back
+        page = TemplateResponse(request, "admin/jobs/redrive_progress.html", {
+            **self.admin_site.each_context(request), "opts": self.opts, "title": "Redrive in progress",
+            "noun": "failed job(s)" if self.redrive_jobs else "dead-lettered task(s)", "matched": matched,
+            "batch": REDRIVE_BATCH, "back": back}).rendered_content
+        head, tail = page.split("<!--ACCS_BATCHES-->", 1)
+
+        def lines() -> Iterator[str]:
+            started, done = time.monotonic(), redrive.RedriveResult()
+            yield head
+            try:
+                for done in batches:
+                    yield redrive_batch_line(done, seconds=time.monotonic() - started)
+            finally:
+                # Also when the browser went away (the server closes this iterator): what was done is logged.
+                summary = redrive_summary(done, seconds=time.monotonic() - started)
+                if done.redriven:
+                    log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
+                        f"{k}={v}" for k, v in flt.describe().items()))
+            yield format_html('<li class="accs-redrive-summary" id="accs-redrive-summary" style="list-style:none">'
+                              '<b>{}</b></li>', summary)
+            yield tail
+
+        return StreamingHttpResponse(lines(), content_type="text/html; charset=utf-8")
+
+    def redrive_view(self, request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
         if not self.has_act_permission(request):
             raise PermissionDenied
         allowed = tenant_ids_for(request.user, write=True)
@@ -232,16 +271,10 @@ class RedriveAdmin(PageActionsAdmin):
             flt = form.to_filter(jobs=self.redrive_jobs)
             try:
                 if "confirm" in request.POST:
-                    started = time.monotonic()
-                    done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed, batch=REDRIVE_BATCH)
-                    summary = redrive_summary(done, seconds=time.monotonic() - started)
-                    self.message_user(request, summary, messages.SUCCESS if not done.skipped else messages.WARNING)
-                    if done.redriven:
-                        log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
-                            f"{k}={v}" for k, v in flt.describe().items()))
-                    # Back to the list as it was filtered when the operator asked (the form's query).
-                    back = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
-                    return HttpResponseRedirect(f"{back}?{request.GET.urlencode()}" if request.GET else back)
+                    batches = redrive.redrive_batches(flt, by=actor(request), tenant_ids=allowed,
+                                                      batch=REDRIVE_BATCH)
+                    return self._redrive_progress(request, flt, batches, matched=redrive.count(flt,
+                                                                                              tenant_ids=allowed))
                 matched = redrive.count(flt, tenant_ids=allowed)
             except DefinitionError as exc:
                 for problem in exc.problems:
@@ -381,9 +414,8 @@ class JobAdmin(RedriveAdmin):
             path, json.dumps(params.get("args", [])), json.dumps(redact_params(params.get("kwargs", {}))), returned)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
-        # Ages and durations by the database's clock, the one that stamped the times.
+        # Durations by the database's clock, the one that stamped the times.
         return super().get_queryset(request).annotate(
-            age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
             run_interval=run_interval(),
             tasks_share=job_progress_subquery(),
             failed_task=failed_task_subquery(),
@@ -471,9 +503,7 @@ class JobAdmin(RedriveAdmin):
 
     @admin.display(description="age", ordering="-created_at")
     def age(self, obj: Job) -> str:
-        interval = getattr(obj, "age_interval", None)
-        return format_html('<span title="created {}">{}</span>', obj.created_at.isoformat(timespec="seconds"),
-                           human_age(interval.total_seconds()) if interval is not None else "—")
+        return when_ago_html(obj.created_at)
 
     @admin.display(description="duration")
     def duration(self, obj: Job) -> str:
@@ -775,20 +805,11 @@ class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
 
     @admin.display(description="next run", ordering="next_run_at")
     def next_run(self, obj: Trigger) -> str:
-        if obj.next_run_at is None:
-            return "—"
-        ahead = (obj.next_run_at - timezone.now()).total_seconds()
-        text = f"in {human_age(ahead)}" if ahead >= 0 else f"due {human_age(-ahead)} ago"
-        return format_html('<span title="{}" style="white-space:nowrap">{}</span>',
-                           obj.next_run_at.isoformat(timespec="seconds"), text)
+        return when_ago_html(obj.next_run_at)
 
     @admin.display(description="last fired", ordering="last_fired_at")
     def last_fired(self, obj: Trigger) -> str:
-        if obj.last_fired_at is None:
-            return "never"
-        return format_html('<span title="{}" style="white-space:nowrap">{} ago</span>',
-                           obj.last_fired_at.isoformat(timespec="seconds"),
-                           human_age((timezone.now() - obj.last_fired_at).total_seconds()))
+        return when_ago_html(obj.last_fired_at, never="never")
 
     @admin.display(description="jobs")
     def fired_jobs(self, obj: Trigger) -> str:
