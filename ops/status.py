@@ -170,8 +170,8 @@ def _paused_tenants(data: Overview, style: Style) -> list[str]:
         return lines
     _heading(lines.append, style, "Paused tenants")
     for p in data.paused_tenants:
-        until = f"until {timezone.localtime(p.expires_at):%Y-%m-%d %H:%M}" if p.expires_at else "until resumed"
-        since = f" at {timezone.localtime(p.raised_at):%Y-%m-%d %H:%M:%S}" if p.raised_at else ""
+        until = f"until {when_text(p.expires_at)}" if p.expires_at else "until resumed"
+        since = f" at {when_text(p.raised_at)}" if p.raised_at else ""
         lines.append(style.WARNING(f"{p.tenant}: paused by {p.raised_by or 'api'}{since}, {until}: {p.reason}"))
     return lines
 
