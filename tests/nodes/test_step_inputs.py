@@ -18,7 +18,7 @@ from jobs.models import Job, JobStep, Task
 from jobs.transitions import Outcome
 from nodes.executors import output_violation
 from nodes.models import Host, Node
-from tests.daemons import wait_all_final
+from tests.daemons import agent_in_this_process, wait_all_final
 from tests.engine_helpers import claim_for
 from workflows.api import create_workflow
 
@@ -259,8 +259,6 @@ def test_an_agent_hands_its_claims_tasks_their_inputs_from_one_read_and_no_worke
     """The claim's tasks get their parents' outputs from one batch read in the agent's loop: with the
     one pooled connection, a read per worker queued every attempt (and the next report) behind the
     others. A worker's own read is made to fail here: the children still receive their inputs."""
-    from django.db import connections
-
     from nodes import agent as agent_module
     from nodes.agent import Agent
 
@@ -278,19 +276,10 @@ def test_an_agent_hands_its_claims_tasks_their_inputs_from_one_read_and_no_worke
         raise AssertionError(f"a worker read its own inputs (task {task_id})")
 
     monkeypatch.setattr(agent_module, "step_context", no_reads_in_workers)
-    settings = connections.settings["default"]
-    saved, saved_options = dict(settings), dict(settings.setdefault("OPTIONS", {}))
-    try:
-        for _ in ("one", "two"):  # a run with --once ends when the queue is empty: the second runs step two
-            agent = Agent(node="batch-node", services=["batch-in"], max_concurrent=8, once=True, lease_seconds=30)
+    for _ in ("one", "two"):  # a run with --once ends when the queue is empty: the second runs step two
+        agent = Agent(node="batch-node", services=["batch-in"], max_concurrent=8, once=True, lease_seconds=30)
+        with agent_in_this_process():
             assert agent.run() == 0
-    finally:  # the agent gave this process's connections the daemons' timeouts and its pool: take them back
-        settings["OPTIONS"].clear()
-        settings["OPTIONS"].update(saved_options)
-        settings.update({k: v for k, v in saved.items() if k != "OPTIONS"})
-        if "DISABLE_SERVER_SIDE_CURSORS" not in saved:
-            settings.pop("DISABLE_SERVER_SIDE_CURSORS", None)
-        connections.close_all()
     tasks = Task.objects.filter(job=job)
     assert {(t.step_key, t.status) for t in tasks} == {("one", "done"), ("two", "done")}, [
         (t.task_key, t.status, t.error_message) for t in tasks]
