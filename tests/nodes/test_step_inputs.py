@@ -12,12 +12,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions, verbs
 from jobs.claim import NodeLimits
-from jobs.inputs import step_context
+from jobs.inputs import step_context, step_contexts
+from jobs.locks import is_lock_timeout
 from jobs.models import Job, JobStep, Task
 from jobs.transitions import Outcome
 from nodes.executors import output_violation
 from nodes.models import Host, Node
-from tests.daemons import wait_all_final
+from tests.daemons import agent_in_this_process, wait_all_final
 from tests.engine_helpers import claim_for
 from workflows.api import create_workflow
 
@@ -152,6 +153,11 @@ def test_a_task_receives_each_parents_output_and_a_fanned_parents_outputs_in_tas
         found = step_context(child.id)
         assert found.inputs == {"single": tasks.get(step_key="single").results, "many": fanned}
         assert found.output_schema is None
+    # The batch read an agent makes of a claim's tasks gives each what its own read gives; a task that
+    # is gone is left out.
+    every = list(Task.objects.filter(job__in=jobs).values_list("id", flat=True))
+    gone = uuid.uuid4()
+    assert step_contexts([*every, gone], lock_wait=5) == {task_id: step_context(task_id) for task_id in every}
 
 
 def _expected_inputs(job: Job) -> dict:
@@ -245,3 +251,55 @@ def test_output_violation_never_quotes_a_secret_output():
     outcome = Outcome(task_id="t", attempt=1, status="succeeded", results={"n": 1, "api_token": "hunter2-long"})
     failed = output_violation(outcome, {"type": "object", "properties": {"api_token": {"type": "integer"}}})
     assert failed.status == "failed" and "hunter2" not in failed.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_hands_its_claims_tasks_their_inputs_from_one_read_and_no_worker_queries_them(
+        make_service, monkeypatch):
+    """The claim's tasks get their parents' outputs from one batch read in the agent's loop: with the
+    one pooled connection, a read per worker queued every attempt (and the next report) behind the
+    others. A worker's own read is made to fail here: the children still receive their inputs."""
+    from nodes import agent as agent_module
+    from nodes.agent import Agent
+
+    make_service("batch-in", executor_config={"callable": "tests.callables:inputs_of"},
+                 params_schema={"type": "object", "properties": {"parents": {"type": "array"}}})
+    node = Node.objects.create(name="batch-node")
+    names = [Host.objects.create(name=f"batch-h{i}", node=node).name for i in range(3)]
+    create_workflow(name="batch-flow", steps=[
+        {"key": "one", "service": "batch-in", "fan_out": "hosts"},
+        {"key": "two", "service": "batch-in", "fan_out": "hosts", "depends_on": ["one"]}])
+    job = api.start_workflow("batch-flow", options={"hosts": names})
+    transitions.start_due_jobs(limit=10)
+
+    def no_reads_in_workers(task_id):
+        raise AssertionError(f"a worker read its own inputs (task {task_id})")
+
+    monkeypatch.setattr(agent_module, "step_context", no_reads_in_workers)
+    for _ in ("one", "two"):  # a run with --once ends when the queue is empty: the second runs step two
+        agent = Agent(node="batch-node", services=["batch-in"], max_concurrent=8, once=True, lease_seconds=30)
+        with agent_in_this_process():
+            assert agent.run() == 0
+    tasks = Task.objects.filter(job=job)
+    assert {(t.step_key, t.status) for t in tasks} == {("one", "done"), ("two", "done")}, [
+        (t.task_key, t.status, t.error_message) for t in tasks]
+    parents = [t.results for t in tasks.filter(step_key="one").order_by("id")]
+    for child in tasks.filter(step_key="two"):
+        assert child.results["inputs"] == {"one": parents}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_batch_read_of_inputs_gives_up_on_a_held_lock_instead_of_holding_up_the_agent(make_service, db_url):
+    """The agent's loop must not wait behind a lock for its claim's inputs: the batch read's wait is
+    bounded (its tasks then read their own, in their workers)."""
+    import psycopg
+
+    make_service("locked-in")
+    job = api.start_service("locked-in")
+    task = Task.objects.get(job=job)
+    with psycopg.connect(db_url) as blocker:
+        blocker.execute("LOCK TABLE accs_workflow IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(Exception) as raised:
+            step_contexts([task.id], lock_wait=0.2)
+        assert is_lock_timeout(raised.value), raised.value
+    assert step_contexts([task.id], lock_wait=0.2) == {task.id: step_context(task.id)}
