@@ -258,3 +258,16 @@ def sha256_of(fileobj: IO[bytes]) -> tuple[str, int]:
         size += len(chunk)
     fileobj.seek(start)
     return f"sha256:{digest.hexdigest()}", size
+
+
+def __getattr__(name: str) -> Any:
+    """``events.storage.ArtifactStorage`` still resolves (it moved to :mod:`events.s3_backend`), with a warning."""
+    if name == "ArtifactStorage":
+        import warnings
+
+        from events.s3_backend import ArtifactStorage
+
+        warnings.warn("events.storage.ArtifactStorage moved to events.s3_backend.ArtifactStorage; "
+                      "the old name goes in 0.3", DeprecationWarning, stacklevel=2)
+        return ArtifactStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
