@@ -440,6 +440,14 @@ class Attempt(models.Model):
     stdout_tail = models.TextField(blank=True, default="")
     stderr_tail = models.TextField(blank=True, default="")
     error_text = models.TextField(blank=True, default="")
+    # The task's service and tenant, copied when the attempt is written (the database's trigger
+    # accs_attempt_copy_task_refs fills them for every writer, the previous release's too), so the
+    # rates and the attempts list by service read attempts alone. NULL only on attempts written before
+    # the copy existed, until ``manage.py accs_attempt_refs`` fills them (jobs.attempt_refs).
+    service = models.ForeignKey("workflows.Service", on_delete=models.DO_NOTHING, null=True, blank=True,
+                                related_name="+", db_index=False, db_constraint=False, editable=False)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.DO_NOTHING, null=True, blank=True,
+                               related_name="+", db_index=False, db_constraint=False, editable=False)
 
     class Meta:
         db_table = "accs_attempt"
@@ -449,6 +457,14 @@ class Attempt(models.Model):
             models.Index(fields=["started_at"], name="attempt_started_idx"),
             # The attempts list filtered by node, newest first.
             models.Index(fields=["node", "id"], name="attempt_node_idx"),
+            # The dashboard's rates and charts (ops.rates, ops.charts): the range's newest attempts with
+            # what they are counted by, an index-only read.
+            models.Index(fields=["started_at"], include=["node", "status", "service", "tenant"],
+                         name="attempt_started_refs_idx"),
+            # The attempts list filtered by service, newest first.
+            models.Index(fields=["service", "id"], name="attempt_service_idx"),
+            # The attempts whose service and tenant are not copied yet (jobs.attempt_refs): empty once filled.
+            models.Index(fields=["id"], condition=Q(service__isnull=True), name="attempt_refs_missing_idx"),
         ]
         constraints = [
             _choices_check("status", AttemptStatus, "attempt_status_valid"),
