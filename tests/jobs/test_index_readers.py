@@ -337,7 +337,7 @@ PLANS = [
     ("jobs of a workflow (search, delete)", _jobs_of_workflow, ["job_workflow_idx"]),
     ("rates: the range's first and last attempt", _rates_bounds, [("attempt_started_idx", "attempt_started_refs_idx")]),
     ("rates of one node", _rates_of_node, ["attempt_node_idx"]),
-    ("rates of every node", _rates_of_every_node, ["attempt_started_refs_idx"]),
+    ("rates of every node", _rates_of_every_node, [("attempt_started_refs_idx", "attempt_started_idx")]),
     ("attempts list by service", _attempts_of_service, ["attempt_service_idx"]),
     ("attempts list by node", _attempts_of_node, ["attempt_node_idx"]),
     ("attempts list by time range", _attempts_in_range, [("attempt_started_idx", "attempt_started_refs_idx")]),
