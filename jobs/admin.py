@@ -27,20 +27,7 @@ from uuid import UUID
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import (
-    BinaryField,
-    Case,
-    F,
-    ForeignKey,
-    Func,
-    JSONField,
-    OuterRef,
-    Q,
-    QuerySet,
-    Subquery,
-    Value,
-    When,
-)
+from django.db.models import Case, F, ForeignKey, Func, JSONField, OuterRef, Q, QuerySet, Subquery, Value, When
 from django.http import HttpRequest, HttpResponse, QueryDict, StreamingHttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -73,8 +60,10 @@ from accs_site.admin_kit import (
 from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
 from jobs.models import (
+    SHORT_ID_BYTES,
     ApprovalState,
     Attempt,
+    IdEnd,
     Job,
     JobStatus,
     LeaderTerm,
@@ -322,34 +311,21 @@ def jobs_with_error(term: str, *, tenant_ids: set[UUID] | None) -> QuerySet:
         Task.objects.filter(has_error).order_by().values_list("job_id", flat=True), all=True)
 
 
-class IdEnd(Func):
-    """The last ``size`` bytes of a uuid column (where a short id is), as ``bytea``."""
-
-    output_field = BinaryField()
-
-    def __init__(self, field: str, *, size: int) -> None:
-        super().__init__(F(field), template=f"substring(uuid_send(%(expressions)s) FROM {17 - size})")
-
-
-#: A short id is looked for among the ids made this long ago or later first (the jobs operators
-#: search for are recent ones), then among all of them.
-SHORT_ID_RECENT = timedelta(days=1)
-
-
 def ids_ending(model: type[Job] | type[Task], tail: bytes) -> list[UUID]:
-    """Return the ids of ``model``'s rows that end with the bytes ``tail`` (a short id).
+    """Return the ids of ``model``'s rows that end with the bytes ``tail`` (a short id or longer).
 
-    No index holds ids by their end. The recent ids are a range of the primary key (ids are
-    time-ordered), read first; only when none of them matches is every id read (about a second
-    for a million rows). The ids are looked up before the list's query, which then stays a
-    primary-key lookup: as a filter of that query, the planner would walk the list's order index
-    through the whole table expecting an early match.
+    ``job_short_id_idx`` / ``task_short_id_idx`` hold the ids by their last SHORT_ID_BYTES bytes
+    (the short form shown), so this is one index probe; a longer tail (an id's whole last group) is
+    probed by its last bytes and checked whole. The ids are looked up before the list's query,
+    which then stays a primary-key lookup: as a filter of that query, the planner would walk the
+    list's order index through the whole table expecting an early match.
     """
-    rows = model.objects.alias(id_end=IdEnd("id", size=len(tail))).filter(id_end=tail)
-    now = timezone.now()
-    lo, hi = ids.id_range(now - SHORT_ID_RECENT, now + timedelta(minutes=1))
-    found = list(rows.filter(pk__gte=lo, pk__lte=hi).values_list("pk", flat=True)[:100])
-    return found or list(rows.values_list("pk", flat=True)[:100])
+    if len(tail) < SHORT_ID_BYTES:
+        raise ValueError(f"a short id is at least {SHORT_ID_BYTES} bytes, not {len(tail)}")
+    rows = model.objects.alias(id_end=IdEnd("id")).filter(id_end=tail[-SHORT_ID_BYTES:])
+    if len(tail) > SHORT_ID_BYTES:
+        rows = rows.alias(id_tail=IdEnd("id", size=len(tail))).filter(id_tail=tail)
+    return list(rows.values_list("pk", flat=True)[:100])
 
 
 @admin.register(Job)
