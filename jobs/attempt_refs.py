@@ -1,7 +1,7 @@
 """The service and tenant an attempt carries (its task's, copied when it is written), and the filling of
 attempts written before the copy existed.
 
-The database's trigger ``accs_attempt_copy_task_refs`` (migration jobs.0037) copies them on every insert,
+The database's trigger ``accs_attempt_copy_task_refs`` (migration jobs.0038) copies them on every insert,
 whoever inserts. Attempts older than it are filled by :func:`fill_missing`, in small batches each in its
 own transaction (``manage.py accs_attempt_refs``), never one long UPDATE holding the rows' locks against
 the running daemons. Until none is missing, :func:`refs_complete` says so and the readers count through

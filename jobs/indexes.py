@@ -81,8 +81,6 @@ READERS: dict[str, dict[str, str]] = {
         "attempt_started_idx": "ops.rates.RATES_SQL (success and failure per node and service over a time "
                                "range); the attempts list's time range (ops.timerange.TimeRangeFilter)",
         "attempt_node_idx": "the attempts list filtered by node, newest first (ops.admin.AttemptNodeFilter)",
-        "attempt_started_refs_idx": "ops.rates.RATES_SQL over every node once attempts carry their service and "
-                                    "tenant (jobs.attempt_refs): the range's newest attempts, index-only",
         "attempt_service_idx": "the attempts list filtered by service, newest first (ops.admin.AttemptServiceFilter)",
         "attempt_refs_missing_idx": "jobs.attempt_refs: whether any attempt lacks its copy, and the fill's batches "
                                     "(empty once filled)",

@@ -457,10 +457,6 @@ class Attempt(models.Model):
             models.Index(fields=["started_at"], name="attempt_started_idx"),
             # The attempts list filtered by node, newest first.
             models.Index(fields=["node", "id"], name="attempt_node_idx"),
-            # The dashboard's rates and charts (ops.rates, ops.charts): the range's newest attempts with
-            # what they are counted by, an index-only read.
-            models.Index(fields=["started_at"], include=["node", "status", "service", "tenant"],
-                         name="attempt_started_refs_idx"),
             # The attempts list filtered by service, newest first.
             models.Index(fields=["service", "id"], name="attempt_service_idx"),
             # The attempts whose service and tenant are not copied yet (jobs.attempt_refs): empty once filled.

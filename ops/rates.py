@@ -51,7 +51,7 @@ ONE_NODE = ("a.node = %(node)s AND a.id BETWEEN %(lo)s AND %(hi)s", "a.id DESC")
 RATES_SQL = """
 -- The range's newest attempts (see EVERY_NODE and ONE_NODE), at most the sample, then counted per node
 -- and per service (a grouping set each). The service and tenant are the attempt's own copy of its task's
--- (ATTEMPT_REFS: attempt_started_refs_idx alone answers), or its task's while some attempts lack the copy
+-- (ATTEMPT_REFS: the attempts alone, heap rows in start order), or its task's while some attempts lack the copy
 -- (TASK_REFS: one primary-key lookup per attempt; inlined, not materialized, so the planner sees it).
 WITH recent AS NOT MATERIALIZED (
     SELECT a.node, a.status, {refs} FROM accs_attempt a {join} WHERE {where} ORDER BY {order} LIMIT %(sample)s

@@ -88,7 +88,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
         "EXCLUSIVE is held for milliseconds once granted (it queues behind a long transaction on accs_job)",
     ("jobs", "0026_approval_principals", "adding-foreign-key-constraint"):
         "safe: the new column accs_trigger.updated_by is NULL in every row, so its foreign key validates at once",
-    ("jobs", "0037_attempt_task_refs", HOT_LOCK):
+    ("jobs", "0038_attempt_task_refs", HOT_LOCK):
         "safe: ADD COLUMN service_id and tenant_id (nullable, no default, no foreign key) on accs_attempt change "
         "the catalog only, each in its own transaction; ACCESS EXCLUSIVE is held for milliseconds once granted "
         "(the wait bounded by accs_site.migrate_locks)",

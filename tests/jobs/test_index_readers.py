@@ -335,12 +335,12 @@ PLANS = [
     ("dashboard's dead letters", _dead_letters, ["task_dead_letter_count_idx"]),
     ("jobs of a service (search, delete)", _jobs_of_service, ["job_service_idx"]),
     ("jobs of a workflow (search, delete)", _jobs_of_workflow, ["job_workflow_idx"]),
-    ("rates: the range's first and last attempt", _rates_bounds, [("attempt_started_idx", "attempt_started_refs_idx")]),
+    ("rates: the range's first and last attempt", _rates_bounds, [("attempt_started_idx",)]),
     ("rates of one node", _rates_of_node, ["attempt_node_idx"]),
-    ("rates of every node", _rates_of_every_node, [("attempt_started_refs_idx", "attempt_started_idx")]),
+    ("rates of every node", _rates_of_every_node, [("attempt_started_idx",)]),
     ("attempts list by service", _attempts_of_service, ["attempt_service_idx"]),
     ("attempts list by node", _attempts_of_node, ["attempt_node_idx"]),
-    ("attempts list by time range", _attempts_in_range, [("attempt_started_idx", "attempt_started_refs_idx")]),
+    ("attempts list by time range", _attempts_in_range, [("attempt_started_idx",)]),
     ("tasks list by time range", _tasks_in_range, ["accs_task_pkey"]),
 ]
 

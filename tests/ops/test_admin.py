@@ -450,7 +450,7 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
     assert "accs_attempt_pkey" in plans["recent"], plans["recent"]
     assert "accs_attempt_pkey" in plans["charts"], plans["charts"]
     assert "attempt_started" in plans["rates bounds"], plans["rates bounds"]  # either index on started_at
-    assert "attempt_started_refs_idx" in plans["rates"] and "accs_task" not in plans["rates"], plans["rates"]
+    assert "attempt_started_idx" in plans["rates"] and "accs_task" not in plans["rates"], plans["rates"]
     assert "attempt_started" in plans["rates through tasks"] and "accs_task_pkey" in plans["rates through tasks"], \
         plans["rates through tasks"]
 

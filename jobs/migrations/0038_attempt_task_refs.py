@@ -36,7 +36,7 @@ class Migration(migrations.Migration):
     atomic = False  # one statement per transaction; CREATE INDEX CONCURRENTLY cannot run inside one
 
     dependencies = [
-        ("jobs", "0036_short_id_indexes"),
+        ("jobs", "0037_short_id_indexes"),
         ("tenants", "0001_initial"),
         ("workflows", "0001_initial"),
     ]
@@ -61,11 +61,6 @@ class Migration(migrations.Migration):
             model_name="attempt",
             index=models.Index(fields=["id"], condition=models.Q(service__isnull=True),
                                name="attempt_refs_missing_idx"),
-        ),
-        AddIndexConcurrently(
-            model_name="attempt",
-            index=models.Index(fields=["started_at"], include=["node", "status", "service", "tenant"],
-                               name="attempt_started_refs_idx"),
         ),
         AddIndexConcurrently(
             model_name="attempt",

@@ -15,7 +15,7 @@ import jobs.models
 class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run inside a transaction
 
-    dependencies = [("jobs", "0035_host_claim_locks_what_it_takes")]
+    dependencies = [("jobs", "0036_claim_plan_without_stale_statistics")]
 
     operations = [
         AddIndexConcurrently(model_name="job",
