@@ -133,7 +133,7 @@ _bucket_lock = threading.Lock()
 
 @functools.lru_cache(maxsize=8)
 def _storage_for(settings: MinioSettings, bucket: str) -> ArtifactStorage:
-    from events.s3_backend import ArtifactStorage
+    from events.s3_backend import ArtifactStorage  # boto3 loads on first use of storage, not with this module
 
     storage = ArtifactStorage(
         bucket_name=bucket,
@@ -154,7 +154,7 @@ def _storage_for(settings: MinioSettings, bucket: str) -> ArtifactStorage:
 
 
 def _ensure_bucket(storage: S3Storage, *, region: str) -> None:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError  # boto3 loads on first use of storage, not with this module
 
     client = storage.connection.meta.client
     try:
@@ -265,7 +265,7 @@ def __getattr__(name: str) -> Any:
     if name == "ArtifactStorage":
         import warnings
 
-        from events.s3_backend import ArtifactStorage
+        from events.s3_backend import ArtifactStorage  # the old name resolves lazily, as the class now loads
 
         warnings.warn("events.storage.ArtifactStorage moved to events.s3_backend.ArtifactStorage; "
                       "the old name goes in 0.3", DeprecationWarning, stacklevel=2)
