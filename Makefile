@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 
-.PHONY: install db demo serve lint test test-fast test-dj61 bench bench-churn bench-compare bench-keyed bench-history \
+.PHONY: install db demo serve lint test test-fast test-dj61 bench bench-churn bench-compare bench-keyed bench-paused bench-history \
 	bench-cockpit-data bench-cockpit-pages chaos upgrade-drill stop check
 
 $(STAMP): requirements.txt
@@ -97,6 +97,11 @@ bench-churn: db
 # (bench/keyed_claim.py). KEYED_LAYOUTS=full-800,many-keys picks some.
 bench-keyed: db
 	@$(PY) bench/keyed_claim.py
+
+# A paused tenant's 50,000 queued tasks at the head of the order against no pause: what the others'
+# claims pay for it (free and host-bound backlogs): bench/results/paused_claim.json (bench/paused_claim.py).
+bench-paused: db
+	@$(PY) bench/paused_claim.py
 
 # The claim of 64 tasks with 100,000 queued, in a fresh database and beside a finished history (10M events and
 # their jobs, tasks and attempts; about 10 minutes to write on 2 cores): p50/p95 and the ratio history ÷ fresh,

@@ -28,9 +28,12 @@ from uuid import UUID
 from django.contrib import admin, messages
 from django.contrib.admin import ShowFacets, helpers
 from django.contrib.admin.options import IncorrectLookupParameters
+from django.contrib.admin.templatetags import admin_list
+from django.contrib.admin.utils import display_for_field as _django_display_for_field
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
 from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Coalesce, Now
 from django.http import (
@@ -459,6 +462,33 @@ def when_html(value: datetime | None, *, ms: bool = False) -> str:
         return "—"
     return format_html('<time class="accs-when" datetime="{}"{}>{}</time>', value.isoformat(),
                        mark_safe(' data-ms="1"') if ms else "", when_text(value, ms=ms))
+
+
+def when_ago_html(value: datetime | None, *, never: str = "—", note: str = "") -> str:
+    """Render a moment the one way (:func:`when_html`) followed by how long ago it was (or how soon it
+    comes), for columns whose point is the age: ``2026-11-28 13:04:39 UTC · 7 min ago``."""
+    if value is None:
+        return never
+    ahead = (value - timezone.now()).total_seconds()
+    relative = f"in {human_age(ahead)}" if ahead >= 0 else f"{human_age(-ahead)} ago"
+    return format_html('<span class="accs-when-ago">{} <small>· {}</small>{}</span>', when_html(value), relative,
+                       note)
+
+
+def display_for_field(value: Any, field: Any, empty_value_display: str, **options: Any) -> str:
+    """Render a model field's value in an admin list or a read-only form field as Django does, except a
+    moment, which is said the one way (:func:`when_html`) with its zone named and the display-zone picker."""
+    if isinstance(field, models.DateTimeField) and value is not None and not getattr(field, "flatchoices", None):
+        return when_html(value)
+    return _django_display_for_field(value, field, empty_value_display, **options)
+
+
+def show_times_one_way() -> None:
+    """Make Django's own date columns (every changelist, every read-only field, Django's own models too) use
+    :func:`display_for_field`: Django formats them in its locale's way in exactly these two places."""
+    # Both modules import Django's function by name; their stubs do not declare it.
+    admin_list.display_for_field = display_for_field  # type: ignore[attr-defined]
+    helpers.display_for_field = display_for_field  # type: ignore[attr-defined]
 
 
 def status_pill(status: str, *, extra: str = "", label: str | None = None) -> str:

@@ -278,6 +278,17 @@ class AccsSettings:
         return _float("ACC_CLAIM_LOCK_WAIT_SEC", 5.0, minimum=0.01, maximum=3600.0)
 
     @cached_property
+    def migrate_lock_timeout_sec(self) -> float:
+        """How long each statement ``manage.py migrate`` runs waits for a lock before it gives up (and the
+        migration is tried again): the daemons' statements queue behind that wait, so it bounds their stall."""
+        return _float("ACC_MIGRATE_LOCK_TIMEOUT_SEC", 2.0, minimum=0.05, maximum=600.0)
+
+    @cached_property
+    def migrate_lock_tries(self) -> int:
+        """How many times ``manage.py migrate`` tries a migration whose lock wait timed out before it fails."""
+        return _int("ACC_MIGRATE_LOCK_TRIES", 5, minimum=1, maximum=100)
+
+    @cached_property
     def node_lost_after_sec(self) -> float:
         """How long an online node may stay silent before the builder marks it lost."""
         return _float("ACC_NODE_LOST_AFTER_SEC", 600.0, minimum=10.0)

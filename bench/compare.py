@@ -74,7 +74,8 @@ def run_peers() -> None:
     if PEERS_COPY.exists():
         shutil.rmtree(PEERS_COPY)
     shutil.copytree(PEERS_SRC, PEERS_COPY, ignore=shutil.ignore_patterns("results"))
-    env = {**os.environ, "BENCH_REPS": "1"}
+    # The extras include pgbench's enqueue ceiling: one narrow INSERT per autocommitted transaction.
+    env = {**os.environ, "BENCH_REPS": "1", "BENCH_EXTRAS": "1"}
     subprocess.run(["bash", str(PEERS_COPY / "run_all.sh")], cwd=PEERS_COPY, env=env, check=True)
 
 
@@ -103,12 +104,16 @@ def compare(peers_dir: Path) -> dict:
         ratio = round(ours / figures[best_peer], 2) if best_peer and ours else None
         rows.append({"measure": label, "key": key, "higher_is_better": higher, "accs": ours, "peers": figures,
                      "best_peer": best_peer, "ratio_accs_to_best_peer": ratio})
+    ceiling = _dig(peers.get("raw_sql.json", {}), ("extras", "enqueue1_autocommit_insert_c1_10s", "tps"))
+    single = accs.get("enqueue_rate_single")
     measured = accs.get("meta", {}).get("when")  # when bench/run.py ran, not when this rendered
     when = (time.strftime("%Y-%m-%d %H:%M UTC", time.strptime(measured, "%Y-%m-%dT%H:%M:%SZ")) if measured
             else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     return {"when": when,
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
-            "peers_dir": str(peers_dir), "rows": rows}
+            "peers_dir": str(peers_dir), "rows": rows,
+            "ceiling": {"narrow_insert_per_txn_c1_tps": ceiling,
+                        "accs_enqueue_one_by_one_share": round(single / ceiling, 3) if ceiling and single else None}}
 
 
 def table(doc: dict) -> str:
@@ -122,6 +127,14 @@ def table(doc: dict) -> str:
         better = "" if ratio is None else (" (better)" if (ratio > 1) == row["higher_is_better"] and ratio != 1 else "")
         ours = f"{row['accs']:,.1f}" if row["accs"] is not None else "—"
         lines.append(f"| {row['measure']} | {ours} | {peer} | {ratio if ratio is not None else '—'}{better} |")
+    ceiling = doc.get("ceiling") or {}
+    if ceiling.get("narrow_insert_per_txn_c1_tps"):
+        share = ceiling.get("accs_enqueue_one_by_one_share")
+        lines += ["", f"Physical ceiling in the same run: pgbench inserting one narrow row per transaction (one "
+                  f"connection, fsync on) made {ceiling['narrow_insert_per_txn_c1_tps']:,.0f} rows/s; ACCS's "
+                  f"one-by-one enqueue is {share:.0%} of it." if share is not None else
+                  f"Physical ceiling in the same run: pgbench inserting one narrow row per transaction (one "
+                  f"connection, fsync on) made {ceiling['narrow_insert_per_txn_c1_tps']:,.0f} rows/s."]
     return "\n".join(lines)
 
 

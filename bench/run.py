@@ -228,7 +228,9 @@ def fanout(n: int = FANOUT_HOSTS) -> tuple[float, float]:
 
     reset()
     for i in range(2):
-        Node.objects.get_or_create(name=f"bench-{i}")
+        # The nodes' own limits are what agents claim under (a node row's limits win over the agent's
+        # environment): as wide as the agents below, or each node runs 8 tasks at a time (the default).
+        Node.objects.update_or_create(name=f"bench-{i}", defaults={"slot_cap": 1000, "cpu_budget": 1000})
     names = [f"fan-h{i}" for i in range(n)]
     Host.objects.bulk_create([Host(name=name, node_id=f"bench-{i % 2}") for i, name in enumerate(names)])
     if not Workflow.objects.filter(name="bench-fan").exists():

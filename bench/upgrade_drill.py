@@ -12,6 +12,11 @@ keeps its socket); the builders one at a time; the agents one at a time (each dr
 first, then the new code's ``migrate APP MIGRATION`` down to the previous release's migrations, and
 the previous release's ``migrate --check`` must pass and its daemons finish jobs started after it.
 
+With ``--each-migration`` (the test ``tests/system/test_migrations_under_previous_release.py`` runs it
+small) there is no rolling restart: each migration newer than the previous release is applied alone
+(``migrate APP MIGRATION``, in the new code's plan order) while the previous release's daemons work, and
+the old daemons' error lines and blocked statements are counted after each (``per_migration``).
+
 Printed at the end, every gate of which must hold (exit 1 otherwise):
 
 * ``lost``: jobs the API accepted that are missing, or have no task, after the drain;
@@ -31,7 +36,7 @@ Printed at the end, every gate of which must hold (exit 1 otherwise):
 * with ``--rollback``, ``rollback_old_migrate_check_failed`` and ``rollback_no_jobs_after`` (no job
   accepted after the schema went back).
 
-    python bench/upgrade_drill.py [--previous REV] [--rollback] [--keep]
+    python bench/upgrade_drill.py [--previous REV] [--rollback | --each-migration] [--keep]
 """
 
 from __future__ import annotations
@@ -176,9 +181,9 @@ class Web:
 class Load(threading.Thread):
     """Post jobs through the HTTP API at a steady rate; a long one every ``LONG_EVERY_S`` seconds."""
 
-    def __init__(self, url: str, token: str) -> None:
+    def __init__(self, url: str, token: str, *, long_seconds: tuple[float, float] = LONG_SECONDS) -> None:
         super().__init__(name="drill-load", daemon=True)
-        self.url, self.token = url + "/api/v1/jobs", token
+        self.url, self.token, self.long_seconds = url + "/api/v1/jobs", token, long_seconds
         self.stopping = threading.Event()
         self.accepted: list[str] = []
         self.refused: list[str] = []
@@ -205,7 +210,7 @@ class Load(threading.Thread):
         while not self.stopping.is_set():
             if time.monotonic() >= next_long:
                 next_long += LONG_EVERY_S
-                self.post(round(self.rng.uniform(*LONG_SECONDS), 2))
+                self.post(round(self.rng.uniform(*self.long_seconds), 2))
             self.post(round(self.rng.uniform(0.02, 0.3), 3))
             self.stopping.wait(1 / JOBS_PER_SECOND)
 
@@ -293,10 +298,10 @@ class Drill:
         self.env.pop("PYTHONPATH", None)
         self.migrate_env = {**self.env, "ACC_DB_URL": f"{self.cluster.url}?application_name={MIGRATE_APP}"}
         self.builders = [Proc(f"builder-{i}", ["runbuilder", "--tick", "0.5", "--lease-seconds", str(LEASE_SECONDS)],
-                              self.env, self.logs) for i in range(BUILDERS)]
+                              self.env, self.logs) for i in range(args.builders)]
         self.agents = [Proc(f"agent-{i}", ["runagent", "--node", f"drill-{i}", "--services", "drill-work",
-                                           "--max-concurrent", str(SLOTS), "--drain-seconds", "120"],
-                            self.env, self.logs) for i in range(AGENTS)]
+                                           "--max-concurrent", str(args.slots), "--drain-seconds", "120"],
+                            self.env, self.logs) for i in range(args.agents)]
         self.web = Web(self.work, self.env, self.logs)
         self.steps: list[tuple[str, float]] = []
         self.facts: dict[str, object] = {}
@@ -313,6 +318,22 @@ class Drill:
             self._teardown()
 
     def _run(self) -> dict:
+        token = self._start_previous()
+        load = Load(self.web.url, token, long_seconds=tuple(self.args.long_seconds))
+        load.start()
+        say("the previous release is running with a job stream")
+        time.sleep(self.args.warmup)  # the stream builds up history and running long jobs
+        if self.args.each_migration:
+            self._each_migration()
+        else:
+            self._upgrade_and_back(load)
+        load.stopping.set()
+        load.join(timeout=60)
+        self.facts["drained_s"] = self._drain(timeout=self.args.drain_timeout)
+        return self._figures(load)
+
+    def _start_previous(self) -> str:
+        """Start the previous release on a private cluster: migrated, its daemons and web up; return a token."""
         say(f"previous release {self.args.previous} into {self.old.tree}")
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(self.old.tree), self.args.previous],
                        check=True, capture_output=True)
@@ -333,16 +354,41 @@ class Drill:
         wait_for(lambda: http_status(self.web.url + "/api/v1/health") == 200, timeout=60, message="the old web")
         wait_for(lambda: any(log_says(b, "now the leader") for b in self.builders), timeout=60,
                  message="an old builder leading")
-        load = Load(self.web.url, token)
-        load.start()
-        say("the previous release is running with a job stream")
-        time.sleep(self.args.warmup)  # the stream builds up history and running long jobs
+        return token
 
+    def _each_migration(self) -> None:
+        """Apply each newer migration alone under the old daemons; count their errors and waits after each."""
+        self.facts["per_migration"] = []
+        for migration in self._pending_migrations():
+            errors_before, blocked_before = len(self._old_errors()), len(self._old_blocked())
+            t0 = time.monotonic()
+            done = manage(self.new, "migrate", *migration.split("."), "--noinput", env=self.migrate_env, check=False)
+            self.step(f"migrate {migration} (new code, old daemons running)", t0)
+            self._note_lock_waits(done)
+            self.facts["per_migration"].append({
+                "migration": migration, "exit": done.returncode, "seconds": round(time.monotonic() - t0, 1),
+                "old_error_lines": len(self._old_errors()) - errors_before,
+                "old_blocked_over_0_5s": len(self._old_blocked()) - blocked_before,
+                **({"output": (done.stdout + done.stderr)[-1500:]} if done.returncode else {})})
+        self.facts["old_token_after_migrate"] = self._old_token()
+
+    def _note_lock_waits(self, done: subprocess.CompletedProcess) -> None:
+        """Keep migrate's lines about lock waits it gave up and tried again (its lock timeout at work)."""
+        waits = self.facts.setdefault("migrate_lock_waits", [])
+        waits.extend(line.strip() for line in done.stdout.splitlines() if "lock wait over" in line)
+
+    def _pending_migrations(self) -> list[str]:
+        """Return the migrations the new code would apply, ``app.name`` in its plan's order."""
+        plan = manage(self.new, "showmigrations", "--plan", env=self.migrate_env).stdout
+        return [line.split()[-1] for line in plan.splitlines() if line.startswith("[ ]")]
+
+    def _upgrade_and_back(self, load: Load) -> None:
         t0 = time.monotonic()
         done = manage(self.new, "migrate", "--noinput", env=self.migrate_env, check=False)
         if done.returncode:
             raise RuntimeError(f"migrate (new code) failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
         self.step("migrate (new code, old daemons running)", t0)
+        self._note_lock_waits(done)
         self.facts["old_token_after_migrate"] = self._old_token()
 
         self._roll(self.new, t0=time.monotonic())
@@ -353,18 +399,13 @@ class Drill:
             self._roll(self.old, t0=time.monotonic())
             t0 = time.monotonic()
             for app, name in self.facts["previous_migrations"].items():
-                manage(self.new, "migrate", app, name, "--noinput", "-v0", env=self.migrate_env)
+                self._note_lock_waits(manage(self.new, "migrate", app, name, "--noinput", env=self.migrate_env))
             self.step("migrate down (new code's migrate APP MIGRATION), old daemons running", t0)
             check = manage(self.old, "migrate", "--check", env=self.migrate_env, check=False)
             self.facts["rollback_old_migrate_check_exit"] = check.returncode
             self.facts["rollback_accepted_before"] = len(load.accepted)
             time.sleep(self.args.settle)
             self.facts["rollback_accepted_after"] = len(load.accepted) - self.facts["rollback_accepted_before"]
-
-        load.stopping.set()
-        load.join(timeout=60)
-        self.facts["drained_s"] = self._drain(timeout=self.args.drain_timeout)
-        return self._figures(load)
 
     def _roll(self, release: Release, *, t0: float) -> None:
         """The recipe's rolling restart onto ``release``: web reload, builders one by one, agents one by one."""
@@ -422,9 +463,7 @@ class Drill:
         ledger = [line.split() for line in self.ledger.read_text().splitlines() if line.strip()]
         ends = Counter(parts[1] for parts in ledger if parts[0] == "end")
         gaps = [(b[2] - a[3]).total_seconds() for a, b in zip(terms, terms[1:], strict=False)]
-        old_logs = [path for proc in (*self.builders, *self.agents) for rel, path in proc.log_files if rel == "old"]
-        errors = [line for path in old_logs for line in _error_lines(path)]
-        blocked = [m.group(0) for m in BLOCKED.finditer(self.cluster.server_log()) if m.group("app") != MIGRATE_APP]
+        errors, blocked = self._old_errors(), self._old_blocked()
         gates = {
             "lost": missing + no_task,
             "run_twice": sum(1 for n in ends.values() if n > 1) + succeeded_twice
@@ -440,7 +479,9 @@ class Drill:
         if self.args.rollback:
             gates["rollback_old_migrate_check_failed"] = int(self.facts["rollback_old_migrate_check_exit"] != 0)
             gates["rollback_no_jobs_after"] = int(not self.facts["rollback_accepted_after"])
-        if self.facts.get("new_ready") != 200:
+        if self.args.each_migration:
+            gates["migrate_failed"] = sum(1 for m in self.facts["per_migration"] if m["exit"])
+        elif self.facts.get("new_ready") != 200:
             gates["new_web_not_ready"] = 1
         return {
             "previous_release": self.args.previous, "passed": all(v == 0 for v in gates.values()), "gates": gates,
@@ -452,6 +493,15 @@ class Drill:
             "rolled_back_to": self.facts["previous_migrations"] if self.args.rollback else None,
             "logs": str(self.logs) if self.args.keep else None,
         }
+
+    def _old_errors(self) -> list[str]:
+        """Error lines in the logs of the daemons started from the previous release."""
+        old_logs = [path for proc in (*self.builders, *self.agents) for rel, path in proc.log_files if rel == "old"]
+        return [line for path in old_logs for line in _error_lines(path)]
+
+    def _old_blocked(self) -> list[str]:
+        """The server's lock-wait lines (over 0.5 s) of every session but migrate's own."""
+        return [m.group(0) for m in BLOCKED.finditer(self.cluster.server_log()) if m.group("app") != MIGRATE_APP]
 
     def _teardown(self) -> None:
         self.web.stop()
@@ -488,8 +538,16 @@ def _error_lines(path: Path) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description="ACCS upgrade drill; prints JSON, exits 1 if a gate fails.")
     parser.add_argument("--previous", default=PREVIOUS_RELEASE, help="git revision of the previous release")
-    parser.add_argument("--rollback", action="store_true", default=os.environ.get("DRILL_ROLLBACK") == "1",
-                        help="then roll back to the previous release (code first, then the schema)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--rollback", action="store_true", default=os.environ.get("DRILL_ROLLBACK") == "1",
+                      help="then roll back to the previous release (code first, then the schema)")
+    mode.add_argument("--each-migration", action="store_true",
+                      help="no restart: apply each newer migration alone under the old daemons, checking after each")
+    parser.add_argument("--builders", type=int, default=BUILDERS)
+    parser.add_argument("--agents", type=int, default=AGENTS)
+    parser.add_argument("--slots", type=int, default=SLOTS, help="each agent's --max-concurrent")
+    parser.add_argument("--long-seconds", type=float, nargs=2, default=LONG_SECONDS, metavar=("LOW", "HIGH"),
+                        help="how long the long job (one every few seconds) runs")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds of job stream before migrate")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds of job stream after each switch")
     parser.add_argument("--drain-timeout", type=float, default=120.0)

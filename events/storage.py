@@ -6,9 +6,9 @@ Keys name the job and the task's key, so one job's objects share a prefix::
     outputs/{job_id}/{task_key}/{name}.{ext}
     logs/{job_id}/{task_key}/{name}.jsonl
 
-The backend is django-storages' ``S3Storage`` built from ``accs.minio`` on first use, never at
-import time, and rebuilt when those settings change (tests and daemons call
-``accs_site.conf.reload()``). The bucket is created when it is missing.
+The backend is django-storages' ``S3Storage`` (:mod:`events.s3_backend`, which imports boto3 only
+then) built from ``accs.minio`` on first use, never at import time, and rebuilt when those settings
+change (tests and daemons call ``accs_site.conf.reload()``). The bucket is created when it is missing.
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ import io
 import threading
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 from uuid import UUID
 
-from botocore.exceptions import ClientError
 from django.core.exceptions import ImproperlyConfigured
 from django.core.files import File
-from storages.backends.s3 import S3Storage
 
 from accs_site.conf import MinioSettings, accs
+
+if TYPE_CHECKING:  # boto3 is imported when storage is first used (events.s3_backend), not with this module
+    from storages.backends.s3 import S3Storage
+
+    from events.s3_backend import ArtifactStorage
 
 KIND_PREFIXES = {"input": "inputs", "output": "outputs", "log": "logs"}
 LOG_EXTENSION = "jsonl"
@@ -125,22 +128,13 @@ def build_key(
     return validate_key(f"{KIND_PREFIXES[kind]}/{job}/{task_key}/{name}")
 
 
-class ArtifactStorage(S3Storage):
-    """S3Storage that stores bytes exactly as given."""
-
-    def _get_write_parameters(self, name: str, content: Any = None) -> dict[str, Any]:
-        params = super()._get_write_parameters(name, content)
-        # mimetypes marks "x.tar.gz" as Content-Encoding gzip; HTTP clients would then unzip it on
-        # download and the bytes would no longer match the recorded checksum.
-        params.pop("ContentEncoding", None)
-        return params
-
-
 _bucket_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=8)
 def _storage_for(settings: MinioSettings, bucket: str) -> ArtifactStorage:
+    from events.s3_backend import ArtifactStorage  # boto3 loads on first use of storage, not with this module
+
     storage = ArtifactStorage(
         bucket_name=bucket,
         endpoint_url=settings.endpoint,
@@ -160,6 +154,8 @@ def _storage_for(settings: MinioSettings, bucket: str) -> ArtifactStorage:
 
 
 def _ensure_bucket(storage: S3Storage, *, region: str) -> None:
+    from botocore.exceptions import ClientError  # boto3 loads on first use of storage, not with this module
+
     client = storage.connection.meta.client
     try:
         client.head_bucket(Bucket=storage.bucket_name)
@@ -262,3 +258,16 @@ def sha256_of(fileobj: IO[bytes]) -> tuple[str, int]:
         size += len(chunk)
     fileobj.seek(start)
     return f"sha256:{digest.hexdigest()}", size
+
+
+def __getattr__(name: str) -> Any:
+    """``events.storage.ArtifactStorage`` still resolves (it moved to :mod:`events.s3_backend`), with a warning."""
+    if name == "ArtifactStorage":
+        import warnings
+
+        from events.s3_backend import ArtifactStorage  # the old name resolves lazily, as the class now loads
+
+        warnings.warn("events.storage.ArtifactStorage moved to events.s3_backend.ArtifactStorage; "
+                      "the old name goes in 0.3", DeprecationWarning, stacklevel=2)
+        return ArtifactStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 from uuid import UUID
@@ -26,24 +27,8 @@ from uuid import UUID
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import (
-    BinaryField,
-    Case,
-    DurationField,
-    ExpressionWrapper,
-    F,
-    ForeignKey,
-    Func,
-    JSONField,
-    OuterRef,
-    Q,
-    QuerySet,
-    Subquery,
-    Value,
-    When,
-)
-from django.db.models.functions import Now
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
+from django.db.models import Case, F, ForeignKey, Func, JSONField, OuterRef, Q, QuerySet, Subquery, Value, When
+from django.http import HttpRequest, HttpResponse, QueryDict, StreamingHttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
@@ -69,13 +54,16 @@ from accs_site.admin_kit import (
     status_pill,
     uuid_or_none,
     uuid_prefix_range,
+    when_ago_html,
     when_html,
 )
 from accs_site.redaction import keep_secrets, redact_params
 from jobs import ids, redrive, transitions, triggers
 from jobs.models import (
+    SHORT_ID_BYTES,
     ApprovalState,
     Attempt,
+    IdEnd,
     Job,
     JobStatus,
     LeaderTerm,
@@ -192,6 +180,15 @@ def redrive_summary(done: redrive.RedriveResult, *, seconds: float) -> str:
             f"of up to {REDRIVE_BATCH}, {seconds:.1f} s")
 
 
+def redrive_batch_line(done: redrive.RedriveResult, *, seconds: float) -> str:
+    """One batch of a redrive as it committed: the running totals, and a script moving the progress bar."""
+    return format_html(
+        '<li class="accs-redrive-batch">batch {}: {} taken in so far, {} redriven, {} skipped, {} s</li>'
+        '<script>document.getElementById("accs-redrive-bar").value = {};'
+        'document.getElementById("accs-redrive-done").textContent = "{}";</script>\n',
+        done.batches, done.matched, done.redriven, done.skipped, f"{seconds:.1f}", done.matched, done.matched)
+
+
 class RedriveAdmin(PageActionsAdmin):
     """A list with "Redrive all matching…": a form with the list's current filters, the dry-run
     count, then the redrive on confirmation (:mod:`jobs.redrive`), reported with ``message_user``."""
@@ -219,7 +216,38 @@ class RedriveAdmin(PageActionsAdmin):
             initial["tenant"] = str(tenant)
         return initial
 
-    def redrive_view(self, request: HttpRequest) -> HttpResponse:
+    def _redrive_progress(self, request: HttpRequest, flt: redrive.RedriveFilter,
+                          batches: Iterator[redrive.RedriveResult], *, matched: int) -> StreamingHttpResponse:
+        """Answer a confirmed redrive with a page that grows a line per batch as it commits, then the
+        summary. The batches run while the page is sent: a browser that goes away stops the redrive
+        after the batch in hand (whole), and what was done is still logged."""
+        back = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
+        back = f"{back}?{request.GET.urlencode()}" if request.GET else back
+        page = TemplateResponse(request, "admin/jobs/redrive_progress.html", {
+            **self.admin_site.each_context(request), "opts": self.opts, "title": "Redrive in progress",
+            "noun": "failed job(s)" if self.redrive_jobs else "dead-lettered task(s)", "matched": matched,
+            "batch": REDRIVE_BATCH, "back": back}).rendered_content
+        head, tail = page.split("<!--ACCS_BATCHES-->", 1)
+
+        def lines() -> Iterator[str]:
+            started, done = time.monotonic(), redrive.RedriveResult()
+            yield head
+            try:
+                for done in batches:
+                    yield redrive_batch_line(done, seconds=time.monotonic() - started)
+            finally:
+                # Also when the browser went away (the server closes this iterator): what was done is logged.
+                summary = redrive_summary(done, seconds=time.monotonic() - started)
+                if done.redriven:
+                    log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
+                        f"{k}={v}" for k, v in flt.describe().items()))
+            yield format_html('<li class="accs-redrive-summary" id="accs-redrive-summary" style="list-style:none">'
+                              '<b>{}</b></li>', summary)
+            yield tail
+
+        return StreamingHttpResponse(lines(), content_type="text/html; charset=utf-8")
+
+    def redrive_view(self, request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
         if not self.has_act_permission(request):
             raise PermissionDenied
         allowed = tenant_ids_for(request.user, write=True)
@@ -232,16 +260,10 @@ class RedriveAdmin(PageActionsAdmin):
             flt = form.to_filter(jobs=self.redrive_jobs)
             try:
                 if "confirm" in request.POST:
-                    started = time.monotonic()
-                    done = redrive.redrive(flt, by=actor(request), tenant_ids=allowed, batch=REDRIVE_BATCH)
-                    summary = redrive_summary(done, seconds=time.monotonic() - started)
-                    self.message_user(request, summary, messages.SUCCESS if not done.skipped else messages.WARNING)
-                    if done.redriven:
-                        log_bulk(request, self.model, f"{summary}; filter " + ", ".join(
-                            f"{k}={v}" for k, v in flt.describe().items()))
-                    # Back to the list as it was filtered when the operator asked (the form's query).
-                    back = reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist")
-                    return HttpResponseRedirect(f"{back}?{request.GET.urlencode()}" if request.GET else back)
+                    batches = redrive.redrive_batches(flt, by=actor(request), tenant_ids=allowed,
+                                                      batch=REDRIVE_BATCH)
+                    return self._redrive_progress(request, flt, batches, matched=redrive.count(flt,
+                                                                                              tenant_ids=allowed))
                 matched = redrive.count(flt, tenant_ids=allowed)
             except DefinitionError as exc:
                 for problem in exc.problems:
@@ -289,34 +311,21 @@ def jobs_with_error(term: str, *, tenant_ids: set[UUID] | None) -> QuerySet:
         Task.objects.filter(has_error).order_by().values_list("job_id", flat=True), all=True)
 
 
-class IdEnd(Func):
-    """The last ``size`` bytes of a uuid column (where a short id is), as ``bytea``."""
-
-    output_field = BinaryField()
-
-    def __init__(self, field: str, *, size: int) -> None:
-        super().__init__(F(field), template=f"substring(uuid_send(%(expressions)s) FROM {17 - size})")
-
-
-#: A short id is looked for among the ids made this long ago or later first (the jobs operators
-#: search for are recent ones), then among all of them.
-SHORT_ID_RECENT = timedelta(days=1)
-
-
 def ids_ending(model: type[Job] | type[Task], tail: bytes) -> list[UUID]:
-    """Return the ids of ``model``'s rows that end with the bytes ``tail`` (a short id).
+    """Return the ids of ``model``'s rows that end with the bytes ``tail`` (a short id or longer).
 
-    No index holds ids by their end. The recent ids are a range of the primary key (ids are
-    time-ordered), read first; only when none of them matches is every id read (about a second
-    for a million rows). The ids are looked up before the list's query, which then stays a
-    primary-key lookup: as a filter of that query, the planner would walk the list's order index
-    through the whole table expecting an early match.
+    ``job_short_id_idx`` / ``task_short_id_idx`` hold the ids by their last SHORT_ID_BYTES bytes
+    (the short form shown), so this is one index probe; a longer tail (an id's whole last group) is
+    probed by its last bytes and checked whole. The ids are looked up before the list's query,
+    which then stays a primary-key lookup: as a filter of that query, the planner would walk the
+    list's order index through the whole table expecting an early match.
     """
-    rows = model.objects.alias(id_end=IdEnd("id", size=len(tail))).filter(id_end=tail)
-    now = timezone.now()
-    lo, hi = ids.id_range(now - SHORT_ID_RECENT, now + timedelta(minutes=1))
-    found = list(rows.filter(pk__gte=lo, pk__lte=hi).values_list("pk", flat=True)[:100])
-    return found or list(rows.values_list("pk", flat=True)[:100])
+    if len(tail) < SHORT_ID_BYTES:
+        raise ValueError(f"a short id is at least {SHORT_ID_BYTES} bytes, not {len(tail)}")
+    rows = model.objects.alias(id_end=IdEnd("id")).filter(id_end=tail[-SHORT_ID_BYTES:])
+    if len(tail) > SHORT_ID_BYTES:
+        rows = rows.alias(id_tail=IdEnd("id", size=len(tail))).filter(id_tail=tail)
+    return list(rows.values_list("pk", flat=True)[:100])
 
 
 @admin.register(Job)
@@ -381,9 +390,8 @@ class JobAdmin(RedriveAdmin):
             path, json.dumps(params.get("args", [])), json.dumps(redact_params(params.get("kwargs", {}))), returned)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
-        # Ages and durations by the database's clock, the one that stamped the times.
+        # Durations by the database's clock, the one that stamped the times.
         return super().get_queryset(request).annotate(
-            age_interval=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()),
             run_interval=run_interval(),
             tasks_share=job_progress_subquery(),
             failed_task=failed_task_subquery(),
@@ -471,9 +479,7 @@ class JobAdmin(RedriveAdmin):
 
     @admin.display(description="age", ordering="-created_at")
     def age(self, obj: Job) -> str:
-        interval = getattr(obj, "age_interval", None)
-        return format_html('<span title="created {}">{}</span>', obj.created_at.isoformat(timespec="seconds"),
-                           human_age(interval.total_seconds()) if interval is not None else "—")
+        return when_ago_html(obj.created_at)
 
     @admin.display(description="duration")
     def duration(self, obj: Job) -> str:
@@ -775,20 +781,11 @@ class TriggerAdmin(PageActionsMixin, TenantScopedAdmin):
 
     @admin.display(description="next run", ordering="next_run_at")
     def next_run(self, obj: Trigger) -> str:
-        if obj.next_run_at is None:
-            return "—"
-        ahead = (obj.next_run_at - timezone.now()).total_seconds()
-        text = f"in {human_age(ahead)}" if ahead >= 0 else f"due {human_age(-ahead)} ago"
-        return format_html('<span title="{}" style="white-space:nowrap">{}</span>',
-                           obj.next_run_at.isoformat(timespec="seconds"), text)
+        return when_ago_html(obj.next_run_at)
 
     @admin.display(description="last fired", ordering="last_fired_at")
     def last_fired(self, obj: Trigger) -> str:
-        if obj.last_fired_at is None:
-            return "never"
-        return format_html('<span title="{}" style="white-space:nowrap">{} ago</span>',
-                           obj.last_fired_at.isoformat(timespec="seconds"),
-                           human_age((timezone.now() - obj.last_fired_at).total_seconds()))
+        return when_ago_html(obj.last_fired_at, never="never")
 
     @admin.display(description="jobs")
     def fired_jobs(self, obj: Trigger) -> str:

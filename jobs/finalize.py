@@ -28,7 +28,7 @@ from datetime import datetime
 from uuid import UUID
 
 from events.timeline import EventRow
-from jobs.inputs import parent_outputs, step_field
+from jobs.inputs import GATHERED_OUTPUT, JSONPATH_FUNCTION, parent_outputs, step_field
 from jobs.notify import notify, service_channel
 from jobs.states import JOB_ADMITTED, TASK_HELD, TASK_UNSTARTED, sql_in
 
@@ -74,7 +74,13 @@ SELECT count(DISTINCT id) FROM sk
 RELEASE_STEPS_SQL = f"""
 -- Steps whose tasks are all final, whatever their outcome: their waiting dependents are looked at
 -- once (an unsuccessful step can only promote "always" dependents; the others were skipped).
-UPDATE accs_job_step s SET released = true
+-- Each such step's output is gathered once here, for its dependents' tasks to read from this row (see
+-- jobs.inputs), when the job has another step that could read it.
+UPDATE accs_job_step s
+   SET released = true,
+       output = CASE WHEN EXISTS (SELECT 1 FROM accs_job_step o WHERE o.job_id = s.job_id AND o.step_key <> s.step_key)
+                     THEN (SELECT {GATHERED_OUTPUT} FROM accs_task p
+                            WHERE p.job_id = s.job_id AND p.step_key = s.step_key) END
  WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.released AND {finished("s")} = s.total
    AND s.job_id IN (SELECT id FROM accs_job WHERE id = ANY(%(jobs)s::uuid[]) AND status IN {sql_in(JOB_ADMITTED)})
 RETURNING s.job_id, s.step_key
@@ -94,25 +100,29 @@ CONDITION_SKIP_SQL = f"""
 -- Tasks about to be promoted whose step runs only when a condition over its parents' outputs holds
 -- ("when": a jsonpath predicate, read from the workflow version the job runs on) and it does not
 -- (false, or no boolean at all) are skipped, the condition on the timeline; their dependents then
--- follow the skip rules. Only tasks of workflow steps that have a condition evaluate one.
+-- follow the skip rules. Only tasks of workflow steps that have a condition evaluate one. A stored
+-- condition that is not a jsonpath at all (written past the validator) never holds, and says so.
 WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
 c AS (
-    SELECT w.id, w.job_id, cond.expr
+    SELECT w.id, w.job_id, cond.expr,
+           CASE WHEN {JSONPATH_FUNCTION}(cond.expr) IS NULL THEN 'condition is not a valid jsonpath'
+                ELSE 'condition did not hold' END AS why
       FROM accs_task w JOIN accs_job j ON j.id = w.job_id
      CROSS JOIN LATERAL (SELECT {step_field("w", "j", "when")} #>> '{{}}' AS expr) cond
      WHERE {PROMOTABLE}
        AND cond.expr IS NOT NULL
-       AND NOT coalesce(jsonb_path_match({parent_outputs("w")}, cond.expr::jsonpath, '{{}}'::jsonb, true), false)
+       AND NOT coalesce(jsonb_path_match({parent_outputs("w")}, {JSONPATH_FUNCTION}(cond.expr), '{{}}'::jsonb, true),
+                        false)
 ), sk AS (
     UPDATE accs_task t SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
-           error_message = left('condition did not hold: ' || c.expr, 2000)
+           error_message = left(c.why || ': ' || c.expr, 2000)
       FROM c WHERE t.id = c.id
-    RETURNING t.id, t.job_id, c.expr
+    RETURNING t.id, t.job_id, c.expr, c.why
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT job_id, id, %(source)s, 'info', 'status', left('task waiting → skipped (condition did not hold: '
-                                                          || expr || ')', 2000),
-           jsonb_build_object('from', 'waiting', 'to', 'skipped', 'reason', 'condition did not hold', 'when', expr)
+    SELECT job_id, id, %(source)s, 'info', 'status', left('task waiting → skipped (' || why || ': ' || expr || ')',
+                                                          2000),
+           jsonb_build_object('from', 'waiting', 'to', 'skipped', 'reason', why, 'when', expr)
       FROM sk
 )
 SELECT count(*) FROM sk
@@ -148,14 +158,15 @@ FAN_OUT_SQL = f"""
 WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job_id, step_key)),
 f AS (
     SELECT w.id, w.job_id, w.step_key, fo.over, coalesce(js.max_items, {DEFAULT_MAX_FAN_OUT_ITEMS}) AS max_items,
-           jsonb_path_query_first({parent_outputs("w")}, fo.over::jsonpath, '{{}}'::jsonb, true) AS list
+           jsonb_path_query_first({parent_outputs("w")}, {JSONPATH_FUNCTION}(fo.over), '{{}}'::jsonb, true) AS list
       FROM accs_task w JOIN accs_job j ON j.id = w.job_id
       JOIN accs_job_step js ON js.job_id = w.job_id AND js.step_key = w.step_key
      CROSS JOIN LATERAL (SELECT {step_field("w", "j", "fan_out")} ->> 'over' AS over) fo
      WHERE {PROMOTABLE}
        AND w.task_key = w.step_key AND fo.over IS NOT NULL
 ), v AS (
-    SELECT f.*, CASE WHEN f.list IS NULL THEN 'found no value in the parents'' outputs'
+    SELECT f.*, CASE WHEN {JSONPATH_FUNCTION}(f.over) IS NULL THEN 'is not a valid jsonpath'
+                     WHEN f.list IS NULL THEN 'found no value in the parents'' outputs'
                      WHEN jsonb_typeof(f.list) <> 'array' THEN 'found ' || jsonb_typeof(f.list) || ', not a list'
                      WHEN jsonb_array_length(f.list) > f.max_items
                          THEN 'found ' || jsonb_array_length(f.list) || ' items, more than the limit of '

@@ -30,6 +30,7 @@ READERS: dict[str, dict[str, str]] = {
         "job_workflow_admitted_idx": "jobs.admission's admitted count per workflow (max_active_jobs); "
                                      "ops.overview.ADMITTED_JOBS_SQL and WAITING_TASKS_SQL",
         "job_created_idx": "the admin's job list over every tenant, newest first (JobAdmin.ordering)",
+        "job_short_id_idx": "the admin's job and task search by a job's short id (jobs.admin.ids_ending)",
         "job_workflow_idx": "the admin's job search by workflow name (JobAdmin.get_search_results); deleting a "
                             "workflow (PROTECT looks for its jobs)",
         "job_service_idx": "the admin's job search by service key; deleting a service (PROTECT); "
@@ -72,6 +73,7 @@ READERS: dict[str, dict[str, str]] = {
         "task_dead_letter_idx": "jobs.redrive: dead letters in id order",
         "task_dead_letter_count_idx": "ops.overview.DEAD_LETTER_SQL: dead letters per tenant and service, "
                                       "index-only",
+        "task_short_id_idx": "the admin's task search by a task's short id (jobs.admin.ids_ending)",
         "task_error_trgm_idx": "the admin's job search by a task's last error (jobs.admin.jobs_with_error)",
     },
     "accs_attempt": {
@@ -82,6 +84,9 @@ READERS: dict[str, dict[str, str]] = {
         "attempt_started_idx": "ops.rates.RATES_SQL (success and failure per node and service over a time "
                                "range); the attempts list's time range (ops.timerange.TimeRangeFilter)",
         "attempt_node_idx": "the attempts list filtered by node, newest first (ops.admin.AttemptNodeFilter)",
+        "attempt_service_idx": "the attempts list filtered by service, newest first (ops.admin.AttemptServiceFilter)",
+        "attempt_refs_missing_idx": "jobs.attempt_refs: whether any attempt lacks its copy, and the fill's batches "
+                                    "(empty once filled)",
     },
     "accs_job_step": {
         "accs_job_step_pkey": "the row's identity (the ORM); no query reads it by id",

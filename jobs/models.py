@@ -70,6 +70,24 @@ def error_search_index(table: str) -> GinIndex:
                     name=f"{table}_error_trgm_idx")
 
 
+#: Bytes at the end of an id that the short-id indexes hold: the short form shown
+#: (jobs.ids.SHORT_ID_DIGITS hex digits) is five bytes.
+SHORT_ID_BYTES = 5
+
+
+class IdEnd(Func):
+    """The last ``size`` bytes of a uuid column (where a short id is), as ``bytea``.
+
+    With ``size`` = :data:`SHORT_ID_BYTES` it is the expression of ``job_short_id_idx`` and
+    ``task_short_id_idx``; a search must use this very expression for the planner to read them.
+    """
+
+    output_field = models.BinaryField()
+
+    def __init__(self, field: str, *, size: int = SHORT_ID_BYTES) -> None:
+        super().__init__(F(field), template=f"substring(uuid_send(%(expressions)s) FROM {17 - size})")
+
+
 def search_indexes(table: str, *exact: str) -> list[models.Index]:
     """The error text index plus one partial btree per exactly-matched reference (set rows only)."""
     partial = {"correlation_id": ~Q(correlation_id="")}
@@ -204,6 +222,8 @@ class Job(models.Model):
             # The admin's job search (JobAdmin.get_search_results): every arm of its OR has an index,
             # so a text term is a bitmap OR of index scans, never a read of every job.
             *search_indexes("job", "external_id", "dedupe_key", "correlation_id"),
+            # The admin's search by short id (jobs.admin.ids_ending): ids by their last bytes.
+            models.Index(IdEnd("id"), name="job_short_id_idx"),
         ]
 
     def __str__(self) -> str:
@@ -343,6 +363,8 @@ class Task(models.Model):
             # (ops.overview.DEAD_LETTER_SQL): an index-only scan, not a heap read of every dead letter.
             models.Index(fields=["tenant", "service"], condition=Q(status=TaskStatus.ERROR),
                          name="task_dead_letter_count_idx"),
+            # The admin's task search by short id (jobs.admin.ids_ending): ids by their last bytes.
+            models.Index(IdEnd("id"), name="task_short_id_idx"),
         ]
 
     def __str__(self) -> str:
@@ -382,6 +404,11 @@ class JobStep(models.Model):
         null=True, blank=True,
         help_text="For a step fanning out over a parent's list: the most tasks it may make (ACC_MAX_FAN_OUT_ITEMS"
                   " when the job was made).",
+    )
+    output = models.JSONField(
+        null=True, blank=True,
+        help_text="The step's output gathered once its tasks were all final (a fanned-out step's as a list), read"
+                  " by its dependents; cleared when a task of it leaves or enters a final state again.",
     )
 
     class Meta:
@@ -423,6 +450,14 @@ class Attempt(models.Model):
     stdout_tail = models.TextField(blank=True, default="")
     stderr_tail = models.TextField(blank=True, default="")
     error_text = models.TextField(blank=True, default="")
+    # The task's service and tenant, copied when the attempt is written (the database's trigger
+    # accs_attempt_copy_task_refs fills them for every writer, the previous release's too), so the
+    # rates and the attempts list by service read attempts alone. NULL only on attempts written before
+    # the copy existed, until ``manage.py accs_attempt_refs`` fills them (jobs.attempt_refs).
+    service = models.ForeignKey("workflows.Service", on_delete=models.DO_NOTHING, null=True, blank=True,
+                                related_name="+", db_index=False, db_constraint=False, editable=False)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.DO_NOTHING, null=True, blank=True,
+                               related_name="+", db_index=False, db_constraint=False, editable=False)
 
     class Meta:
         db_table = "accs_attempt"
@@ -432,6 +467,10 @@ class Attempt(models.Model):
             models.Index(fields=["started_at"], name="attempt_started_idx"),
             # The attempts list filtered by node, newest first.
             models.Index(fields=["node", "id"], name="attempt_node_idx"),
+            # The attempts list filtered by service, newest first.
+            models.Index(fields=["service", "id"], name="attempt_service_idx"),
+            # The attempts whose service and tenant are not copied yet (jobs.attempt_refs): empty once filled.
+            models.Index(fields=["id"], condition=Q(service__isnull=True), name="attempt_refs_missing_idx"),
         ]
         constraints = [
             _choices_check("status", AttemptStatus, "attempt_status_valid"),

@@ -16,7 +16,7 @@ data, under ``redrive``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -201,11 +201,28 @@ def redrive(flt: RedriveFilter, *, by: str, batch: int = 500, limit: int | None 
     totals after each batch. Return the totals: matched, redriven, skipped (no longer
     applicable: retried or changed by someone else since it was selected).
     """
+    totals = RedriveResult()
+    for totals in redrive_batches(flt, by=by, batch=batch, limit=limit, tenant_ids=tenant_ids):
+        if on_batch is not None:
+            on_batch(totals)
+    return totals
+
+
+def redrive_batches(flt: RedriveFilter, *, by: str, batch: int = 500, limit: int | None = None,
+                    tenant_ids: Collection[UUID] | None = None) -> Iterator[RedriveResult]:
+    """Validate ``flt`` now (a bad filter raises here, before anything is written), then return an
+    iterator that redrives one batch per step, in its own transaction, and yields the running totals
+    after each commit. Whoever stops iterating stops the redrive at a batch boundary: every batch
+    is whole or absent, and a later redrive takes in the rest."""
     if not 1 <= batch <= MAX_BATCH:
         raise DefinitionError([Problem("batch", f"must be between 1 and {MAX_BATCH}, got {batch}")])
     if limit is not None and limit < 1:
         raise DefinitionError([Problem("limit", f"must be at least 1, got {limit}")])
-    where = _where(flt, tenant_ids)
+    return _batches(flt, _where(flt, tenant_ids), by=by, batch=batch, limit=limit)
+
+
+def _batches(flt: RedriveFilter, where: _Where, *, by: str, batch: int,
+             limit: int | None) -> Iterator[RedriveResult]:
     who = by or "api"
     why = verbs.Note(task=f"bulk redrive by {who}", job=f"bulk redrive by {who}",
                      data={"redrive": {"by": who, "filter": flt.describe()}})
@@ -229,8 +246,6 @@ def redrive(flt: RedriveFilter, *, by: str, batch: int = 500, limit: int | None 
             else:
                 totals.skipped += 1
                 totals.reasons[outcome.message] = totals.reasons.get(outcome.message, 0) + 1
-        if on_batch is not None:
-            on_batch(totals)
+        yield totals
         if len(found) < size:
             break
-    return totals

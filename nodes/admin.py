@@ -20,9 +20,9 @@ from accs_site.admin_kit import (
     EstimatedCountPaginator,
     PageActionsMixin,
     actor,
-    human_age,
     perform,
     status_pill,
+    when_ago_html,
 )
 from nodes import verbs
 from nodes.api import retire_nodes, stale_after_seconds
@@ -88,7 +88,7 @@ class NodeAdmin(PageActionsMixin, admin.ModelAdmin):
         ago = (timezone.now() - obj.last_seen).total_seconds()
         # An online node whose heartbeat is overdue, before the builder marks it lost.
         late = obj.presence == "online" and obj.awake_state != "sleep" and ago > stale_after_seconds()
-        return format_html("{} ago {}", human_age(ago), status_pill("suspect") if late else "")
+        return when_ago_html(obj.last_seen, note=format_html(" {}", status_pill("suspect")) if late else "")
 
     @admin.display(description="services")
     def services_list(self, obj: Node) -> str:

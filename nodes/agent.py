@@ -66,7 +66,8 @@ from events import artifacts
 from events.timeline import EventRow, write_events
 from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, adopt_claimed, claim_round, service_spec
-from jobs.inputs import step_context
+from jobs.inputs import StepContext, step_context, step_contexts
+from jobs.locks import is_lock_timeout
 from jobs.notify import service_channel
 from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_LOST
 from jobs.transitions import Outcome, ReportResult
@@ -106,6 +107,10 @@ WATCHDOG_SECONDS = 0.1
 # A database call blocked this long is broken by force (statement_timeout ends slow ones sooner
 # on the server's side; this catches a connection that no longer answers at all).
 STALL_LIMIT_SECONDS = daemon.DAEMON_STATEMENT_TIMEOUT_MS / 1000 + 15
+# The batch read of a claim's inputs waits this long for a lock at most: the main loop must not wait
+# behind one (an attempt whose read gave up reads its own inputs in its worker thread, which waits
+# out locks and outages).
+INPUT_READ_LOCK_WAIT_SECONDS = 0.5
 
 Key = tuple[UUID, int]  # (task id, attempt number)
 
@@ -534,8 +539,9 @@ class Agent:
                              priority_adjust=adjust, try_capped=self._pooled or self._locks_busy,
                              lock_wait=self.claim_lock_wait)
         tasks, renewed_at = self._renew_if_late(answer.tasks, renewed_at=renewed_at)
+        contexts = self._read_contexts(tasks)
         for task in tasks:
-            self._start(task, by_key[task.service_key], renewed_at=renewed_at)
+            self._start(task, by_key[task.service_key], renewed_at=renewed_at, context=contexts.get(task.id))
         self._claim_in_doubt = False
         self._claim_filled = len(tasks) >= free
         self._claim_contended = bool(answer.contended) or answer.waited_out
@@ -548,6 +554,24 @@ class Agent:
             self.stats["claimed"] += len(tasks)
             log.debug("claimed %d task(s)", len(tasks), extra=self.extra)
         return len(tasks)
+
+    def _read_contexts(self, tasks: list[ClaimedTask]) -> dict[UUID, StepContext]:
+        """Read the claimed tasks' parents' outputs in one statement, for their workers to start without a query.
+
+        With one pooled connection, 64 workers each reading their own inputs queued 64 round trips
+        (and the next report behind them). A read that fails or waits out its lock gives nothing: each
+        attempt then reads its own, in its worker thread, as an attempt adopted after a lost answer does.
+        """
+        if not tasks:
+            return {}
+        try:
+            return step_contexts([t.id for t in tasks], lock_wait=INPUT_READ_LOCK_WAIT_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - the workers read their own
+            log.info("batch read of %d claimed task(s)' inputs %s; each reads its own", len(tasks),
+                     "waited out a lock" if is_lock_timeout(exc) else f"failed ({daemon.first_line(exc)})",
+                     extra=self.extra)
+            daemon.close_django_connection()
+            return {}
 
     def _renew_if_late(self, tasks: list[ClaimedTask], *, renewed_at: float) -> tuple[list[ClaimedTask], float]:
         """Renew the leases of a claim that took a renewal period or more; return the tasks still ours.
@@ -602,7 +626,9 @@ class Agent:
             self.stats["claimed"] += 1
         self._claim_in_doubt = False  # only now: a start that raised leaves it up for the next pass
 
-    def _start(self, task: ClaimedTask, service: Service, *, renewed_at: float) -> None:
+    def _start(self, task: ClaimedTask, service: Service, *, renewed_at: float,
+               context: StepContext | None = None) -> None:
+        """Run ``task`` in a worker; ``context`` is its inputs when already read (else the worker reads them)."""
         inbox, wake = self.inbox, self._wake
         key: Key = (task.id, task.attempt)
 
@@ -638,7 +664,7 @@ class Agent:
                 # This site's allow-lists are asked again before every run, whatever the row says.
                 outcome = not_allowed(task, service.executor, service.config)
                 if outcome is None:
-                    outcome = _prepare_and_run(task, ctx, executor, limit=lease_seconds)
+                    outcome = _prepare_and_run(task, ctx, executor, limit=lease_seconds, context=context)
             except Exception as exc:  # noqa: BLE001 - an executor bug fails the attempt, not the agent
                 log.exception("executor crashed", extra={"task_id": task.id, "job_id": task.job_id})
                 outcome = Outcome(task_id=task.id, attempt=task.attempt, status="failed",
@@ -1016,12 +1042,16 @@ def _as_stopped(outcome: Outcome, ctx: RunContext, *, lease_seconds: float) -> O
                    exit_code=outcome.exit_code, stdout_tail=outcome.stdout_tail, stderr_tail=outcome.stderr_tail)
 
 
-def _prepare_and_run(task: ClaimedTask, ctx: RunContext, executor: Any, *, limit: float) -> Outcome:
-    """Read what the attempt needs from the database and storage, then run it. Stopped while it
-    waited out an outage (see :func:`_while_reachable`), the attempt ends ``canceled`` before it
-    ran, which :func:`_as_stopped` names by why it was stopped."""
-    steps: list[tuple[str, Callable[[ClaimedTask, RunContext], None]]] = [
-        ("read its parents' outputs", _read_step_context)]
+def _prepare_and_run(task: ClaimedTask, ctx: RunContext, executor: Any, *, limit: float,
+                     context: StepContext | None = None) -> Outcome:
+    """Read what the attempt needs from the database (unless its claim's batch read gave ``context``)
+    and storage, then run it. Stopped while it waited out an outage (see :func:`_while_reachable`),
+    the attempt ends ``canceled`` before it ran, which :func:`_as_stopped` names by why it was stopped."""
+    steps: list[tuple[str, Callable[[ClaimedTask, RunContext], None]]] = []
+    if context is None:
+        steps.append(("read its parents' outputs", _read_step_context))
+    else:
+        _give_step_context(ctx, context)
     if ctx.output_dir and accs.minio.configured:
         steps.append(("stage its input artifacts", _stage_inputs))
     for what, step in steps:
@@ -1068,7 +1098,10 @@ def _while_reachable(task: ClaimedTask, ctx: RunContext, what: str,
 def _read_step_context(task: ClaimedTask, ctx: RunContext) -> None:
     """Give the attempt its parents' outputs and its step's output schema (:func:`jobs.inputs.step_context`);
     a secret among those outputs is redacted from what the attempt logs, as a secret param is."""
-    found = step_context(task.id)
+    _give_step_context(ctx, step_context(task.id))
+
+
+def _give_step_context(ctx: RunContext, found: StepContext) -> None:
     ctx.inputs, ctx.output_schema = found.inputs, found.output_schema
     ctx.secrets += secrets_in(found.inputs)
 

@@ -14,7 +14,7 @@ from accs_site.clock import db_now
 from accs_site.conf import accs
 from accs_site.version import VERSION
 from events.timeline import EventRow, operator_source, write_events
-from nodes.models import AwakeState, Node, Presence
+from nodes.models import AwakeState, Node, NodeDeploy, Presence
 
 BOOT_ID = uuid.uuid4().hex[:8]
 
@@ -25,8 +25,9 @@ def agent_identity() -> str:
 
 
 def register_node(name: str, *, labels: dict[str, Any], services: list[str], agent_id: str,
-                  max_concurrency: dict[str, int] | None = None) -> Node:
-    """Create or refresh the node row of an agent; the node is awake from now on."""
+                  max_concurrency: dict[str, int] | None = None, version: str = VERSION) -> Node:
+    """Create or refresh the node row of an agent running ``version``; the node is awake from now on.
+    A node that last reported another release gets one deploy row, in this transaction."""
     with transaction.atomic():
         with connection.cursor() as cur:
             now = db_now(cur)
@@ -36,11 +37,14 @@ def register_node(name: str, *, labels: dict[str, Any], services: list[str], age
             name=name, defaults={"labels": labels, "slot_cap": accs.slot_cap, "cpu_budget": accs.cpu_budget})
         was = node.awake_state
         was_presence = node.presence
+        if not created and node.version != version:
+            NodeDeploy.objects.create(node_name=name, version=version, previous_version=node.version,
+                                      agent_id=agent_id, started_at=now)
         node.presence = Presence.ONLINE
         node.labels = {**node.labels, **labels}
         node.services = sorted(set(node.services or []) | set(services))
         node.agent_id = agent_id
-        node.version = VERSION
+        node.version = version
         node.last_seen = now
         node.awake_state = AwakeState.AWAKE
         if max_concurrency:

@@ -94,6 +94,27 @@ class Node(models.Model):
             raise ValidationError({p.where: p.message for p in problems})
 
 
+class NodeDeploy(models.Model):
+    """A node's agent started on another release than the node last reported: one row per change,
+    written by the agent's registration in the same transaction as the node row (its lock orders two
+    agents of one node). The node row keeps only the current release; these rows date the deploys."""
+
+    node_name = models.CharField(max_length=200, help_text="The node (kept if the node row is retired).")
+    version = models.CharField(max_length=50)
+    previous_version = models.CharField(max_length=50, blank=True, default="",
+                                        help_text="The release the node reported before (\"\" from 0.1.0 or older).")
+    agent_id = models.CharField(max_length=300, blank=True, default="")
+    started_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "accs_node_deploy"
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["-started_at"], name="node_deploy_started_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.node_name} {self.previous_version or '?'} → {self.version}"
+
+
 class HostStatus(models.TextChoices):
     """Whether a host may receive tasks."""
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from django.contrib import admin
+from django.db import connections
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.html import format_html
@@ -21,6 +23,7 @@ from events.admin import ArtifactAdmin, EventAdmin
 from events.models import Artifact, Event
 from jobs import ids
 from jobs.admin import AttemptAdmin, JobAdmin, TaskAdmin
+from jobs.attempt_refs import refs_complete
 from jobs.models import Attempt, Job, Task
 from nodes.admin import NodeAdmin, NodeListFilter
 from nodes.models import Node
@@ -65,15 +68,24 @@ class DefinitionFilter(admin.SimpleListFilter):
     def has_output(self) -> bool:
         return bool(self.lookup_choices)
 
+    def field_for(self, queryset: QuerySet) -> str:
+        """The column the filter compares (a subclass may choose it per request)."""
+        return self.field
+
     def queryset(self, request, queryset):
         value = self.value() or ""
-        return queryset.filter(**{self.field: int(value)}) if value.isdigit() else queryset
+        return queryset.filter(**{self.field_for(queryset): int(value)}) if value.isdigit() else queryset
 
 
 class AttemptServiceFilter(DefinitionFilter):
-    """Filter attempts by their task's service."""
+    """Filter attempts by their task's service: the attempt's copy of it (``attempt_service_idx``) once every
+    attempt carries one (jobs.attempt_refs), else through the task."""
 
-    title, parameter_name, field = "service", "service", "task__service_id"
+    title, parameter_name, field = "service", "service", "service_id"
+
+    def field_for(self, queryset: QuerySet) -> str:
+        with connections[queryset.db].cursor() as cur:
+            return "service_id" if refs_complete(cur) else "task__service_id"
 
 
 class JobServiceFilter(DefinitionFilter):

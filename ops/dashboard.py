@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -50,6 +51,15 @@ def refresh_seconds(request: HttpRequest, default: int = REFRESH_SECONDS) -> int
 def sees_infrastructure(user) -> bool:
     """Whether the viewer may see nodes, disks and governor conditions (shared by every tenant)."""
     return user.is_superuser or user.has_perm("nodes.view_node")
+
+
+def resumable_tenants(user, tenant_ids: list[str]) -> set[str]:
+    """Return which of the paused ``tenant_ids`` the viewer may resume (the tenants admin's own rule:
+    the ``tenants.change_tenant`` permission and the admin role in the tenant)."""
+    if not tenant_ids or not user.has_perm("tenants.change_tenant"):
+        return set()
+    allowed = tenant_ids_for(user, write=True)
+    return set(tenant_ids) if allowed is None else {t for t in tenant_ids if UUID(t) in allowed}
 
 
 def list_links(*, tenant_id: str = "", now: datetime) -> dict[str, str]:
@@ -98,6 +108,7 @@ def build(request: HttpRequest) -> tuple[Overview, dict[str, Any]]:
         ],
         "by_tenant": by_tenant,
         "infra": sees_infrastructure(request.user),
+        "resumable_tenants": resumable_tenants(request.user, [p.tenant_id for p in data.paused_tenants]),
         "refresh_seconds": refresh_seconds(request),
     }
     chosen = current_range(request, default=DASHBOARD_RANGE, now=data.generated_at)

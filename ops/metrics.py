@@ -41,6 +41,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from accs_site.conf import accs
 from accs_site.version import VERSION
 from ops.overview import flow_limits, governor_conditions, node_health, queue_depth
+from tenants.models import Tenant
 from workflows.governor import paused_service_key
 
 #: Histogram buckets (seconds) for queue latency and run time.
@@ -306,11 +307,19 @@ class AccsCollector:
         governor = GaugeMetricFamily("accs_governor_condition_active", "1 while the condition holds.", labels=["name"])
         paused = GaugeMetricFamily("accs_service_paused", "1 while the service is paused (no agent claims it).",
                                    labels=["service"])
-        for cond in governor_conditions(now=now):
+        tenant_paused = GaugeMetricFamily("accs_tenant_paused", "1 while the tenant is paused (no agent claims its "
+                                          "tasks).", labels=["tenant"])
+        conditions = governor_conditions(now=now)
+        # One read of the slugs of the tenants that have a pause, held or ended (a handful).
+        slugs = dict(Tenant.objects.filter(pk__in=[c.paused_tenant for c in conditions if c.paused_tenant])
+                     .values_list("pk", "slug"))
+        for cond in conditions:
             governor.add_metric([cond.name], 1 if cond.holds else 0)
             if (service := paused_service_key(cond.name)) is not None:
                 paused.add_metric([service], 1 if cond.holds else 0)
-        yield from (up, seen, draining, running, disk, release, governor, paused)
+            if cond.paused_tenant is not None and (slug := slugs.get(cond.paused_tenant)) is not None:
+                tenant_paused.add_metric([slug], 1 if cond.holds else 0)
+        yield from (up, seen, draining, running, disk, release, governor, paused, tenant_paused)
 
         self.counters.fold()
         yield from self.counters.metrics()

@@ -34,7 +34,8 @@ from accs_site.dbrouter import read_connection, replica_lag
 from accs_site.version import VERSION
 from jobs.claim import params_key_sql
 from nodes.api import stale_after_seconds
-from workflows.governor import PAUSE_PREFIX, paused_service_key
+from tenants.models import Tenant
+from workflows.governor import PAUSE_PREFIX, paused_service_key, paused_tenant_id
 from workflows.models import GovernorCondition
 
 #: How many of the newest attempts the latency / run-time / throughput figures read at most.
@@ -421,6 +422,36 @@ class Condition:
         """The service this condition pauses (``pause-<key>``), None for any other condition."""
         return paused_service_key(self.name)
 
+    @property
+    def paused_tenant(self) -> UUID | None:
+        """The tenant this condition pauses (``tenant-pause-<id>``), None for any other condition."""
+        return paused_tenant_id(self.name)
+
+
+@dataclass
+class PausedTenant:
+    """A tenant an operator paused: no agent claims its tasks until it is resumed or the pause ends."""
+
+    tenant_id: str
+    tenant: str
+    reason: str
+    raised_by: str
+    raised_at: datetime | None
+    expires_at: datetime | None
+
+
+def paused_tenants(conditions: list[Condition], *, tenant_ids: set[UUID] | None = None) -> list[PausedTenant]:
+    """Return the tenants whose pause holds among ``conditions`` (those in ``tenant_ids``, None: all), by slug."""
+    pauses = {c.paused_tenant: c for c in conditions if c.holds and c.paused_tenant is not None}
+    if tenant_ids is not None:
+        pauses = {k: c for k, c in pauses.items() if k in tenant_ids}
+    if not pauses:
+        return []
+    slugs = dict(Tenant.objects.filter(pk__in=list(pauses)).values_list("pk", "slug"))
+    return sorted((PausedTenant(tenant_id=str(k), tenant=slugs[k], reason=c.reason, raised_by=c.raised_by,
+                                raised_at=c.raised_at, expires_at=c.expires_at)
+                   for k, c in pauses.items() if k in slugs), key=lambda p: p.tenant)
+
 
 def governor_conditions(*, now: datetime | None = None) -> list[Condition]:
     """Return the governor conditions, those holding first."""
@@ -751,6 +782,7 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
             quarantined[service_id][slug] = on_quarantined
             quarantined_hosts[service_id].update(hosts or [])
     holding = {c.name: c for c in conditions if c.holds}
+    tenant_pauses = {slugs.get(c.paused_tenant, ""): c for c in holding.values() if c.paused_tenant is not None}
 
     out: list[StuckReason] = []
     for service_id, per_tenant in queued.items():
@@ -793,6 +825,12 @@ def stuck_reasons(*, nodes: list[NodeHealth], conditions: list[Condition], tenan
                                                            else "") + f", {until}: {pause.reason}",
                 links=(_link("resume it", f"{reverse('admin:workflows_service_changelist')}?q={key}"),)
                 if show_nodes else ())
+        for slug, n in sorted(per_tenant.items()):
+            if (tpause := tenant_pauses.get(slug)) is not None:
+                until = f"until {tpause.expires_at:%Y-%m-%d %H:%M}" if tpause.expires_at else "until resumed"
+                add(Stuck.PAUSED, {slug: n}, f"{{tasks}} queued for '{{key}}' of tenant {slug}, which is paused",
+                    f"paused by {tpause.raised_by or 'api'}, {until}: {tpause.reason}",
+                    links=(_link("resume it", f"{reverse('admin:tenants_tenant_changelist')}?q={slug}"),))
         for name in block_during or []:
             if name in holding:
                 c = holding[name]
@@ -935,6 +973,7 @@ class Overview:
     stuck: list[StuckReason] = field(default_factory=list)
     flow: list[FlowLimit] = field(default_factory=list)
     paused: list[Condition] = field(default_factory=list)  # the pauses of services that hold now
+    paused_tenants: list[PausedTenant] = field(default_factory=list)  # the viewer's tenants paused now
     # The read replica's lag (accs_site.dbrouter.replica_lag), None without ACC_READ_DB_URL.
     replica: dict[str, Any] | None = None
     # The release of the code that read the picture (nodes show their own).
@@ -980,6 +1019,7 @@ def overview(*, tenant_ids: set[UUID] | None = None, include_infra: bool = True,
                             flow=flow),
         flow=flow,
         paused=[c for c in conditions if c.holds and c.paused_service],
+        paused_tenants=paused_tenants(conditions, tenant_ids=tenant_ids),
         replica=replica_lag() if include_infra else None,
     )
 

@@ -20,6 +20,7 @@ from django.utils import timezone
 from django.utils.http import urlencode
 
 from accs_site.dbrouter import read_connection
+from jobs.attempt_refs import refs_complete
 from ops.overview import _tenant_filter
 from ops.timerange import current_range, picker
 from tenants.scoping import tenant_ids_for
@@ -49,19 +50,29 @@ ONE_NODE = ("a.node = %(node)s AND a.id BETWEEN %(lo)s AND %(hi)s", "a.id DESC")
 
 RATES_SQL = """
 -- The range's newest attempts (see EVERY_NODE and ONE_NODE), at most the sample, then counted per node
--- and per service (a grouping set each). Inlined, not materialized: the task of each attempt is one
--- primary-key lookup.
+-- and per service (a grouping set each). The service and tenant are the attempt's own copy of its task's
+-- (ATTEMPT_REFS: the attempts alone, heap rows in start order), or its task's while some attempts lack the copy
+-- (TASK_REFS: one primary-key lookup per attempt; inlined, not materialized, so the planner sees it).
 WITH recent AS NOT MATERIALIZED (
-    SELECT a.task_id, a.node, a.status FROM accs_attempt a WHERE {where} ORDER BY {order} LIMIT %(sample)s
+    SELECT a.node, a.status, {refs} FROM accs_attempt a {join} WHERE {where} ORDER BY {order} LIMIT %(sample)s
 )
-SELECT GROUPING(r.node), r.node, t.service_id,
+SELECT GROUPING(r.node), r.node, r.service_id,
        count(*) FILTER (WHERE r.status = 'succeeded'),
        count(*) FILTER (WHERE r.status IN ('failed', 'timeout')),
        count(*), (SELECT count(*) FROM recent)
-  FROM recent r JOIN accs_task t ON t.id = r.task_id
+  FROM recent r
  WHERE {tenants} {service}
- GROUP BY GROUPING SETS ((r.node), (t.service_id))
+ GROUP BY GROUPING SETS ((r.node), (r.service_id))
 """
+
+#: Where an attempt's service and tenant are read: the attempt's copy (jobs.attempt_refs), or its task.
+ATTEMPT_REFS = {"refs": "a.service_id, a.tenant_id", "join": ""}
+TASK_REFS = {"refs": "t.service_id, t.tenant_id", "join": "JOIN accs_task t ON t.id = a.task_id"}
+
+
+def refs_source(cur: Any) -> dict[str, str]:
+    """The attempts' own service and tenant once every attempt carries them, else their tasks'."""
+    return ATTEMPT_REFS if refs_complete(cur) else TASK_REFS
 
 
 @dataclass
@@ -133,7 +144,7 @@ def rates(*, since: datetime, until: datetime, tenant_ids: set[UUID] | None = No
         raise ValueError(f"a range must start before it ends: {since.isoformat()} is not before {until.isoformat()}")
     if sample < 1:
         raise ValueError(f"the sample must be at least one attempt, got {sample}")
-    where, params = _tenant_filter("t.tenant_id", tenant_ids)
+    where, params = _tenant_filter("r.tenant_id", tenant_ids)
     with read_connection().cursor() as cur:
         bounds = range_ids(cur, since=since, until=until)
         if bounds is None:
@@ -141,8 +152,8 @@ def rates(*, since: datetime, until: datetime, tenant_ids: set[UUID] | None = No
         cur.execute("SELECT id, key FROM accs_service")
         names = dict(cur.fetchall())
         among, order = ONE_NODE if node else EVERY_NODE
-        cur.execute(RATES_SQL.format(tenants=where, where=among, order=order,
-                                     service="AND t.service_id = %(service)s" if service_id else ""),
+        cur.execute(RATES_SQL.format(tenants=where, where=among, order=order, **refs_source(cur),
+                                     service="AND r.service_id = %(service)s" if service_id else ""),
                     {"lo": bounds[0], "hi": bounds[1], "since": since, "until": until, "sample": sample,
                      "node": node, "service": service_id, **params})
         rows = cur.fetchall()

@@ -11,9 +11,8 @@ from collections.abc import Callable, Sequence
 
 from django.core.management.color import Style, no_style
 from django.db import connection
-from django.utils import timezone
 
-from accs_site.admin_kit import human_age
+from accs_site.admin_kit import human_age, when_text
 from accs_site.version import VERSION
 from jobs.ids import short_id
 from ops.overview import Overview
@@ -51,7 +50,7 @@ def status_lines(data: Overview, *, took: float, database: str = "", style: Styl
     """
     style = style or no_style()
     return [*_summary(data, style, database=database), *_stuck(data, style), *_tenants(data, style),
-            *_services(data, style), *_nodes(data, style), *_conditions(data, style),
+            *_services(data, style), *_nodes(data, style), *_paused_tenants(data, style), *_conditions(data, style),
             *_failures(data, style, took=took)]
 
 
@@ -64,7 +63,7 @@ def _summary(data: Overview, style: Style, *, database: str) -> list[str]:
     """The title and the one-line totals and timings."""
     lines: list[str] = []
     out = lines.append
-    out(style.MIGRATE_HEADING(f"ACCS {VERSION} status at {timezone.localtime(data.generated_at):%Y-%m-%d %H:%M:%S %Z}"
+    out(style.MIGRATE_HEADING(f"ACCS {VERSION} status at {when_text(data.generated_at)}"
                               f" — database {database}"))
     t, s = data.totals, data.stats.overall
     summary = (f"jobs: not started {t.jobs_queued} · awaiting approval {t.awaiting_approval}"
@@ -164,6 +163,19 @@ def _nodes(data: Overview, style: Style) -> list[str]:
     return lines
 
 
+def _paused_tenants(data: Overview, style: Style) -> list[str]:
+    """The tenants an operator paused (nothing when none is): no agent claims their tasks."""
+    lines: list[str] = []
+    if not data.paused_tenants:
+        return lines
+    _heading(lines.append, style, "Paused tenants")
+    for p in data.paused_tenants:
+        until = f"until {when_text(p.expires_at)}" if p.expires_at else "until resumed"
+        since = f" at {when_text(p.raised_at)}" if p.raised_at else ""
+        lines.append(style.WARNING(f"{p.tenant}: paused by {p.raised_by or 'api'}{since}, {until}: {p.reason}"))
+    return lines
+
+
 def _conditions(data: Overview, style: Style) -> list[str]:
     """The governor conditions that hold."""
     lines: list[str] = []
@@ -172,9 +184,9 @@ def _conditions(data: Overview, style: Style) -> list[str]:
     holding = [c for c in data.conditions if c.holds]
     if holding:
         for c in holding:
-            until = f"until {timezone.localtime(c.expires_at):%Y-%m-%d %H:%M}" if c.expires_at else "until cleared"
+            until = f"until {when_text(c.expires_at)}" if c.expires_at else "until cleared"
             out(style.WARNING(
-                f"{c.name}: holds since {timezone.localtime(c.raised_at):%H:%M:%S} by {c.raised_by or 'api'},"
+                f"{c.name}: holds since {when_text(c.raised_at) if c.raised_at else '—'} by {c.raised_by or 'api'},"
                 f" {until}{': ' + c.reason if c.reason else ''}"))
     else:
         out("(none holds)")
@@ -186,7 +198,7 @@ def _failures(data: Overview, style: Style, *, took: float) -> list[str]:
     lines: list[str] = []
     out = lines.append
     _heading(out, style, "Recent failures")
-    rows = [[timezone.localtime(f.at).strftime("%H:%M:%S") if f.at else "—", short_id(f.job_id), f.task_key, f.service,
+    rows = [[when_text(f.at) if f.at else "—", short_id(f.job_id), f.task_key, f.service,
              f.node, f"{f.attempt}/{f.max_attempts}" + (" DEAD" if f.final else ""),
              f.said[:70]]
             for f in data.failures]

@@ -15,6 +15,9 @@ case "$DIR" in /*) ;; *) DIR="$ROOT/$DIR" ;; esac
 DBNAME="${2:-${ACC_PG_DBNAME:-accs}}"
 # PgBouncer refuses to run as root: under root it runs as 'postgres', and when that user cannot
 # enter $DIR (a folder under root's mode-700 home or pytest's tmp) its files go to /var/tmp.
+# The folder exists before that choice, so that start and stop choose alike (a start that found no
+# folder chose /var/tmp, then made the folder, and the next stop looked for the pid in the folder).
+mkdir -p "$DIR"
 RUN="$DIR"
 if [ "$(id -u)" = 0 ] && id postgres >/dev/null 2>&1 \
   && ! (cd / && runuser -u postgres -- test -x "$DIR") 2>/dev/null; then

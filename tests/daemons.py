@@ -189,6 +189,25 @@ def stop_process(proc: subprocess.Popen, *, sig: int = signal.SIGTERM, timeout: 
         proc.wait()
 
 
+@contextmanager
+def agent_in_this_process() -> Iterator[None]:
+    """Give back this process's database settings after an agent ran in it (``Agent.run()`` gives its
+    connections the daemons' timeouts and its connection pool)."""
+    from django.db import connections
+
+    settings = connections.settings["default"]
+    saved, saved_options = dict(settings), dict(settings.setdefault("OPTIONS", {}))
+    try:
+        yield
+    finally:
+        settings["OPTIONS"].clear()
+        settings["OPTIONS"].update(saved_options)
+        settings.update({k: v for k, v in saved.items() if k != "OPTIONS"})
+        if "DISABLE_SERVER_SIDE_CURSORS" not in saved:
+            settings.pop("DISABLE_SERVER_SIDE_CURSORS", None)
+        connections.close_all()
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
     import socket

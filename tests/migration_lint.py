@@ -10,8 +10,10 @@ Each finding is ``(app, migration, rule)``. squawk's rules (https://squawkhq.com
 what takes strong locks or breaks the previous release's code: an index built or dropped without
 CONCURRENTLY, a constraint added without NOT VALID, NOT NULL without a default, a column or table
 dropped or renamed, a column's type changed. Ours add what squawk does not know: an ACCESS
-EXCLUSIVE lock on the hot tables, and a NOT NULL column whose default is dropped (the previous
-release's INSERTs leave it out and fail).
+EXCLUSIVE lock on the hot tables, a NOT NULL column whose default is dropped (the previous
+release's INSERTs leave it out and fail), and an atomic migration that alters two existing tables
+(it holds the first table's lock while it waits for the second's, and deadlocks with a daemon that
+locks them in the other order: the upgrade drill met it; one statement per transaction avoids it).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ SQUAWK_RULES = (
 )
 HOT_LOCK = "access-exclusive-on-hot-table"
 DROPPED_DEFAULT = "not-null-default-dropped"
+TWO_TABLES = "atomic-alters-two-tables"
 
 # ALTER TABLE actions that take less than ACCESS EXCLUSIVE (PostgreSQL's ALTER TABLE page): SHARE UPDATE
 # EXCLUSIVE for validating, statistics, storage parameters and clustering marks; SHARE ROW EXCLUSIVE
@@ -65,6 +68,7 @@ _WEAKER_ALTER = re.compile(
 _HOT = "|".join(HOT_TABLES)
 _ALTER_HOT = re.compile(rf'^ALTER TABLE\s+(?:ONLY\s+)?(?:IF EXISTS\s+)?"?({_HOT})"?\s+(.*)$',
                         re.IGNORECASE | re.DOTALL)
+_ALTER_ANY = re.compile(r'^ALTER TABLE\s+(?:ONLY\s+)?(?:IF EXISTS\s+)?"?(\w+)"?\s+(.*)$', re.IGNORECASE | re.DOTALL)
 _STRONG_HOT = re.compile(
     rf'^(?:LOCK\s+(?:TABLE\s+)?(?:ONLY\s+)?"?({_HOT})\b"?(?!.*\bIN\b(?!.*ACCESS EXCLUSIVE))'
     rf'|TRUNCATE\s+(?:TABLE\s+)?(?:ONLY\s+)?"?({_HOT})"?\b|DROP TABLE\s+(?:IF EXISTS\s+)?"?({_HOT})"?\b'
@@ -203,15 +207,22 @@ def _statement_at(path: Path, violation: dict) -> str:
 
 
 def own_findings(migrations: Iterable[dict]) -> list[Finding]:
-    """The rules squawk lacks: ACCESS EXCLUSIVE on a hot table; a NOT NULL column losing its default."""
+    """The rules squawk lacks: ACCESS EXCLUSIVE on a hot table; a NOT NULL column losing its default;
+    an atomic migration altering two tables that existed before it."""
     found: list[Finding] = []
     for m in migrations:
         created: set[str] = set()
         not_null: set[tuple[str, str]] = set()
+        altered: list[str] = []
         for statement in (part for text in m["statements"] for part in sqlparse.split(text)):
             flat = " ".join(statement.split()).rstrip(";")
             if table := _CREATE_TABLE.match(flat):
                 created.add(table.group(1))
+            if (other := _ALTER_ANY.match(flat)) and other.group(1) not in created \
+                    and not _WEAKER_ALTER.match(other.group(2)) and other.group(1) not in altered:
+                altered.append(other.group(1))
+                if m["atomic"] and len(altered) == 2:
+                    found.append(Finding(m["app"], m["name"], TWO_TABLES, flat))
             alter = _ALTER_HOT.match(flat)
             if alter and alter.group(1) in created:
                 continue  # a table this migration creates: no daemon uses it yet

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -159,3 +160,17 @@ def system_scene(*, now: datetime) -> dict[str, object]:
                            now=now - timedelta(minutes=20))
     governor.resume_service("render", by="bob", now=now - timedelta(minutes=10))
     return {"outage": outage}
+
+
+def redrive_page(client, url: str, data: dict) -> str:
+    """Confirm a redrive from the admin and read its page to the end (the batches run as it is sent)."""
+    answer = client.post(url, {**data, "confirm": "1"})
+    assert answer.status_code == 200 and answer.streaming, answer.status_code
+    return b"".join(answer.streaming_content).decode()
+
+
+def redrive_summary_of(page: str) -> str:
+    """The summary line of a finished redrive's page."""
+    found = re.search(r'id="accs-redrive-summary"[^>]*><b>([^<]*)</b>', page)
+    assert found, page[-1500:]
+    return found.group(1)

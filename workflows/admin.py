@@ -1,9 +1,11 @@
-"""Admin for services, workflows and governor conditions.
+"""Admin for services, workflows and governor conditions, and the tenants' pause.
 
 Saving a service or workflow runs the full validation (``Model.clean`` → :mod:`workflows.validation`)
 and shows each problem next to the field it is about. Governor conditions are raised and cleared
 through :mod:`workflows.governor` (actions, and the add form, which raises a new condition), never
-by editing their timestamps.
+by editing their timestamps. Pausing a tenant is raising its governor condition, so the tenants'
+list gets its pause and resume actions here (:class:`TenantPauseAdmin`, registered over
+:class:`tenants.admin.TenantAdmin`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
 from accs_site.admin_kit import ActionResult, actor, perform
+from tenants.admin import TenantAdmin
+from tenants.models import Tenant
 from workflows import governor
 from workflows.api import next_version, redacted_steps, steps_frozen_reason, steps_keeping_secrets
 from workflows.dag import render_svg, steps_from
@@ -384,6 +388,21 @@ def _resume(key: str, *, by: str) -> ActionResult:
     return ActionResult(True, f"{key} resumed") if resumed else ActionResult(False, f"{key} is not paused")
 
 
+def _pause_tenant(tenant: Tenant, *, reason: str, expires_at: datetime | None, by: str) -> ActionResult:
+    try:
+        governor.pause_tenant(tenant, reason=reason, expires_at=expires_at, by=by)
+    except DefinitionError as exc:
+        return ActionResult(False, "; ".join(str(p) for p in exc.problems))
+    until = f"until {timezone.localtime(expires_at):%Y-%m-%d %H:%M}" if expires_at else "until resumed"
+    return ActionResult(True, f"tenant {tenant.slug} paused {until}: {reason}")
+
+
+def _resume_tenant(tenant: Tenant, *, by: str) -> ActionResult:
+    if governor.resume_tenant(tenant, by=by):
+        return ActionResult(True, f"tenant {tenant.slug} resumed")
+    return ActionResult(False, f"tenant {tenant.slug} is not paused")
+
+
 def _reason_page(modeladmin: admin.ModelAdmin, request: HttpRequest, form: forms.Form, queryset: QuerySet[Any], *,
                  title: str, action: str, submit: str, what: str) -> TemplateResponse:
     """The intermediate page of an action that asks a reason and a duration (raise conditions, pause services)."""
@@ -461,4 +480,72 @@ class GovernorConditionAdmin(admin.ModelAdmin):
         return obj.name
 
 
-__all__ = ["GovernorConditionAdmin", "ProblemsByFieldForm", "ServiceAdmin", "WorkflowAdmin"]
+class TenantPauseAdmin(TenantAdmin):
+    """The tenants' list with a *paused* column and the pause and resume actions.
+
+    Who may pause a tenant may change it: the ``tenants.change_tenant`` permission and, unless a
+    superuser, the admin role in that very tenant (:meth:`TenantAdmin.has_change_permission`),
+    checked for each selected tenant, so an operator of one tenant cannot pause another even with
+    a forged selection.
+    """
+
+    actions = ("pause_tenants", "resume_tenants")
+
+    def get_list_display(self, request: HttpRequest) -> tuple[str, ...]:
+        return ("slug", "pause", *self.list_display[1:])
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        # The pauses that hold, read once for the page (a handful of rows), not once per tenant.
+        self._pauses = {governor.paused_tenant_id(c.name): c for c in GovernorCondition.objects.filter(
+            name__startswith=governor.TENANT_PAUSE_PREFIX) if c.holds()}
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="paused")
+    def pause(self, obj: Tenant) -> str:
+        """Who paused the tenant, when, until when and why, or a dash."""
+        c = getattr(self, "_pauses", {}).get(obj.pk)
+        if c is None:
+            return "—"
+        until = f"until {timezone.localtime(c.expires_at):%Y-%m-%d %H:%M}" if c.expires_at else "until resumed"
+        return format_html('<span class="accs-pill accs-paused" title="{}">paused</span> by {} {}, {}: {}', c.reason,
+                           c.raised_by or "api", f"{timezone.localtime(c.raised_at):%Y-%m-%d %H:%M}"
+                           if c.raised_at else "", until, c.reason)
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """The actions show to whoever may change tenants; each tenant is checked again when acted on."""
+        return request.user.is_active and request.user.has_perm("tenants.change_tenant")
+
+    def _may_pause(self, request: HttpRequest, tenant: Tenant) -> ActionResult | None:
+        """Refuse a tenant the user may not change (a viewer, or an admin of another tenant)."""
+        if self.has_change_permission(request, tenant):
+            return None
+        return ActionResult(False, "you may pause and resume only tenants you are an admin of")
+
+    @admin.action(description="Pause selected tenants…", permissions=["operate"])
+    def pause_tenants(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> TemplateResponse | None:
+        """Ask why and for how long, then pause each selected tenant (no agent claims its tasks)."""
+        form = RaiseConditionForm(request.POST if "apply" in request.POST else None)
+        if "apply" in request.POST and form.is_valid():
+            expires = _expires_at(form)
+            perform(request, self, "Pause", list(queryset), lambda t: self._may_pause(request, t) or _pause_tenant(
+                t, reason=form.cleaned_data["reason"], expires_at=expires, by=actor(request)))
+            return None
+        return _reason_page(self, request, form, queryset, title="Pause tenants", action="pause_tenants",
+                            submit="Pause", what="no agent claims their queued tasks, of any service, while "
+                                                 "paused (running tasks finish); the dashboard and /metrics show "
+                                                 "the pause")
+
+    @admin.action(description="Resume selected tenants", permissions=["operate"])
+    def resume_tenants(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> None:
+        perform(request, self, "Resume", list(queryset),
+                lambda t: self._may_pause(request, t) or _resume_tenant(t, by=actor(request)))
+
+    def action_subject(self, obj: Tenant) -> str:
+        return f"tenant {obj.slug}"
+
+
+admin.site.unregister(Tenant)
+admin.site.register(Tenant, TenantPauseAdmin)
+
+
+__all__ = ["GovernorConditionAdmin", "ProblemsByFieldForm", "ServiceAdmin", "TenantPauseAdmin", "WorkflowAdmin"]

@@ -8,7 +8,10 @@ admin, the Python API (:func:`jobs.api.raise_condition`) or the ORM. While it ho
 
 Pausing a service is raising its own condition, ``pause-<service key>`` (:func:`pause_service`,
 :func:`resume_service`): it blocks that service as a condition in its ``block_during`` would, with
-the same record of who raised it, when, why and until when, and the same event.
+the same record of who raised it, when, why and until when, and the same event. Pausing a tenant
+is raising ``tenant-pause-<tenant id>`` (:func:`pause_tenant`, :func:`resume_tenant`): the claim
+itself (:data:`PAUSED_TENANTS_SQL`, read in :mod:`jobs.claim`'s statement) passes over that
+tenant's queued tasks while it holds, so every agent honours it, agents of the previous release too.
 
 This module is the one place that changes a condition; each change writes a ``governor`` event in
 the same transaction. The builder calls :func:`expire_conditions` every tick; agents call
@@ -21,12 +24,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
+from uuid import UUID
 
 from django.db import connection, transaction
 from django.utils import timezone
 
 from accs_site.clock import db_now
 from events.timeline import EventRow, operator_source, write_events
+from tenants.models import Tenant
 from workflows.models import GovernorCondition, Service
 from workflows.validation import CONDITION_NAME_RE, DefinitionError, Problem
 
@@ -58,11 +63,12 @@ def _check_name(name: Any) -> str:
 
 
 def raise_condition(name: str, *, reason: str, expires_at: datetime | None = None, by: str,
-                    now: datetime | None = None) -> GovernorCondition:
+                    now: datetime | None = None, about: Mapping[str, Any] | None = None) -> GovernorCondition:
     """Raise (or re-arm) a condition until ``expires_at`` or until cleared; write a governor event.
 
     Works inside the caller's transaction. Raises DefinitionError for a bad name or an expiry that
-    is naive or not in the future.
+    is naive or not in the future. ``about`` is added to the event's data (e.g. the tenant a pause
+    is of).
     """
     _check_name(name)
     if expires_at is not None and timezone.is_naive(expires_at):
@@ -82,11 +88,13 @@ def raise_condition(name: str, *, reason: str, expires_at: datetime | None = Non
         write_events([_event(f"governor condition {name} {verb} by {by or 'api'}{until}: {reason}".rstrip(": "),
                              level="warn", source=operator_source(by),
                              data={"condition": name, "to": "raised", "reason": reason,
-                                   "expires_at": expires_at.isoformat() if expires_at else None})], cursor=cur)
+                                   "expires_at": expires_at.isoformat() if expires_at else None,
+                                   **(about or {})})], cursor=cur)
     return GovernorCondition.objects.get(name=name)
 
 
-def clear_condition(name: str, by: str = "", *, now: datetime | None = None) -> bool:
+def clear_condition(name: str, by: str = "", *, now: datetime | None = None,
+                    about: Mapping[str, Any] | None = None) -> bool:
     """Clear a holding condition; False (and nothing written) when it does not hold."""
     with transaction.atomic(), connection.cursor() as cur:
         now = now or db_now(cur)
@@ -95,7 +103,7 @@ def clear_condition(name: str, by: str = "", *, now: datetime | None = None) -> 
         if not cur.fetchone():
             return False
         write_events([_event(f"governor condition {name} cleared by {by or 'api'}",
-                             source=operator_source(by), data={"condition": name, "to": "cleared"})],
+                             source=operator_source(by), data={"condition": name, "to": "cleared", **(about or {})})],
                      cursor=cur)
     return True
 
@@ -149,6 +157,32 @@ def paused_service_key(condition_name: str) -> str | None:
     return condition_name[len(PAUSE_PREFIX):] if condition_name.startswith(PAUSE_PREFIX) else None
 
 
+#: The longest reason a pause keeps (the admin's reason page asks no more).
+MAX_REASON = 500
+
+
+def _pause_reason(reason: Any, *, what: str) -> str:
+    """Return a pause's reason stripped; DefinitionError naming what is wrong with it.
+
+    A pause says why (it shows on the dashboard), in at most :data:`MAX_REASON` characters that the
+    database can store (no NUL, no lone surrogate).
+    """
+    text = reason.strip() if isinstance(reason, str) else ""
+    if not text:
+        raise DefinitionError([Problem("reason", f"say why the {what} is paused (it shows on the dashboard)")])
+    if len(text) > MAX_REASON:
+        raise DefinitionError([Problem("reason", f"a pause's reason is at most {MAX_REASON} characters, "
+                                                 f"not {len(text)}")])
+    if "\x00" in text:
+        raise DefinitionError([Problem("reason", "a pause's reason cannot hold a NUL character")])
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DefinitionError([Problem("reason", "a pause's reason must be valid text (it holds a lone "
+                                                 "surrogate)")]) from None
+    return text
+
+
 def pause_service(service_key: str, *, reason: str, by: str, expires_at: datetime | None = None,
                   now: datetime | None = None) -> GovernorCondition:
     """Pause a service until ``expires_at`` or until resumed: no agent claims its tasks meanwhile.
@@ -156,16 +190,86 @@ def pause_service(service_key: str, *, reason: str, by: str, expires_at: datetim
     Its queued tasks stay queued (running ones finish). Raises DefinitionError for an unknown
     service or a blank reason: a pause says why.
     """
-    if not isinstance(reason, str) or not reason.strip():
-        raise DefinitionError([Problem("reason", "say why the service is paused (it shows on the dashboard)")])
+    reason = _pause_reason(reason, what="service")
     if not Service.objects.filter(key=service_key).exists():
         raise DefinitionError([Problem("service", f"unknown service {service_key!r}")])
-    return raise_condition(pause_name(service_key), reason=reason.strip(), expires_at=expires_at, by=by, now=now)
+    return raise_condition(pause_name(service_key), reason=reason, expires_at=expires_at, by=by, now=now)
 
 
 def resume_service(service_key: str, *, by: str, now: datetime | None = None) -> bool:
     """Resume a paused service; False (nothing written) when it is not paused."""
     return clear_condition(pause_name(service_key), by, now=now)
+
+
+#: The condition that pauses a tenant is named this prefix and the tenant's id (a slug may change and
+#: may be too long for a condition's name; the id is neither). It does not start with
+#: :data:`PAUSE_PREFIX`, so no service's pause can be read as a tenant's, nor the other way round.
+TENANT_PAUSE_PREFIX = "tenant-pause-"
+
+# The ids (as text) of the tenants paused at the instant {stamp}: the claim statement passes over their
+# queued tasks. (Text, not uuid: a condition someone named 'tenant-pause-x' by hand matches no tenant
+# instead of failing every claim on a cast. The table holds a handful of rows: read whole.)
+PAUSED_TENANTS_SQL = ("SELECT substr(g.name, " + str(len(TENANT_PAUSE_PREFIX) + 1) + ") FROM accs_governor_condition g"
+                      " WHERE starts_with(g.name, '" + TENANT_PAUSE_PREFIX + "') AND "
+                      + HOLDS_SQL.replace("raised_at", "g.raised_at").replace("cleared_at", "g.cleared_at")
+                      .replace("expires_at", "g.expires_at").replace("%(now)s", "{stamp}"))
+
+
+def tenant_pause_name(tenant_id: UUID | str) -> str:
+    """Return the name of the condition that pauses the tenant ``tenant_id``."""
+    return TENANT_PAUSE_PREFIX + str(UUID(str(tenant_id)))
+
+
+def paused_tenant_id(condition_name: str) -> UUID | None:
+    """Return the tenant a condition pauses, or None for any other condition."""
+    if not condition_name.startswith(TENANT_PAUSE_PREFIX):
+        return None
+    try:
+        tenant_id = UUID(condition_name[len(TENANT_PAUSE_PREFIX):])
+    except ValueError:
+        return None
+    return tenant_id if tenant_pause_name(tenant_id) == condition_name else None
+
+
+def _tenant(tenant: Tenant | UUID | str) -> Tenant:
+    """Return the tenant given as a row, an id or a slug; DefinitionError naming an unknown one."""
+    if isinstance(tenant, Tenant):
+        return tenant
+    found = None
+    if isinstance(tenant, (UUID, str)):
+        try:
+            found = Tenant.objects.filter(pk=UUID(str(tenant))).first()
+        except ValueError:
+            found = Tenant.objects.filter(slug=tenant).first()
+    if found is None:
+        raise DefinitionError([Problem("tenant", f"unknown tenant {tenant!r}")])
+    return found
+
+
+def pause_tenant(tenant: Tenant | UUID | str, *, reason: str, by: str, expires_at: datetime | None = None,
+                 now: datetime | None = None) -> GovernorCondition:
+    """Pause a tenant (a row, its id or its slug) until ``expires_at`` or until resumed.
+
+    No agent claims the tenant's tasks meanwhile, whatever their service; its queued tasks stay
+    queued and its running ones finish. Raises DefinitionError for an unknown tenant, a blank
+    reason or an expiry that is naive or not in the future. Who may pause which tenant is the
+    caller's to check (the admin: :class:`workflows.admin.TenantPauseAdmin`).
+    """
+    reason = _pause_reason(reason, what="tenant")
+    row = _tenant(tenant)
+    return raise_condition(tenant_pause_name(row.pk), reason=reason, expires_at=expires_at, by=by, now=now,
+                           about={"tenant": row.slug, "tenant_id": str(row.pk)})
+
+
+def resume_tenant(tenant: Tenant | UUID | str, *, by: str, now: datetime | None = None) -> bool:
+    """Resume a paused tenant; False (nothing written) when it is not paused.
+
+    Its queued tasks are claimable by the next claim (an idle agent's poll, at most
+    ``ACC_POLL_INTERVAL_SEC`` away, or a NOTIFY of new work).
+    """
+    row = _tenant(tenant)
+    return clear_condition(tenant_pause_name(row.pk), by, now=now,
+                           about={"tenant": row.slug, "tenant_id": str(row.pk)})
 
 
 def claim_adjustments(service: Any, active: Iterable[str]) -> tuple[bool, int]:
@@ -188,6 +292,7 @@ def claim_adjustments(service: Any, active: Iterable[str]) -> tuple[bool, int]:
 
 
 __all__ = [
-    "PAUSE_PREFIX", "active_conditions", "claim_adjustments", "clear_condition", "expire_conditions", "pause_name",
-    "pause_service", "paused_service_key", "raise_condition", "resume_service",
+    "PAUSED_TENANTS_SQL", "PAUSE_PREFIX", "TENANT_PAUSE_PREFIX", "active_conditions", "claim_adjustments",
+    "clear_condition", "expire_conditions", "pause_name", "pause_service", "pause_tenant", "paused_service_key",
+    "paused_tenant_id", "raise_condition", "resume_service", "resume_tenant", "tenant_pause_name",
 ]

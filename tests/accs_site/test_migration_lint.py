@@ -3,7 +3,8 @@
 The lint (:mod:`tests.migration_lint`: squawk over the SQL ``migrate`` really runs, plus two rules of
 ours) fails on an index built or dropped without CONCURRENTLY, an ACCESS EXCLUSIVE lock on
 accs_job, accs_task, accs_event or accs_attempt, NOT NULL without a default on a table old code
-writes, a column or table dropped or renamed, a constraint added without NOT VALID. A migration
+writes, a column or table dropped or renamed, a constraint added without NOT VALID, an atomic
+migration altering two existing tables (a deadlock with a daemon locking them in the other order). A migration
 that must break a rule is listed in :data:`REVIEWED` with why it is safe, or what the CHANGELOG
 tells operators about it; an entry that no longer matches a finding fails too, so the list stays true.
 """
@@ -11,8 +12,11 @@ tells operators about it; an entry that no longer matches a finding fails too, s
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -21,7 +25,7 @@ from hypothesis import given, strategies as st
 
 from tests import migration_lint
 from tests.daemons import ROOT
-from tests.migration_lint import DROPPED_DEFAULT, HOT_LOCK, HOT_TABLES, Finding, lint, own_findings
+from tests.migration_lint import DROPPED_DEFAULT, HOT_LOCK, HOT_TABLES, TWO_TABLES, Finding, lint, own_findings
 
 # Applied on every site that runs a release already; they run only on an empty database, where no
 # daemon runs. Kept here because they break the rules as written today.
@@ -33,7 +37,7 @@ REVIEWED: dict[tuple[str, str, str], str] = {
                                                       "constraint-missing-not-valid",
                                                       "require-concurrent-index-deletion"),
         "0003_job_steps_partial_interrupted": (HOT_LOCK, "adding-foreign-key-constraint", "adding-required-field",
-                                               "constraint-missing-not-valid"),
+                                               "constraint-missing-not-valid", TWO_TABLES),
         "0004_scheduled_retries_and_claim_indexes": (HOT_LOCK, "constraint-missing-not-valid",
                                                      "require-concurrent-index-creation",
                                                      "require-concurrent-index-deletion"),
@@ -84,10 +88,14 @@ REVIEWED: dict[tuple[str, str, str], str] = {
         "EXCLUSIVE is held for milliseconds once granted (it queues behind a long transaction on accs_job)",
     ("jobs", "0026_approval_principals", "adding-foreign-key-constraint"):
         "safe: the new column accs_trigger.updated_by is NULL in every row, so its foreign key validates at once",
-    ("jobs", "0032_limit_keys", HOT_LOCK):
+    ("jobs", "0038_attempt_task_refs", HOT_LOCK):
+        "safe: ADD COLUMN service_id and tenant_id (nullable, no default, no foreign key) on accs_attempt change "
+        "the catalog only, each in its own transaction; ACCESS EXCLUSIVE is held for milliseconds once granted "
+        "(the wait bounded by accs_site.migrate_locks)",
+    ("jobs", "0039_limit_keys", HOT_LOCK):
         "safe: ADD COLUMN limit_key (nullable, no default) on accs_task changes the catalog only, under "
         "lock_timeout 5s so the migration fails rather than queue the daemons behind it",
-    ("jobs", "0032_limit_keys", "require-concurrent-index-creation"):
+    ("jobs", "0039_limit_keys", "require-concurrent-index-creation"):
         "safe: limit_key_head_emptied_idx is built on accs_limit_key_head, created empty by the same migration",
     ("workflows", "0004_service_lease_seconds", "constraint-missing-not-valid"):
         "safe: the CHECK service_lease_at_least_3 scans accs_service (definitions, a few rows) in milliseconds",
@@ -222,3 +230,56 @@ def test_access_exclusive_is_flagged_exactly_on_hot_tables(table, action, only, 
 def test_an_explicit_lock_table_is_flagged_only_in_access_exclusive_mode(table, mode):
     flagged = own_findings([_migration(f"LOCK TABLE {table}{mode}")])
     assert bool(flagged) == (mode in ("", " IN ACCESS EXCLUSIVE MODE"))
+
+
+@given(first=st.sampled_from(["accs_service", "accs_workflow", "accs_job", "accs_trigger"]),
+       second=st.sampled_from(["accs_service", "accs_workflow", "accs_job", "accs_trigger"]),
+       atomic=st.booleans(), second_is_weak=st.booleans(), first_is_new=st.booleans())
+def test_an_atomic_migration_altering_two_existing_tables_is_caught(first, second, atomic, second_is_weak,
+                                                                   first_is_new):
+    statements = [*([f'CREATE TABLE "{first}" ("id" int)'] if first_is_new else []),
+                  f'ALTER TABLE "{first}" ADD COLUMN "a" integer NULL',
+                  f'ALTER TABLE "{second}" ' + ('VALIDATE CONSTRAINT "c"' if second_is_weak
+                                               else 'ADD COLUMN "b" integer NULL')]
+    flagged = [f for f in own_findings([_migration(*statements, atomic=atomic)]) if f.rule == TWO_TABLES]
+    # One transaction holding one table's strong lock while it asks for another's is the deadlock's shape.
+    assert bool(flagged) == (atomic and first != second and not second_is_weak and not first_is_new), statements
+
+
+# --------------------------------------------------------------------------------------------
+# The CHANGELOG says, for each migration the previous release lacks, whether it is safe under it
+# --------------------------------------------------------------------------------------------
+
+SAFE = re.compile(r"safe under the previous release(?:'s daemons)?:?\**:?\s*\**\s*(yes|no)\b", re.IGNORECASE)
+
+
+def _new_migrations() -> list[str]:
+    """``app.NNNN`` of the ACCS migration files this tree has and PREVIOUS_RELEASE (the Makefile's) lacks."""
+    previous = re.search(r"^PREVIOUS_RELEASE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
+    then = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", previous], capture_output=True,
+                          text=True, check=True).stdout.split()
+    now = [str(p.relative_to(ROOT)) for app in migration_lint.ACCS_APPS
+           for p in (ROOT / app / "migrations").glob("[0-9][0-9][0-9][0-9]_*.py")]
+    return sorted(f"{Path(p).parts[0]}.{Path(p).stem[:4]}" for p in set(now) - set(then))
+
+
+def _release_items() -> list[str]:
+    """The bullet items (sub-items apart) of the CHANGELOG's newest release section."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    section = re.split(r"^## ", text, flags=re.MULTILINE)[1]
+    return re.split(r"^\s*- ", section, flags=re.MULTILINE)[1:]
+
+
+def test_the_changelog_says_for_each_new_migration_whether_it_is_safe_under_the_previous_release():
+    new = _new_migrations()
+    assert new, "this release has migrations the previous one lacks (else PREVIOUS_RELEASE is stale)"
+    items = _release_items()
+    unsaid = [m for m in new if not any(m in item and SAFE.search(item) for item in items)]
+    assert not unsaid, (f"CHANGELOG.md's release section names no 'safe under the previous release: yes/no' in "
+                        f"the item about: {unsaid}")
+
+
+@given(verdict=st.sampled_from(["yes", "no"]), daemons=st.booleans(), bold=st.booleans())
+def test_the_changelog_verdict_is_read_in_the_forms_it_is_written(verdict, daemons, bold):
+    phrase = f"Safe under the previous release{chr(39) + 's daemons' if daemons else ''}: {verdict}"
+    assert SAFE.search(f"adds a column. {'**' + phrase + '**' if bold else phrase}.").group(1) == verdict

@@ -306,3 +306,13 @@ def test_without_storage_staging_recorded_inputs_fails_clearly(no_storage, job, 
     )
     with pytest.raises(StorageNotConfigured, match="cannot stage input"):
         stage_inputs(job_id=job.id, task_id=task.id, directory=Path(tmp_path))
+
+
+def test_the_moved_storage_class_still_resolves_by_its_old_name_with_a_warning():
+    import events.storage as storage
+    from events.s3_backend import ArtifactStorage
+
+    with pytest.warns(DeprecationWarning, match="moved to events.s3_backend"):
+        assert storage.ArtifactStorage is ArtifactStorage
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        storage.Nope  # noqa: B018

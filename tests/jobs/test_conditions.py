@@ -5,6 +5,7 @@ follow the skip rules (an ``always`` step still runs), all in the report that se
 from __future__ import annotations
 
 import pytest
+from django.db import DatabaseError, connection, transaction
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from events.models import Event
@@ -109,3 +110,36 @@ def test_a_bad_condition_is_a_definition_error_naming_the_step(make_service, whe
             {"key": "check", "service": "c-svc"},
             {"key": "deploy", "service": "c-svc", "depends_on": depends_on, "when": when}])
     assert expected in "\n".join(str(p) for p in caught.value.problems)
+
+
+@pytest.mark.parametrize("bad", ["$.check.healthy ==", "healthy == true)", "$ ? (@ >"])
+def test_a_stored_condition_that_is_not_a_jsonpath_skips_its_step_saying_so_and_the_report_goes_through(
+        make_service, bad):
+    """The validator refuses such a condition on every save path; one written into the row by hand never
+    holds, and says why, instead of making every report that settles its job raise."""
+    make_service("c-svc")
+    create_workflow(name="gate", steps=_steps("$.check.healthy == true"))
+    job = api.start_workflow("gate")
+    with connection.cursor() as cur:
+        cur.execute("UPDATE accs_workflow SET steps = jsonb_set(steps, '{1,when}', to_jsonb(%s::text)) WHERE id = %s",
+                    [bad, job.workflow_id])
+    _run(job, results={"healthy": True})
+    deploy = Task.objects.get(job=job, task_key="deploy")
+    assert (deploy.status, deploy.error_message) == ("skipped", f"condition is not a valid jsonpath: {bad}")
+    assert _status(job)["cleanup"] == "done"
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=30)
+       | st.from_regex(r"\$(\.[a-z]{1,3}|\[[0-9]\])*( [=<>]{1,2} [0-9a-z\"]{1,3})?", fullmatch=True))
+def test_the_safe_jsonpath_read_is_null_exactly_for_text_postgresql_cannot_read_as_one(text):
+    with connection.cursor() as cur:
+        cur.execute("SELECT accs_jsonpath(%s) IS NULL", [text])
+        safe_null = cur.fetchone()[0]
+        try:
+            with transaction.atomic():
+                cur.execute("SELECT %s::jsonpath", [text])
+            valid = True
+        except DatabaseError:
+            valid = False
+    assert safe_null == (not valid)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.db import connection
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from accs_site.conf import reload
@@ -188,3 +189,19 @@ def test_a_fan_out_step_cannot_depend_on_a_step_keyed_like_its_item_inputs(svc):
         create_workflow(name="bad-parcels", steps=[
             {"key": "item", "service": "f-svc"},
             {"key": "label", "service": "f-svc", "depends_on": ["item"], "fan_out": {"over": "$.item.all"}}])
+
+
+@pytest.mark.parametrize("bad", ["$.pick[", "pick.parcels)", "$ ? (", "last"])
+def test_a_stored_fan_out_path_that_is_not_a_jsonpath_fails_its_step_and_the_report_goes_through(svc, bad):
+    """The validator refuses such a path on every save path; one written into the row by hand fails the step,
+    saying so, instead of making every report that settles its job raise."""
+    create_workflow(name="parcels", steps=STEPS)
+    job = api.start_workflow("parcels")
+    with connection.cursor() as cur:
+        cur.execute("UPDATE accs_workflow SET steps = jsonb_set(steps, '{1,fan_out,over}', to_jsonb(%s::text))"
+                    " WHERE id = %s", [bad, job.workflow_id])
+    _run_step(job, "pick", results=lambda inputs: {"parcels": ["a", "b"]})
+    label = Task.objects.get(job=job, step_key="label")
+    assert (label.status, label.error_code, label.error_message) == (
+        "error", "fan_out_failed", f"fan_out over {bad} is not a valid jsonpath")
+    assert _tasks(job)["close"] == "queued", "the job settles as for any failed step"

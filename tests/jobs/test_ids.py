@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import pytest
 from django.db import connection
@@ -106,19 +106,23 @@ def test_the_job_list_finds_a_job_by_its_short_id(client, root, tenants, make_se
 
 
 @pytest.mark.django_db
-def test_a_short_id_is_looked_for_among_recent_ids_first_then_among_all(tenants, make_service, monkeypatch):
+def test_a_short_id_is_one_probe_of_the_short_id_index_and_the_whole_last_group_is_checked(tenants, make_service):
     make_service("ingest")
     job = api.start_service("ingest", tenant=tenants.acme)
-    tail = ids.short_id_term(ids.short_id(job.pk))
+    short, group = ids.short_id(job.pk), str(job.pk)[-12:]
+    assert jobs_admin.ids_ending(Job, ids.short_id_term(short)) == [job.pk]
+    assert jobs_admin.ids_ending(Job, ids.short_id_term(group.upper())) == [job.pk]
+    other_group = ("00" if group[:2] != "00" else "11") + group[2:]
+    assert jobs_admin.ids_ending(Job, ids.short_id_term(other_group)) == [], "the whole group must match"
+    assert jobs_admin.ids_ending(Job, ids.short_id_term("0123456788")) == []
     with CaptureQueriesContext(connection) as queries:
-        assert jobs_admin.ids_ending(Job, tail) == [job.pk]
-    assert len(queries) == 1 and '"accs_job"."id" >= ' in queries[0]["sql"], "found among the recent ids"
-    assert jobs_admin.ids_ending(Job, ids.short_id_term("0123456789")) == []
-    # A job older than the recent window (or with an id from before ids were time-ordered).
-    monkeypatch.setattr(jobs_admin, "SHORT_ID_RECENT", timedelta(days=-1))
-    with CaptureQueriesContext(connection) as queries:
-        assert jobs_admin.ids_ending(Job, tail) == [job.pk]
-    assert len(queries) == 2, "the recent ids first, then all"
+        jobs_admin.ids_ending(Job, ids.short_id_term(ids.short_id(job.pk)))
+    assert len(queries) == 1
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("EXPLAIN " + queries[0]["sql"])
+        plan = " ".join(row[0] for row in cursor.fetchall())
+    assert "job_short_id_idx" in plan, plan
 
 
 def test_id_range_holds_the_ids_made_in_it(frozen_ms):

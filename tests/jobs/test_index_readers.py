@@ -60,7 +60,9 @@ def test_every_reader_is_described():
 N_JOBS = 4000
 # Jobs by i % 10: six done and one in error (finished 40 days ago, due for retention), one queued
 # (no tasks yet), one waiting (its task queued, waiting or a retry in backoff), one running (on one
-# of 20 nodes).
+# of 100 nodes, spread by job id whatever the sequences stand at: one node's held tasks are 1 in 100 of
+# the fleet's, so reading every held task through the lease index is never the cheaper plan for the
+# node's held counts; spread by order_seq over 20 nodes, n1 held half of them in some runs, and it was).
 FILL_SQL = """
 WITH j AS (
     INSERT INTO accs_job (id, tenant_id, service_id, status, progress, current_task_key, priority, options,
@@ -85,7 +87,7 @@ SELECT gen_random_uuid(), j.id, %(tenant)s, 't', 't', %(svc)s, false, s.status, 
   FROM j CROSS JOIN LATERAL (
        SELECT CASE WHEN j.status = 'waiting' THEN (ARRAY['queued', 'waiting', 'scheduled'])[j.order_seq %% 3 + 1]
                    ELSE j.status END AS status,
-              CASE WHEN j.status = 'running' THEN 'n' || j.order_seq %% 20 ELSE '' END AS agent) s
+              CASE WHEN j.status = 'running' THEN 'n' || abs(hashtext(j.id::text)) %% 100 ELSE '' END AS agent) s
  WHERE j.status <> 'queued'
 """
 
@@ -246,16 +248,32 @@ def _rates_bounds(h):
     return BOUNDS_SQL, {"since": timezone.now() - timedelta(hours=1), "until": timezone.now()}
 
 
-def _rates_of_node(h):
+def _rates(h, among: tuple[str, str]):
     from ops.overview import _tenant_filter
-    from ops.rates import RATES_SQL
+    from ops.rates import ATTEMPT_REFS, RATES_SQL
 
-    where, params = _tenant_filter("t.tenant_id", {h["tenant"].id})
-    from ops.rates import ONE_NODE
-
-    sql = RATES_SQL.format(tenants=where, where=ONE_NODE[0], order=ONE_NODE[1], service="")
+    where, params = _tenant_filter("r.tenant_id", {h["tenant"].id})
+    sql = RATES_SQL.format(tenants=where, where=among[0], order=among[1], service="", **ATTEMPT_REFS)
     return sql, {"lo": 1, "hi": 10**9, "since": timezone.now() - timedelta(days=7), "until": timezone.now(),
                  "sample": 50_000, "node": "n3", **params}
+
+
+def _rates_of_node(h):
+    from ops.rates import ONE_NODE
+
+    return _rates(h, ONE_NODE)
+
+
+def _rates_of_every_node(h):
+    from ops.rates import EVERY_NODE
+
+    return _rates(h, EVERY_NODE)
+
+
+def _attempts_of_service(h):
+    from jobs.models import Attempt
+
+    return _orm(Attempt.objects.filter(service=h["capped"]).order_by("-id")[:100])
 
 
 def _attempts_of_node(h):
@@ -317,10 +335,12 @@ PLANS = [
     ("dashboard's dead letters", _dead_letters, ["task_dead_letter_count_idx"]),
     ("jobs of a service (search, delete)", _jobs_of_service, ["job_service_idx"]),
     ("jobs of a workflow (search, delete)", _jobs_of_workflow, ["job_workflow_idx"]),
-    ("rates: the range's first and last attempt", _rates_bounds, ["attempt_started_idx"]),
-    ("rates of one node", _rates_of_node, ["attempt_node_idx", "accs_task_pkey"]),
+    ("rates: the range's first and last attempt", _rates_bounds, [("attempt_started_idx",)]),
+    ("rates of one node", _rates_of_node, ["attempt_node_idx"]),
+    ("rates of every node", _rates_of_every_node, [("attempt_started_idx",)]),
+    ("attempts list by service", _attempts_of_service, ["attempt_service_idx"]),
     ("attempts list by node", _attempts_of_node, ["attempt_node_idx"]),
-    ("attempts list by time range", _attempts_in_range, ["attempt_started_idx"]),
+    ("attempts list by time range", _attempts_in_range, [("attempt_started_idx",)]),
     ("tasks list by time range", _tasks_in_range, ["accs_task_pkey"]),
 ]
 

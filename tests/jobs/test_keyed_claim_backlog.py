@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import uuid
 import threading
 from collections import Counter, defaultdict
 
@@ -290,7 +291,9 @@ def model_claim(queue: list[tuple[int, str, int]], held: dict[str, list[int]], *
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=layouts, ops=steps, limit=st.integers(1, 3), seed=st.integers(0, 10_000))
 def test_claims_over_generated_layouts_take_what_a_model_of_the_rules_takes(make_service, layout, ops, limit, seed):
-    key = f"gen-{seed}-{random.randrange(10**9)}"  # a service of its own per example
+    # A service of its own per example: hypothesis seeds the random module for each example, so a
+    # name drawn from it repeats across examples with the same seed; uuid4 reads the OS.
+    key = f"gen-{seed}-{uuid.uuid4().hex[:12]}"
     svc = make_service(key, concurrency_key="customer", concurrency_key_limit=limit, **SCHEMA)
     enqueue(key, [c for c, _ in layout], priorities=[p for _, p in layout])
     queue = [(i, c, p) for i, (c, p) in enumerate(layout)]
@@ -322,7 +325,7 @@ def test_claims_over_generated_layouts_take_what_a_model_of_the_rules_takes(make
 # --------------------------------------------------------------------------------------------
 
 def test_the_migration_creates_the_triggers_this_module_describes():
-    migration = importlib.import_module("jobs.migrations.0032_limit_keys")
+    migration = importlib.import_module("jobs.migrations.0039_limit_keys")
     assert migration.LIMIT_KEY_SQL == LIMIT_KEY_SQL
     assert migration.BACKFILL_HELD_SQL == BACKFILL_HELD_SQL
 

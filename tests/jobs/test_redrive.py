@@ -25,8 +25,7 @@ from tests.accs_site.test_cli import assert_one_line_refusal, run_command
 from tests.api_helpers import client_for, user_with_token
 from tests.daemons import wait_for
 from tests.engine_helpers import claim_for, run_fail, run_ok
-from tests.ops.test_admin import messages_of
-from tests.ops_helpers import Tenants, make_user, two_tenants
+from tests.ops_helpers import Tenants, make_user, redrive_page, redrive_summary_of, two_tenants
 from workflows.api import save_service
 
 pytestmark = pytest.mark.django_db
@@ -328,8 +327,7 @@ def test_admin_redrive_shows_the_count_then_redrives_on_confirmation(client, sce
     assert '<p id="accs-redrive-count"><b>2</b> dead-lettered task(s) match now.</p>' in preview
     assert 'name="confirm" value="Redrive 2"' in preview
     assert statuses(scene.upload_acme) == {"error"}, "the count writes nothing"
-    done = client.post(url, {"service": "upload", "confirm": "1"}, follow=True)
-    [said] = messages_of(done)
+    said = redrive_summary_of(redrive_page(client, url, {"service": "upload"}))
     assert re.fullmatch(r"Redrive: 2 matched, 2 redriven, 0 skipped \(no longer applicable\) in 1 batch of up to 500, "
                         r"\d+\.\d s", said), said
     assert statuses(scene.upload_acme) == {"queued"} and statuses(scene.upload_globex) == {"error"}
@@ -350,8 +348,7 @@ def test_admin_job_redrive_and_who_may_use_it(client, scene):
     url = reverse("admin:jobs_job_redrive")
     preview = client.post(url, {"tenant": str(scene.tenants.globex.id), "preview": "1"}).content.decode()
     assert "<b>4</b> failed job(s) match now." in preview and 'name="include"' in preview
-    done = client.post(url, {"tenant": str(scene.tenants.globex.id), "confirm": "1"}, follow=True)
-    [said] = messages_of(done)
+    said = redrive_summary_of(redrive_page(client, url, {"tenant": str(scene.tenants.globex.id)}))
     assert re.fullmatch(r"Redrive: 4 matched, 4 redriven, 0 skipped \(no longer applicable\) in 1 batch of up to 500, "
                         r"\d+\.\d s", said), said
     assert set(Job.objects.filter(tenant=scene.tenants.globex).values_list("status", flat=True)) == {"waiting"}
@@ -434,3 +431,39 @@ def test_redrive_of_a_canceled_job_with_a_task_still_stopping_is_refused_with_th
     job.refresh_from_db()
     assert job.status == "waiting"
     assert set(Task.objects.filter(job=job).values_list("status", flat=True)) == {"queued"}
+
+
+def test_admin_redrive_reports_each_batch_as_it_commits_then_sums_up(client, scene, monkeypatch):
+    from jobs import admin as jobs_admin
+
+    monkeypatch.setattr(jobs_admin, "REDRIVE_BATCH", 3)
+    client.force_login(make_user("root", superuser=True))
+    page = redrive_page(client, reverse("admin:jobs_task_redrive"), {})
+    lines = re.findall(r'<li class="accs-redrive-batch">batch (\d+): (\d+) taken in so far, (\d+) redriven', page)
+    assert [(int(b), int(n)) for b, n, _r in lines] == [(1, 3), (2, 6), (3, 9), (4, 10)], lines
+    assert page.index('id="accs-redrive-summary"') > page.index("batch 4:"), "the summary comes last"
+    assert redrive_summary_of(page).startswith("Redrive: 10 matched, 10 redriven, 0 skipped")
+    assert 'max="10"' in page, "the progress bar counts the matches"
+    assert statuses(scene.all) == {"queued"}
+
+
+def test_a_redrive_whose_browser_goes_away_stops_at_a_whole_batch_and_is_logged(transactional_db, client, scene,
+                                                                               monkeypatch):
+    from django.contrib.admin.models import LogEntry
+
+    from jobs import admin as jobs_admin
+
+    monkeypatch.setattr(jobs_admin, "REDRIVE_BATCH", 4)
+    client.force_login(make_user("root", superuser=True))
+    answer = client.post(reverse("admin:jobs_task_redrive"), {"confirm": "1"})
+    stream = iter(answer)
+    sent = b""
+    while b"<li class=\"accs-redrive-batch\">" not in sent:
+        sent += next(stream)
+    answer.close()  # what the server does when the browser is gone: it stops reading and closes the page
+    after = Task.objects.filter(pk__in=scene.all).values_list("status", flat=True)
+    assert sorted(after).count("queued") == 4 and sorted(after).count("error") == 6, "one whole batch, no more"
+    [entry] = LogEntry.objects.all()
+    assert entry.change_message.startswith("Redrive: 4 matched, 4 redriven, 0 skipped"), entry.change_message
+    rest = redrive_summary_of(redrive_page(client, reverse("admin:jobs_task_redrive"), {}))
+    assert rest.startswith("Redrive: 6 matched, 6 redriven"), "a second redrive takes in the rest"

@@ -26,6 +26,7 @@ from jobs.claim import (
     service_spec,
 )
 from jobs.finalize import FINALIZE_FUNCTION, finalize_function_sql
+from jobs.inputs import JSONPATH_FUNCTION, STEP_CONTEXT_FUNCTION, jsonpath_function_sql, step_context_function_sql
 from jobs.models import Task
 from jobs.reports import REPORT_FUNCTION, report_function_sql
 from tests.engine_helpers import NODE, claim_for, run_ok
@@ -45,7 +46,9 @@ def _body(create_sql: str) -> str:
 @pytest.mark.parametrize(("name", "build"), [(PLAIN_CLAIM_FUNCTION, plain_claim_function_sql),
                                              (KEYED_CLAIM_FUNCTION, keyed_claim_function_sql),
                                              (FINALIZE_FUNCTION, finalize_function_sql),
-                                             (REPORT_FUNCTION, report_function_sql)])
+                                             (REPORT_FUNCTION, report_function_sql),
+                                             (STEP_CONTEXT_FUNCTION, step_context_function_sql),
+                                             (JSONPATH_FUNCTION, jsonpath_function_sql)])
 def test_the_database_function_runs_the_statements_the_code_holds_now(name, build):
     """A change to a statement the function copies needs a migration that replaces the function."""
     with connection.cursor() as cur:
@@ -60,7 +63,7 @@ def test_the_database_function_runs_the_statements_the_code_holds_now(name, buil
 
 
 @pytest.mark.parametrize("build", [plain_claim_function_sql, keyed_claim_function_sql, finalize_function_sql,
-                                   report_function_sql])
+                                   report_function_sql, step_context_function_sql])
 def test_the_functions_plan_once_and_never_compile(build):
     """Generic plans (planned once per connection) whose estimated cost grows with the backlog: with
     JIT on, a claim with 100k tasks queued compiled its expressions at every call (1.4 s instead of 3 ms)."""
@@ -354,3 +357,37 @@ def test_an_idle_poll_takes_no_lock_at_all(make_service, db_url):
     got = claim_many([service_spec(capped), service_spec(plain)], NODE, agent_id="agent-idle", free_slots=5,
                      lease_seconds=60)
     assert sorted(t.service_key for t in got) == ["fn-idle-capped", "fn-idle-plain"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_planned_on_stale_statistics_reads_each_hosts_head_through_its_index(make_service):
+    """Statistics taken when nothing was queued (after a TRUNCATE, or a backlog that came and went) must not
+    make the claim's plan, made once per connection, read each host's head through task_job_open_idx (every
+    queued task, sorted per host: 150 ms a claim on a node of 500 hosts) instead of task_claim_host_idx."""
+    from nodes.models import Host, Node
+
+    svc = make_service("stale-stats")
+    node = Node.objects.create(name="stale-node", slot_cap=1000, cpu_budget=1000)
+    names = [Host.objects.create(name=f"stale-h{i}", node=node).name for i in range(100)]
+    create_workflow(name="stale-fan", steps=[{"key": "a", "service": "stale-stats", "fan_out": "hosts"}])
+    api.start_workflow("stale-fan", options={"hosts": names})
+    with connection.cursor() as cur:  # a backlog that came and went, and the statistics taken then
+        cur.execute("UPDATE accs_task SET status = 'done', finished_at = now()")
+        cur.execute("ANALYZE accs_task")
+    api.start_workflow("stale-fan", options={"hosts": names})
+    connections.close_all()  # a new connection plans the claim afresh, on those statistics
+    plans: list[str] = []
+    with connection.cursor() as cur:
+        cur.execute("LOAD 'auto_explain'")
+        for setting, value in [("log_min_duration", "0"), ("log_nested_statements", "on"), ("log_level", "notice")]:
+            cur.execute(f"SET auto_explain.{setting} = {value}")
+    connection.connection.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+    try:
+        limits = NodeLimits("stale-node", 1000, 1000, {}, {})
+        answer = claim_round([service_spec(svc)], limits, agent_id="stale-agent", free_slots=1, lease_seconds=60)
+    finally:
+        connections.close_all()  # auto_explain stays with that connection
+    assert len(answer.tasks) == 1
+    claim_plan = "\n".join(p for p in plans if "bound_seen" in p or "task_claim_host_idx" in p)
+    assert "using task_claim_host_idx on accs_task" in claim_plan, claim_plan
+    assert "task_job_open_idx" not in claim_plan, claim_plan

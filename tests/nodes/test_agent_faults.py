@@ -20,7 +20,7 @@ from events.models import Event
 from jobs import api, transitions
 from jobs.ids import short_id
 from jobs.models import Attempt, Job, Task
-from tests.daemons import ROOT, wait_all_final, wait_until
+from tests.daemons import ROOT, agent_in_this_process, wait_all_final, wait_until
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -325,8 +325,6 @@ def test_python_callable_timeout_and_cancel_are_enforced(make_service, daemons, 
 def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make_service):
     """A claim that commits while the connection breaks leaves tasks claimed by an agent that never
     saw them; the agent finds them by its identity and runs them: one attempt each, not two."""
-    from django.db import connections
-
     from jobs.claim import NodeLimits, claim_many
     from nodes.agent import Agent
     from tests.engine_helpers import spec
@@ -341,17 +339,8 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     other = claim_many([spec(svc)], limits, agent_id="another-agent", free_slots=1,
                        lease_seconds=30)
     agent._claim_in_doubt = True  # what a claim that raised leaves behind
-    settings = connections.settings["default"]
-    saved, saved_options = dict(settings), dict(settings.setdefault("OPTIONS", {}))
-    try:
+    with agent_in_this_process():
         assert agent.run() == 0
-    finally:  # the agent gave this process's connections the daemons' timeouts and its pool: take them back
-        settings["OPTIONS"].clear()
-        settings["OPTIONS"].update(saved_options)
-        settings.update({k: v for k, v in saved.items() if k != "OPTIONS"})
-        if "DISABLE_SERVER_SIDE_CURSORS" not in saved:
-            settings.pop("DISABLE_SERVER_SIDE_CURSORS", None)
-        connections.close_all()
     for task in lost:
         task_row = Task.objects.get(pk=task.id)
         assert task_row.status == "done" and task_row.attempt == task.attempt == 1

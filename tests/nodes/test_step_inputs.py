@@ -10,13 +10,16 @@ import uuid
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jobs import api, transitions
-from jobs.inputs import step_context
-from jobs.models import Job, Task
+from jobs import api, transitions, verbs
+from jobs.claim import NodeLimits
+from jobs.inputs import step_context, step_contexts
+from jobs.locks import is_lock_timeout
+from jobs.models import Job, JobStep, Task
 from jobs.transitions import Outcome
 from nodes.executors import output_violation
 from nodes.models import Host, Node
-from tests.daemons import wait_all_final
+from tests.daemons import agent_in_this_process, wait_all_final
+from tests.engine_helpers import claim_for
 from workflows.api import create_workflow
 
 SHOW_INPUTS = ("import json, os, stat; p = os.environ['ACCS_INPUTS']; "
@@ -150,6 +153,78 @@ def test_a_task_receives_each_parents_output_and_a_fanned_parents_outputs_in_tas
         found = step_context(child.id)
         assert found.inputs == {"single": tasks.get(step_key="single").results, "many": fanned}
         assert found.output_schema is None
+    # The batch read an agent makes of a claim's tasks gives each what its own read gives; a task that
+    # is gone is left out.
+    every = list(Task.objects.filter(job__in=jobs).values_list("id", flat=True))
+    gone = uuid.uuid4()
+    assert step_contexts([*every, gone], lock_wait=5) == {task_id: step_context(task_id) for task_id in every}
+
+
+def _expected_inputs(job: Job) -> dict:
+    """The child's inputs as the parents' tasks give them now: single's results, many's in task order."""
+    tasks = Task.objects.filter(job=job)
+    return {"single": tasks.get(step_key="single").results,
+            "many": [t.results for t in tasks.filter(step_key="many").order_by("id")]}
+
+
+@pytest.mark.django_db
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hosts=st.integers(min_value=1, max_value=4), data=st.data())
+def test_a_steps_output_gathered_when_it_settles_is_what_its_tasks_give_even_after_a_retry(make_service, hosts,
+                                                                                           data):
+    """Parents finish through the engine: each settled step's row holds the output its tasks give (what a
+    dependent reads in one row), and a parent task retried and finished again with another output is what
+    the dependent receives then; the gathered output is never older than the step's tasks."""
+    svc = make_service("gather-svc", max_attempts=1)  # a failure is for good
+    tag = uuid.uuid4().hex[:8]  # the examples share one database: a node, hosts and workflow of their own
+    node = Node.objects.create(name=f"n-{tag}")
+    names = [Host.objects.create(name=f"{tag}-h{i}", node=node).name for i in range(hosts)]
+    limits = NodeLimits(name=node.name, slot_cap=20, cpu_budget=20, per_service={})
+    create_workflow(name=f"gather-{tag}", steps=[
+        {"key": "single", "service": "gather-svc"},
+        {"key": "many", "service": "gather-svc", "fan_out": "hosts", "on_failure": "continue"},
+        {"key": "child", "service": "gather-svc", "depends_on": ["single", "many"], "always": True}])
+    keys = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=4)
+    output = st.dictionaries(keys, st.integers(), max_size=2)
+    first = data.draw(st.lists(output, min_size=hosts + 1, max_size=hosts + 1))
+    results = dict(zip(["single", *(f"many@{h}" for h in names)], first, strict=True))
+    bad_key = f"many@{names[data.draw(st.integers(min_value=0, max_value=hosts - 1))]}"
+    again = data.draw(output)
+
+    def run(*, fail: str | None) -> None:
+        """Claim and report as an agent until nothing is left: ``fail`` fails for good, the rest succeed."""
+        while tasks := claim_for(svc, 10, limits=limits):
+            transitions.report(
+                [Outcome(task_id=t.id, attempt=t.attempt, status="failed", error="boom", exit_code=1)
+                 if t.task_key == fail else
+                 Outcome(task_id=t.id, attempt=t.attempt, status="succeeded", results=results.get(t.task_key, {}))
+                 for t in tasks], started=[(t.id, t.attempt, 1) for t in tasks], agent_id="agent-t",
+                source="agent:test")
+
+    job = api.start_workflow(f"gather-{tag}", options={"hosts": names})
+    transitions.start_due_jobs(limit=10)
+    run(fail=bad_key)  # one task of "many" fails for good; the job goes on, and the child runs all the same
+    steps = {s.step_key: s for s in JobStep.objects.filter(job=job)}
+    assert steps["single"].output == _expected_inputs(job)["single"] == results["single"]
+    assert steps["many"].output == _expected_inputs(job)["many"] and None in steps["many"].output
+
+    # The failed task retried and finished with another output: the child receives it.
+    bad = Task.objects.get(job=job, task_key=bad_key)
+    assert verbs.retry_tasks([bad.id])[bad.id].changed
+    assert JobStep.objects.get(job=job, step_key="many").output is None, "a task of the step left its final state"
+    results[bad_key] = again
+    run(fail=None)
+    child = Task.objects.get(job=job, step_key="child")
+    expected = _expected_inputs(job)
+    assert Task.objects.get(pk=bad.pk).results == again and child.status == "done"
+    assert step_context(child.id).inputs == expected
+    # The retry reopened the step, so it was released and gathered again.
+    for step in JobStep.objects.filter(job=job, step_key__in=["single", "many"]):
+        assert step.output == expected[step.step_key], "a gathered output is never older than its tasks"
+
+    # The dependent reads the step rows, not the tasks, once every parent has its output gathered.
+    JobStep.objects.filter(job=job, step_key="many").update(output=["from the step row"])
+    assert step_context(child.id).inputs["many"] == ["from the step row"]
 
 
 SCHEMA = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
@@ -176,3 +251,55 @@ def test_output_violation_never_quotes_a_secret_output():
     outcome = Outcome(task_id="t", attempt=1, status="succeeded", results={"n": 1, "api_token": "hunter2-long"})
     failed = output_violation(outcome, {"type": "object", "properties": {"api_token": {"type": "integer"}}})
     assert failed.status == "failed" and "hunter2" not in failed.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_hands_its_claims_tasks_their_inputs_from_one_read_and_no_worker_queries_them(
+        make_service, monkeypatch):
+    """The claim's tasks get their parents' outputs from one batch read in the agent's loop: with the
+    one pooled connection, a read per worker queued every attempt (and the next report) behind the
+    others. A worker's own read is made to fail here: the children still receive their inputs."""
+    from nodes import agent as agent_module
+    from nodes.agent import Agent
+
+    make_service("batch-in", executor_config={"callable": "tests.callables:inputs_of"},
+                 params_schema={"type": "object", "properties": {"parents": {"type": "array"}}})
+    node = Node.objects.create(name="batch-node")
+    names = [Host.objects.create(name=f"batch-h{i}", node=node).name for i in range(3)]
+    create_workflow(name="batch-flow", steps=[
+        {"key": "one", "service": "batch-in", "fan_out": "hosts"},
+        {"key": "two", "service": "batch-in", "fan_out": "hosts", "depends_on": ["one"]}])
+    job = api.start_workflow("batch-flow", options={"hosts": names})
+    transitions.start_due_jobs(limit=10)
+
+    def no_reads_in_workers(task_id):
+        raise AssertionError(f"a worker read its own inputs (task {task_id})")
+
+    monkeypatch.setattr(agent_module, "step_context", no_reads_in_workers)
+    for _ in ("one", "two"):  # a run with --once ends when the queue is empty: the second runs step two
+        agent = Agent(node="batch-node", services=["batch-in"], max_concurrent=8, once=True, lease_seconds=30)
+        with agent_in_this_process():
+            assert agent.run() == 0
+    tasks = Task.objects.filter(job=job)
+    assert {(t.step_key, t.status) for t in tasks} == {("one", "done"), ("two", "done")}, [
+        (t.task_key, t.status, t.error_message) for t in tasks]
+    parents = [t.results for t in tasks.filter(step_key="one").order_by("id")]
+    for child in tasks.filter(step_key="two"):
+        assert child.results["inputs"] == {"one": parents}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_batch_read_of_inputs_gives_up_on_a_held_lock_instead_of_holding_up_the_agent(make_service, db_url):
+    """The agent's loop must not wait behind a lock for its claim's inputs: the batch read's wait is
+    bounded (its tasks then read their own, in their workers)."""
+    import psycopg
+
+    make_service("locked-in")
+    job = api.start_service("locked-in")
+    task = Task.objects.get(job=job)
+    with psycopg.connect(db_url) as blocker:
+        blocker.execute("LOCK TABLE accs_workflow IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(Exception) as raised:
+            step_contexts([task.id], lock_wait=0.2)
+        assert is_lock_timeout(raised.value), raised.value
+    assert step_contexts([task.id], lock_wait=0.2) == {task.id: step_context(task.id)}

@@ -294,7 +294,8 @@ def test_jobs_list_shows_target_age_and_duration(client, root, tenants, make_ser
     assert "publish v1" in failed_row and "service encode" in running_row
     assert re.search(r'class="field-duration">12 min<', failed_row), failed_row
     assert re.search(r'class="field-duration">[\d.]+ (ms|s) so far<', running_row), running_row
-    assert re.search(r'class="field-age"><span title="created [^"]+">[\d.]+ (ms|s)</span>', running_row)
+    assert re.search(r'class="field-age"><span class="accs-when-ago"><time class="accs-when" datetime="[^"]+">'
+                     r'[^<]+ UTC</time> <small>· [\d.]+ (ms|s) ago</small></span>', running_row), running_row
 
 
 def test_tasks_list_shows_the_jobs_workflow(client, root, tenants):

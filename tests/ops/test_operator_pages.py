@@ -242,7 +242,7 @@ def test_operator_actions_write_the_admin_log_shown_in_history_and_recent_action
                                                                                    make_service):
     from nodes.models import Host, Node
     from tenants.models import ApiToken
-    from tests.ops_helpers import failed_service_job
+    from tests.ops_helpers import failed_service_job, redrive_page
 
     make_service("work")
     job = api.start_service("work", tenant=tenants.acme)
@@ -265,7 +265,7 @@ def test_operator_actions_write_the_admin_log_shown_in_history_and_recent_action
     assert [m for _u, m in log_messages(host)][0].startswith("Clear quarantine: ")
 
     failed_service_job(tenants.acme)
-    client.post(reverse("admin:jobs_task_redrive"), {"service": "flaky", "confirm": "1"})
+    redrive_page(client, reverse("admin:jobs_task_redrive"), {"service": "flaky"})
 
     added = client.post(reverse("admin:tenants_apitoken_add"), {"user": root.pk, "name": "ci", "scopes": ["read"]},
                         follow=True)

@@ -195,8 +195,8 @@ def test_the_redrive_form_takes_dates_from_a_picker_and_sums_up_its_batches(brow
     assert "In 1 batch of up to 500" in css(browser, "#accs-redrive-plan")[0].text
     full_page_screenshot(browser, shots / "redrive_form.png", max_height=1200)
     css(browser, "#accs-redrive-confirm")[0].click()
-    wait(browser, lambda d: css(d, "ul.messagelist li"), "the summary")
-    said = css(browser, "ul.messagelist li")[0].text
+    wait(browser, lambda d: css(d, "#accs-redrive-summary"), "the summary")
+    said = css(browser, "#accs-redrive-summary")[0].text
     assert said.startswith("Redrive: 3 matched, 3 redriven, 0 skipped") and "in 1 batch of up to 500" in said, said
 
 

@@ -135,16 +135,21 @@ def test_an_attempt_waits_out_a_restart_that_catches_it_reading_its_inputs(make_
     make_service("reads-inputs", backoff_base_seconds=0, backoff_cap_seconds=0)
     job = api.start_service("reads-inputs")  # before the lock: starting a job reads the workflow table too
     blocker = psycopg.connect(db_url)
-    blocker.execute("LOCK TABLE accs_workflow IN ACCESS EXCLUSIVE MODE")
-    agent = daemons.agent("inputs", "reads-inputs", env={"ACC_LOG_FORMAT": "json"})
-    wait_for(lambda: _rows(db_url, """
-        SELECT count(*) FROM pg_stat_activity
-         WHERE wait_event_type = 'Lock' AND query LIKE '%%accs_workflow wf%%'""")[0][0] == 1,
-             timeout=60, message="the attempt's read of its inputs waits on the lock")
-    connections.close_all()  # this test's own connections die with the server
-    subprocess.run([PG_LOCAL, "stop"], check=True, capture_output=True)
-    subprocess.run([PG_LOCAL, "start"], check=True, capture_output=True)
-    blocker.close()
+    try:
+        blocker.execute("LOCK TABLE accs_workflow IN ACCESS EXCLUSIVE MODE")
+        agent = daemons.agent("inputs", "reads-inputs", env={"ACC_LOG_FORMAT": "json"})
+        # The claim's batch read of its tasks' inputs gives up on the lock (it must not hold up the
+        # agent's loop); the attempt's own read is then one call of accs_step_context (jobs.inputs),
+        # waiting on the workflow table's lock.
+        wait_for(lambda: _rows(db_url, """
+            SELECT count(*) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE 'SELECT * FROM accs_step_context(%%'""")[0][0] == 1,
+                 timeout=60, message="the attempt's read of its inputs waits on the lock")
+        connections.close_all()  # this test's own connections die with the server
+        subprocess.run([PG_LOCAL, "stop"], check=True, capture_output=True)
+        subprocess.run([PG_LOCAL, "start"], check=True, capture_output=True)
+    finally:
+        blocker.close()  # (a failure before the restart must not leave the agent's read waiting for ever)
 
     wait_for(lambda: _statuses(db_url, [job.id]).get(job.id) in ("done", "error"), timeout=90, interval=0.3,
              message="the job final")
@@ -156,4 +161,5 @@ def test_an_attempt_waits_out_a_restart_that_catches_it_reading_its_inputs(make_
     agent.wait(timeout=30)
     text = agent.log_path.read_text()
     assert "could not read its parents' outputs" in text
+    assert "inputs waited out a lock; each reads its own" in text
     assert "Traceback" not in text and '"level": "error"' not in text, text[-3000:]

@@ -5,16 +5,27 @@ Django alone says "No migrations to apply" and passes ``--check``; this command 
 naming them, and with ``--check`` fails with it (exit code 1), so a rollback is not taken for
 done while the schema is ahead of the code. Plain ``migrate`` goes on (the web unit runs it before
 starting, and the previous release's code works on the newer schema).
+
+Each statement waits for a lock at most ``--lock-timeout`` seconds (``ACC_MIGRATE_LOCK_TIMEOUT_SEC``),
+and a migration whose wait timed out is tried again, up to ``--lock-tries`` tries
+(``ACC_MIGRATE_LOCK_TRIES``): see :mod:`accs_site.migrate_locks`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from django.core.management.base import CommandError
+from django.core.management.base import CommandError, CommandParser
+from django.core.management.commands import migrate as django_migrate
 from django.core.management.commands.migrate import Command as DjangoMigrate
+from django.db import connections
+from django.db.migrations.executor import MigrationExecutor
 
+from accs_site.conf import accs
 from accs_site.daemon import newer_migrations
+from accs_site.migrate_locks import BoundedLocks, LockPolicy, MigrationLockTimeout, RetryingExecutor
 
 
 def newer_schema_line(newer: list[str]) -> str:
@@ -26,7 +37,16 @@ def newer_schema_line(newer: list[str]) -> str:
 
 
 class Command(DjangoMigrate):
-    help = DjangoMigrate.help + " Says (and with --check fails) when the database is newer than this code."
+    help = DjangoMigrate.help + (" Says (and with --check fails) when the database is newer than this code. Each "
+                                 "statement waits for a lock at most --lock-timeout seconds; a migration whose wait "
+                                 "timed out is tried again, --lock-tries tries in all.")
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("--lock-timeout", type=float, default=None, metavar="SECONDS",
+                            help="the longest any statement waits for a lock (default ACC_MIGRATE_LOCK_TIMEOUT_SEC, 2)")
+        parser.add_argument("--lock-tries", type=int, default=None, metavar="N",
+                            help="tries of a migration whose lock wait timed out (default ACC_MIGRATE_LOCK_TRIES, 5)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         newer = newer_migrations(database=options["database"])
@@ -34,4 +54,27 @@ class Command(DjangoMigrate):
             if options["check_unapplied"]:
                 raise CommandError(newer_schema_line(newer), returncode=1)
             self.stderr.write(newer_schema_line(newer))
-        super().handle(*args, **options)
+        try:
+            policy = LockPolicy(
+                timeout_s=accs.migrate_lock_timeout_sec if options["lock_timeout"] is None else options["lock_timeout"],
+                tries=accs.migrate_lock_tries if options["lock_tries"] is None else options["lock_tries"])
+        except ValueError as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        bounded = BoundedLocks(connection=connections[options["database"]], policy=policy,
+                               note=lambda line: self.stdout.write(f" {line}"))
+        try:
+            with bounded.active(), _executor(bounded):
+                super().handle(*args, **options)
+        except MigrationLockTimeout as exc:
+            raise CommandError(str(exc), returncode=1) from None
+
+
+@contextmanager
+def _executor(bounded: BoundedLocks) -> Iterator[None]:
+    """Let Django's migrate build a :class:`RetryingExecutor` (it names its executor class at module level)."""
+    executor = type("BoundedExecutor", (RetryingExecutor,), {"bounded": bounded})
+    django_migrate.MigrationExecutor = executor  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        django_migrate.MigrationExecutor = MigrationExecutor  # type: ignore[attr-defined]

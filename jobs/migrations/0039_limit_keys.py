@@ -27,8 +27,7 @@ a copy of jobs.limit_keys.LIMIT_KEY_SQL (a test compares them).
 Last, the keyed claim as one server-side function (jobs.claim.KEYED_CLAIM_FUNCTION: the general
 path's reads, locks, claim statement and settling in one round trip, its plans cached per server
 connection): a new function, which the previous release never calls; a frozen copy of
-jobs.claim.keyed_claim_function_sql() (a test compares the database's function with the code). (Numbered 0032: 0026 to 0031 are
-other changes of the same release.)
+jobs.claim.keyed_claim_function_sql() (a test compares the database's function with the code).
 """
 
 from django.contrib.postgres.operations import AddIndexConcurrently
@@ -225,9 +224,12 @@ KEYED_CLAIM = r"""CREATE OR REPLACE FUNCTION accs_claim_keyed(
 RETURNS TABLE (id uuid, job_id uuid, task_key text, attempt int, params jsonb, timeout_seconds int,
                host text, service_id bigint, lease float8)
 LANGUAGE plpgsql VOLATILE
--- Planned once per server connection, never compiled: as the plain claim function (jobs.claim).
+-- Planned once per server connection, never compiled, and no sort where an index gives the order
+-- (stale statistics cannot turn a head's probe into a sort of the backlog): as the plain claim
+-- function (jobs.claim).
 SET plan_cache_mode = force_generic_plan
 SET jit = off
+SET enable_sort = off
 AS $claim$
 #variable_conflict use_column
 DECLARE
@@ -373,7 +375,7 @@ WITH RECURSIVE svc AS (
      GROUP BY 1, 2
 ), rfull AS MATERIALIZED (
     SELECT u.service_id, u.key FROM rused u JOIN svc ON svc.id = u.service_id WHERE u.used >= svc.rlimit
-), queued_tenants AS (
+), tenant_heads AS (
     -- Tenant fairness, part 1: the tenants with queued work of each service, by a skip scan of
     -- task_claim_idx (one index descent per tenant), so the scan below reads each tenant's head
     -- and a tenant with thousands of tasks at the top of the order cannot hide another's behind them.
@@ -386,7 +388,16 @@ WITH RECURSIVE svc AS (
                            WHERE t.service_id = q.service_id AND t.status = 'queued' AND t.host_id IS NULL
                              AND t.tenant_id > q.tenant_id
                            ORDER BY t.tenant_id LIMIT 1)
-      FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
+      FROM tenant_heads q WHERE q.tenant_id IS NOT NULL
+), paused_tenants AS MATERIALIZED (
+    -- The tenants an operator paused (workflows.governor.pause_tenant): their queued tasks are passed
+    -- over. Left out here, after the skip scan, a paused tenant's backlog bound to no host costs the
+    -- claim its one index descent, never a walk through its tasks; the host scan below (by host, not
+    -- tenant) passes over its tasks bound to this node's hosts one by one.
+    SELECT substr(g.name, 14) FROM accs_governor_condition g WHERE starts_with(g.name, 'tenant-pause-') AND g.raised_at IS NOT NULL AND (g.cleared_at IS NULL OR g.cleared_at < g.raised_at) AND (g.expires_at IS NULL OR g.expires_at > v_stamp)
+), queued_tenants AS (
+    SELECT q.service_id, q.tenant_id FROM tenant_heads q
+     WHERE q.tenant_id IS NOT NULL AND q.tenant_id::text NOT IN (SELECT * FROM paused_tenants)
 )
 , kheads AS MATERIALIZED (
     SELECT q.service_id, q.tenant_id, h.id AS hid, h.key, h.priority, h.order_seq, h.created_at, h.task_id
@@ -454,9 +465,10 @@ WITH RECURSIVE svc AS (
          LIMIT svc.scan
            FOR UPDATE OF t SKIP LOCKED) c
      WHERE svc.climit = 0 AND svc.rlimit = 0
-), bound AS (
+), bound_seen AS (
     -- Tasks bound to this node's eligible hosts, per host and service: task_claim_host_idx. Other
-    -- nodes' host-bound work is never scanned.
+    -- nodes' host-bound work is never scanned. Read without locks: a node with many hosts (a
+    -- 1,000-host fan-out) would otherwise lock every host's head at each claim to take a few.
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM svc CROSS JOIN unnest(v_hosts::bigint[]) AS h(id) CROSS JOIN LATERAL (
         SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq,
@@ -466,6 +478,7 @@ WITH RECURSIVE svc AS (
           FROM accs_task t
          WHERE t.host_id = h.id AND t.service_id = svc.id AND t.status = 'queued'
            AND t.next_attempt_at <= v_stamp
+           AND t.tenant_id::text NOT IN (SELECT * FROM paused_tenants)
            AND t.id <> ALL(p_exclude::uuid[])
            AND (svc.climit = 0 OR (t.service_id, coalesce(t.params #>> svc.cparts, '')) NOT IN (SELECT * FROM cfull))
            AND (svc.rlimit = 0 OR (t.service_id, coalesce(t.params #>> svc.rparts, '')) NOT IN (SELECT * FROM rfull))
@@ -474,8 +487,23 @@ WITH RECURSIVE svc AS (
            AND NOT (t.exclusive AND EXISTS (SELECT 1 FROM accs_task x WHERE x.host_id = t.host_id AND x.exclusive
                                                AND x.status IN ('starting', 'running')))
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
-         LIMIT svc.scan
-           FOR UPDATE OF t SKIP LOCKED) c
+         LIMIT svc.scan) c
+), bound AS (
+    -- Of those, each service's and tenant's first, as many as the service's scan (what the scan of
+    -- unbound tasks reads of each tenant's queue), locked by id: SKIP LOCKED, and still queued once
+    -- locked (a row another claimer took since it was read is passed over).
+    SELECT b.* FROM bound_seen b JOIN (
+        SELECT t.id FROM accs_task t
+         WHERE t.id = ANY(ARRAY(SELECT r.id
+                                  FROM (SELECT s.id, s.service_id,
+                                               row_number() OVER (PARTITION BY s.service_id, s.tenant_id
+                                                                  ORDER BY s.priority DESC, s.order_seq, s.created_at,
+                                                                           s.id) AS nth
+                                          FROM bound_seen s) r JOIN svc ON svc.id = r.service_id
+                                 WHERE r.nth <= svc.scan))
+           AND t.status = 'queued'
+         ORDER BY t.id
+           FOR UPDATE OF t SKIP LOCKED) l ON l.id = b.id
 ), cand AS (
     SELECT * FROM free UNION ALL SELECT * FROM bound
 ), keyed AS (
@@ -637,7 +665,7 @@ class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction; each step is its own
 
     dependencies = [
-        ("jobs", "0031_leader_term_acquired_idx"),
+        ("jobs", "0038_attempt_task_refs"),
         ("workflows", "0005_code_definitions"),
     ]
 
