@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib
 import random
-import uuid
 import threading
+import uuid
 from collections import Counter, defaultdict
 
 import pytest
