@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections import Counter, defaultdict
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -135,6 +136,47 @@ def test_a_changed_key_path_keys_the_queued_tasks_again_in_the_same_transaction(
     assert sorted(k for (k,) in rows_of("SELECT limit_key FROM accs_task")) == ["eu", "eu", "us"]
     assert rows_of(MISKEYED_SQL) == [] and rows_of(UNCOVERED_SQL) == []
     assert sorted(t.params["region"] for t in claim(svc, 10)) == ["eu", "us"], "one per region now"
+
+
+def _waits_for_a_lock(url: str, pid: int) -> bool:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                            [pid]).fetchone() == (True,)
+
+
+@pytest.mark.parametrize("first", ["tasks queued", "path changed"])
+def test_tasks_queued_while_their_services_path_changes_are_keyed_by_the_new_path(make_service, db_url, first):
+    """Queueing reads the path with the service row locked FOR SHARE, which a change of the path conflicts
+    with, so whichever comes first, the other waits for its commit and no task is left keyed by a replaced
+    path (where the claim, finding tasks by key, would never look). FOR KEY SHARE, the foreign key's lock,
+    would not do: it locks the row's old version past an update of other columns, and reads the old path."""
+    svc = make_service("racing-path", params_schema={"type": "object"})  # no key path yet: tasks unkeyed
+    change = ("UPDATE accs_service SET concurrency_key = 'customer', concurrency_key_limit = 1"
+              f" WHERE id = {svc.id}")
+    queue_sql = ("INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, exclusive, status,"
+                 " depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds, params,"
+                 " assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at)"
+                 " SELECT gen_random_uuid(), j.id, j.tenant_id, 'x', 'x', j.service_id, false, 'queued', '{}', 0, 1,"
+                 " now(), 0, j.order_seq, 60, '{\"customer\": \"a\"}', '', '', '', '', '', now(), now()"
+                 " FROM accs_job j WHERE j.service_id = %s")
+    api.start_many([api.JobSpec(service="racing-path", params={"customer": "a"})])
+    with psycopg.connect(db_url) as holder, psycopg.connect(db_url, autocommit=True) as waiter:
+        waiter_pid = waiter.info.backend_pid
+        if first == "tasks queued":
+            holder.execute(queue_sql, [svc.id])
+            later = threading.Thread(target=waiter.execute, args=(change,))
+        else:
+            holder.execute(change)
+            later = threading.Thread(target=waiter.execute, args=(queue_sql, [svc.id]))
+        later.start()
+        wait_for(lambda: _waits_for_a_lock(db_url, waiter_pid), timeout=10,
+                 message="the second transaction should wait for the first one's lock on the service row")
+        holder.commit()
+        later.join(timeout=10)
+        assert not later.is_alive()
+    keys = [k for (k,) in rows_of(f"SELECT limit_key FROM accs_task WHERE service_id = {svc.id}")]
+    assert keys == ["a"], keys
+    assert rows_of(MISKEYED_SQL) == [] and rows_of(UNCOVERED_SQL) == []
 
 
 @pytest.mark.django_db(transaction=True)
