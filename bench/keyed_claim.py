@@ -2,25 +2,35 @@
 
 A service with a ``concurrency_key`` (or a ``rate_key``) and a backlog whose head keys are at
 their limit: the claim must pass over those keys' tasks and find the others. It must cost about
-what the same claim costs without keys (the target is at most twice as much).
+what the same claim costs without keys (the target is at most twice as much), whatever the backlog.
 
-Each layout empties the engine's tables, queues ``KEYED_TASKS`` (100,000) one-task jobs of one
-service straight in SQL, their ``params.customer`` spread over ``KEYED_KEYS`` (1,000) keys, and
-puts the first ``KEYED_FULL`` (50) keys of the claim order at their limit (2): held tasks (for the
-concurrency key) and recorded starts in the window (for the rate key). Then ``KEYED_CLAIMS`` (30)
-claims of 10 tasks per scenario, the scenarios taking turns claim by claim (the service's limits
-are set in the database before each), every claim rolled back so each sees the same queue, timed
-from the call to its return (the median is reported, with p95). Two layouts of the backlog:
+Each layout empties the engine's tables, queues its tasks as one-task jobs of one service straight
+in SQL, their ``params.customer`` spread over its keys, and puts the first of its keys in the claim
+order at their limit (2): held tasks (for the concurrency key) and recorded starts in the window
+(for the rate key). The keys are arranged along the order in one of two ways:
 
-* ``interleaved``: key = position in the order modulo the key count (the head 50 tasks belong to
-  the 50 full keys, then every key comes round again);
-* ``grouped``: each key's tasks in one run, so the 50 full keys own the first 5,000 tasks of the
-  order (the worst case: the claim passes over all of them).
+* ``interleaved``: key = position in the order modulo the key count (the head tasks belong to the
+  full keys, then every key comes round again);
+* ``grouped``: each key's tasks in one run, so the full keys own the head of the order (the claim
+  must get past all of their tasks).
 
-Scenarios: ``plain`` (the service without keys), ``concurrency`` (``concurrency_key_limit`` 2),
-``rate`` (``rate_key_limit`` 2 per hour). Output: a table on stdout and
-``bench/results/keyed_claim.json``. Uses the database of ``ACC_DB_URL`` (``make db``) and empties
-the engine's tables first, as ``make bench`` does.
+The layouts (``KEYED_LAYOUTS`` picks some by name, comma-separated):
+
+* ``last-round-interleaved`` / ``last-round-grouped``: 100,000 tasks, 1,000 keys, 50 full (the
+  previous round's benchmark);
+* ``full-800``: 50,000 tasks, 1,000 keys, 800 full, grouped: 40,000 queued tasks of full keys
+  ahead of the first key with room (the layout that cost 16 times an unkeyed claim);
+* ``many-keys``: 50,000 tasks, 10,000 keys, 2,000 full, interleaved (a key per 5 tasks: the cost
+  of visiting each key).
+
+Then ``KEYED_CLAIMS`` (30) claims of 10 tasks per scenario, the scenarios taking turns claim by
+claim (the service's limits are set in the database before each), every claim rolled back so each
+sees the same queue, timed from the call to its return (the median is reported, with p95).
+
+Scenarios: ``plain`` (the service without limits: an unkeyed claim), ``concurrency``
+(``concurrency_key_limit`` 2), ``rate`` (``rate_key_limit`` 2 per hour). Output: a table on stdout
+and ``bench/results/keyed_claim.json``. Uses the database of ``ACC_DB_URL`` (``make db``) and
+empties the engine's tables first, as ``make bench`` does.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,9 +57,23 @@ from jobs.claim import NodeLimits, claim_many, service_spec  # noqa: E402
 from workflows.api import save_service  # noqa: E402
 from workflows.models import Service  # noqa: E402
 
-TASKS = int(os.environ.get("KEYED_TASKS", "100000"))
-KEYS = int(os.environ.get("KEYED_KEYS", "1000"))
-FULL = int(os.environ.get("KEYED_FULL", "50"))
+
+@dataclass(frozen=True)
+class Layout:
+    """A backlog: ``tasks`` queued over ``keys`` keys, the first ``full`` keys of the order at their limit."""
+
+    tasks: int
+    keys: int
+    full: int
+    arrangement: str  # "interleaved" or "grouped" (KEY_OF)
+
+
+LAYOUTS = {
+    "last-round-interleaved": Layout(100_000, 1_000, 50, "interleaved"),
+    "last-round-grouped": Layout(100_000, 1_000, 50, "grouped"),
+    "full-800": Layout(50_000, 1_000, 800, "grouped"),
+    "many-keys": Layout(50_000, 10_000, 2_000, "interleaved"),
+}
 CLAIMS = int(os.environ.get("KEYED_CLAIMS", "30"))
 LIMIT = 2
 SERVICE = "bench-keyed"
@@ -97,30 +122,33 @@ SCENARIOS = ("plain", "concurrency", "rate")
 
 def limits_of(scenario: str) -> dict[str, object]:
     """Return the service's flow-control fields for a scenario (none for ``plain``)."""
-    fields: dict[str, object] = {"concurrency_key": "", "concurrency_key_limit": 0, "rate_key": "",
+    # The paths stay named without a limit, so the tasks stay keyed (jobs.limit_keys) from one
+    # scenario to the next and only the claim differs: plain, the service claims as an unkeyed one.
+    fields: dict[str, object] = {"concurrency_key": "customer", "concurrency_key_limit": 0, "rate_key": "customer",
                                  "rate_key_limit": 0, "rate_period_seconds": 3600}
     if scenario == "concurrency":
-        fields.update(concurrency_key="customer", concurrency_key_limit=LIMIT)
+        fields.update(concurrency_key_limit=LIMIT)
     elif scenario == "rate":
-        fields.update(rate_key="customer", rate_key_limit=LIMIT)
+        fields.update(rate_key_limit=LIMIT)
     return fields
 
 
-def fill(service, layout: str) -> list[str]:
+def fill(service, layout: Layout) -> list[str]:
     """Queue the backlog and put the head keys at their limit (held tasks and starts); return them."""
     bench.reset()
     with connection.cursor() as cur:
         cur.execute("DELETE FROM accs_rate_start")
         cur.execute("SELECT id FROM accs_tenant WHERE slug = 'default'")
         tenant = cur.fetchone()[0]
-        key = KEY_OF[layout].format(keys=KEYS, n=TASKS)
-        cur.execute(FILL_SQL.format(key=key), {"tenant": tenant, "svc": service.id, "n": TASKS})
-        cur.execute("SELECT params->>'customer' FROM accs_task ORDER BY order_seq LIMIT %s", [FULL * TASKS // KEYS])
+        key = KEY_OF[layout.arrangement].format(keys=layout.keys, n=layout.tasks)
+        cur.execute(FILL_SQL.format(key=key), {"tenant": tenant, "svc": service.id, "n": layout.tasks})
+        cur.execute("SELECT params->>'customer' FROM accs_task ORDER BY order_seq LIMIT %s",
+                    [layout.full * layout.tasks // layout.keys])
         head: list[str] = []
         for (k,) in cur.fetchall():
             if k not in head:
                 head.append(k)
-            if len(head) == FULL:
+            if len(head) == layout.full:
                 break
         # The full keys' held tasks come from the end of the order, so the head stays queued.
         cur.execute(HOLD_SQL, {"keys": head, "limit": LIMIT})
@@ -158,33 +186,46 @@ def one_claim(service, scenario: str, full: list[str]) -> tuple[float, int]:
 
 def main() -> int:
     call_command("migrate", verbosity=0)
-    bench.say(f"keyed claim: {TASKS:,} queued tasks, {KEYS:,} keys, the {FULL} head keys at their limit ({LIMIT}),"
-              f" {CLAIMS} claims of 10 per scenario, the scenarios taking turns claim by claim")
+    chosen = [n.strip() for n in os.environ.get("KEYED_LAYOUTS", ",".join(LAYOUTS)).split(",") if n.strip()]
+    unknown = sorted(set(chosen) - set(LAYOUTS))
+    if unknown:
+        raise SystemExit(f"KEYED_LAYOUTS names unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    bench.say(f"keyed claim: {CLAIMS} claims of 10 per scenario and layout, the scenarios taking turns claim by"
+              f" claim; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    # (A previous run's service names paths without limits, which its validation refuses.)
+    Service.objects.filter(key=SERVICE).update(concurrency_key="", rate_key="", concurrency_key_limit=0,
+                                               rate_key_limit=0)
     service = save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
                            params_schema={"type": "object", "properties": {"customer": {"type": "string"}}},
-                           **limits_of("plain"))
+                           rate_period_seconds=3600)
+    # (A path without a limit is refused by the service's validation, so set straight in the table.)
+    Service.objects.filter(id=service.id).update(**limits_of("plain"))
     results: dict[str, dict[str, dict[str, float]]] = {}
-    for layout in ("interleaved", "grouped"):
+    for name in chosen:
+        layout = LAYOUTS[name]
+        bench.say(f"  {name}: {layout.tasks:,} queued tasks, {layout.keys:,} keys ({layout.arrangement}),"
+                  f" the first {layout.full:,} at their limit ({LIMIT})")
         full = fill(service, layout)
         runs: dict[str, list[tuple[float, int]]] = {s: [] for s in SCENARIOS}
         for _ in range(CLAIMS):
             for scenario in SCENARIOS:  # in turn, so a load that comes and goes hits each alike
                 runs[scenario].append(one_claim(service, scenario, full))
-        results[layout] = {}
+        results[name] = {}
         for scenario, got in runs.items():
             times = sorted(ms for ms, _ in got)
-            results[layout][scenario] = {"p50_ms": round(statistics.median(times), 2),
-                                         "p95_ms": round(times[max(int(len(times) * 0.95) - 1, 0)], 2),
-                                         "claimed": round(statistics.median(n for _, n in got), 1)}
-        plain = results[layout]["plain"]["p50_ms"]
+            results[name][scenario] = {"p50_ms": round(statistics.median(times), 2),
+                                       "p95_ms": round(times[max(int(len(times) * 0.95) - 1, 0)], 2),
+                                       "claimed": round(statistics.median(n for _, n in got), 1)}
+        plain = results[name]["plain"]["p50_ms"]
         for scenario in ("concurrency", "rate"):
-            results[layout][scenario]["vs_plain"] = round(results[layout][scenario]["p50_ms"] / plain, 2)
-        for scenario, r in results[layout].items():
-            bench.say(f"  {layout:<12} {scenario:<12} p50 {r['p50_ms']:7.2f} ms  p95 {r['p95_ms']:7.2f} ms"
+            results[name][scenario]["vs_plain"] = round(results[name][scenario]["p50_ms"] / plain, 2)
+        for scenario, r in results[name].items():
+            bench.say(f"    {scenario:<12} p50 {r['p50_ms']:7.2f} ms  p95 {r['p95_ms']:7.2f} ms"
                       f"  {r['claimed']:4.1f} claimed"
                       + (f"  {r['vs_plain']:.2f}x plain" if "vs_plain" in r else ""))
     bench.OUT.mkdir(parents=True, exist_ok=True)
-    doc = {"tasks": TASKS, "keys": KEYS, "full_keys": FULL, "limit": LIMIT, "claims": CLAIMS, "results": results}
+    doc = {"layouts": {n: asdict(LAYOUTS[n]) for n in chosen}, "limit": LIMIT, "claims": CLAIMS,
+           "load_average": os.getloadavg(), "results": results}
     (bench.OUT / "keyed_claim.json").write_text(json.dumps(doc, indent=2) + "\n")
     bench.reset()
     return 0

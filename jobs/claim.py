@@ -46,17 +46,10 @@ from uuid import UUID
 
 from django.db import DatabaseError, connection, transaction
 
-from jobs.locks import (
-    ADVISORY_LOCKS_SQL,
-    LOCK_WAIT_SQL,
-    TRY_ADVISORY_LOCK_SQL,
-    advisory_locks,
-    bound_lock_waits,
-    is_lock_timeout,
-    lock_wait_ms,
-)
+from jobs import limit_keys
+from jobs.locks import ADVISORY_LOCKS_SQL, LOCK_WAIT_SQL, TRY_ADVISORY_LOCK_SQL, is_lock_timeout, lock_wait_ms
 from jobs.notify import service_channel
-from jobs.reports import PROMOTE_DUE_SQL, promote_scheduled_in
+from jobs.reports import PROMOTE_DUE_SQL
 from jobs.sql import from_json
 from workflows.governor import PAUSED_TENANTS_SQL
 
@@ -314,22 +307,30 @@ def params_key_at(alias: str, parts: str) -> str:
 
 
 # Per-key limits. The keys at their limit are read once per claim, per service (cfull: held tasks
-# at the key cap; rfull: starts in the window at the key rate), and the walk below passes over a
-# task whose key is among them with one lookup in a hash table built once per claim. So the cost
-# of a full key does not grow with its limit, and a keyed claim costs about what an unkeyed one
-# does (bench/keyed_claim.py). The parts of a kind of key (c: a cap, r: a rate) are left out of
-# the statement when no service of the claim has that kind: each costs planning and scan time.
+# at the key cap; rfull: starts in the window at the key rate). The scan below passes over a full
+# key in the one row where its queue begins (jobs.limit_keys), never over its queued tasks, and a
+# candidate whose key is among them is passed over with one lookup in a hash table built once per
+# claim. So the claim's cost follows its room, the keys at their limit and the held work, not the
+# backlog behind the full keys (bench/keyed_claim.py). The keyed claim function runs one statement
+# with both kinds of key (c: a cap, r: a rate): a service without a limit of a kind passes that
+# kind's parts at the cost of a comparison, and the statement is planned once per connection.
 #
-# cused: held tasks per key of the services with a per-key cap (task_held_service_idx: the held
-# tasks of those services only, so the cost follows the running work).
+# cused: held tasks per key of the services with a per-key cap. Where the cap's path is the one the
+# service's tasks are keyed by (jobs.limit_keys), the count kept per key (accs_limit_key_held, one
+# row per key with held work); else counted from the held tasks' params (task_held_service_idx).
 # rused: starts in the window per key of the services with a per-key rate (rate_start_service_at_idx;
 # the window's starts only: older ones are forgotten by the forget_old_rate_starts duty).
 _USED = {
     "c": f"""
 , cused AS MATERIALIZED (
-    SELECT h.service_id, {params_key_sql('h', 'svc.cpath')} AS key, count(*) AS used
+    SELECT k.service_id, k.key, k.held AS used
+      FROM svc JOIN accs_limit_key_held k ON k.service_id = svc.id AND k.held > 0
+     WHERE svc.climit > 0 AND svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)
+    UNION ALL
+    SELECT h.service_id, {params_key_at('h', 'svc.cparts')} AS key, count(*) AS used
       FROM svc JOIN accs_task h ON h.service_id = svc.id AND h.status IN ('starting', 'running')
      WHERE svc.climit > 0
+       AND svc.cpath IS DISTINCT FROM accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)
      GROUP BY 1, 2
 ), cfull AS MATERIALIZED (
     SELECT u.service_id, u.key FROM cused u JOIN svc ON svc.id = u.service_id WHERE u.used >= svc.climit
@@ -356,85 +357,148 @@ def _key_cols(kinds: str) -> str:
     return "".join(f",\n               {cols[k]} AS {k}key" for k in "rc")
 
 
-def _key_filter(kinds: str, *, walked: bool, single: bool) -> str:
-    """SQL that passes over a task whose key is at its limit (or, ``walked``, filled by this walk).
+def _key_filter(kinds: str) -> str:
+    """SQL that passes over a task whose key, read from its params, is at its limit.
 
-    A hashed subplan: one lookup per task, however many keys are full. ``single``: one service of
-    the claim has per-key limits, so its full keys are the only ones and the lookup is by key alone.
+    A hashed subplan: one lookup per task, however many keys are full.
     """
     parts = []
     for k in kinds:
-        key = params_key_at("t", _PARTS[k])
-        full = (f"{key} NOT IN (SELECT key FROM {k}full)" if single
-                else f"(t.service_id, {key}) NOT IN (SELECT * FROM {k}full)")
-        # (The key is read from the params once per task while no key is filled: the common case.)
-        sat = f"\n                AND (cardinality(w.{k}sat) = 0 OR {key} <> ALL(w.{k}sat))" if walked else ""
-        parts.append(f"\n           AND ({_LIMIT[k]} = 0 OR ({full}{sat}))")
+        full = f"(t.service_id, {params_key_at('t', _PARTS[k])}) NOT IN (SELECT * FROM {k}full)"
+        parts.append(f"\n           AND ({_LIMIT[k]} = 0 OR {full})")
     return "".join(parts)
 
 
-def _walk_step(kinds: str, *, where: str, order: str, single: bool) -> str:
-    """Return the walk's scan for a service's next task of a tenant: one index descent, LIMIT 1."""
-    key_filter = _key_filter(kinds, walked=True, single=single)
-    return f"""SELECT t.id, t.priority, t.order_seq, t.created_at{_key_cols(kinds)}
-          FROM accs_task t
-         WHERE t.service_id = svc.id AND t.tenant_id = w.tenant_id AND t.status = 'queued' AND t.host_id IS NULL
-           AND {where}
-           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){key_filter}
-         ORDER BY {order} LIMIT 1"""
+def _before(a: str, b: str, *, a_id: str = "id", b_id: str = "id") -> str:
+    """SQL: whether position ``a`` comes strictly before position ``b`` in the claim order."""
+    return (f"({a}.priority > {b}.priority OR ({a}.priority = {b}.priority"
+            f" AND ({a}.order_seq, {a}.created_at, {a}.{a_id}) < ({b}.order_seq, {b}.created_at, {b}.{b_id})))")
 
 
-def _saturated(kinds: str, kind: str) -> str:
-    """SQL for the walk's keys of one kind filled once the found task is taken."""
-    if kind not in kinds:
-        return f"w.{kind}sat"
-    return f"""w.{kind}sat || CASE
-               WHEN f.{kind}key IS NOT NULL AND cardinality(array_positions(w.{kind}ks || f.{kind}key, f.{kind}key))
-                    >= {_LIMIT[kind]} - coalesce((SELECT u.used FROM {kind}used u
-                                                  WHERE u.service_id = svc.id AND u.key = f.{kind}key), 0)
-               THEN ARRAY[f.{kind}key] ELSE '{{}}'::text[] END"""
+def _key_room(kinds: str) -> tuple[str, str, str]:
+    """Return the SQL of a key's room left (the nearer of its limits), the joins it reads, and
+    the filter that passes over a key at its limit.
 
-
-def _free_walk(kinds: str, *, single: bool) -> str:
-    """Return the CTEs that find and lock the host-free candidates of services with per-key limits.
-
-    A walk down each tenant's queue (task_claim_idx) that takes no more of a key than the key has
-    room for. Each step is one index descent to the next task in the order whose key is neither at
-    its limit (cfull, rfull) nor filled by the tasks the walk already took (csat, rsat): a key with
-    a long run of tasks at the head yields its room and the walk moves on, so a claim fills its room
-    from as many keys as it needs. The walk reads without locks (a locking clause is not allowed in
-    a recursive query); its tasks are then locked by id with SKIP LOCKED and must still be queued.
-    Claimers of a keyed service hold its lock, so no other claimer takes a task from under a walk.
+    A kind of limit counts here when its path is the one the tasks are keyed by (accs_limit_key_path);
+    a second limit on another path is kept per task (_key_filter, and the pick after the claim's scans).
     """
+    aligned = {k: f"{_LIMIT[k]} > 0 AND svc.{k}path = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)"
+               for k in kinds}
+    lefts = ", ".join(f"CASE WHEN {aligned[k]} THEN {_LIMIT[k]} - coalesce({k}u.used, 0) END" for k in kinds)
+    joins = "".join(f"""
+      LEFT JOIN {k}used {k}u ON {k}u.service_id = h.service_id AND {k}u.key = h.key""" for k in kinds)
+    full = "".join(f"""
+           AND NOT ({aligned[k]} AND (h.service_id, h.key) IN (SELECT service_id, key FROM {k}full))""" for k in kinds)
+    return f"least({lefts})", joins, full
+
+
+# How many key rows past the full ones a claim reads per tenant, beyond its room: rows that lag
+# behind their key (its first tasks were claimed or canceled since) still leave it keys to fill from.
+KEY_ROWS_SPARE = 8
+
+
+def _free_keyed(kinds: str) -> str:
+    """Return the CTEs that find and lock the host-free candidates when some service has per-key limits.
+
+    Tasks are found by their key, never by passing over the queued tasks of a full key (jobs.limit_keys
+    keeps each queued task's key and a row per key where its queue begins):
+
+    * kheads: each tenant's key rows in the claim order (limit_key_head_order_idx), a key at its
+      limit passed over in its one row, up to the service's room and a few spare rows;
+    * kkeys: those keys, each with the room it has left;
+    * ktasks: each key's first tasks (task_limit_key_idx, one descent), no more than its room left
+      or the service's;
+    * kpicked: the first ``room`` of them per tenant, in the global order; then locked by id with
+      SKIP LOCKED and still queued (free).
+
+    After the claim's update (_KEY_ROWS_MOVE), the rows read are brought up to date: a row of a key
+    whose first queued task now lies later is moved there, and a key with none left is marked
+    emptied, for jobs.limit_keys.SETTLE_SQL to settle in the claim's transaction.
+
+    Each task's key is read again from its params where it is picked (_key_filter here, and the
+    per-key ranks after the scans), so the stored key only finds tasks: a stale one could delay a
+    task, never let a key exceed its limit. Claimers of a keyed service hold its lock, so no other
+    claimer takes a task or moves a row from under this one. Services of the claim without
+    per-key limits take the plain scan.
+    """
+    left, joins, full = _key_room(kinds)
+    plain = _FREE_SCAN.replace("t.created_at\n          FROM accs_task t",
+                               f"t.created_at{_key_cols(kinds)}\n          FROM accs_task t")
     return f"""
-, walk AS (
-    -- Each tenant's walk starts above every priority (a bigint: no int is as high).
-    SELECT q.service_id, q.tenant_id, NULL::uuid AS id, 2147483648::bigint AS priority, 0::bigint AS order_seq,
-           NULL::timestamptz AS created_at, '{{}}'::text[] AS cks, '{{}}'::text[] AS rks, '{{}}'::text[] AS csat,
-           '{{}}'::text[] AS rsat, 0 AS n
-      FROM queued_tenants q WHERE q.tenant_id IS NOT NULL
-    UNION ALL
-    SELECT w.service_id, w.tenant_id, f.id, f.priority, f.order_seq, f.created_at, w.cks || f.ckey,
-           w.rks || f.rkey, {_saturated(kinds, 'c')}, {_saturated(kinds, 'r')}, w.n + 1
-      FROM walk w JOIN svc ON svc.id = w.service_id CROSS JOIN LATERAL (
-        -- The next task after the last one: later in the same priority, else the first of a lower one.
-        ({_walk_step(kinds, where='t.priority = w.priority AND (t.order_seq, t.created_at, t.id) > '
-                                  '(w.order_seq, w.created_at, w.id)', order='t.order_seq, t.created_at, t.id',
-                            single=single)})
-        UNION ALL
-        ({_walk_step(kinds, where='t.priority < w.priority',
-                     order='t.priority DESC, t.order_seq, t.created_at, t.id', single=single)})
-        LIMIT 1) f
-     WHERE w.n < svc.room
+, kheads AS MATERIALIZED (
+    SELECT q.service_id, q.tenant_id, h.id AS hid, h.key, h.priority, h.order_seq, h.created_at, h.task_id
+      FROM queued_tenants q JOIN svc ON svc.id = q.service_id CROSS JOIN LATERAL (
+        SELECT h.id, h.service_id, h.key, h.priority, h.order_seq, h.created_at, h.task_id
+          FROM accs_limit_key_head h
+         WHERE h.service_id = svc.id AND h.tenant_id = q.tenant_id AND NOT h.emptied{full}
+         ORDER BY h.priority DESC, h.order_seq, h.created_at, h.task_id
+         LIMIT svc.room + {KEY_ROWS_SPARE}) h
+     WHERE q.tenant_id IS NOT NULL AND (svc.climit > 0 OR svc.rlimit > 0)
+), kkeys AS MATERIALIZED (
+    SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key, {left} AS kleft
+      FROM kheads h JOIN svc ON svc.id = h.service_id{joins}
+     ORDER BY h.service_id, h.tenant_id, h.key
+), ktasks AS (
+    SELECT k.service_id, k.tenant_id, f.*
+      FROM kkeys k JOIN svc ON svc.id = k.service_id CROSS JOIN LATERAL (
+        SELECT t.id, t.priority, t.order_seq, t.created_at
+          FROM accs_task t
+         WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
+           AND t.host_id IS NULL AND t.limit_key = k.key
+           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){_key_filter(kinds)}
+         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
+         LIMIT least(k.kleft, svc.room)) f
+     WHERE k.kleft > 0
+), kpicked AS (
+    SELECT x.id FROM (SELECT ktasks.*, row_number() OVER (PARTITION BY service_id, tenant_id
+                                                          ORDER BY priority DESC, order_seq, created_at, id) AS r
+                        FROM ktasks) x
+      JOIN svc ON svc.id = x.service_id
+     WHERE x.r <= svc.room
 ), free AS (
     SELECT c.*, svc.weight, c.priority + svc.adjust AS eff_priority
       FROM (SELECT t.id, t.service_id, t.host_id, t.exclusive, t.tenant_id, t.priority, t.order_seq,
                    t.created_at{_key_cols(kinds)}
               FROM accs_task t JOIN svc ON svc.id = t.service_id
-             WHERE t.id = ANY(ARRAY(SELECT id FROM walk WHERE n > 0)) AND t.status = 'queued' AND t.host_id IS NULL
+             WHERE t.id = ANY(ARRAY(SELECT id FROM kpicked)) AND t.status = 'queued' AND t.host_id IS NULL
              ORDER BY t.id
                FOR UPDATE OF t SKIP LOCKED) c JOIN svc ON svc.id = c.service_id
+    UNION ALL
+{plain.format(stamp=STAMP_SQL).rstrip()}
+     WHERE svc.climit = 0 AND svc.rlimit = 0
 """
+
+
+# The key rows the claim read, brought up to date after its update (see _free_keyed): each key's
+# first queued task now, the claimed ones left out; a row before it is moved there (one row kept
+# per key, the others dropped), a key with none is marked emptied. A row locked by a transaction
+# queueing a task of its key is skipped (SKIP LOCKED), never waited for.
+_KEY_ROWS_MOVE = f""", kfirst AS (
+    SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at
+      FROM kkeys k LEFT JOIN LATERAL (
+        SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
+         WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
+           AND t.host_id IS NULL AND t.limit_key = k.key AND t.id <> ALL(ARRAY(SELECT id FROM upd))
+         ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id LIMIT 1) n ON true
+), kstale AS (
+    SELECT h.id, h.service_id, h.tenant_id, h.key, f.id AS first_id, f.priority, f.order_seq, f.created_at
+      FROM accs_limit_key_head h
+      JOIN kfirst f ON f.service_id = h.service_id AND f.tenant_id = h.tenant_id AND f.key = h.key
+     WHERE h.id = ANY(ARRAY(SELECT hid FROM kheads))
+       AND (f.id IS NULL OR {_before("h", "f", a_id="task_id")})
+     ORDER BY h.id
+       FOR UPDATE OF h SKIP LOCKED
+), kkeep AS (
+    SELECT min(id) AS id FROM kstale GROUP BY service_id, tenant_id, key
+), kmoved AS (
+    UPDATE accs_limit_key_head h
+       SET priority = coalesce(s.priority, h.priority), order_seq = coalesce(s.order_seq, h.order_seq),
+           created_at = coalesce(s.created_at, h.created_at), task_id = coalesce(s.first_id, h.task_id),
+           emptied = s.first_id IS NULL
+      FROM kstale s WHERE h.id = s.id AND s.id IN (SELECT id FROM kkeep)
+), kdropped AS (
+    DELETE FROM accs_limit_key_head h WHERE h.id IN (SELECT id FROM kstale WHERE id NOT IN (SELECT id FROM kkeep))
+)"""
 
 
 def _keyed_pick(kinds: str) -> str:
@@ -471,11 +535,10 @@ _RECORD_STARTS = f""", starts AS (
 )"""
 
 
-def claim_sql(*, kinds: str = "", rated: bool, single: bool = False) -> str:
+def claim_sql(*, kinds: str = "", rated: bool) -> str:
     """Return the claim statement for services with the per-key limits ``kinds`` ('c' a cap, 'r' a rate).
 
     ``kinds`` empty: no per-key limit (the plain statement). ``rated``: starts are recorded.
-    ``single``: only one of the claim's services has per-key limits.
     """
     if set(kinds) - set("cr"):
         raise ValueError(f"unknown kind of key limit in {kinds!r}: 'c' (cap) and 'r' (rate) exist")
@@ -485,21 +548,13 @@ def claim_sql(*, kinds: str = "", rated: bool, single: bool = False) -> str:
                                   free=", free AS (\n" + _FREE_SCAN.format(stamp=STAMP_SQL), stamp=STAMP_SQL)
     return _CLAIM_HEAD.format(
         keyed_ctes="".join(_USED[k] for k in "cr" if k in kinds), bound_key_cols=_key_cols(kinds),
-        bound_key_filter=_key_filter(kinds, walked=False, single=single), keyed_pick=_keyed_pick(kinds),
+        bound_key_filter=_key_filter(kinds), keyed_pick=_keyed_pick(kinds),
         source="keyed_cand",
-        record_starts=_RECORD_STARTS if rated else "", free=_free_walk(kinds, single=single), paused=_PAUSED,
+        record_starts=(_RECORD_STARTS if rated else "") + _KEY_ROWS_MOVE, free=_free_keyed(kinds), paused=_PAUSED,
         stamp=STAMP_SQL)
 
 
-def _kinds(specs: Sequence[ServiceSpec]) -> str:
-    """Return the kinds of per-key limit among ``specs``: 'c' for a cap, 'r' for a rate."""
-    return ("c" if any(s.concurrency_key_limit > 0 for s in specs) else "") + (
-        "r" if any(s.rate_key_limit > 0 for s in specs) else "")
-
-
 CLAIM_SQL = claim_sql(rated=False)
-_CLAIM_VARIANTS = {(k, r, one): claim_sql(kinds=k, rated=r, single=one)
-                   for k in ("", "c", "r", "cr") for r in (False, True) for one in (False, True)}
 
 
 # The claim of services without a rate or per-key limit (a fleet-wide cap included), as one
@@ -545,30 +600,62 @@ _QUEUED_HERE = """(EXISTS (SELECT 1 FROM accs_task t
 _PROMOTE_PARAMS = {"now": "p_now", "services": "p_svc_ids", "limit": "p_promote_limit", "source": "p_source"}
 
 
+# Both claim functions, under their locks: the claim's instant, the node's hosts and its held work,
+# and the node's slots and CPU left.
+_NODE_ROOM = """        v_stamp := coalesce(p_now, clock_timestamp());
+        SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
+               coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{}')
+          INTO v_hosts_all, v_hosts_ok, v_hosts
+          FROM accs_host h WHERE h.node_id = p_node;
+        -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
+        SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
+          FROM accs_task t JOIN accs_service s ON s.id = t.service_id
+         WHERE t.status IN ('starting', 'running') AND t.node = p_node;
+        v_slots := least(p_free,
+                         CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
+        v_cpu := p_cpu_budget - v_held_cpu;"""
+
+
+def _bind(statement: str, names: Mapping[str, str]) -> str:
+    """Return ``statement`` with its instant and its parameters bound to a function's variables."""
+    return re.sub(r"%\((\w+)\)s", lambda m: names[m.group(1)], statement.replace(STAMP_SQL, "v_stamp"))
+
+
+def _bound_promotion() -> str:
+    """Return the promotion of due retries (PROMOTE_DUE_SQL) as a claim function runs it."""
+    promote = re.sub(r"%\((\w+)\)s", lambda m: _PROMOTE_PARAMS[m.group(1)], PROMOTE_DUE_SQL)
+    return (textwrap.indent(promote, "    ")
+            + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
+
+
+_ANSWER_TAIL = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
+                " upd.service_id\n")
+
+
+def _function_answer(body: str, *, lease: str) -> str:
+    """Return the claim statement ``body`` answering a function's columns: exact types, and ``lease``."""
+    if _ANSWER_TAIL not in body:
+        raise AssertionError("the claim statement's final SELECT changed: update jobs.claim._function_answer")
+    # The function's columns have exact types: the varchar columns are cast, and each task's lease is added.
+    return body.replace(_ANSWER_TAIL, "SELECT upd.id, upd.job_id, upd.task_key::text, upd.attempt, upd.params,"
+                                      " upd.timeout_seconds, h.name::text, upd.service_id,\n"
+                                      f"       {lease}\n")
+
+
 def plain_claim_function_sql() -> str:
     """Return the CREATE FUNCTION statement of :data:`PLAIN_CLAIM_FUNCTION`, built from CLAIM_SQL.
 
     A migration holds a copy; a test compares the database's function with this text, so a
     change to the claim statement cannot leave the function running the old one unnoticed.
     """
-    body = CLAIM_SQL.replace(STAMP_SQL, "v_stamp")
-    body = re.sub(r"%\((\w+)\)s", lambda m: _PLAIN_PARAMS[m.group(1)], body)
-    promote = re.sub(r"%\((\w+)\)s", lambda m: _PROMOTE_PARAMS[m.group(1)], PROMOTE_DUE_SQL)
+    body = _function_answer(_bind(CLAIM_SQL, _PLAIN_PARAMS),
+                            lease="coalesce((v_leases ->> upd.service_id::text)::float8, p_lease), NULL::text")
+    promote = _bound_promotion()
     node_key = "ARRAY['accs:node:' || p_node]"
     node_lock = ADVISORY_LOCKS_SQL.format(keys=node_key)
     all_locks = ADVISORY_LOCKS_SQL.format(
         keys=f"{node_key} || ARRAY(SELECT 'accs:service:' || c FROM unnest(v_capped) AS c)")
     try_service_lock = TRY_ADVISORY_LOCK_SQL.format(key="'accs:service:' || c.id")
-    promote = (textwrap.indent(promote, "    ")
-               + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
-    tail = ("SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name,"
-            " upd.service_id\n")
-    if tail not in body:
-        raise AssertionError("the claim statement's final SELECT changed: update plain_claim_function_sql")
-    # The function's columns have exact types: the varchar columns are cast, and each task's lease is added.
-    body = body.replace(tail, "SELECT upd.id, upd.job_id, upd.task_key::text, upd.attempt, upd.params,"
-                              " upd.timeout_seconds, h.name::text, upd.service_id,\n"
-                              "       coalesce((v_leases ->> upd.service_id::text)::float8, p_lease), NULL::text\n")
     return f"""CREATE OR REPLACE FUNCTION {PLAIN_CLAIM_FUNCTION}(
     p_svc_ids bigint[], p_weights int[], p_adjust int[], p_node_caps int[], p_channels text[],
     p_node text, p_agent text, p_pid int, p_source text, p_now timestamptz, p_free int, p_slot_cap int,
@@ -677,18 +764,7 @@ BEGIN
                || coalesce(array_agg(c.id) FILTER (WHERE NOT {_QUEUED_HERE.format(svc="c.id")}), '{{}}')
           INTO v_full FROM unnest(v_capped) AS c(id) WHERE c.id <> ALL(v_busy);
         EXIT claiming WHEN cardinality(v_limited) + cardinality(v_full) >= cardinality(p_svc_ids);
-        v_stamp := coalesce(p_now, clock_timestamp());
-        SELECT count(*), count(*) FILTER (WHERE h.status = 'ok'),
-               coalesce(array_agg(h.id) FILTER (WHERE h.status = 'ok' AND h.id <> ALL(p_blocked)), '{{}}')
-          INTO v_hosts_all, v_hosts_ok, v_hosts
-          FROM accs_host h WHERE h.node_id = p_node;
-        -- Held tasks on this node (task_held_node_idx), as HELD_SQL counts them.
-        SELECT count(*), coalesce(sum(s.cpu_weight), 0) INTO v_held, v_held_cpu
-          FROM accs_task t JOIN accs_service s ON s.id = t.service_id
-         WHERE t.status IN ('starting', 'running') AND t.node = p_node;
-        v_slots := least(p_free,
-                         CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
-        v_cpu := p_cpu_budget - v_held_cpu;
+{_NODE_ROOM}
         IF v_slots > 0 THEN
             -- Each service's room (service_room): the node's slots and CPU, its per-node cap, and its
             -- fleet-wide cap as the look read it, less what the whole fleet holds now (under its lock).
@@ -731,11 +807,171 @@ END
 $claim$"""
 
 
+
+# The claim of services with a rate or per-key limit (and any others claimed with them), as one
+# server-side function too (migration 0032): the general path's reads, locks, claim statement and
+# settling of the key rows in one round trip, its statements planned once per server connection.
+# (Built per call, the keyed claim statement cost more to plan than to run, and the five statements
+# around it each cost a round trip; measured in docs/performance.md.)
+#
+# It runs, in order: the promotion of due retries; a look at the room without any lock when a
+# service has a fleet-wide cap or a service-wide rate (a limit full now stays full for this claim:
+# claims only fill it, so a claimer that finds none does not queue for the lock); the locks (the
+# node's, and each fleet-limited service's, shared with every claimer of it, waited for in the
+# order of jobs.locks); the room again under them, with the services' limits, the node's hosts,
+# held work and the starts in each rate period read now (each statement sees every row committed
+# before it starts, so the counts are exact under the locks); the one keyed claim statement
+# (KEYED_CLAIM_SQL: every kind of per-key limit, starts recorded; a service without a limit of a
+# kind passes the parts of that kind at the cost of a comparison); then the key rows the claim
+# found empty are settled (jobs.limit_keys.SETTLE_SQL), a statement that sees the tasks queued
+# before the claim took those rows.
+KEYED_CLAIM_FUNCTION = "accs_claim_keyed"
+
+KEYED_CLAIM_SQL = claim_sql(kinds="cr", rated=True)
+
+_KEYED_PARAMS = {
+    **_PLAIN_PARAMS, "scans": "v_scans", "rpaths": "v_rpaths", "rlimits": "v_rlimits", "cpaths": "v_cpaths",
+    "climits": "v_climits", "periods": "v_periods", "rated": "v_rated",
+}
+
+# Each service's room under every limit (service_room), read at v_stamp: the node's slots and CPU,
+# its per-node cap, its fleet-wide cap and its service-wide rate, less what is held or was started
+# now; with the service's limits as the database holds them now. Services named in v_ids only.
+_KEYED_ROOMS = """SELECT array_agg(r.id ORDER BY r.ord), array_agg(r.room ORDER BY r.ord),
+               array_agg(r.weight ORDER BY r.ord), array_agg(r.adjust ORDER BY r.ord),
+               array_agg(CASE WHEN r.climit > 0 OR r.rlimit > 0 THEN least(r.room * 4 + 16, 1000) ELSE r.room END
+                         ORDER BY r.ord),
+               array_agg(r.rpath ORDER BY r.ord), array_agg(r.rlimit ORDER BY r.ord),
+               array_agg(r.cpath ORDER BY r.ord), array_agg(r.climit ORDER BY r.ord),
+               array_agg(r.period ORDER BY r.ord), array_agg(r.rate > 0 OR r.rlimit > 0 ORDER BY r.ord),
+               coalesce(jsonb_object_agg(r.id::text, r.lease::float8) FILTER (WHERE r.lease > 0), '{}'),
+               coalesce(array_agg(r.id ORDER BY r.ord) FILTER (WHERE r.climit > 0 OR r.rlimit > 0), '{}')
+          INTO v_ids, v_rooms, v_weights, v_adjust, v_scans, v_rpaths, v_rlimits, v_cpaths, v_climits, v_periods,
+               v_rated, v_leases, v_keyed
+          FROM (SELECT u.id, u.ord, greatest(u.weight, 1) AS weight, u.adjust, s.lease_seconds AS lease,
+                       s.rate_key AS rpath, s.rate_key_limit AS rlimit, s.concurrency_key AS cpath,
+                       s.concurrency_key_limit AS climit, s.rate_period_seconds AS period, s.rate_limit AS rate,
+                       least(v_slots, v_cpu / greatest(u.weight, 1),
+                             CASE WHEN u.cap > 0 THEN u.cap - (SELECT count(*) FROM accs_task t
+                                                                WHERE t.status IN ('starting', 'running')
+                                                                  AND t.node = p_node AND t.service_id = u.id)
+                             END,
+                             CASE WHEN s.max_concurrent > 0 THEN s.max_concurrent - (
+                                 SELECT count(*) FROM accs_task t
+                                  WHERE t.status IN ('starting', 'running') AND t.service_id = u.id)
+                             END,
+                             CASE WHEN s.rate_limit > 0 THEN s.rate_limit - (
+                                 SELECT count(*) FROM accs_rate_start r
+                                  WHERE r.service_id = u.id
+                                    AND r.at > v_stamp - make_interval(secs => s.rate_period_seconds))
+                             END) AS room
+                  FROM unnest(p_svc_ids, p_weights, p_adjust, p_node_caps) WITH ORDINALITY
+                       AS u(id, weight, adjust, cap, ord)
+                  JOIN accs_service s ON s.id = u.id
+                 WHERE u.id = ANY(v_ids)
+                OFFSET 0) r  -- each count once (the filter below would repeat them)
+         WHERE r.room > 0"""
+
+
+def keyed_claim_function_sql() -> str:
+    """Return the CREATE FUNCTION statement of :data:`KEYED_CLAIM_FUNCTION`, built from KEYED_CLAIM_SQL.
+
+    A migration holds a copy; a test compares the database's function with this text.
+    """
+    body = _function_answer(_bind(KEYED_CLAIM_SQL, _KEYED_PARAMS),
+                            lease="coalesce((v_leases ->> upd.service_id::text)::float8, p_lease)")
+    settle = _bind(limit_keys.SETTLE_SQL, {"svc_ids": "v_keyed"})
+    locks = ADVISORY_LOCKS_SQL.format(
+        keys="ARRAY['accs:node:' || p_node] || ARRAY(SELECT 'accs:service:' || s.id FROM accs_service s"
+             " WHERE s.id = ANY(v_ids) AND (s.max_concurrent > 0 OR s.rate_limit > 0 OR s.rate_key_limit > 0"
+             " OR s.concurrency_key_limit > 0))")
+    return f"""CREATE OR REPLACE FUNCTION {KEYED_CLAIM_FUNCTION}(
+    p_svc_ids bigint[], p_weights int[], p_adjust int[], p_node_caps int[], p_channels text[],
+    p_node text, p_agent text, p_pid int, p_source text, p_now timestamptz, p_free int, p_slot_cap int,
+    p_cpu_budget int, p_lease float8, p_blocked bigint[], p_exclude uuid[], p_promote_limit int)
+RETURNS TABLE (id uuid, job_id uuid, task_key text, attempt int, params jsonb, timeout_seconds int,
+               host text, service_id bigint, lease float8)
+LANGUAGE plpgsql VOLATILE
+-- Planned once per server connection, never compiled, and no sort where an index gives the order
+-- (stale statistics cannot turn a head's probe into a sort of the backlog): as the plain claim
+-- function (jobs.claim).
+SET plan_cache_mode = force_generic_plan
+SET jit = off
+SET enable_sort = off
+AS $claim$
+#variable_conflict use_column
+DECLARE
+    v_stamp timestamptz;
+    v_promoted bigint[];
+    v_pass int;
+    v_hosts_all int;
+    v_hosts_ok int;
+    v_hosts bigint[];
+    v_held int;
+    v_held_cpu int;
+    v_slots int;
+    v_cpu int;
+    v_ids bigint[] := p_svc_ids;  -- the services still in this claim
+    v_rooms int[];
+    v_weights int[];
+    v_adjust int[];
+    v_scans int[];
+    v_rpaths text[];
+    v_rlimits int[];
+    v_cpaths text[];
+    v_climits int[];
+    v_periods int[];
+    v_rated bool[];
+    v_leases jsonb;
+    v_keyed bigint[];  -- the services with a per-key limit
+BEGIN
+    -- Retries of these services whose backoff is over (the builder's promotion, PROMOTE_DUE_SQL).
+{_bound_promotion()}
+    IF v_promoted IS NOT NULL THEN
+        PERFORM pg_notify(c.ch, '') FROM (SELECT DISTINCT x.ch FROM unnest(p_channels, p_svc_ids) AS x(ch, sid)
+                                          WHERE x.sid = ANY(v_promoted) ORDER BY 1) c;
+    END IF;
+    -- Pass 1, without any lock, only when a service has a fleet-wide cap or a service-wide rate: a
+    -- limit full now stays full for this claim (claims only fill it; a finish or the passing window
+    -- frees room for the next claim), so a claimer that finds no room does not queue behind all the
+    -- others for the lock, and the services without room are left out of it. (Whether a key has
+    -- room is for the claim statement to find.) Pass 2, under the locks: the counts are exact.
+    FOR v_pass IN 1..2 LOOP
+        IF v_pass = 2 THEN
+            -- The node's lock and each fleet-limited service's (a cap, a rate, a per-key limit),
+            -- shared with every claimer of it, waited for as jobs.locks.advisory_locks takes them.
+            PERFORM {locks};
+        ELSIF NOT EXISTS (SELECT 1 FROM accs_service s
+                           WHERE s.id = ANY(v_ids) AND (s.max_concurrent > 0 OR s.rate_limit > 0)) THEN
+            CONTINUE;
+        END IF;
+{_NODE_ROOM}
+        IF v_slots <= 0 THEN
+            RETURN;
+        END IF;
+        {_KEYED_ROOMS};
+        IF v_ids IS NULL THEN
+            RETURN;
+        END IF;
+    END LOOP;
+    RETURN QUERY
+{body.strip()};
+    IF cardinality(v_keyed) > 0 THEN
+        -- The key rows this claim found empty, seen again now that it holds them (jobs.limit_keys).
+{textwrap.indent(settle.strip(), "        ")};
+    END IF;
+END
+$claim$"""
+
 def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
                     adjust: Mapping[int, int]) -> tuple[str, dict[str, Any]]:
-    """Return the claim statement these services need and its per-service parameters."""
+    """Return the claim statement these services need and its per-service parameters.
+
+    The statement a claim function runs (CLAIM_SQL in the plain one, KEYED_CLAIM_SQL in the keyed
+    one), for reading its plan (EXPLAIN) with the parameters the function would bind.
+    """
     specs = [s for s, _ in rooms]
-    sql = _CLAIM_VARIANTS[(_kinds(specs), any(s.rated for s in specs), sum(s.keyed for s in specs) == 1)]
+    sql = KEYED_CLAIM_SQL if any(s.rated or s.keyed for s in specs) else CLAIM_SQL
     return sql, {
         "svc_ids": [s.id for s in specs], "rooms": [n for _, n in rooms],
         "weights": [max(s.cpu_weight, 1) for s in specs], "adjust": [adjust.get(s.id, 0) for s in specs],
@@ -750,6 +986,8 @@ def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
     }
 
 
+# The held counts both claim functions make before a claim, as one statement (its plan is tested:
+# tests/jobs/test_index_readers.py).
 HELD_SQL = """
 -- Held tasks on this node (task_held_node_idx) and of the capped services (task_held_service_idx):
 -- partial indexes holding only starting/running tasks, so the cost follows the running work.
@@ -759,85 +997,6 @@ SELECT t.service_id, count(*) FILTER (WHERE t.node = %(node)s), count(*), coales
  WHERE t.status IN ('starting', 'running') AND (t.node = %(node)s OR t.service_id = ANY(%(capped)s::bigint[]))
  GROUP BY t.service_id
 """
-
-STARTED_SQL = f"""
--- Starts of the rate-limited services in each one's last period (rate_start_service_at_idx),
--- counted at this statement's instant (after the locks are held, like the claim's).
-SELECT s.id, (SELECT count(*) FROM accs_rate_start r
-               WHERE r.service_id = s.id AND r.at > {STAMP_SQL} - make_interval(secs => s.period))
-  FROM unnest(%(ids)s::bigint[], %(periods)s::int[]) AS s(id, period)
-"""
-
-
-@dataclass(frozen=True)
-class Room:
-    """How many tasks each limit still allows; ``n`` is the smallest."""
-
-    n: int
-    reasons: dict[str, int]
-
-
-@dataclass(frozen=True)
-class FleetHeld:
-    """What is held now: on this node (count, CPU) and per service (on this node, everywhere)."""
-
-    node_count: int
-    node_cpu: int
-    node_by_service: dict[int, int]
-    by_service: dict[int, int]
-    started: dict[int, int] = field(default_factory=dict)  # starts in the rate period, per rate-limited service
-
-
-def _held(cur, limits: NodeLimits, services: Sequence[ServiceSpec], *, now: datetime | None = None) -> FleetHeld:
-    cur.execute(HELD_SQL, {"node": limits.name, "capped": [s.id for s in services if s.max_concurrent > 0]})
-    rows = cur.fetchall()
-    started: dict[int, int] = {}
-    rated = [s for s in services if s.rate_limit > 0]
-    if rated:
-        cur.execute(STARTED_SQL, {"ids": [s.id for s in rated], "periods": [s.rate_period for s in rated], "now": now})
-        started = dict(cur.fetchall())
-    return FleetHeld(sum(r[1] for r in rows), int(sum(r[3] for r in rows)), {r[0]: r[1] for r in rows},
-                     {r[0]: r[2] for r in rows}, started)
-
-
-def node_room(limits: NodeLimits, held: FleetHeld, *, free_slots: int, eligible_hosts: int,
-              node_has_hosts: bool) -> dict[str, int]:
-    """Return the room each node-wide limit leaves (slots, CPU)."""
-    slot_cap = min(limits.slot_cap, eligible_hosts) if node_has_hosts else limits.slot_cap
-    return {"agent_free_slots": free_slots, "node_slot_cap": slot_cap - held.node_count,
-            "node_cpu_budget": limits.cpu_budget - held.node_cpu}
-
-
-def service_room(service: ServiceSpec, limits: NodeLimits, held: FleetHeld, *, slots: int, cpu: int) -> Room:
-    """Return the room left for one service under every limit."""
-    reasons = {"node_slots": slots, "node_cpu_budget": cpu // max(service.cpu_weight, 1)}
-    per_service = limits.per_service.get(service.key)
-    if per_service is not None and per_service > 0:
-        reasons["node_service_cap"] = per_service - held.node_by_service.get(service.id, 0)
-    if service.max_concurrent > 0:
-        reasons["service_global_max"] = service.max_concurrent - held.by_service.get(service.id, 0)
-    if service.rate_limit > 0:
-        reasons["service_rate_limit"] = service.rate_limit - held.started.get(service.id, 0)
-    return Room(max(0, min(reasons.values())), reasons)
-
-
-LIMITS_SQL = """
--- The limits a claim enforces, read by the claim itself: an operator's change applies to the very
--- next claim, not only once the agent's service cache (about 10 s) renews. By primary key.
-SELECT id, max_concurrent, rate_limit, rate_period_seconds, rate_key, rate_key_limit, concurrency_key,
-       concurrency_key_limit, lease_seconds
-  FROM accs_service WHERE id = ANY(%s::bigint[])
-"""
-
-
-def current_limits(cur, services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
-    """Return ``services`` with the fleet-wide limits the database holds now (a deleted service is left out)."""
-    cur.execute(LIMITS_SQL, [[s.id for s in services]])
-    rows = {r[0]: r[1:] for r in cur.fetchall()}
-    return [replace(s, max_concurrent=row[0], rate_limit=row[1], rate_period=row[2], rate_key=row[3],
-                    rate_key_limit=row[4], concurrency_key=row[5], concurrency_key_limit=row[6], lease_seconds=row[7])
-            for s in services if (row := rows.get(s.id)) is not None]
-
 
 def labels_satisfied(required: Mapping[str, Any], labels: Mapping[str, Any]) -> bool:
     """Return whether a node with ``labels`` offers every label a service requires."""
@@ -940,13 +1099,34 @@ SELECT * FROM {PLAIN_CLAIM_FUNCTION}(%(svc_ids)s::bigint[], %(weights)s::int[], 
     %(try_capped)s)
 """
 
-# The same call with its lock waits bounded: the lock_timeout is set first, for the statement's own
-# transaction (SET LOCAL), and the call takes an argument from the setting's answer (an empty text
-# appended to its source), so it cannot run before it. One statement, one round trip, as unbounded.
-BOUNDED_PLAIN_CLAIM_CALL = (
-    "\nSELECT c.* FROM " + LOCK_WAIT_SQL.format(ms="%(lock_wait)s") + " AS w(setting),\nLATERAL"
-    + PLAIN_CLAIM_CALL.replace("SELECT * FROM", "", 1).replace("%(source)s", "%(source)s || left(w.setting, 0)", 1)
-    .rstrip() + " AS c\n")
+def _bounded(call: str) -> str:
+    """Return a claim function's ``call`` with its lock waits bounded.
+
+    The lock_timeout is set first, for the statement's own transaction (SET LOCAL), and the call
+    takes an argument from the setting's answer (an empty text appended to its source), so it
+    cannot run before it. One statement, one round trip, as unbounded.
+    """
+    return ("\nSELECT c.* FROM " + LOCK_WAIT_SQL.format(ms="%(lock_wait)s") + " AS w(setting),\nLATERAL"
+            + call.replace("SELECT * FROM", "", 1).replace("%(source)s", "%(source)s || left(w.setting, 0)", 1)
+            .rstrip() + " AS c\n")
+
+
+BOUNDED_PLAIN_CLAIM_CALL = _bounded(PLAIN_CLAIM_CALL)
+
+
+def _call_params(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
+                 lease_seconds: float, pid: int | None, now: datetime | None, blocked_hosts: frozenset[int],
+                 exclude: Collection[UUID], adjust: Mapping[int, int], lock_wait: float | None) -> dict[str, Any]:
+    """Return the arguments both claim functions take (PLAIN_CLAIM_CALL, KEYED_CLAIM_CALL)."""
+    caps = [limits.per_service.get(s.key) or 0 for s in services]
+    bound = {} if lock_wait is None else {"lock_wait": lock_wait_ms(lock_wait)}
+    return {**bound,
+            "svc_ids": [s.id for s in services], "weights": [max(s.cpu_weight, 1) for s in services],
+            "adjust": [adjust.get(s.id, 0) for s in services], "caps": [max(c, 0) for c in caps],
+            "channels": [service_channel(s.key) for s in services], "node": limits.name, "agent": agent_id,
+            "pid": pid, "source": f"agent:{limits.name}", "now": now, "free": free_slots, "slot_cap": limits.slot_cap,
+            "cpu_budget": limits.cpu_budget, "lease": float(lease_seconds), "blocked": sorted(blocked_hosts),
+            "exclude": [str(t) for t in exclude], "promote_limit": max(free_slots, 100)}
 
 
 def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
@@ -958,16 +1138,12 @@ def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_i
 
     One statement, so outside a transaction it is its own (one round trip, committed by the server).
     """
-    caps = [limits.per_service.get(s.key) or 0 for s in services]
-    bound = {} if lock_wait is None else {"lock_wait": lock_wait_ms(lock_wait)}
+    params = _call_params(services, limits, agent_id=agent_id, free_slots=free_slots, lease_seconds=lease_seconds,
+                          pid=pid, now=now, blocked_hosts=blocked_hosts, exclude=exclude, adjust=adjust,
+                          lock_wait=lock_wait)
     with connection.cursor() as cur:
-        cur.execute(PLAIN_CLAIM_CALL if lock_wait is None else BOUNDED_PLAIN_CLAIM_CALL, {**bound,
-            "svc_ids": [s.id for s in services], "weights": [max(s.cpu_weight, 1) for s in services],
-            "adjust": [adjust.get(s.id, 0) for s in services], "caps": [max(c, 0) for c in caps],
-            "channels": [service_channel(s.key) for s in services], "node": limits.name, "agent": agent_id,
-            "pid": pid, "source": f"agent:{limits.name}", "now": now, "free": free_slots, "slot_cap": limits.slot_cap,
-            "cpu_budget": limits.cpu_budget, "lease": float(lease_seconds), "blocked": sorted(blocked_hosts),
-            "exclude": [str(t) for t in exclude], "promote_limit": max(free_slots, 100), "try_capped": try_capped})
+        cur.execute(PLAIN_CLAIM_CALL if lock_wait is None else BOUNDED_PLAIN_CLAIM_CALL,
+                    {**params, "try_capped": try_capped})
         rows = cur.fetchall()
     by_id = {s.id: s for s in services}
     tasks = [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
@@ -977,64 +1153,29 @@ def _claim_plain(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_i
             frozenset(row[7] for row in rows if row[0] is None and row[9] == "busy"))
 
 
+KEYED_CLAIM_CALL = f"""
+SELECT * FROM {KEYED_CLAIM_FUNCTION}(%(svc_ids)s::bigint[], %(weights)s::int[], %(adjust)s::int[], %(caps)s::int[],
+    %(channels)s::text[], %(node)s, %(agent)s, %(pid)s, %(source)s, %(now)s::timestamptz, %(free)s, %(slot_cap)s,
+    %(cpu_budget)s, %(lease)s::float8, %(blocked)s::bigint[], %(exclude)s::uuid[], %(promote_limit)s)
+"""
+BOUNDED_KEYED_CLAIM_CALL = _bounded(KEYED_CLAIM_CALL)
+
+
 def _claim_general(services: Sequence[ServiceSpec], limits: NodeLimits, *, agent_id: str, free_slots: int,
                    lease_seconds: float, pid: int | None, now: datetime | None, blocked_hosts: frozenset[int],
                    exclude: Collection[UUID], adjust: Mapping[int, int],
                    lock_wait: float | None = None) -> list[ClaimedTask]:
-    """Claim under every limit: reads, locks and the claim statement in one short transaction."""
-    with transaction.atomic(savepoint=False), connection.cursor() as cur:
-        if lock_wait is not None:
-            bound_lock_waits(cur, seconds=lock_wait)
-        # The agent's specs may be up to its cache's age old; the limits come from the database.
-        services = current_limits(cur, services)
-        if not services:
-            return []
-        cur.execute("SELECT id, status FROM accs_host WHERE node_id = %s", [limits.name])
-        node_hosts = cur.fetchall()
-        ok_hosts = [h for h, status in node_hosts if status == "ok"]
-        eligible = [h for h in ok_hosts if h not in blocked_hosts]
-        # Retries of these services whose backoff is over become claimable first (SKIP LOCKED:
-        # this waits for no one, so it needs none of the locks below).
-        promote_scheduled_in(cur, services=[s.id for s in services], limit=max(free_slots, 100),
-                             source=f"agent:{limits.name}", now=now)
-
-        def rooms_now() -> tuple[int, int, list[tuple[ServiceSpec, int]]]:
-            held = _held(cur, limits, services, now=now)
-            node = node_room(limits, held, free_slots=free_slots, eligible_hosts=len(ok_hosts),
-                             node_has_hosts=bool(node_hosts))
-            slots, cpu = min(node["agent_free_slots"], node["node_slot_cap"]), node["node_cpu_budget"]
-            rooms = [(s, service_room(s, limits, held, slots=slots, cpu=cpu).n) for s in services]
-            return slots, cpu, [(s, n) for s, n in rooms if n > 0]
-
-        if any(s.max_concurrent > 0 or s.rate_limit > 0 for s in services):
-            # A service's global cap or rate limit is a lock every claimer in the fleet shares.
-            # Look first without it: a limit full now stays full for this claim (claims only fill
-            # it; a finish or the passing window frees room for the next claim), so a claimer that
-            # finds no room does not queue behind all the others for the lock. (Per-key limits are
-            # not in this look: whether a key has room is for the claim statement to find.)
-            slots, cpu, rooms = rooms_now()
-            if slots <= 0 or not rooms:
-                return []
-            services = [s for s, _ in rooms]
-        # Serialise claimers that share a limit: agents of this node, and every claimer of a
-        # service with a fleet-wide limit. Transaction-scoped, released at commit. Under these
-        # locks the counts (held tasks, starts in the period, held per key) are exact, so no two
-        # claimers can both take the last of a limit.
-        advisory_locks(cur, [f"accs:node:{limits.name}"] + [f"accs:service:{s.id}" for s in services
-                                                            if s.fleet_limited])
-        slots, cpu, rooms = rooms_now()
-        if slots <= 0 or not rooms:
-            return []
-        by_id = {s.id: s for s, _ in rooms}
-        sql, params = claim_statement(rooms, adjust=adjust)
-        cur.execute(sql, {**params, "now": now, "hosts": eligible, "slots": slots, "cpu": cpu, "agent": agent_id,
-                          "node": limits.name, "lease": float(lease_seconds), "pid": pid,
-                          "source": f"agent:{limits.name}", "exclude": [str(t) for t in exclude]})
-        return [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
-                            service_key=by_id[row[7]].key,
-                            lease_seconds=float(by_id[row[7]].lease_seconds or lease_seconds))
-                for row in cur.fetchall()]
-
+    """Claim under every limit in one call of the keyed claim function (its own transaction)."""
+    with connection.cursor() as cur:
+        cur.execute(KEYED_CLAIM_CALL if lock_wait is None else BOUNDED_KEYED_CLAIM_CALL,
+                    {**_call_params(services, limits, agent_id=agent_id, free_slots=free_slots,
+                                    lease_seconds=lease_seconds, pid=pid, now=now, blocked_hosts=blocked_hosts,
+                                    exclude=exclude, adjust=adjust, lock_wait=lock_wait)})
+        rows = cur.fetchall()
+    by_id = {s.id: s for s in services}
+    return [ClaimedTask(row[0], row[1], row[2], row[3], from_json(row[4]) or {}, row[5], host=row[6],
+                        service_key=by_id[row[7]].key, lease_seconds=float(row[8]))
+            for row in rows]
 
 ADOPT_SQL = """
 -- Tasks this agent claimed without hearing the answer (the claim committed, then the connection

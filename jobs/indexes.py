@@ -51,7 +51,10 @@ READERS: dict[str, dict[str, str]] = {
     "accs_task": {
         "accs_task_pkey": "every lookup of a task by id: the claim's update, reports, heartbeats, "
                           "jobs.rescue.LOCK_EXPIRED_SQL, jobs.locks.lock_tasks",
-        "task_claim_idx": "the claim (jobs.claim, _FREE_SCAN and the keyed walks): queued tasks bound to no host",
+        "task_claim_idx": "the claim (jobs.claim._FREE_SCAN): queued tasks bound to no host; the tenants with "
+                          "queued work of a service (every claim)",
+        "task_limit_key_idx": "the keyed claim (jobs.claim._free_keyed, _KEY_ROWS_MOVE): a key's first queued tasks; "
+                              "the service's rekey and jobs.limit_keys.SETTLE_SQL",
         "task_claim_host_idx": "the claim of host-bound tasks (jobs.claim)",
         "task_scheduled_idx": "promotion of retries whose backoff is over (jobs.reports.PROMOTE_SCHEDULED_SQL); "
                               "ops.overview.ACTIVE_TASKS_SQL",
@@ -94,6 +97,13 @@ READERS: dict[str, dict[str, str]] = {
         "accs_event_pkey": "the row's identity and partition key (id, ts); events.partitions' archive",
         "event_job_ts_idx": "a job's timeline, newest first (the job page, the API's job events)",
         "event_task_ts_idx": "a task's timeline (the task page, the attempt's log lines)",
+    },
+    "accs_limit_key_head": {
+        "accs_limit_key_head_pkey": "the claim's move and removal of the key rows it read (jobs.claim._KEY_ROWS_MOVE)",
+        "limit_key_head_order_idx": "the keyed claim: each tenant's keys in the claim order (jobs.claim._free_keyed)",
+        "limit_key_head_key_idx": "the queueing trigger's look for a row that covers the task (jobs.limit_keys); "
+                                  "the service's rekey",
+        "limit_key_head_emptied_idx": "jobs.limit_keys.SETTLE_SQL: the rows the claim found empty",
     },
     "accs_rate_start": {
         "accs_rate_start_pkey": "the row's identity (the ORM); no query reads it by id",

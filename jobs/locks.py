@@ -17,6 +17,15 @@ waits for its node's lock only, then merely tries each capped service's
 An agent bounds its waits (:func:`bound_lock_waits`, ``SET LOCAL lock_timeout``): a claim waits
 for a lock at most ``ACC_CLAIM_LOCK_WAIT_SEC``, a lease renewal a fraction of the lease, and a
 wait that runs out rolls the transaction back (:func:`is_lock_timeout`) instead of queueing on.
+
+After a task row, the database's own triggers (jobs.limit_keys) take two more, as a foreign key
+check does: a task that becomes queued reads its service row ``FOR SHARE`` and a key row of the
+keyed claim ``FOR KEY SHARE`` (shared: queueing tasks never wait for each other). Only two writers
+conflict with them: a change of a service's key path (an operator's edit: it waits for the tasks
+being queued, then locks the service's queued tasks in id order) and the keyed claim, which locks
+key rows with ``SKIP LOCKED`` and so never waits. A transaction that holds a queued task of a
+service and then queues another of the same service, while an operator changes that service's key
+path, is the one cycle left; PostgreSQL detects it and fails one of the two.
 """
 
 from __future__ import annotations

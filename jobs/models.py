@@ -295,6 +295,10 @@ class Task(models.Model):
     error_message = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(default=now)
     updated_at = models.DateTimeField(default=now)
+    # Kept by the database (jobs.limit_keys), never written by the code: the task's key under its
+    # service's per-key limit while it is queued, for the keyed claim's index.
+    limit_key = models.TextField(null=True, blank=True, editable=False, db_collation="C",
+                                 help_text="The key under the service's per-key limit (kept by a trigger).")
 
     class Meta:
         db_table = "accs_task"
@@ -331,6 +335,12 @@ class Task(models.Model):
             models.Index(
                 "host", "service", F("priority").desc(), "order_seq", "created_at", "id",
                 condition=Q(status="queued", host__isnull=False), name="task_claim_host_idx",
+            ),
+            # The keyed claim (jobs.claim): the same queue by key, so a key at its limit is passed
+            # over in one step, however many tasks it has queued.
+            models.Index(
+                "service", "tenant", "limit_key", F("priority").desc(), "order_seq", "created_at", "id",
+                condition=Q(status="queued", host__isnull=True, limit_key__isnull=False), name="task_limit_key_idx",
             ),
             # Promotion of retries whose backoff is over (scheduled → queued).
             models.Index(fields=["service", "next_attempt_at"], condition=Q(status="scheduled"),
@@ -575,6 +585,60 @@ class RateStart(models.Model):
 
     def __str__(self) -> str:
         return f"start of service {self.service_id} at {self.at}"
+
+
+class LimitKeyHead(models.Model):
+    """Where a key of a keyed service's queue begins, per tenant: the keyed claim's list of keys.
+
+    Kept by the database (jobs.limit_keys). For every key with a queued task bound to no host there
+    is a row whose position in the claim order (priority, order_seq, created_at, task id) is at or
+    before the key's first queued task; rows may lag behind (a key whose first tasks were claimed
+    or canceled), and the claim brings the rows it reads up to date. The claim reads the rows in
+    order and passes over the keys at their limit one row each, never their queued tasks.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    service_id = models.BigIntegerField()
+    tenant_id = models.UUIDField()
+    key = models.TextField(db_collation="C")
+    priority = models.IntegerField()
+    order_seq = models.BigIntegerField()
+    created_at = models.DateTimeField()
+    task_id = models.UUIDField(help_text="The task this position was taken from (the order's last tie-break).")
+    emptied = models.BooleanField(default=False, help_text="Set by a claim that found the key's queue empty; "
+                                                           "settled before that claim commits.")
+
+    class Meta:
+        db_table = "accs_limit_key_head"
+        indexes = [
+            # The claim: each tenant's keys in the claim order, the key read from the index.
+            models.Index("service_id", "tenant_id", F("priority").desc(), "order_seq", "created_at", "task_id",
+                         name="limit_key_head_order_idx"),
+            # A key's rows: does one already cover a task being queued; bringing a key up to date.
+            models.Index(fields=["service_id", "tenant_id", "key"], name="limit_key_head_key_idx"),
+            # The rows a claim found empty, settled in the claim's transaction (so almost always none).
+            models.Index(fields=["service_id"], condition=Q(emptied=True), name="limit_key_head_emptied_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"key {self.key!r} of service {self.service_id} from task {self.task_id}"
+
+
+class LimitKeyHeld(models.Model):
+    """How many tasks of a key of a keyed service are held (starting or running): the per-key cap's count.
+
+    Kept by the database (jobs.limit_keys), in the transaction that moves a task into or out of held
+    work, so the keyed claim reads one row per key instead of counting the held tasks' params.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    service_id = models.BigIntegerField()
+    key = models.TextField(db_collation="C")
+    held = models.IntegerField()
+
+    class Meta:
+        db_table = "accs_limit_key_held"
+        constraints = [models.UniqueConstraint(fields=["service_id", "key"], name="limit_key_held_key_uniq")]
 
 
 class LeaderLease(models.Model):

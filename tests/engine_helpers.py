@@ -66,3 +66,17 @@ def racing_builders(*, builders: int = 3, rounds: int, limit: int) -> list:
         t.join()
     assert not errors, errors
     return admitted
+
+
+# The keys whose kept held count (accs_limit_key_held, jobs.limit_keys) differs from their held tasks
+# counted afresh: (service, key, kept, real). A drift either way would let a claim exceed a per-key
+# cap or starve a key, so it must be empty after every step.
+KEY_HELD_DRIFT_SQL = """
+WITH real AS (
+    SELECT t.service_id, t.limit_key AS key, count(*)::int AS held FROM accs_task t
+     WHERE t.status IN ('starting', 'running') AND t.limit_key IS NOT NULL GROUP BY 1, 2
+)
+SELECT coalesce(k.service_id, r.service_id), coalesce(k.key, r.key), k.held, r.held
+  FROM accs_limit_key_held k FULL JOIN real r ON r.service_id = k.service_id AND r.key = k.key
+ WHERE coalesce(k.held, 0) <> coalesce(r.held, 0)
+"""

@@ -92,6 +92,11 @@ REVIEWED: dict[tuple[str, str, str], str] = {
         "safe: ADD COLUMN service_id and tenant_id (nullable, no default, no foreign key) on accs_attempt change "
         "the catalog only, each in its own transaction; ACCESS EXCLUSIVE is held for milliseconds once granted "
         "(the wait bounded by accs_site.migrate_locks)",
+    ("jobs", "0039_limit_keys", HOT_LOCK):
+        "safe: ADD COLUMN limit_key (nullable, no default) on accs_task changes the catalog only, under "
+        "lock_timeout 5s so the migration fails rather than queue the daemons behind it",
+    ("jobs", "0039_limit_keys", "require-concurrent-index-creation"):
+        "safe: limit_key_head_emptied_idx is built on accs_limit_key_head, created empty by the same migration",
     ("workflows", "0004_service_lease_seconds", "constraint-missing-not-valid"):
         "safe: the CHECK service_lease_at_least_3 scans accs_service (definitions, a few rows) in milliseconds",
 }

@@ -248,7 +248,7 @@ def test_the_claim_reads_its_index_and_about_as_many_rows_as_it_claims(make_serv
 
 @pytest.mark.django_db(transaction=True)
 def test_the_claim_with_per_key_limits_reads_its_index_and_passes_over_full_keys(make_service):
-    """The keyed claim (rate and cap per customer) uses task_claim_idx and never scans the task table."""
+    """The keyed claim (rate and cap per customer) finds tasks by key and never scans the task table."""
     from bench.fixtures import fill_queue
     from nodes.models import Host, Node
     from tenants.models import Tenant
@@ -265,8 +265,9 @@ def test_the_claim_with_per_key_limits_reads_its_index_and_passes_over_full_keys
     svc.refresh_from_db()
     plan = _claim_plan(svc, hosts=[])
     assert "Seq Scan on accs_task" not in plan, plan
-    assert "using task_claim_idx on accs_task" in plan, plan
-    assert _rows_read(plan, "task_claim_idx") <= 4 * 10 + 16, "the scan window of a keyed service"
+    assert "using limit_key_head_order_idx on accs_limit_key_head" in plan, plan
+    assert "using task_limit_key_idx on accs_task" in plan, plan
+    assert _rows_read(plan, "task_limit_key_idx") <= 10 + 8, "a key's first task, for each key read"
 
 
 def test_retried_dead_letter_task_runs_again_with_fresh_budget_and_new_attempt_numbers(make_service):

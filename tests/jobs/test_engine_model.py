@@ -59,6 +59,7 @@ from jobs.outcomes import Outcome, ReportResult
 from jobs.retention import prune_finished_jobs
 from jobs.states import JOB_ADMITTED, TASK_HELD, job_may, sql_in, task_may
 from tenants.accounts import create_tenant
+from tests.engine_helpers import KEY_HELD_DRIFT_SQL
 from workflows.api import create_workflow
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -424,6 +425,12 @@ class EngineMachine(RuleBasedStateMachine):
              GROUP BY tn.slug, tn.max_in_flight HAVING count(*) > tn.max_in_flight
         """)
         assert not over, f"caps exceeded (what, holding, cap): {over}"
+
+    @invariant()
+    def each_key_counts_exactly_its_held_tasks(self) -> None:
+        # The keyed claim trusts the count kept per key instead of counting held tasks.
+        drift = _rows(KEY_HELD_DRIFT_SQL)
+        assert not drift, f"held counts per key drifted (service, key, kept, real): {drift}"
 
     @invariant()
     def no_task_is_held_twice(self) -> None:

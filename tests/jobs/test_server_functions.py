@@ -15,7 +15,16 @@ from django.db import connection, connections
 
 from events.models import Event
 from jobs import api, transitions
-from jobs.claim import PLAIN_CLAIM_FUNCTION, NodeLimits, claim_many, claim_round, plain_claim_function_sql, service_spec
+from jobs.claim import (
+    KEYED_CLAIM_FUNCTION,
+    PLAIN_CLAIM_FUNCTION,
+    NodeLimits,
+    claim_many,
+    claim_round,
+    keyed_claim_function_sql,
+    plain_claim_function_sql,
+    service_spec,
+)
 from jobs.finalize import FINALIZE_FUNCTION, finalize_function_sql
 from jobs.inputs import JSONPATH_FUNCTION, STEP_CONTEXT_FUNCTION, jsonpath_function_sql, step_context_function_sql
 from jobs.models import Task
@@ -35,6 +44,7 @@ def _body(create_sql: str) -> str:
 
 
 @pytest.mark.parametrize(("name", "build"), [(PLAIN_CLAIM_FUNCTION, plain_claim_function_sql),
+                                             (KEYED_CLAIM_FUNCTION, keyed_claim_function_sql),
                                              (FINALIZE_FUNCTION, finalize_function_sql),
                                              (REPORT_FUNCTION, report_function_sql),
                                              (STEP_CONTEXT_FUNCTION, step_context_function_sql),
@@ -52,8 +62,8 @@ def test_the_database_function_runs_the_statements_the_code_holds_now(name, buil
     assert settings == dict(re.findall(r"^SET (\w+) = (\w+)", build().split("\nAS $")[0], re.M)), settings
 
 
-@pytest.mark.parametrize("build", [plain_claim_function_sql, finalize_function_sql, report_function_sql,
-                                   step_context_function_sql])
+@pytest.mark.parametrize("build", [plain_claim_function_sql, keyed_claim_function_sql, finalize_function_sql,
+                                   report_function_sql, step_context_function_sql])
 def test_the_functions_plan_once_and_never_compile(build):
     """Generic plans (planned once per connection) whose estimated cost grows with the backlog: with
     JIT on, a claim with 100k tasks queued compiled its expressions at every call (1.4 s instead of 3 ms)."""
@@ -72,6 +82,24 @@ def test_a_plain_claim_is_one_statement(make_service, django_assert_num_queries)
     claimed = Task.objects.filter(id__in=[t.id for t in tasks])
     assert {t.status for t in claimed} == {"starting"} and {t.claimed_by for t in claimed} == {"agent-fn"}
     assert Event.objects.filter(task_id__in=[t.id for t in tasks], message="task queued → starting").count() == 2
+
+
+@pytest.mark.parametrize("limits", [{"concurrency_key": "customer", "concurrency_key_limit": 1},
+                                    {"rate_key": "customer", "rate_key_limit": 1},
+                                    {"rate_limit": 3, "max_concurrent": 5}],
+                         ids=["per-key cap", "per-key rate", "capped and rated"])
+def test_a_keyed_or_rated_claim_is_one_statement_under_its_limits(make_service, django_assert_num_queries, limits):
+    """The keyed claim function: the limits, locks, held counts, claim and settling in one round trip."""
+    svc = make_service("fn-keyed", **limits)
+    for i in range(6):
+        api.start_service("fn-keyed", params={"customer": f"c{i % 2}"})
+    with django_assert_num_queries(1):
+        tasks = claim_many([service_spec(svc)], NODE, agent_id="agent-fn", free_slots=5, lease_seconds=60)
+    assert len(tasks) == (2 if "rate_key" in limits or "concurrency_key" in limits else 3)
+    assert len({t.params["customer"] for t in tasks}) == len(tasks) or "rate_limit" in limits
+    with django_assert_num_queries(1):
+        again = claim_many([service_spec(svc)], NODE, agent_id="agent-fn", free_slots=5, lease_seconds=60)
+    assert again == [], "every key (or the service's rate) is at its limit"
 
 
 def test_a_report_of_successes_is_one_statement_and_writes_every_transition(make_service, django_assert_num_queries):
