@@ -69,7 +69,9 @@ def say(text: str) -> None:
 
 def reset() -> None:
     with connection.cursor() as cur:
-        cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event, accs_artifact CASCADE")
+        # (The keyed claim's key rows and held counts too: a TRUNCATE fires no trigger to keep them.)
+        cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event, accs_artifact, accs_limit_key_head,"
+                    " accs_limit_key_held CASCADE")
         cur.execute("DELETE FROM accs_disk_sample"
                     " WHERE node_id LIKE 'bench-%%' OR node_id LIKE 'e2e-%%' OR node_id = 'lat'")
         cur.execute("DELETE FROM accs_host WHERE name LIKE 'fan-h%%'")

@@ -357,15 +357,19 @@ def _key_cols(kinds: str) -> str:
     return "".join(f",\n               {cols[k]} AS {k}key" for k in "rc")
 
 
-def _key_filter(kinds: str) -> str:
+def _key_filter(kinds: str, *, walked: bool = False) -> str:
     """SQL that passes over a task whose key, read from its params, is at its limit.
 
-    A hashed subplan: one lookup per task, however many keys are full.
+    A hashed subplan: one lookup per task, however many keys are full (the set of full keys is read
+    only where a task reaches it). ``walked``: the tasks were found through their key's row, whose
+    room was read for the limit on the path they are keyed by, so only a limit on another path is
+    checked here.
     """
     parts = []
     for k in kinds:
         full = f"(t.service_id, {params_key_at('t', _PARTS[k])}) NOT IN (SELECT * FROM {k}full)"
-        parts.append(f"\n           AND ({_LIMIT[k]} = 0 OR {full})")
+        skip = f" OR svc.{k}path = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)" if walked else ""
+        parts.append(f"\n           AND ({_LIMIT[k]} = 0{skip} OR {full})")
     return "".join(parts)
 
 
@@ -382,14 +386,27 @@ def _key_room(kinds: str) -> tuple[str, str, str]:
     A kind of limit counts here when its path is the one the tasks are keyed by (accs_limit_key_path);
     a second limit on another path is kept per task (_key_filter, and the pick after the claim's scans).
     """
-    aligned = {k: f"{_LIMIT[k]} > 0 AND svc.{k}path = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)"
-               for k in kinds}
-    lefts = ", ".join(f"CASE WHEN {aligned[k]} THEN {_LIMIT[k]} - coalesce({k}u.used, 0) END" for k in kinds)
-    joins = "".join(f"""
-      LEFT JOIN {k}used {k}u ON {k}u.service_id = h.service_id AND {k}u.key = h.key""" for k in kinds)
-    full = "".join(f"""
-           AND NOT ({aligned[k]} AND (h.service_id, h.key) IN (SELECT service_id, key FROM {k}full))""" for k in kinds)
-    return f"least({lefts})", joins, full
+    lefts = ", ".join(f"CASE WHEN {_ALIGNED[k]} THEN {_LIMIT[k]} - {_KEY_USED[k].format(key='h.key')} END"
+                      for k in kinds)
+    # The keys at their limit are left out by the walk's index (limit_key_head_order_idx): the
+    # database marks a key's rows when its held tasks fill its cap or its starts its rate window.
+    full = "\n           AND NOT h.cap_full AND h.rate_until IS NULL"
+    return f"least({lefts})", "", full
+
+
+# Whether a service's limit of a kind counts on the path its tasks are keyed by (accs_limit_key_path).
+_ALIGNED = {k: f"{_LIMIT[k]} > 0 AND svc.{k}path = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath)"
+            for k in "cr"}
+
+# What a key {key} of a service (``svc``) has used of its limit on the path its tasks are keyed by,
+# probed for that one key: its held count (kept by the database), or its starts in the window
+# (rate_start_key_at_idx; the key compared in the starts' collation, which the index is built in).
+_KEY_USED = {
+    "c": "coalesce((SELECT k.held FROM accs_limit_key_held k WHERE k.service_id = svc.id"
+         " AND k.key = ({key} COLLATE \"C\")), 0)",
+    "r": "(SELECT count(*) FROM accs_rate_start r WHERE r.service_id = svc.id AND r.key = ({key} COLLATE \"default\")"
+         f" AND r.at > {STAMP_SQL} - make_interval(secs => svc.period))::int",
+}
 
 
 # How many key rows past the full ones a claim reads per tenant, beyond its room: rows that lag
@@ -445,7 +462,7 @@ def _free_keyed(kinds: str) -> str:
           FROM accs_task t
          WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
            AND t.host_id IS NULL AND t.limit_key = k.key
-           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){_key_filter(kinds)}
+           AND t.next_attempt_at <= {STAMP_SQL} AND t.id <> ALL(%(exclude)s::uuid[]){_key_filter(kinds, walked=True)}
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
          LIMIT least(k.kleft, svc.room)) f
      WHERE k.kleft > 0
@@ -501,6 +518,17 @@ _KEY_ROWS_MOVE = f""", kfirst AS (
 )"""
 
 
+def _cand_used(kind: str) -> str:
+    """SQL: what a candidate's key has used of its limit of ``kind``, probed for that key (the limit on
+    the path the tasks are keyed by, and any rate) or read from the full set (a cap on another path)."""
+    probe = _KEY_USED[kind].format(key=f"cand.{kind}key")
+    if kind == "r":
+        return f"coalesce({probe}, 0)"
+    return (f"CASE WHEN {_LIMIT[kind]} = 0 THEN 0 WHEN {_ALIGNED[kind]} THEN {probe}"
+            f" ELSE coalesce((SELECT u.used FROM {kind}used u"
+            f" WHERE u.service_id = cand.service_id AND u.key = cand.{kind}key), 0) END")
+
+
 def _keyed_pick(kinds: str) -> str:
     """Return the CTEs that keep, per key, no more candidates than the key has room for.
 
@@ -510,12 +538,11 @@ def _keyed_pick(kinds: str) -> str:
     by the fair order below.
     """
     ranks = "".join(f""",
-           {_LIMIT[k]} - coalesce({k}u.used, 0) AS {k}left,
+           {_LIMIT[k]} - {_cand_used(k)} AS {k}left,
            row_number() OVER (PARTITION BY cand.service_id, cand.{k}key
                               ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS {k}rank"""
                     for k in kinds)
-    joins = "".join(f"""
-      LEFT JOIN {k}used {k}u ON {k}u.service_id = cand.service_id AND {k}u.key = cand.{k}key""" for k in kinds)
+    joins = ""
     allowed = " AND ".join(f"({k}key IS NULL OR {k}rank <= {k}left)" for k in kinds)
     return f""", keyed AS (
     SELECT cand.*{ranks}
@@ -954,6 +981,11 @@ BEGIN
             RETURN;
         END IF;
     END LOOP;
+    IF cardinality(v_keyed) > 0 THEN
+        -- Rate blocks that have run out: their keys are walked again (limit_key_head_rate_until_idx).
+        UPDATE accs_limit_key_head h SET rate_until = NULL
+         WHERE h.service_id = ANY(v_keyed) AND h.rate_until IS NOT NULL AND h.rate_until <= v_stamp;
+    END IF;
     RETURN QUERY
 {body.strip()};
     IF cardinality(v_keyed) > 0 THEN

@@ -102,8 +102,10 @@ READERS: dict[str, dict[str, str]] = {
         "accs_limit_key_head_pkey": "the claim's move and removal of the key rows it read (jobs.claim._KEY_ROWS_MOVE)",
         "limit_key_head_order_idx": "the keyed claim: each tenant's keys in the claim order (jobs.claim._free_keyed)",
         "limit_key_head_key_idx": "the queueing trigger's look for a row that covers the task (jobs.limit_keys); "
-                                  "the service's rekey",
+                                  "the service's rekey; a key's rows following its held count and its starts",
         "limit_key_head_emptied_idx": "jobs.limit_keys.SETTLE_SQL: the rows the claim found empty",
+        "limit_key_head_rate_until_idx": "the keyed claim function's clearing of rate blocks that ran out "
+                                         "(jobs.claim.keyed_claim_function_sql)",
     },
     "accs_rate_start": {
         "accs_rate_start_pkey": "the row's identity (the ORM); no query reads it by id",

@@ -35,10 +35,20 @@ settled by a second statement of the same transaction (:data:`SETTLE_SQL`), whic
 committed before the claim locked the row, so a task queued meanwhile is never left without a row.
 A row locked by a transaction queueing a task is skipped, never waited for.
 
+A key's rows are also marked while the key is at its limit, so the claim's walk (an index that
+leaves marked rows out) never visits a full key: ``cap_full`` follows the key's held count
+(``accs_key_cap_follow``, called by the count's trigger), ``rate_until`` its starts
+(``accs_rate_start_block``, on each start: until the earliest of the newest ``rate_key_limit``
+starts leaves the window, the key has no room); a claim clears the rate marks that ran out before
+it walks, and a change of a service's limits rewrites its rows' marks (``accs_service_key_limits``)
+under an advisory lock per service that the other two share, so no mark is computed from a
+replaced limit. A mark can only be late in the safe direction (a full key not yet marked is
+visited and found full); a key with room is never left marked.
+
 Neither structure is the limit itself: the claim reads each task's key from its params again where
 it picks it, so a wrong key or row could delay a task, never let a key exceed its limit.
 
-A migration holds a copy of :data:`LIMIT_KEY_SQL` (0032); a test compares them.
+A migration holds a copy of :data:`LIMIT_KEY_SQL` (0039); a test compares them.
 """
 
 from __future__ import annotations
@@ -59,9 +69,14 @@ $$;
 CREATE OR REPLACE FUNCTION accs_task_limit_key() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     v_path text;
+    v_cap int;
+    v_full boolean;
 BEGIN
-    SELECT accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
-      INTO v_path FROM accs_service s WHERE s.id = NEW.service_id FOR SHARE;
+    SELECT accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key),
+           CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key = accs_limit_key_path(
+                    s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
+                THEN s.concurrency_key_limit END
+      INTO v_path, v_cap FROM accs_service s WHERE s.id = NEW.service_id FOR SHARE;
     NEW.limit_key := {KEY_AT_PATH.format(path="v_path", params="NEW.params")};
     IF NEW.limit_key IS NOT NULL AND NEW.host_id IS NULL THEN
         PERFORM 1 FROM accs_limit_key_head h
@@ -71,10 +86,15 @@ BEGIN
                 AND (h.order_seq, h.created_at, h.task_id) <= (NEW.order_seq, NEW.created_at, NEW.id)))
          LIMIT 1 FOR KEY SHARE;
         IF NOT FOUND THEN
+            -- A new row of a key whose held tasks fill its cap starts passed over. The count is read
+            -- locked, so a finish in flight is waited for (and seen), and a later one waits for this
+            -- row and then clears it.
+            SELECT k.held >= v_cap INTO v_full FROM accs_limit_key_held k
+             WHERE v_cap IS NOT NULL AND k.service_id = NEW.service_id AND k.key = NEW.limit_key FOR SHARE;
             INSERT INTO accs_limit_key_head (service_id, tenant_id, key, priority, order_seq, created_at, task_id,
-                                             emptied)
+                                             emptied, cap_full)
             VALUES (NEW.service_id, NEW.tenant_id, NEW.limit_key, NEW.priority, NEW.order_seq, NEW.created_at,
-                    NEW.id, false);
+                    NEW.id, false, coalesce(v_full, false));
         END IF;
     END IF;
     RETURN NEW;
@@ -96,6 +116,7 @@ DECLARE
     v_path text := accs_limit_key_path(NEW.concurrency_key_limit, NEW.concurrency_key, NEW.rate_key_limit,
                                        NEW.rate_key);
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('accs:key-limits:' || NEW.id));
     UPDATE accs_task t SET limit_key = {KEY_AT_PATH.format(path="v_path", params="t.params")}
      WHERE t.id = ANY(ARRAY(SELECT x.id FROM accs_task x WHERE x.service_id = NEW.id AND x.status = 'queued'
                              ORDER BY x.id FOR UPDATE));
@@ -124,14 +145,99 @@ $$;
 -- out of held work, in the transaction that moves it, whichever release's daemon moves it
 -- (accs_limit_key_held: jobs.models.LimitKeyHeld).
 CREATE OR REPLACE FUNCTION accs_task_key_held() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_held int;
 BEGIN
     IF TG_ARGV[0] = 'in' THEN
         INSERT INTO accs_limit_key_held AS k (service_id, key, held) VALUES (NEW.service_id, NEW.limit_key, 1)
-        ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + 1;
+        ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + 1
+        RETURNING k.held INTO v_held;
+        PERFORM accs_key_cap_follow(NEW.service_id, NEW.limit_key, v_held);
     ELSE
         UPDATE accs_limit_key_held k SET held = k.held - 1
-         WHERE k.service_id = OLD.service_id AND k.key = OLD.limit_key;
+         WHERE k.service_id = OLD.service_id AND k.key = OLD.limit_key
+        RETURNING k.held INTO v_held;
+        PERFORM accs_key_cap_follow(OLD.service_id, OLD.limit_key, v_held);
     END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Whether a key's held tasks (now p_held, its count row locked by the caller's update) fill its cap,
+-- written on the key's rows: the walk's index leaves out the full ones, so a claim never visits
+-- them. Under the service's limits lock, shared (a change of the limits takes it alone and
+-- recomputes every row after the counts in flight have committed).
+CREATE OR REPLACE FUNCTION accs_key_cap_follow(p_service bigint, p_key text, p_held int)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_cap int;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || p_service));
+    SELECT CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key = accs_limit_key_path(
+                    s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
+                THEN s.concurrency_key_limit END
+      INTO v_cap FROM accs_service s WHERE s.id = p_service;
+    UPDATE accs_limit_key_head h SET cap_full = coalesce(p_held >= v_cap, false)
+     WHERE h.service_id = p_service AND h.key = p_key
+       AND h.cap_full IS DISTINCT FROM coalesce(p_held >= v_cap, false);
+END
+$$;
+
+-- Each start of a key under a rate: once the key's starts fill its window, its rows are passed over
+-- until the earliest of them leaves the window (a claim clears the blocks that ran out before it
+-- walks). Kept from the starts themselves, so every writer of a start is followed.
+CREATE OR REPLACE FUNCTION accs_rate_start_block() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_limit int;
+    v_period int;
+    v_until timestamptz;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || NEW.service_id));
+    SELECT s.rate_key_limit, s.rate_period_seconds INTO v_limit, v_period FROM accs_service s
+     WHERE s.id = NEW.service_id AND s.rate_key_limit > 0
+       AND s.rate_key = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
+                                            s.rate_key);
+    IF v_limit IS NULL THEN
+        RETURN NULL;
+    END IF;
+    -- The start that leaves the window last among the newest v_limit: until then the window is full.
+    SELECT r.at + make_interval(secs => v_period) INTO v_until FROM accs_rate_start r
+     WHERE r.service_id = NEW.service_id AND r.key = NEW.key
+     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET v_limit - 1 LIMIT 1;
+    IF v_until > NEW.at THEN
+        UPDATE accs_limit_key_head h SET rate_until = v_until
+         WHERE h.service_id = NEW.service_id AND h.key = NEW.key COLLATE "C"
+           AND h.rate_until IS DISTINCT FROM v_until;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS accs_rate_start_block ON accs_rate_start;
+CREATE TRIGGER accs_rate_start_block AFTER INSERT ON accs_rate_start
+    FOR EACH ROW WHEN (NEW.key IS NOT NULL) EXECUTE FUNCTION accs_rate_start_block();
+
+-- A change of a service's per-key limits: every row of it follows the new cap and the new rate at
+-- once (one look at each key's held count and latest starts).
+CREATE OR REPLACE FUNCTION accs_service_key_limits() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_path text := accs_limit_key_path(NEW.concurrency_key_limit, NEW.concurrency_key, NEW.rate_key_limit,
+                                       NEW.rate_key);
+    v_cap int := CASE WHEN NEW.concurrency_key_limit > 0 AND NEW.concurrency_key = v_path
+                      THEN NEW.concurrency_key_limit END;
+    v_rate int := CASE WHEN NEW.rate_key_limit > 0 AND NEW.rate_key = v_path THEN NEW.rate_key_limit END;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('accs:key-limits:' || NEW.id));
+    UPDATE accs_limit_key_head h SET cap_full = x.full, rate_until = x.until
+      FROM (SELECT h2.id, coalesce(k.held >= v_cap, false) AS full,
+                   (SELECT nullif(greatest(r.at + make_interval(secs => NEW.rate_period_seconds), now()), now())
+                      FROM accs_rate_start r
+                     WHERE v_rate IS NOT NULL AND r.service_id = NEW.id AND r.key = (h2.key COLLATE "default")
+                     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET greatest(v_rate - 1, 0) LIMIT 1) AS until
+              FROM accs_limit_key_head h2
+              LEFT JOIN accs_limit_key_held k ON k.service_id = h2.service_id AND k.key = h2.key
+             WHERE h2.service_id = NEW.id) x
+     WHERE h.id = x.id AND (h.cap_full IS DISTINCT FROM x.full OR h.rate_until IS DISTINCT FROM x.until);
     RETURN NULL;
 END
 $$;
@@ -153,6 +259,17 @@ CREATE TRIGGER accs_task_key_held_delete AFTER DELETE ON accs_task
     FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running'))
     EXECUTE FUNCTION accs_task_key_held('out');
 
+-- After accs_service_rekey (triggers of one event fire in name order), so rows it rebuilt are covered.
+DROP TRIGGER IF EXISTS accs_service_relimit ON accs_service;
+CREATE TRIGGER accs_service_relimit
+    AFTER UPDATE OF concurrency_key, concurrency_key_limit, rate_key, rate_key_limit, rate_period_seconds
+    ON accs_service
+    FOR EACH ROW WHEN ((OLD.concurrency_key, OLD.concurrency_key_limit, OLD.rate_key, OLD.rate_key_limit,
+                        OLD.rate_period_seconds)
+                       IS DISTINCT FROM (NEW.concurrency_key, NEW.concurrency_key_limit, NEW.rate_key,
+                                         NEW.rate_key_limit, NEW.rate_period_seconds))
+    EXECUTE FUNCTION accs_service_key_limits();
+
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 CREATE TRIGGER accs_service_rekey
     AFTER UPDATE OF concurrency_key, concurrency_key_limit, rate_key, rate_key_limit ON accs_service
@@ -164,6 +281,10 @@ CREATE TRIGGER accs_service_rekey
 """
 
 DROP_LIMIT_KEY_SQL = """
+DROP TRIGGER IF EXISTS accs_service_relimit ON accs_service;
+DROP TRIGGER IF EXISTS accs_rate_start_block ON accs_rate_start;
+DROP FUNCTION IF EXISTS accs_service_key_limits();
+DROP FUNCTION IF EXISTS accs_rate_start_block();
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 DROP TRIGGER IF EXISTS accs_task_limit_key_update ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_limit_key_insert ON accs_task;
@@ -171,6 +292,7 @@ DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
 DROP FUNCTION IF EXISTS accs_task_key_held();
+DROP FUNCTION IF EXISTS accs_key_cap_follow(bigint, text, int);
 DROP FUNCTION IF EXISTS accs_service_rekey();
 DROP FUNCTION IF EXISTS accs_task_limit_key();
 DROP FUNCTION IF EXISTS accs_limit_key_path(int, text, int, text);
@@ -197,7 +319,7 @@ WITH e AS (
 DELETE FROM accs_limit_key_head h USING e WHERE h.id = e.id AND e.task_id IS NULL
 """
 
-# The keys of queued tasks written before the triggers existed (migration 0032 runs a copy): a batch
+# The keys of queued tasks written before the triggers existed (migration 0039 runs a copy): a batch
 # in id order after ``after`` (keyset pagination, so each batch is one short transaction), returning
 # the batch's last id.
 BACKFILL_KEYS_SQL = f"""
@@ -233,7 +355,7 @@ SELECT DISTINCT ON (t.service_id, t.tenant_id, t.limit_key) t.service_id, t.tena
 """
 
 
-# The held tasks of keyed services held before the triggers existed (migration 0032 runs a copy):
+# The held tasks of keyed services held before the triggers existed (migration 0039 runs a copy):
 # each gets its key and is counted in the same transaction, while locked (a task leaving held work
 # after this is uncounted by the trigger; one that left before was never counted). A batch in id
 # order after ``after``, returning the batch's last id.

@@ -607,15 +607,24 @@ class LimitKeyHead(models.Model):
     task_id = models.UUIDField(help_text="The task this position was taken from (the order's last tie-break).")
     emptied = models.BooleanField(default=False, help_text="Set by a claim that found the key's queue empty; "
                                                            "settled before that claim commits.")
+    cap_full = models.BooleanField(db_default=False, help_text="The key's held tasks fill its cap (kept by the "
+                                                               "held counts' trigger): the claim passes it over.")
+    rate_until = models.DateTimeField(null=True, blank=True, help_text="The key's starts fill its rate window "
+                                                                       "until then: the claim passes it over.")
 
     class Meta:
         db_table = "accs_limit_key_head"
         indexes = [
-            # The claim: each tenant's keys in the claim order, the key read from the index.
+            # The claim: each tenant's keys with room in the claim order, the key read from the index
+            # (a key at its cap or rate is not in it, so no claim visits it).
             models.Index("service_id", "tenant_id", F("priority").desc(), "order_seq", "created_at", "task_id",
-                         name="limit_key_head_order_idx"),
-            # A key's rows: does one already cover a task being queued; bringing a key up to date.
-            models.Index(fields=["service_id", "tenant_id", "key"], name="limit_key_head_key_idx"),
+                         condition=Q(cap_full=False, rate_until__isnull=True), name="limit_key_head_order_idx"),
+            # A key's rows: does one already cover a task being queued; bringing a key up to date; a
+            # key's rows following its held count or its starts (by service and key, any tenant).
+            models.Index(fields=["service_id", "key", "tenant_id"], name="limit_key_head_key_idx"),
+            # The rate blocks a claim clears when they have run out.
+            models.Index(fields=["service_id", "rate_until"], condition=Q(rate_until__isnull=False),
+                         name="limit_key_head_rate_until_idx"),
             # The rows a claim found empty, settled in the claim's transaction (so almost always none).
             models.Index(fields=["service_id"], condition=Q(emptied=True), name="limit_key_head_emptied_idx"),
         ]

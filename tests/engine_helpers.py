@@ -69,7 +69,8 @@ def racing_builders(*, builders: int = 3, rounds: int, limit: int) -> list:
 
 
 # The keys whose kept held count (accs_limit_key_held, jobs.limit_keys) differs from their held tasks
-# counted afresh: (service, key, kept, real). A drift either way would let a claim exceed a per-key
+# counted afresh: (service, key, kept, real); then the key rows whose marks (at the cap, at the rate)
+# disagree with those counts and the starts. A drift either way would let a claim exceed a per-key
 # cap or starve a key, so it must be empty after every step.
 KEY_HELD_DRIFT_SQL = """
 WITH real AS (
@@ -79,4 +80,25 @@ WITH real AS (
 SELECT coalesce(k.service_id, r.service_id), coalesce(k.key, r.key), k.held, r.held
   FROM accs_limit_key_held k FULL JOIN real r ON r.service_id = k.service_id AND r.key = k.key
  WHERE coalesce(k.held, 0) <> coalesce(r.held, 0)
+UNION ALL
+-- A key row marked at its cap whose held tasks do not fill it (the claim would never visit a key with
+-- room), or one with room marked full (a cost only, but the marks are meant to be exact).
+SELECT h.service_id, h.key, h.cap_full::int, coalesce(r.held >= x.cap, false)::int
+  FROM accs_limit_key_head h
+  JOIN (SELECT s.id, CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key = accs_limit_key_path(
+                        s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
+                     THEN s.concurrency_key_limit END AS cap FROM accs_service s) x ON x.id = h.service_id
+  LEFT JOIN real r ON r.service_id = h.service_id AND r.key = h.key
+ WHERE h.cap_full <> coalesce(r.held >= x.cap, false)
+UNION ALL
+-- A key row passed over for its rate while its starts in the window leave it room.
+SELECT h.service_id, h.key, -1, (SELECT count(*)::int FROM accs_rate_start st
+                                  WHERE st.service_id = h.service_id AND st.key = h.key COLLATE "default"
+                                    AND st.at > now() - make_interval(secs => s.rate_period_seconds))
+  FROM accs_limit_key_head h JOIN accs_service s ON s.id = h.service_id
+ WHERE h.rate_until > now()
+   AND (s.rate_key_limit = 0
+        OR (SELECT count(*) FROM accs_rate_start st
+             WHERE st.service_id = h.service_id AND st.key = h.key COLLATE "default"
+               AND st.at > now() - make_interval(secs => s.rate_period_seconds)) < s.rate_key_limit)
 """

@@ -44,9 +44,14 @@ $$;
 CREATE OR REPLACE FUNCTION accs_task_limit_key() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     v_path text;
+    v_cap int;
+    v_full boolean;
 BEGIN
-    SELECT accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
-      INTO v_path FROM accs_service s WHERE s.id = NEW.service_id FOR SHARE;
+    SELECT accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key),
+           CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key = accs_limit_key_path(
+                    s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
+                THEN s.concurrency_key_limit END
+      INTO v_path, v_cap FROM accs_service s WHERE s.id = NEW.service_id FOR SHARE;
     NEW.limit_key := CASE WHEN v_path IS NULL THEN NULL ELSE coalesce(NEW.params #>> string_to_array(v_path, '.'), '') END;
     IF NEW.limit_key IS NOT NULL AND NEW.host_id IS NULL THEN
         PERFORM 1 FROM accs_limit_key_head h
@@ -56,10 +61,15 @@ BEGIN
                 AND (h.order_seq, h.created_at, h.task_id) <= (NEW.order_seq, NEW.created_at, NEW.id)))
          LIMIT 1 FOR KEY SHARE;
         IF NOT FOUND THEN
+            -- A new row of a key whose held tasks fill its cap starts passed over. The count is read
+            -- locked, so a finish in flight is waited for (and seen), and a later one waits for this
+            -- row and then clears it.
+            SELECT k.held >= v_cap INTO v_full FROM accs_limit_key_held k
+             WHERE v_cap IS NOT NULL AND k.service_id = NEW.service_id AND k.key = NEW.limit_key FOR SHARE;
             INSERT INTO accs_limit_key_head (service_id, tenant_id, key, priority, order_seq, created_at, task_id,
-                                             emptied)
+                                             emptied, cap_full)
             VALUES (NEW.service_id, NEW.tenant_id, NEW.limit_key, NEW.priority, NEW.order_seq, NEW.created_at,
-                    NEW.id, false);
+                    NEW.id, false, coalesce(v_full, false));
         END IF;
     END IF;
     RETURN NEW;
@@ -81,6 +91,7 @@ DECLARE
     v_path text := accs_limit_key_path(NEW.concurrency_key_limit, NEW.concurrency_key, NEW.rate_key_limit,
                                        NEW.rate_key);
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('accs:key-limits:' || NEW.id));
     UPDATE accs_task t SET limit_key = CASE WHEN v_path IS NULL THEN NULL ELSE coalesce(t.params #>> string_to_array(v_path, '.'), '') END
      WHERE t.id = ANY(ARRAY(SELECT x.id FROM accs_task x WHERE x.service_id = NEW.id AND x.status = 'queued'
                              ORDER BY x.id FOR UPDATE));
@@ -109,14 +120,99 @@ $$;
 -- out of held work, in the transaction that moves it, whichever release's daemon moves it
 -- (accs_limit_key_held: jobs.models.LimitKeyHeld).
 CREATE OR REPLACE FUNCTION accs_task_key_held() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_held int;
 BEGIN
     IF TG_ARGV[0] = 'in' THEN
         INSERT INTO accs_limit_key_held AS k (service_id, key, held) VALUES (NEW.service_id, NEW.limit_key, 1)
-        ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + 1;
+        ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + 1
+        RETURNING k.held INTO v_held;
+        PERFORM accs_key_cap_follow(NEW.service_id, NEW.limit_key, v_held);
     ELSE
         UPDATE accs_limit_key_held k SET held = k.held - 1
-         WHERE k.service_id = OLD.service_id AND k.key = OLD.limit_key;
+         WHERE k.service_id = OLD.service_id AND k.key = OLD.limit_key
+        RETURNING k.held INTO v_held;
+        PERFORM accs_key_cap_follow(OLD.service_id, OLD.limit_key, v_held);
     END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Whether a key's held tasks (now p_held, its count row locked by the caller's update) fill its cap,
+-- written on the key's rows: the walk's index leaves out the full ones, so a claim never visits
+-- them. Under the service's limits lock, shared (a change of the limits takes it alone and
+-- recomputes every row after the counts in flight have committed).
+CREATE OR REPLACE FUNCTION accs_key_cap_follow(p_service bigint, p_key text, p_held int)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_cap int;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || p_service));
+    SELECT CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key = accs_limit_key_path(
+                    s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
+                THEN s.concurrency_key_limit END
+      INTO v_cap FROM accs_service s WHERE s.id = p_service;
+    UPDATE accs_limit_key_head h SET cap_full = coalesce(p_held >= v_cap, false)
+     WHERE h.service_id = p_service AND h.key = p_key
+       AND h.cap_full IS DISTINCT FROM coalesce(p_held >= v_cap, false);
+END
+$$;
+
+-- Each start of a key under a rate: once the key's starts fill its window, its rows are passed over
+-- until the earliest of them leaves the window (a claim clears the blocks that ran out before it
+-- walks). Kept from the starts themselves, so every writer of a start is followed.
+CREATE OR REPLACE FUNCTION accs_rate_start_block() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_limit int;
+    v_period int;
+    v_until timestamptz;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || NEW.service_id));
+    SELECT s.rate_key_limit, s.rate_period_seconds INTO v_limit, v_period FROM accs_service s
+     WHERE s.id = NEW.service_id AND s.rate_key_limit > 0
+       AND s.rate_key = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
+                                            s.rate_key);
+    IF v_limit IS NULL THEN
+        RETURN NULL;
+    END IF;
+    -- The start that leaves the window last among the newest v_limit: until then the window is full.
+    SELECT r.at + make_interval(secs => v_period) INTO v_until FROM accs_rate_start r
+     WHERE r.service_id = NEW.service_id AND r.key = NEW.key
+     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET v_limit - 1 LIMIT 1;
+    IF v_until > NEW.at THEN
+        UPDATE accs_limit_key_head h SET rate_until = v_until
+         WHERE h.service_id = NEW.service_id AND h.key = NEW.key COLLATE "C"
+           AND h.rate_until IS DISTINCT FROM v_until;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS accs_rate_start_block ON accs_rate_start;
+CREATE TRIGGER accs_rate_start_block AFTER INSERT ON accs_rate_start
+    FOR EACH ROW WHEN (NEW.key IS NOT NULL) EXECUTE FUNCTION accs_rate_start_block();
+
+-- A change of a service's per-key limits: every row of it follows the new cap and the new rate at
+-- once (one look at each key's held count and latest starts).
+CREATE OR REPLACE FUNCTION accs_service_key_limits() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_path text := accs_limit_key_path(NEW.concurrency_key_limit, NEW.concurrency_key, NEW.rate_key_limit,
+                                       NEW.rate_key);
+    v_cap int := CASE WHEN NEW.concurrency_key_limit > 0 AND NEW.concurrency_key = v_path
+                      THEN NEW.concurrency_key_limit END;
+    v_rate int := CASE WHEN NEW.rate_key_limit > 0 AND NEW.rate_key = v_path THEN NEW.rate_key_limit END;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('accs:key-limits:' || NEW.id));
+    UPDATE accs_limit_key_head h SET cap_full = x.full, rate_until = x.until
+      FROM (SELECT h2.id, coalesce(k.held >= v_cap, false) AS full,
+                   (SELECT nullif(greatest(r.at + make_interval(secs => NEW.rate_period_seconds), now()), now())
+                      FROM accs_rate_start r
+                     WHERE v_rate IS NOT NULL AND r.service_id = NEW.id AND r.key = (h2.key COLLATE "default")
+                     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET greatest(v_rate - 1, 0) LIMIT 1) AS until
+              FROM accs_limit_key_head h2
+              LEFT JOIN accs_limit_key_held k ON k.service_id = h2.service_id AND k.key = h2.key
+             WHERE h2.service_id = NEW.id) x
+     WHERE h.id = x.id AND (h.cap_full IS DISTINCT FROM x.full OR h.rate_until IS DISTINCT FROM x.until);
     RETURN NULL;
 END
 $$;
@@ -138,6 +234,17 @@ CREATE TRIGGER accs_task_key_held_delete AFTER DELETE ON accs_task
     FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running'))
     EXECUTE FUNCTION accs_task_key_held('out');
 
+-- After accs_service_rekey (triggers of one event fire in name order), so rows it rebuilt are covered.
+DROP TRIGGER IF EXISTS accs_service_relimit ON accs_service;
+CREATE TRIGGER accs_service_relimit
+    AFTER UPDATE OF concurrency_key, concurrency_key_limit, rate_key, rate_key_limit, rate_period_seconds
+    ON accs_service
+    FOR EACH ROW WHEN ((OLD.concurrency_key, OLD.concurrency_key_limit, OLD.rate_key, OLD.rate_key_limit,
+                        OLD.rate_period_seconds)
+                       IS DISTINCT FROM (NEW.concurrency_key, NEW.concurrency_key_limit, NEW.rate_key,
+                                         NEW.rate_key_limit, NEW.rate_period_seconds))
+    EXECUTE FUNCTION accs_service_key_limits();
+
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 CREATE TRIGGER accs_service_rekey
     AFTER UPDATE OF concurrency_key, concurrency_key_limit, rate_key, rate_key_limit ON accs_service
@@ -149,6 +256,10 @@ CREATE TRIGGER accs_service_rekey
 """
 
 DROP_LIMIT_KEY_SQL = r"""
+DROP TRIGGER IF EXISTS accs_service_relimit ON accs_service;
+DROP TRIGGER IF EXISTS accs_rate_start_block ON accs_rate_start;
+DROP FUNCTION IF EXISTS accs_service_key_limits();
+DROP FUNCTION IF EXISTS accs_rate_start_block();
 DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 DROP TRIGGER IF EXISTS accs_task_limit_key_update ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_limit_key_insert ON accs_task;
@@ -156,6 +267,7 @@ DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
 DROP FUNCTION IF EXISTS accs_task_key_held();
+DROP FUNCTION IF EXISTS accs_key_cap_follow(bigint, text, int);
 DROP FUNCTION IF EXISTS accs_service_rekey();
 DROP FUNCTION IF EXISTS accs_task_limit_key();
 DROP FUNCTION IF EXISTS accs_limit_key_path(int, text, int, text);
@@ -345,6 +457,11 @@ BEGIN
             RETURN;
         END IF;
     END LOOP;
+    IF cardinality(v_keyed) > 0 THEN
+        -- Rate blocks that have run out: their keys are walked again (limit_key_head_rate_until_idx).
+        UPDATE accs_limit_key_head h SET rate_until = NULL
+         WHERE h.service_id = ANY(v_keyed) AND h.rate_until IS NOT NULL AND h.rate_until <= v_stamp;
+    END IF;
     RETURN QUERY
 WITH RECURSIVE svc AS (
     -- (A key path as an array once, not once per task a scan passes over.)
@@ -405,16 +522,13 @@ WITH RECURSIVE svc AS (
         SELECT h.id, h.service_id, h.key, h.priority, h.order_seq, h.created_at, h.task_id
           FROM accs_limit_key_head h
          WHERE h.service_id = svc.id AND h.tenant_id = q.tenant_id AND NOT h.emptied
-           AND NOT (svc.climit > 0 AND svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) AND (h.service_id, h.key) IN (SELECT service_id, key FROM cfull))
-           AND NOT (svc.rlimit > 0 AND svc.rpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) AND (h.service_id, h.key) IN (SELECT service_id, key FROM rfull))
+           AND NOT h.cap_full AND h.rate_until IS NULL
          ORDER BY h.priority DESC, h.order_seq, h.created_at, h.task_id
          LIMIT svc.room + 8) h
      WHERE q.tenant_id IS NOT NULL AND (svc.climit > 0 OR svc.rlimit > 0)
 ), kkeys AS MATERIALIZED (
-    SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key, least(CASE WHEN svc.climit > 0 AND svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) THEN svc.climit - coalesce(cu.used, 0) END, CASE WHEN svc.rlimit > 0 AND svc.rpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) THEN svc.rlimit - coalesce(ru.used, 0) END) AS kleft
+    SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key, least(CASE WHEN svc.climit > 0 AND svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) THEN svc.climit - coalesce((SELECT k.held FROM accs_limit_key_held k WHERE k.service_id = svc.id AND k.key = (h.key COLLATE "C")), 0) END, CASE WHEN svc.rlimit > 0 AND svc.rpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) THEN svc.rlimit - (SELECT count(*) FROM accs_rate_start r WHERE r.service_id = svc.id AND r.key = (h.key COLLATE "default") AND r.at > v_stamp - make_interval(secs => svc.period))::int END) AS kleft
       FROM kheads h JOIN svc ON svc.id = h.service_id
-      LEFT JOIN cused cu ON cu.service_id = h.service_id AND cu.key = h.key
-      LEFT JOIN rused ru ON ru.service_id = h.service_id AND ru.key = h.key
      ORDER BY h.service_id, h.tenant_id, h.key
 ), ktasks AS (
     SELECT k.service_id, k.tenant_id, f.*
@@ -424,8 +538,8 @@ WITH RECURSIVE svc AS (
          WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
            AND t.host_id IS NULL AND t.limit_key = k.key
            AND t.next_attempt_at <= v_stamp AND t.id <> ALL(p_exclude::uuid[])
-           AND (svc.climit = 0 OR (t.service_id, coalesce(t.params #>> svc.cparts, '')) NOT IN (SELECT * FROM cfull))
-           AND (svc.rlimit = 0 OR (t.service_id, coalesce(t.params #>> svc.rparts, '')) NOT IN (SELECT * FROM rfull))
+           AND (svc.climit = 0 OR svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) OR (t.service_id, coalesce(t.params #>> svc.cparts, '')) NOT IN (SELECT * FROM cfull))
+           AND (svc.rlimit = 0 OR svc.rpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) OR (t.service_id, coalesce(t.params #>> svc.rparts, '')) NOT IN (SELECT * FROM rfull))
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id
          LIMIT least(k.kleft, svc.room)) f
      WHERE k.kleft > 0
@@ -508,15 +622,13 @@ WITH RECURSIVE svc AS (
     SELECT * FROM free UNION ALL SELECT * FROM bound
 ), keyed AS (
     SELECT cand.*,
-           svc.climit - coalesce(cu.used, 0) AS cleft,
+           svc.climit - CASE WHEN svc.climit = 0 THEN 0 WHEN svc.climit > 0 AND svc.cpath = accs_limit_key_path(svc.climit, svc.cpath, svc.rlimit, svc.rpath) THEN coalesce((SELECT k.held FROM accs_limit_key_held k WHERE k.service_id = svc.id AND k.key = (cand.ckey COLLATE "C")), 0) ELSE coalesce((SELECT u.used FROM cused u WHERE u.service_id = cand.service_id AND u.key = cand.ckey), 0) END AS cleft,
            row_number() OVER (PARTITION BY cand.service_id, cand.ckey
                               ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS crank,
-           svc.rlimit - coalesce(ru.used, 0) AS rleft,
+           svc.rlimit - coalesce((SELECT count(*) FROM accs_rate_start r WHERE r.service_id = svc.id AND r.key = (cand.rkey COLLATE "default") AND r.at > v_stamp - make_interval(secs => svc.period))::int, 0) AS rleft,
            row_number() OVER (PARTITION BY cand.service_id, cand.rkey
                               ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS rrank
       FROM cand JOIN svc ON svc.id = cand.service_id
-      LEFT JOIN cused cu ON cu.service_id = cand.service_id AND cu.key = cand.ckey
-      LEFT JOIN rused ru ON ru.service_id = cand.service_id AND ru.key = cand.rkey
 ), keyed_cand AS (
     SELECT id, service_id, host_id, exclusive, tenant_id, priority, order_seq, created_at, weight, eff_priority
       FROM keyed WHERE (ckey IS NULL OR crank <= cleft) AND (rkey IS NULL OR rrank <= rleft)
@@ -682,6 +794,8 @@ class Migration(migrations.Migration):
                 ('created_at', models.DateTimeField()),
                 ('task_id', models.UUIDField(help_text="The task this position was taken from (the order's last tie-break).")),
                 ('emptied', models.BooleanField(default=False, help_text="Set by a claim that found the key's queue empty; settled before that claim commits.")),
+                ('cap_full', models.BooleanField(db_default=False, help_text="The key's held tasks fill its cap (kept by the held counts' trigger): the claim passes it over.")),
+                ('rate_until', models.DateTimeField(blank=True, null=True, help_text='The key\'s starts fill its rate window until then: the claim passes it over.')),
             ],
             options={
                 'db_table': 'accs_limit_key_head',
@@ -689,11 +803,15 @@ class Migration(migrations.Migration):
         ),
         migrations.AddIndex(
             model_name='limitkeyhead',
-            index=models.Index(models.F('service_id'), models.F('tenant_id'), models.OrderBy(models.F('priority'), descending=True), models.F('order_seq'), models.F('created_at'), models.F('task_id'), name='limit_key_head_order_idx'),
+            index=models.Index(models.F('service_id'), models.F('tenant_id'), models.OrderBy(models.F('priority'), descending=True), models.F('order_seq'), models.F('created_at'), models.F('task_id'), condition=models.Q(('cap_full', False), ('rate_until__isnull', True)), name='limit_key_head_order_idx'),
         ),
         migrations.AddIndex(
             model_name='limitkeyhead',
-            index=models.Index(fields=['service_id', 'tenant_id', 'key'], name='limit_key_head_key_idx'),
+            index=models.Index(fields=['service_id', 'key', 'tenant_id'], name='limit_key_head_key_idx'),
+        ),
+        migrations.AddIndex(
+            model_name='limitkeyhead',
+            index=models.Index(condition=models.Q(('rate_until__isnull', False)), fields=['service_id', 'rate_until'], name='limit_key_head_rate_until_idx'),
         ),
         migrations.AddIndex(
             model_name='limitkeyhead',

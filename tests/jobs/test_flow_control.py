@@ -414,8 +414,9 @@ def test_a_lowered_limit_applies_to_the_very_next_claim_even_with_the_agents_sta
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("limit", ["concurrency", "rate"])
-def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candidate(make_service, limit):
-    """With the head keys at their limit, the limit's table is read in one pass, not probed per task."""
+def test_the_keyed_claim_never_visits_the_keys_at_their_limit(make_service, limit):
+    """With the head keys at their limit, the claim reads neither their tasks nor their rows: the database
+    marks a full key's rows and the walk's index leaves them out; the keys it visits are probed one by one."""
     from django.db import transaction
 
     from jobs.claim import claim_statement
@@ -436,21 +437,25 @@ def test_the_keyed_claim_reads_the_keys_at_their_limit_once_not_once_per_candida
         cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
         plan = cur.fetchone()[0]
         transaction.set_rollback(True)
-    # The held tasks per key (cused) and the starts per key (rused, from accs_rate_start) are read
-    # in one pass each; a filter that looked them up per task passed over would loop 198+ times.
-    # (The pick may still look up each of the candidates: at most 4 * 10 + 16.)
+    # The starts (accs_rate_start) and held counts are probed for the keys visited and the candidates
+    # (at most 4 * 10 + 16 each); a filter that looked them up per task passed over would loop 198+
+    # times. The sets of every full key (cused, rused) are not read at all.
     nodes = list(_plan_nodes(plan[0]["Plan"]))
     starts = [n["Actual Loops"] for n in nodes if n.get("Relation Name") == "accs_rate_start"]
     ctes = [(n["CTE Name"], n["Actual Loops"]) for n in nodes if n.get("CTE Name") in ("cused", "rused")]
-    assert all(loops <= 1 for loops in starts), starts
-    assert ctes and all(loops <= 4 * 10 + 16 for _, loops in ctes), ctes
+    assert all(loops <= 4 * 10 + 16 for loops in starts), starts
+    assert all(loops == 0 for _, loops in ctes), ctes
     # The two full keys' 198 queued tasks are never read: each key is passed over in its one row.
     read = sum(n["Actual Rows"] * n["Actual Loops"] + n.get("Rows Removed by Filter", 0) for n in nodes
                if n.get("Relation Name") == "accs_task" and n.get("Index Name") in ("task_claim_idx",
                                                                                      "task_limit_key_idx"))
     assert read <= 2 * 10 + 10, f"{read} queued tasks read for a claim of 10"
     rows = [n for n in nodes if n.get("Index Name") == "limit_key_head_order_idx"]
-    assert rows and sum(n.get("Rows Removed by Filter", 0) for n in rows) == 2, "one row passed over per full key"
+    assert rows and sum(n.get("Rows Removed by Filter", 0) for n in rows) == 0, "no full key's row visited"
+    with connection.cursor() as cur:
+        cur.execute("SELECT key FROM accs_limit_key_head WHERE service_id = %s AND (cap_full OR rate_until > now())"
+                    " ORDER BY key", [svc.id])
+        assert [k for (k,) in cur.fetchall()] == ["c0", "c1"], "the two full keys are marked"
 
 
 
