@@ -14,11 +14,17 @@ Swagger UI at /api/v1/docs.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from django.apps import apps as django_apps
 from django.core.exceptions import PermissionDenied, ValidationError as DjangoValidationError
 from django.db import DataError, IntegrityError, OperationalError
 from django.http import HttpRequest, HttpResponse
-from ninja import Field, Schema, Status, Swagger
+from django.shortcuts import render
+from ninja import Field, NinjaAPI, Schema, Status, Swagger
 from ninja.errors import Throttled, ValidationError as NinjaValidationError
+from ninja.openapi.docs import _csrf_needed
 
 from accs_site.conf import accs
 from accs_site.daemon import database_not_ready
@@ -32,11 +38,32 @@ from tenants.throttle import TokenThrottle
 from workflows.http import router as workflows_router
 from workflows.validation import DefinitionError
 
-# Swagger UI at /api/v1/docs comes from django-ninja's bundled files (``ninja`` is an installed
-# app), so the page works without network access; no online validator badge calls out either.
+
+class BundledSwagger(Swagger):
+    """Swagger UI from django-ninja's bundled files whenever its templates are installed.
+
+    django-ninja serves its bundled copy only when the literal ``"ninja"`` is in ``INSTALLED_APPS``
+    and the CDN's otherwise; :class:`accs_site.ninja_assets.NinjaAssetsConfig` installs the same
+    templates and static files under the label ``ninja`` (without importing django-ninja at every
+    process start), so the label is what decides here.
+    """
+
+    def render_page(self, request: HttpRequest, api: NinjaAPI, **kwargs: Any) -> HttpResponse:
+        if "ninja" not in {config.label for config in django_apps.get_app_configs()}:
+            return super().render_page(request, api, **kwargs)  # the CDN's copy, as django-ninja does
+        self.settings["url"] = self.get_openapi_url(api, kwargs)
+        context = {"swagger_settings": json.dumps(self.settings, indent=1), "api": api,
+                   "add_csrf": _csrf_needed(api)}
+        return render(request, self.template, context)
+
+
+# Swagger UI at /api/v1/docs comes from django-ninja's bundled files (its templates and static files
+# are installed, see BundledSwagger), so the page works without network access; no online validator
+# badge calls out either.
 api = MarkdownDescriptions(title="ACCS API", version="1.0.0", urls_namespace="api-v1",
                            auth=[BearerToken(), StaffSession()], throttle=TokenThrottle(),
-                           description=__doc__.split("\n\n", 1)[1], docs=Swagger(settings={"validatorUrl": None}))
+                           description=__doc__.split("\n\n", 1)[1],
+                           docs=BundledSwagger(settings={"validatorUrl": None}))
 
 
 @api.get("/health", auth=None, summary="Liveness probe")

@@ -73,8 +73,9 @@ INSTALLED_APPS = [
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "django.contrib.postgres",
-    # django-ninja's templates and static files: Swagger UI at /api/v1/docs from local assets.
-    "ninja",
+    # django-ninja's templates and static files (Swagger UI at /api/v1/docs from local assets), without
+    # importing django-ninja in every process (the daemons never serve the API): accs_site/ninja_assets.py.
+    "accs_site.ninja_assets.NinjaAssetsConfig",
     "accs_site",
     "tenants",
     "workflows",

@@ -16,8 +16,8 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from tenants.auth import PREFIX_CHARS, TOKEN_PREFIX, create_token, parse_scopes
 from tenants.models import ApiToken, Tenant, TenantMembership, TenantRole
+from tenants.tokens import PREFIX_CHARS, TOKEN_PREFIX, create_token, parse_scopes
 
 DURATION_RE = re.compile(r"^(\d+)([smhdw])$")
 UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}

@@ -17,9 +17,9 @@ from django.utils import timezone
 
 from accs_site.admin_kit import ActionResult, TenantListFilter, perform
 from tenants.accounts import revoke_tokens
-from tenants.auth import create_token
 from tenants.models import ApiToken, Tenant, TenantMembership, TokenScope, default_token_scopes
 from tenants.scoping import can_act, scope
+from tenants.tokens import create_token
 
 
 @admin.register(Tenant)

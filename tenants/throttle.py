@@ -15,7 +15,7 @@ from django.http import HttpRequest
 from ninja.throttling import BaseThrottle
 
 from accs_site.conf import accs
-from tenants.auth import digest
+from tenants.tokens import digest
 
 COUNT_SQL = """
 -- One row per token: the window it counts in and the requests made in it. A request in a new
