@@ -379,19 +379,17 @@ def _before(a: str, b: str, *, a_id: str = "id", b_id: str = "id") -> str:
             f" AND ({a}.order_seq, {a}.created_at, {a}.{a_id}) < ({b}.order_seq, {b}.created_at, {b}.{b_id})))")
 
 
-def _key_room(kinds: str) -> tuple[str, str, str]:
-    """Return the SQL of a key's room left (the nearer of its limits), the joins it reads, and
-    the filter that passes over a key at its limit.
+def _key_room(kinds: str) -> str:
+    """Return the SQL of a key's room left: the nearer of its limits on the path the tasks are keyed by
+    (accs_limit_key_path); a second limit on another path is kept per task (_key_filter, and the pick
+    after the claim's scans)."""
+    return "least(" + ", ".join(f"CASE WHEN {_ALIGNED[k]} THEN {_LIMIT[k]} - {_KEY_USED[k].format(key='h.key')} END"
+                                for k in kinds) + ")"
 
-    A kind of limit counts here when its path is the one the tasks are keyed by (accs_limit_key_path);
-    a second limit on another path is kept per task (_key_filter, and the pick after the claim's scans).
-    """
-    lefts = ", ".join(f"CASE WHEN {_ALIGNED[k]} THEN {_LIMIT[k]} - {_KEY_USED[k].format(key='h.key')} END"
-                      for k in kinds)
-    # The keys at their limit are left out by the walk's index (limit_key_head_order_idx): the
-    # database marks a key's rows when its held tasks fill its cap or its starts its rate window.
-    full = "\n           AND NOT h.cap_full AND h.rate_until IS NULL"
-    return f"least({lefts})", "", full
+
+# The keys at their limit are left out by the walk's index (limit_key_head_order_idx, partial on
+# this): the database marks a key's rows when its held tasks fill its cap or its starts its window.
+_KEY_HAS_ROOM = "NOT h.cap_full AND h.rate_until IS NULL"
 
 
 # Whether a service's limit of a kind counts on the path its tasks are keyed by (accs_limit_key_path).
@@ -438,7 +436,6 @@ def _free_keyed(kinds: str) -> str:
     claimer takes a task or moves a row from under this one. Services of the claim without
     per-key limits take the plain scan.
     """
-    left, joins, full = _key_room(kinds)
     plain = _FREE_SCAN.replace("t.created_at\n          FROM accs_task t",
                                f"t.created_at{_key_cols(kinds)}\n          FROM accs_task t")
     return f"""
@@ -447,13 +444,14 @@ def _free_keyed(kinds: str) -> str:
       FROM queued_tenants q JOIN svc ON svc.id = q.service_id CROSS JOIN LATERAL (
         SELECT h.id, h.service_id, h.key, h.priority, h.order_seq, h.created_at, h.task_id
           FROM accs_limit_key_head h
-         WHERE h.service_id = svc.id AND h.tenant_id = q.tenant_id AND NOT h.emptied{full}
+         WHERE h.service_id = svc.id AND h.tenant_id = q.tenant_id AND NOT h.emptied
+           AND {_KEY_HAS_ROOM}
          ORDER BY h.priority DESC, h.order_seq, h.created_at, h.task_id
          LIMIT svc.room + {KEY_ROWS_SPARE}) h
      WHERE q.tenant_id IS NOT NULL AND (svc.climit > 0 OR svc.rlimit > 0)
 ), kkeys AS MATERIALIZED (
-    SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key, {left} AS kleft
-      FROM kheads h JOIN svc ON svc.id = h.service_id{joins}
+    SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key, {_key_room(kinds)} AS kleft
+      FROM kheads h JOIN svc ON svc.id = h.service_id
      ORDER BY h.service_id, h.tenant_id, h.key
 ), ktasks AS (
     SELECT k.service_id, k.tenant_id, f.*
@@ -542,11 +540,10 @@ def _keyed_pick(kinds: str) -> str:
            row_number() OVER (PARTITION BY cand.service_id, cand.{k}key
                               ORDER BY cand.eff_priority DESC, cand.order_seq, cand.created_at, cand.id) AS {k}rank"""
                     for k in kinds)
-    joins = ""
     allowed = " AND ".join(f"({k}key IS NULL OR {k}rank <= {k}left)" for k in kinds)
     return f""", keyed AS (
     SELECT cand.*{ranks}
-      FROM cand JOIN svc ON svc.id = cand.service_id{joins}
+      FROM cand JOIN svc ON svc.id = cand.service_id
 ), keyed_cand AS (
     SELECT id, service_id, host_id, exclusive, tenant_id, priority, order_seq, created_at, weight, eff_priority
       FROM keyed WHERE {allowed}
