@@ -30,6 +30,25 @@ def wait(driver, condition, message: str):
         pytest.fail(f"timed out after {WAIT}s waiting for: {message} (at {driver.current_url})")
 
 
+def click(driver, selector: str) -> None:
+    """Click the first element matching ``selector``, finding it again if a self-refreshing section
+    replaced it between the find and the click (the dashboard and an active job's page re-render
+    every few seconds)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    def clicked(d):
+        found = css(d, selector)
+        if not found:
+            return False
+        try:
+            found[0].click()
+        except StaleElementReferenceException:
+            return False
+        return True
+
+    wait(driver, clicked, f"an element to click: {selector}")
+
+
 def css(driver, selector: str):
     from selenium.webdriver.common.by import By
 

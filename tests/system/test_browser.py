@@ -11,7 +11,7 @@ import pytest
 
 from jobs.ids import short_id
 from jobs.models import Task
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, pipeline_scene, two_tenants
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -37,7 +37,7 @@ def test_operator_opens_dashboard_then_failed_job_and_retries_it(browser, live_s
     full_page_screenshot(browser, shots / "dashboard.png")
 
     # From the recent failures to the job page: DAG picture and timeline.
-    css(browser, f'#accs-failures a[href*="{scene.failed.pk}"]')[0].click()
+    click(browser, f'#accs-failures a[href*="{scene.failed.pk}"]')
     wait(browser, lambda d: css(d, "svg.accs-dag"), "the DAG picture on the job page")
     states = {g.get_attribute("data-step"): g.get_attribute("data-status") for g in css(browser, "svg.accs-dag g.step")}
     assert states == {"fetch": "done", "render": "error", "package": "skipped", "notify": "skipped"}
@@ -46,12 +46,12 @@ def test_operator_opens_dashboard_then_failed_job_and_retries_it(browser, live_s
     levels = {r.get_attribute("data-level") for r in css(browser, "tr.accs-event")}
     assert {"info", "warn", "error"} <= levels
     full_page_screenshot(browser, shots / "job.png", max_height=1700)
-    css(browser, 'a[data-level="error"]')[0].click()
+    click(browser, 'a[data-level="error"]')
     wait(browser, lambda d: "level=error" in d.current_url, "the error-level filter")
     assert {r.get_attribute("data-level") for r in css(browser, "tr.accs-event")} == {"error"}
 
     # Retry from the page: the failed task is queued again.
-    css(browser, "#accs-job-retry")[0].click()
+    click(browser, "#accs-job-retry")
     wait(browser, lambda d: css(d, ".messagelist .success"), "the retry's success message")
     assert f"Retry: job {short_id(scene.failed.pk)} (publish v1): job back to waiting" in css(
         browser, ".messagelist .success")[0].text
@@ -63,12 +63,12 @@ def test_operator_opens_dashboard_then_failed_job_and_retries_it(browser, live_s
     assert not css(browser, "#accs-job-retry"), "a running job offers no retry"
 
     # Cancel asks first (a page saying what it does), then acts and names the job.
-    css(browser, "#accs-job-cancel")[0].click()
+    click(browser, "#accs-job-cancel")
     wait(browser, lambda d: css(d, "#accs-confirm"), "the cancel confirmation")
     assert "running tasks are told to stop" in css(browser, "#accs-confirm-note")[0].text
     scene.failed.refresh_from_db()
     assert scene.failed.status != "canceled", "nothing happens before the confirmation"
-    css(browser, "#accs-confirm")[0].click()
+    click(browser, "#accs-confirm")
     wait(browser, lambda d: css(d, ".messagelist .success"), "the cancel's success message")
     assert css(browser, ".messagelist .success")[0].text.startswith(f"Cancel: job {short_id(scene.failed.pk)}")
     scene.failed.refresh_from_db()

@@ -15,7 +15,7 @@ from django.urls import reverse
 from events.artifacts import record_artifact, upload_attempt_log
 from jobs import transitions
 from jobs.models import Attempt, Job, Task
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, pipeline_scene, two_tenants
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -72,12 +72,12 @@ def test_job_page_progress_moves_without_reload_and_the_download_link_downloads(
     full_page_screenshot(browser, shots / "job_page.png", max_height=1900)
 
     # The download link streams the file through Django.
-    css(browser, "#accs-pause")[0].click()  # hold the sections still while clicking into them
+    click(browser, "#accs-pause")  # hold the sections still while clicking into them
     browser.execute_script(
         'document.querySelector(\'tr.accs-artifact[data-name="timings.csv"] a.accs-download\').click()')
     target = downloads / "timings.csv"
     wait(browser, lambda d: target.exists() and target.read_bytes() == report, "timings.csv in the download folder")
-    css(browser, "#accs-pause")[0].click()
+    click(browser, "#accs-pause")
 
     # The task finishes: the page shows the final state once more, then stops refreshing.
     transitions.report([transitions.Outcome(task_id=task.pk, attempt=task.attempt, status="succeeded", results={})],
@@ -113,7 +113,7 @@ def test_attempt_log_page_shows_lines_and_filters_by_level(browser, live_server,
     browser.get(f"{base}{reverse('admin:jobs_job_change', args=[scene.failed.pk])}")
     wait(browser, lambda d: css(d, "svg.accs-dag"), "the job page")
     log_url = reverse("ops:attempt_log", args=[scene.failed.pk, attempt.pk])
-    css(browser, f'#accs-attempts a[href="{log_url}"]')[0].click()
+    click(browser, f'#accs-attempts a[href="{log_url}"]')
     wait(browser, lambda d: css(d, "tr.accs-log-line"), "the log's lines")
     lines = css(browser, "tr.accs-log-line")
     assert [r.get_attribute("data-level") for r in lines] == ["info", "info", "warn", "error", "info"]
@@ -121,10 +121,10 @@ def test_attempt_log_page_shows_lines_and_filters_by_level(browser, live_server,
     assert "out of memory" in lines[3].text
     full_page_screenshot(browser, shots / "attempt_log.png", max_height=900)
 
-    css(browser, '#accs-log-level a[data-level="warn"]')[0].click()
+    click(browser, '#accs-log-level a[data-level="warn"]')
     wait(browser, lambda d: "level=warn" in d.current_url, "the ≥ warn filter")
     assert [r.get_attribute("data-level") for r in css(browser, "tr.accs-log-line")] == ["warn", "error"]
-    css(browser, "#accs-back")[0].click()
+    click(browser, "#accs-back")
     wait(browser, lambda d: css(d, "svg.accs-dag"), "back on the job page")
 
 

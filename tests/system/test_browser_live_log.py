@@ -15,7 +15,7 @@ from events.timeline import EventRow, write_events
 from jobs import api, transitions
 from jobs.models import Attempt
 from ops.jobpage import PREVIEW_MAX_BYTES
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.engine_helpers import claim_for, run_ok
 from tests.ops_helpers import make_user, two_tenants
 
@@ -73,7 +73,7 @@ def test_a_big_text_artifact_opens_inline_escaped_its_first_part(browser, live_s
 
     browser.get(f"{live_server.url}{reverse('admin:jobs_job_change', args=[job.pk])}")
     wait(browser, lambda d: css(d, "a.accs-preview-link"), "the artifact's view link")
-    css(browser, "a.accs-preview-link")[0].click()
+    click(browser, "a.accs-preview-link")
     wait(browser, lambda d: css(d, "#accs-preview"), "the inline preview")
     shown = css(browser, "#accs-preview")[0].text
     assert shown.startswith("<script>window.injected = true</script> line 1"), shown[:100]

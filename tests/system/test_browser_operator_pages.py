@@ -13,7 +13,7 @@ import pytest
 from jobs import api, transitions
 from jobs.models import Task
 from nodes.models import Node
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.engine_helpers import claim_for, run_fail
 from tests.ops_helpers import _service, make_user, two_tenants
 
@@ -44,7 +44,7 @@ def test_stuck_job_and_its_task_say_why_and_the_node_page_drains(browser, live_s
     assert "manage.py runagent --services transcode" in reasons["no_agent"]
     full_page_screenshot(browser, shots / "job_stuck.png", max_height=1300)
 
-    css(browser, 'tr.accs-task[data-task-key="transcode"] a')[0].click()
+    click(browser, 'tr.accs-task[data-task-key="transcode"] a')
     wait(browser, lambda d: css(d, "#accs-task-summary"), "the task page")
     assert {li.get_attribute("data-reason") for li in css(browser, "#accs-stuck li")} == {"no_agent", "governor"}
     assert css(browser, "#accs-task-cancel"), "a queued task can be canceled from its page"
@@ -55,14 +55,14 @@ def test_stuck_job_and_its_task_say_why_and_the_node_page_drains(browser, live_s
     assert css(browser, "#accs-task-progress")[0].text == "35 %"
     assert css(browser, "#accs-task-attempt")[0].text == "attempt 1 (first of 2)"
     full_page_screenshot(browser, shots / "task_page.png", max_height=1300)
-    css(browser, "#accs-task-node")[0].click()
+    click(browser, "#accs-task-node")
 
     wait(browser, lambda d: css(d, "#accs-node-running"), "the node page")
     rows = css(browser, "tr.accs-node-task")
     assert [r.get_attribute("data-task-key") for r in rows] == ["encode"] and "35 %" in rows[0].text
     assert "exit 3: disk full on /srv" in css(browser, "#accs-node-failures")[0].text
     full_page_screenshot(browser, shots / "node_page.png", max_height=1300)
-    css(browser, "#accs-node-drain")[0].click()
+    click(browser, "#accs-node-drain")
     wait(browser, lambda d: css(d, ".messagelist .success"), "the drain's message")
     assert "node-t is draining" in css(browser, ".messagelist .success")[0].text
     assert css(browser, "#accs-node-undrain") and Node.objects.get(name="node-t").state == "draining"
@@ -80,9 +80,9 @@ def test_canceled_job_page_refreshes_until_its_task_stops_then_offers_retry(brow
 
     browser.get(f"{base}/admin/jobs/job/{job.pk}/change/?refresh=1")
     wait(browser, lambda d: css(d, "#accs-job-cancel"), "the cancel button")
-    css(browser, "#accs-job-cancel")[0].click()
+    click(browser, "#accs-job-cancel")
     wait(browser, lambda d: css(d, "#accs-confirm"), "the confirmation")
-    css(browser, "#accs-confirm")[0].click()
+    click(browser, "#accs-confirm")
     wait(browser, lambda d: css(d, "#accs-job-stopping"), "the 'still stopping' note")
     assert not css(browser, "#accs-job-retry"), "no retry while the task still runs"
     assert css(browser, "#accs-job")[0].get_attribute("data-active") == "1"

@@ -14,7 +14,7 @@ import pytest
 from events.models import Event
 from jobs import api
 from jobs.models import Job
-from tests.browser import css, log_in, wait
+from tests.browser import click, css, log_in, wait
 from tests.engine_helpers import claim_for, run_fail, run_ok
 from tests.ops_helpers import _service, make_user, pipeline_scene, two_tenants
 from workflows.api import create_workflow
@@ -51,7 +51,7 @@ def test_workflow_version_jobs_use_refuses_a_steps_edit_and_saves_it_as_the_next
     box = css(browser, "#id_steps")[0]
     box.clear()
     box.send_keys(json.dumps(edited))
-    css(browser, "input[name=_save]")[0].click()
+    click(browser, "input[name=_save]")
 
     wait(browser, lambda d: css(d, ".errorlist"), "the refusal")
     reason = " ".join(e.text for e in css(browser, ".errorlist"))
@@ -64,7 +64,7 @@ def test_workflow_version_jobs_use_refuses_a_steps_edit_and_saves_it_as_the_next
 
     # The refused form keeps the edit: the operator saves it as the next version.
     assert json.loads(css(browser, "#id_steps")[0].get_property("value")) == edited
-    css(browser, "#accs-save-as-version")[0].click()
+    click(browser, "#accs-save-as-version")
     wait(browser, lambda d: css(d, ".messagelist .success"), "the new version's message")
     v2 = Workflow.objects.get(name="chain", version=2)
     assert f"/admin/workflows/workflow/{v2.pk}/change/" in browser.current_url
@@ -123,24 +123,24 @@ def test_cancel_asks_first_then_history_and_recent_actions_name_the_operator(bro
 
     browser.get(page)
     wait(browser, lambda d: css(d, "#accs-job-cancel"), "the cancel button")
-    css(browser, "#accs-job-cancel")[0].click()
+    click(browser, "#accs-job-cancel")
     wait(browser, lambda d: css(d, "#accs-confirm"), "the confirmation")
     assert "running tasks are told to stop" in css(browser, "#content-main")[0].text
     assert Job.objects.get(pk=job.pk).status != "canceled", "nothing canceled before the confirmation"
-    css(browser, "#accs-confirm-back")[0].click()  # the operator thinks again
+    click(browser, "#accs-confirm-back")  # the operator thinks again
     wait(browser, lambda d: css(d, "#accs-job-cancel"), "the job page again")
     assert Job.objects.get(pk=job.pk).status != "canceled", "going back cancels nothing"
     assert not css(browser, ".messagelist .success")
 
-    css(browser, "#accs-job-cancel")[0].click()
+    click(browser, "#accs-job-cancel")
     wait(browser, lambda d: css(d, "#accs-confirm"), "the confirmation")
-    css(browser, "#accs-confirm")[0].click()
+    click(browser, "#accs-confirm")
     wait(browser, lambda d: css(d, ".messagelist .success"), "the cancel's message")
     assert "job canceled" in css(browser, ".messagelist .success")[0].text
     assert "canceled" in css(browser, "#accs-summary h2")[0].text
     assert Job.objects.get(pk=job.pk).status == "canceled"
 
-    css(browser, ".object-tools a.historylink")[0].click()
+    click(browser, ".object-tools a.historylink")
     wait(browser, lambda d: css(d, "#change-history, #content-main"), "the job's history")
     rows = [r.text for r in css(browser, "#change-history tbody tr")]
     assert any("root" in r and "Cancel: job canceled" in r for r in rows), rows
@@ -186,7 +186,7 @@ def test_one_task_job_timeline_hides_running_waiting_moves_until_asked(browser, 
         shown = [r.text for r in css(browser, "#accs-timeline tr.accs-event")]
         assert any("job running → done" in r for r in shown), "the moves an operator acts on stay"
 
-        css(browser, '#accs-moves-filter a[data-moves="all"]')[0].click()
+        click(browser, '#accs-moves-filter a[data-moves="all"]')
         wait(browser, lambda d: "moves=all" in d.current_url, "the filter")
         wait(browser, lambda d: css(d, "#accs-timeline tr.accs-event"), "the full timeline")
         assert len(job_moves()) == moves, (job.target_name, job_moves())

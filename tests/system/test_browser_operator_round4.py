@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, pipeline_scene, two_tenants
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -200,7 +200,7 @@ def test_the_creator_sees_why_not_to_approve_and_the_pending_list_shows_requeste
     browser.get(f"{base}/admin/jobs/job/{job.pk}/change/?refresh=60")
     wait(browser, lambda d: css(d, "#accs-job-approve"), "the Approve button for another approver")
     assert not css(browser, "#accs-approve-barred")
-    css(browser, "#accs-job-approve")[0].click()
+    click(browser, "#accs-job-approve")
     wait(browser, lambda d: css(d, ".messagelist .success"), "the approval's message")
     job.refresh_from_db()
     assert job.approval_state == "approved" and job.approved_by == "bob"

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, pipeline_scene, system_scene, two_tenants
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -63,7 +63,7 @@ def test_the_system_timeline_links_the_outage_to_its_length_and_sits_beside_the_
     full_page_screenshot(browser, shots / "system_timeline_job_page_phone.png")
     browser.set_window_size(1440, 1000)
 
-    css(browser, '#accs-system-timeline tr[data-kind="outage"] a')[0].click()
+    click(browser, '#accs-system-timeline tr[data-kind="outage"] a')
     wait(browser, lambda d: "/admin/jobs/outage/" in d.current_url, "the outage's page")
     assert "database reachable again after 50.5 s" in css(browser, "#content")[0].text
 
@@ -190,11 +190,11 @@ def test_the_redrive_form_takes_dates_from_a_picker_and_sums_up_its_batches(brow
     assert since.get_attribute("type") == "datetime-local", "a date picker, not free text"
     assert "YYYY-MM-DD HH:MM[:SS], UTC" in css(browser, "#content-main")[0].text, "the format and zone are said"
     browser.execute_script("arguments[0].value = '2020-01-01T00:00'", since)
-    css(browser, 'input[name="preview"]')[0].click()
+    click(browser, 'input[name="preview"]')
     wait(browser, lambda d: css(d, "#accs-redrive-count"), "the count")
     assert "In 1 batch of up to 500" in css(browser, "#accs-redrive-plan")[0].text
     full_page_screenshot(browser, shots / "redrive_form.png", max_height=1200)
-    css(browser, "#accs-redrive-confirm")[0].click()
+    click(browser, "#accs-redrive-confirm")
     wait(browser, lambda d: css(d, "#accs-redrive-summary"), "the summary")
     said = css(browser, "#accs-redrive-summary")[0].text
     assert said.startswith("Redrive: 3 matched, 3 redriven, 0 skipped") and "in 1 batch of up to 500" in said, said

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, pipeline_scene, two_tenants
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -132,9 +132,9 @@ def test_a_redrive_shows_each_batch_as_it_commits_then_the_summary(browser, live
     base = logged_in(browser, live_server)
     browser.get(f"{base}/admin/jobs/task/redrive/")
     wait(browser, lambda d: css(d, 'input[name="preview"]'), "the redrive form")
-    css(browser, 'input[name="preview"]')[0].click()
+    click(browser, 'input[name="preview"]')
     wait(browser, lambda d: css(d, "#accs-redrive-confirm"), "the count")
-    css(browser, "#accs-redrive-confirm")[0].click()
+    click(browser, "#accs-redrive-confirm")
     wait(browser, lambda d: css(d, "#accs-redrive-summary"), "the summary")
     lines = [li.text for li in css(browser, "#accs-redrive-batches li.accs-redrive-batch")]
     assert [line.split(":")[0] for line in lines] == ["batch 1", "batch 2", "batch 3"], lines

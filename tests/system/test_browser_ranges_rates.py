@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, pipeline_scene, two_tenants
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -99,7 +99,7 @@ def test_one_time_range_for_dashboard_and_lists_bulk_over_the_filter_and_export(
     # The dashboard on the default range, then 15 minutes: the charts keep their bars, each 25 s wide.
     browser.get(f"{base}/admin/dashboard/?refresh=300")
     wait(browser, lambda d: css(d, "#accs-range a[data-range='15m']"), "the range picker")
-    css(browser, "#accs-range a[data-range='15m']")[0].click()
+    click(browser, "#accs-range a[data-range='15m']")
     wait(browser, lambda d: "Last 15 min" in css(d, "#accs-charts h2")[0].text, "the charts over 15 min")
     assert "one bar per 25 s" in css(browser, "#accs-charts h2")[0].text
     chart = css(browser, "svg.accs-chart")[0]
@@ -118,15 +118,15 @@ def test_one_time_range_for_dashboard_and_lists_bulk_over_the_filter_and_export(
     shoot(browser, shots, "jobs_list_range", url=browser.current_url, ready="#changelist-filter #accs-range")
 
     # Cancel every job the filter matches, not just the page: the count first, then the batches.
-    css(browser, "#action-toggle")[0].click()
+    click(browser, "#action-toggle")
     wait(browser, lambda d: css(d, ".actions .question a, .actions a.select-across"), "'Select all' link")
-    css(browser, ".actions .question a, .actions a.select-across")[0].click()
+    click(browser, ".actions .question a, .actions a.select-across")
     Select(css(browser, "select[name=action]")[0]).select_by_value("cancel_jobs")
-    css(browser, "button[name=index], .actions button[type=submit]")[0].click()
+    click(browser, "button[name=index], .actions button[type=submit]")
     wait(browser, lambda d: css(d, "#accs-confirm-count"), "the confirmation with the count")
     assert css(browser, "#accs-confirm-count")[0].get_attribute("data-count") == "120"
     full_page_screenshot(browser, shots / "bulk_filter_confirm_light.png")
-    css(browser, "#accs-confirm")[0].click()
+    click(browser, "#accs-confirm")
     wait(browser, lambda d: css(d, ".messagelist"), "the outcome")
     assert "120 changed" in css(browser, ".messagelist")[0].text
     assert Job.objects.filter(service=batch, status=JobStatus.CANCELED).count() == 120
@@ -136,7 +136,7 @@ def test_one_time_range_for_dashboard_and_lists_bulk_over_the_filter_and_export(
     wait(browser, lambda d: css(d, "#accs-range-from"), "the custom range form")
     browser.execute_script("document.getElementById('accs-range-from').value = '2026-01-01T00:00';"
                            "document.getElementById('accs-range-to').value = '2026-01-02T00:00';")
-    css(browser, "#accs-range-apply")[0].click()
+    click(browser, "#accs-range-apply")
     wait(browser, lambda d: css(d, "#accs-range[data-range=custom]"), "the custom range")
     assert "2026-01-01 00:00 – 2026-01-02 00:00" in css(browser, "#accs-range-chosen")[0].text
     assert "one bar per 40 min" in css(browser, "#accs-charts h2")[0].text

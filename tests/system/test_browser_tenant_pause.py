@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from selenium.webdriver.support.ui import Select
 
-from tests.browser import css, full_page_screenshot, log_in, wait
+from tests.browser import click, css, full_page_screenshot, log_in, wait
 from tests.ops_helpers import make_user, two_tenants
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -33,13 +33,13 @@ def test_a_tenant_is_paused_from_its_list_with_a_reason_and_resumed_from_the_das
     row = [r for r in css(browser, "#result_list tbody tr") if "acme" in r.text][0]
     row.find_element("css selector", "input.action-select").click()
     Select(css(browser, "select[name=action]")[0]).select_by_value("pause_tenants")
-    css(browser, "button[name=index]")[0].click()
+    click(browser, "button[name=index]")
     wait(browser, lambda d: css(d, "input[name=reason]"), "the reason page")
     assert "Pause acme" in css(browser, "#content-main")[0].text
     css(browser, "input[name=reason]")[0].send_keys("invoice dispute")
     css(browser, "input[name=minutes]")[0].send_keys("90")
     full_page_screenshot(browser, shots / "tenant_pause_reason.png")
-    css(browser, "#content-main input[type=submit]")[0].click()
+    click(browser, "#content-main input[type=submit]")
     wait(browser, lambda d: css(d, ".messagelist"), "the action's message")
     assert "tenant acme paused until" in css(browser, ".messagelist")[0].text
     pause_cell = [r for r in css(browser, "#result_list tbody tr") if "acme" in r.text][0]
@@ -54,7 +54,7 @@ def test_a_tenant_is_paused_from_its_list_with_a_reason_and_resumed_from_the_das
     assert "of tenant acme, which is paused" in stuck, stuck
     full_page_screenshot(browser, shots / "tenant_pause_dashboard.png")
 
-    css(browser, '[data-resume-tenant="acme"]')[0].click()
+    click(browser, '[data-resume-tenant="acme"]')
     wait(browser, lambda d: css(d, ".messagelist"), "the resume's message")
     assert "tenant acme resumed" in css(browser, ".messagelist")[0].text
     assert governor.active_conditions() == set()

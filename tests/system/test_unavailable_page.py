@@ -11,7 +11,7 @@ import psycopg
 import pytest
 import requests
 
-from tests.browser import css, wait
+from tests.browser import click, css, wait
 from tests.conftest import ROOT
 from tests.daemons import free_port, http_server
 
@@ -33,7 +33,7 @@ def log_in_and_read_the_page(browser, url: str) -> dict[str, str]:
     wait(browser, lambda d: css(d, "#id_username"), "the login form (it needs no database)")
     css(browser, "#id_username")[0].send_keys("root")
     css(browser, "#id_password")[0].send_keys("whatever")
-    css(browser, "input[type=submit]")[0].click()
+    click(browser, "input[type=submit]")
     wait(browser, lambda d: css(d, "#accs-unavailable"), "the 503 page")
     return browser.execute_script(
         "const h = document.getElementById('header');"

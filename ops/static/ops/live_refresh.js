@@ -19,6 +19,11 @@
           const response = await fetch(live.dataset.liveUrl, {credentials: "same-origin", headers: {"Accept": "application/json"}});
           if (response.ok) {
             const payload = await response.json();
+            if (paused) {
+              // Paused while the answer was on its way: the section holds still as the operator asked.
+              setTimeout(refresh, every);
+              return;
+            }
             live.innerHTML = payload.html;
             live.dataset.refreshed = String(Number(live.dataset.refreshed || 0) + 1);
             stamp.textContent = window.accsFormatTime ? window.accsFormatTime(new Date(payload.generated_at), false)
