@@ -29,7 +29,7 @@ from ninja.openapi.docs import _csrf_needed
 from accs_site.conf import accs
 from accs_site.daemon import database_not_ready
 from accs_site.http import MarkdownDescriptions
-from accs_site.middleware import transient_reason
+from accs_site.middleware import transient_api_response
 from jobs.api import JobConflict, NotFound
 from jobs.http import router as jobs_router
 from jobs.http_events import router as events_router
@@ -159,6 +159,4 @@ def _integrity_error(request: HttpRequest, exc: IntegrityError) -> HttpResponse:
 def _transient_error(request: HttpRequest, exc: OperationalError) -> HttpResponse:
     # A deadlock victim, a serialization failure or a lost connection: nothing was committed,
     # and the same request may well succeed in a moment.
-    response = _error(request, 503, f"database temporarily unavailable, retry: {transient_reason(exc)}")
-    response["Retry-After"] = "1"
-    return response
+    return transient_api_response(request, exc)

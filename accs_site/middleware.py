@@ -79,15 +79,30 @@ def unavailable_page(*, detail: str, what_to_do: str) -> HttpResponse:
     return response
 
 
-def _transient_response(request: HttpRequest, exc: BaseException) -> HttpResponse:
+def transient_api_response(request: HttpRequest, exc: BaseException) -> HttpResponse:
+    """The API's 503 for a database that cannot answer now (an outage, a restart, a pooler's retry
+    window, a deadlock victim): nothing was committed and the same request may succeed in a moment.
+
+    Logged once as a warning: an outage is an expected condition, not an error of the application,
+    so Django's own "Service Unavailable" error line is not written for it.
+    """
     reason = transient_reason(exc)
     log.warning("transient database error on %s: %s", request.path, reason)
-    if not is_api(request):
-        return unavailable_page(detail=f"PostgreSQL at {database_address()} could not answer: {reason}",
-                                what_to_do="Start PostgreSQL (or correct ACC_DB_URL) and reload; nothing was "
-                                           "changed by this request.")
     response = error_response(request, 503, f"database temporarily unavailable, retry: {reason}")
     response["Retry-After"] = "1"
+    response._has_been_logged = True  # type: ignore[attr-defined]  # django.utils.log.log_response skips it
+    return response
+
+
+def _transient_response(request: HttpRequest, exc: BaseException) -> HttpResponse:
+    if is_api(request):
+        return transient_api_response(request, exc)
+    reason = transient_reason(exc)
+    log.warning("transient database error on %s: %s", request.path, reason)
+    response = unavailable_page(detail=f"PostgreSQL at {database_address()} could not answer: {reason}",
+                                what_to_do="Start PostgreSQL (or correct ACC_DB_URL) and reload; nothing was "
+                                           "changed by this request.")
+    response._has_been_logged = True  # type: ignore[attr-defined]
     return response
 
 

@@ -80,3 +80,10 @@ def test_a_database_that_is_down_gets_a_styled_503_saying_to_start_it(browser, d
         assert_styled(shown)
         assert f"PostgreSQL at 127.0.0.1:{closed} could not answer" in shown["detail"], shown
         assert "Start PostgreSQL" in shown["what"], shown
+        api = requests.get(f"{url}/api/v1/jobs/summary", headers={"Authorization": "Bearer x" * 8}, timeout=30)
+        assert api.status_code == 503 and api.headers["Retry-After"] == "1", api.text
+        assert api.json()["detail"].startswith("database temporarily unavailable, retry:"), api.text
+    # An outage is an expected condition: each such answer is one warning in the server's log, no error line.
+    log = (tmp_path / "down.log").read_text()
+    assert "transient database error on /api/v1/jobs/summary" in log, log[-2000:]
+    assert "Service Unavailable" not in log, log[-2000:]
