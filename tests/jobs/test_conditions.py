@@ -80,7 +80,10 @@ def test_a_condition_over_a_fanned_out_parent_sees_the_list_of_its_outputs(make_
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(value=st.one_of(st.integers(-5, 5), st.text(max_size=2), st.booleans(), st.none()),
+# Text without NUL: an agent strips NUL characters from a task's results before it reports them
+# (nodes.executors.clean_results), since PostgreSQL's jsonb cannot hold them.
+@given(value=st.one_of(st.integers(-5, 5), st.text(st.characters(blacklist_characters="\x00"), max_size=2),
+                       st.booleans(), st.none()),
        limit=st.integers(-3, 3))
 def test_a_step_runs_exactly_when_postgresql_finds_its_condition_true(make_service, value, limit):
     # A value that is no number makes the comparison unknown: the condition does not hold.
