@@ -13,7 +13,11 @@ $(STAMP): requirements.txt
 	@$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
+# The project's own bytecode, written once: with PYTHONDONTWRITEBYTECODE set (common on CI and in
+# images) every daemon, manage.py run and task child would compile the sources again (about 0.3 s of
+# CPU each). compileall rewrites only what changed.
 install: $(STAMP)
+	@$(PY) -m compileall -q -j 0 manage.py accs_site tenants events workflows jobs nodes ops chaos bench tests
 
 db: install
 	@scripts/pg_local.sh start

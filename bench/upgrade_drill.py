@@ -337,6 +337,10 @@ class Drill:
         say(f"previous release {self.args.previous} into {self.old.tree}")
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(self.old.tree), self.args.previous],
                        check=True, capture_output=True)
+        # Its bytecode once, here: every process of the old release would compile its sources again
+        # where PYTHONDONTWRITEBYTECODE is set (as `make install` does for this tree).
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(self.old.tree)], check=True,
+                       capture_output=True)
         self.cluster.start()
         with psycopg.connect(self.cluster.url, autocommit=True) as conn:
             for setting, value in (("log_lock_waits", "on"), ("deadlock_timeout", "500ms"),
