@@ -22,11 +22,14 @@ MISSING_SQL = "SELECT EXISTS (SELECT FROM accs_attempt WHERE service_id IS NULL)
 
 FILL_SQL = """
 -- The oldest attempts still missing their task's service and tenant (attempt_refs_missing_idx), filled.
+-- The batch is picked once (MATERIALIZED): as a subquery in the WHERE, a plan that scans it again for
+-- each row would skip the rows this statement already updated and take the next ones, past the limit.
+WITH picked AS MATERIALIZED (
+    SELECT m.id FROM accs_attempt m WHERE m.service_id IS NULL ORDER BY m.id LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+)
 UPDATE accs_attempt a SET service_id = t.service_id, tenant_id = t.tenant_id
-  FROM accs_task t
- WHERE a.id IN (SELECT m.id FROM accs_attempt m WHERE m.service_id IS NULL ORDER BY m.id LIMIT %(batch)s
-                   FOR UPDATE SKIP LOCKED)
-   AND t.id = a.task_id
+  FROM picked p, accs_task t
+ WHERE a.id = p.id AND t.id = a.task_id
 """
 
 

@@ -106,13 +106,15 @@ def sign_off(name: str, *, agent_id: str) -> bool:
 
 
 MARK_LOST_SQL = """
--- Online nodes whose last heartbeat is older than the limit, on PostgreSQL's clock.
-WITH lost AS (
-    UPDATE accs_node SET presence = 'lost'
-     WHERE name IN (SELECT name FROM accs_node WHERE presence = 'online'
-                       AND (last_seen IS NULL OR last_seen < now() - make_interval(secs => %(after)s))
-                     ORDER BY name LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED)
-    RETURNING name, last_seen
+-- Online nodes whose last heartbeat is older than the limit, on PostgreSQL's clock; picked once
+-- (MATERIALIZED), so no plan rescans the pick and takes more than the limit.
+WITH picked AS MATERIALIZED (
+    SELECT name FROM accs_node WHERE presence = 'online'
+       AND (last_seen IS NULL OR last_seen < now() - make_interval(secs => %(after)s))
+     ORDER BY name LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED
+), lost AS (
+    UPDATE accs_node n SET presence = 'lost' FROM picked p WHERE n.name = p.name
+    RETURNING n.name, n.last_seen
 )
 SELECT name, extract(epoch FROM now() - last_seen) FROM lost
 """

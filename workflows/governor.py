@@ -115,13 +115,15 @@ def expire_conditions(now: datetime | None = None, *, limit: int = 100) -> list[
     """
     with transaction.atomic(), connection.cursor() as cur:
         now = now or db_now(cur)
-        # Served by governor_expires_idx; SKIP LOCKED lets a concurrent raise/clear win.
+        # Served by governor_expires_idx; SKIP LOCKED lets a concurrent raise/clear win. Picked once
+        # (MATERIALIZED), so no plan rescans the pick and clears more than the limit.
         cur.execute(
-            "UPDATE accs_governor_condition SET cleared_at = greatest(expires_at, raised_at)"
-            " WHERE id IN (SELECT id FROM accs_governor_condition WHERE expires_at <= %(now)s AND raised_at IS NOT NULL"
-            "              AND (cleared_at IS NULL OR cleared_at < raised_at) ORDER BY expires_at LIMIT %(limit)s"
-            "              FOR UPDATE SKIP LOCKED)"
-            " RETURNING name, expires_at",
+            "WITH picked AS MATERIALIZED (SELECT id FROM accs_governor_condition"
+            "  WHERE expires_at <= %(now)s AND raised_at IS NOT NULL AND (cleared_at IS NULL OR cleared_at < raised_at)"
+            "  ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
+            " UPDATE accs_governor_condition g SET cleared_at = greatest(g.expires_at, g.raised_at)"
+            " FROM picked p WHERE g.id = p.id"
+            " RETURNING g.name, g.expires_at",
             {"now": now, "limit": limit},
         )
         rows = sorted(cur.fetchall())
