@@ -8,8 +8,9 @@
 # "host replication all 127.0.0.1/32" line. The copy lives in .local/pg-replica (ACC_PG_REPLICA_DIR),
 # listens on 127.0.0.1 only, on ACC_PG_REPLICA_PORT or the first free port after the primary's + 100.
 # `url` prints the replica's URL for the same database name as pg_local.sh's (ACC_PG_DBNAME).
-# `promote` makes the replica a primary of its own (pg_ctl promote: a failover, for the failover test);
-# the next `start` finds no standby.signal and takes a fresh base backup.
+# `promote` makes the replica a primary of its own (pg_ctl promote: a failover, for the failover test).
+# A `start` of a stopped replica takes a fresh base backup (a stopped copy may lack WAL the primary
+# has recycled since, or be the copy of another cluster on the same path).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,13 +48,14 @@ start() {
   local pport; pport="$(primary_port)"
   mkdir -p "$BASE" && chmod 755 "$BASE"
   if is_running; then echo "pg_replica_local: replica up at $(url)" >&2; return; fi
-  if [ ! -f "$DATA/standby.signal" ]; then
-    rm -rf "$DATA"
-    install -d -m 700 -o "$PG_USER" "$DATA"
-    # -X stream: the WAL written during the copy comes with it; -R: start as a standby of this primary.
-    as_pg "$PGBIN/pg_basebackup" -h 127.0.0.1 -p "$pport" -U postgres -D "$DATA" -R -X stream -c fast \
-      >"$BASE/basebackup.log" 2>&1 || { cat "$BASE/basebackup.log" >&2; exit 1; }
-  fi
+  # A stopped copy is never reused: the primary may have recycled the WAL it needs since, or be
+  # another cluster by now (a test worker's cluster takes a new port each run), and the copy would
+  # stream nothing. A fresh base backup each start.
+  rm -rf "$DATA"
+  install -d -m 700 -o "$PG_USER" "$DATA"
+  # -X stream: the WAL written during the copy comes with it; -R: start as a standby of this primary.
+  as_pg "$PGBIN/pg_basebackup" -h 127.0.0.1 -p "$pport" -U postgres -D "$DATA" -R -X stream -c fast \
+    >"$BASE/basebackup.log" 2>&1 || { cat "$BASE/basebackup.log" >&2; exit 1; }
   local p="${ACC_PG_REPLICA_PORT:-$(( pport + 100 ))}"
   if [ -z "${ACC_PG_REPLICA_PORT:-}" ]; then
     while (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; do p=$((p + 1)); done
