@@ -249,19 +249,22 @@ def configure_daemon_session(*, application_name: str) -> None:
     options["application_name"] = application_name
 
 
-def use_shared_pool(*, max_size: int) -> None:
+def use_shared_pool(*, max_size: int, application_name: str | None = None) -> None:
     """Make every thread's Django connection in this process borrow from one bounded pool.
 
     Django's own psycopg pool (``OPTIONS["pool"]``): a thread's connection is taken from the pool
     when it first queries and goes back when it is closed, so ``max_size`` bounds the server
     connections of the whole process whatever its number of threads. Pooling needs
     ``CONN_MAX_AGE = 0``; server-side cursors are off because a borrowed connection goes back
-    between statements (:func:`release_after_each_statement`).
+    between statements (:func:`release_after_each_statement`). ``application_name`` names the pool's
+    connections from here on (the connection closed here may have had another).
     """
     from django.db import connections
 
     settings = connections.settings["default"]
     close_django_connection()  # an unpooled connection opened earlier goes; the next query borrows
+    if application_name:
+        settings.setdefault("OPTIONS", {})["application_name"] = application_name
     settings["CONN_MAX_AGE"] = 0
     settings["DISABLE_SERVER_SIDE_CURSORS"] = True
     settings.setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": max_size, "timeout": POOL_WAIT_SECONDS}

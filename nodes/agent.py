@@ -285,7 +285,9 @@ class Agent:
     def run(self) -> int:
         """Run until stopped (or, with ``once``, until no work is left). Return an exit code."""
         close_agent_process()  # tasks run as this OS user: they must not read its environment or memory
-        daemon.configure_daemon_session(application_name=f"accs agent {self.node}")
+        # The start-up check's connection has a name of its own: it is closed before the pool opens,
+        # and its backend may outlive the close by a moment, beside the pool's first connection.
+        daemon.configure_daemon_session(application_name=f"accs agent {self.node} start")
         # Before anything else: a database that never answers or is not migrated is one line and an
         # exit code, with nothing to report or sign off.
         refused = daemon.ready_to_start(log, stopping=lambda: self.stopping, extra=self.extra,
@@ -299,7 +301,7 @@ class Agent:
             # Connection pool: all threads but the lease renewal's share POOL_SIZE connections from
             # here on (after the first connection, so a refused one is reported as it is, not as a
             # pool timeout).
-            daemon.use_shared_pool(max_size=POOL_SIZE)
+            daemon.use_shared_pool(max_size=POOL_SIZE, application_name=f"accs agent {self.node}")
             self.renewal.start()
             if not self._until_ok("check services", self._check_services):
                 return 0
