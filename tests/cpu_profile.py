@@ -3,8 +3,12 @@
 For each test (setup, call and teardown together) one JSON line in ``.local/cpu-profile/<worker>.jsonl``:
 the wall seconds, the CPU seconds of the pytest process itself, of the processes it started and
 reaped (daemons, ``manage.py`` runs, the browser through its driver) and of the worker's PostgreSQL
-cluster (the postmaster, the backends it reaped and the ones still alive). ``scripts/cpu_profile.py``
-sums the files up. The machine's other work is not counted, so the figures hold under parallel workers.
+cluster (the postmaster, the backends it reaped and the ones still alive). The machine's other work
+is not counted, so the figures hold under parallel workers. Not counted either: servers that detach
+from the test (the private clusters of the chaos and upgrade tests, the local S3 server). To list
+the costliest tests::
+
+    cat .local/cpu-profile/*.jsonl | jq -s 'sort_by(-(.self + .children + .postgres)) | .[:20]'
 """
 
 from __future__ import annotations
