@@ -18,6 +18,65 @@ from tests.ops_helpers import PASSWORD
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT = 15  # seconds: the longest any page may take to show what a step waits for
+WINDOW = (1440, 1000)
+
+
+def start_chromium(profile: Path):
+    """Start headless Chromium with its profile in ``profile``, no background network, at 1440 × 1000."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--no-first-run", f"--user-data-dir={profile}", f"--window-size={WINDOW[0]},{WINDOW[1]}",
+                "--force-device-scale-factor=1"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(WAIT * 2)
+    return driver
+
+
+def reset(driver, *, origins: list[str]) -> bool:
+    """Put a used browser back as a fresh one is; False when it cannot be (then it is replaced).
+
+    Closes every window but one and any open dialog; leaves the page (its self-refreshing sections
+    stop); clears cookies, the cache and the stored data (localStorage, sessionStorage, IndexedDB...) of
+    ``origins`` and of every page still open (a live server keeps its port from test to test); undoes
+    the emulated media, the device metrics and the download folder a test may have set; and sizes the
+    window back to 1440 × 1000.
+    """
+    from selenium.common.exceptions import WebDriverException
+
+    try:
+        seen = set(origins)
+        handles = driver.window_handles
+        for handle in handles:
+            driver.switch_to.window(handle)
+            try:
+                driver.switch_to.alert.dismiss()
+            except WebDriverException:
+                pass
+            seen.add(driver.execute_script("return location.origin"))
+            if handle != handles[0]:
+                driver.close()
+        driver.switch_to.window(handles[0])
+        driver.get("about:blank")
+        for origin in seen:
+            if origin and origin.startswith("http"):
+                driver.execute_cdp_cmd("Storage.clearDataForOrigin", {"origin": origin.rstrip("/"),
+                                                                      "storageTypes": "all"})
+        driver.execute_cdp_cmd("Network.clearBrowserCookies", {})
+        driver.execute_cdp_cmd("Network.clearBrowserCache", {})
+        driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"media": "", "features": []})
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "default"})
+        driver.set_window_size(*WINDOW)
+        driver.set_page_load_timeout(WAIT * 2)
+        return True
+    except WebDriverException:
+        return False
 
 
 def wait(driver, condition, message: str):

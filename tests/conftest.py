@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests import s3_fixtures
-from tests.browser import CHROMEDRIVER, CHROMIUM, WAIT
+from tests.browser import CHROMEDRIVER, CHROMIUM, reset, start_chromium
 from tests.daemons import START_TIMEOUT, Daemons, free_port, http_server
 from tests.ops_helpers import Tenants, make_user, two_tenants
 from tests.s3_fixtures import S3
@@ -128,27 +128,55 @@ def root(client):
     return user
 
 
+@pytest.fixture(scope="session")
+def _chromium(django_db_setup, django_db_blocker) -> Iterator[dict[str, Any]]:
+    """The worker's one headless Chromium, started when a test first needs it and quit at the end.
+
+    Quit before the test database is dropped, and waited for: a live server's thread holds a database
+    connection while the browser keeps its socket open, and the drop would find it still there.
+    """
+    held: dict[str, Any] = {}
+    yield held
+    if held.get("driver") is None:
+        return
+    held["driver"].quit()
+    from django.db import connection
+
+    with django_db_blocker.unblock(), connection.cursor() as cur:
+        deadline = time.monotonic() + 10  # past it, the drop's own warning names what is left
+        while time.monotonic() < deadline:
+            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND pid <> pg_backend_pid()")
+            if cur.fetchone()[0] == 0:
+                break
+            time.sleep(0.1)
+    connection.close()
+
+
 @pytest.fixture
-def browser(tmp_path):
-    """A fresh headless Chromium (own profile, no background network) for one test (helpers: tests/browser.py)."""
+def browser(_chromium, tmp_path_factory, request):
+    """A headless Chromium (own profile, no background network) as a fresh one looks: no cookies, no
+    stored data, no overrides, one window at 1440 × 1000 (helpers: tests/browser.py).
+
+    One browser serves the worker's tests in turn (a start costs about a second of CPU); after each
+    test it is put back (:func:`tests.browser.reset`), and one that cannot be is replaced.
+    """
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         if os.environ.get("CI"):
             pytest.fail("CI needs chromium and chromium-driver (.ci/run installs them)")
         pytest.skip("install chromium and chromium-driver (apt-get) to run the browser tests")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--no-first-run", f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}", "--window-size=1440,1000",
-                "--force-device-scale-factor=1"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(WAIT * 2)
+    if _chromium.get("driver") is None:
+        _chromium["driver"] = start_chromium(tmp_path_factory.mktemp("chromium"))
+    driver = _chromium["driver"]
     yield driver
-    driver.quit()
+    servers = [request.getfixturevalue(name) for name in ("live_server", "live_server_url")
+               if name in request.fixturenames]
+    if not reset(driver, origins=[getattr(server, "url", server) for server in servers]):
+        _chromium["driver"] = None
+        try:
+            driver.quit()
+        except Exception:  # noqa: BLE001 - a browser that is gone is what we wanted
+            pass
 
 
 @pytest.fixture
