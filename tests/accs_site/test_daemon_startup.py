@@ -112,3 +112,42 @@ def test_a_garbled_answer_to_a_command_counts_as_a_lost_connection_not_a_bug():
     wrapped.__cause__ = garbled
     assert is_transient(garbled) and is_transient(wrapped)
     assert not is_transient(psycopg.InternalError("could not read block 7 in file base/1/2"))
+
+
+@pytest.mark.parametrize("daemon", sorted(DAEMONS))
+def test_a_daemon_runs_every_check_but_the_url_ones_at_start_and_a_failing_one_stops_it(daemon):
+    """The daemons serve no URL: the URL checks (which import the whole HTTP API) are left out at their
+    start. Every other check runs, untagged and tagged, and one that fails stops the daemon in one line;
+    the registry is whole again afterwards."""
+    from django.core import checks
+    from django.core.checks.registry import registry
+    from django.core.management import load_command_class
+    from django.core.management.base import CommandError
+
+    ran: list[str] = []
+
+    def untagged(app_configs=None, **kwargs):
+        ran.append("untagged")
+        return [checks.Error("a site's own check failed", id="site.E001")]
+
+    def models(app_configs=None, **kwargs):
+        ran.append("models")
+        return []
+
+    def urls(app_configs=None, **kwargs):
+        ran.append("urls")
+        return []
+
+    registry.register(untagged)
+    registry.register(models, checks.Tags.models)
+    registry.register(urls, checks.Tags.urls)
+    before = set(registry.registered_checks)
+    try:
+        command = load_command_class("nodes" if daemon == "runagent" else "jobs", daemon)
+        with pytest.raises(CommandError) as refused:
+            command.check()
+        assert registry.registered_checks == before
+    finally:
+        registry.registered_checks -= {untagged, models, urls}
+    assert set(ran) == {"models", "untagged"}, ran
+    assert refused.value.returncode == 2 and "a site's own check failed" in str(refused.value)
