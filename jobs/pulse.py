@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.db import connection, transaction
+from django.db import connection
 
 PULSE_NAME = "cluster"
 GAP_SECONDS = 5.0
@@ -38,27 +38,42 @@ def outage_words(*, began_at: datetime, ended_at: datetime) -> str:
     return f"database reachable again after {(ended_at - began_at).total_seconds():.1f} s"
 
 
+# One statement, so that the pulse row is locked only while the server runs it: a builder frozen
+# (stopped, swapped out, starved of CPU) between two statements of a transaction would hold the row,
+# and every other builder's tick would wait behind it until the server ended that transaction (a
+# minute), holding off a takeover of the leader's lease for as long. The row lock still orders
+# concurrent stampers: the second one waits for the first one's commit and compares with its stamp;
+# its clock is read after the lock (in ``verdict``, from the locked row).
+STAMP_SQL = f"""
+WITH prev AS (
+    SELECT seen_at FROM accs_cluster_pulse WHERE name = %(name)s FOR UPDATE
+), verdict AS MATERIALIZED (
+    SELECT seen_at, clock_timestamp() AS now, {RESTARTED_AT_SQL} AS restarted_at FROM prev
+), outage AS (
+    INSERT INTO accs_outage (began_at, ended_at, cause)
+    SELECT seen_at, now, CASE WHEN restarted_at > seen_at THEN 'restart' ELSE 'gap' END FROM verdict
+     WHERE restarted_at > seen_at OR now - seen_at > %(gap)s * interval '1 second'
+    RETURNING began_at
+), stamped AS (
+    UPDATE accs_cluster_pulse p SET seen_at = v.now FROM verdict v WHERE p.name = %(name)s
+), first AS (
+    -- The first stamp of a site: nothing to compare with.
+    INSERT INTO accs_cluster_pulse (name, seen_at)
+    SELECT %(name)s, clock_timestamp() WHERE NOT EXISTS (SELECT 1 FROM prev)
+    ON CONFLICT (name) DO NOTHING
+)
+SELECT (SELECT began_at FROM outage)
+"""
+
+
 def stamp(*, gap_seconds: float = GAP_SECONDS) -> datetime | None:
     """Stamp the pulse; record an outage when the last stamp is older than ``gap_seconds`` or
-    PostgreSQL restarted since. Return the outage's start when one was recorded, else None."""
+    PostgreSQL restarted since. Return the outage's start when one was recorded, else None.
+
+    One statement (:data:`STAMP_SQL`); outside a transaction it commits by itself.
+    """
     if gap_seconds <= 0:
         raise ValueError(f"gap_seconds must be positive, got {gap_seconds}")
-    with transaction.atomic(), connection.cursor() as cur:
-        # The row lock orders concurrent stampers: the second one sees the first one's stamp.
-        cur.execute("SELECT seen_at FROM accs_cluster_pulse WHERE name = %s FOR UPDATE", [PULSE_NAME])
-        row = cur.fetchone()
-        cur.execute(f"SELECT clock_timestamp(), {RESTARTED_AT_SQL}")
-        now, restarted_at = cur.fetchone()
-        if row is None:
-            # The first stamp of a site: nothing to compare with.
-            cur.execute("INSERT INTO accs_cluster_pulse (name, seen_at) VALUES (%s, %s) ON CONFLICT (name) DO NOTHING",
-                        [PULSE_NAME, now])
-            return None
-        seen_at = row[0]
-        cause = ("restart" if restarted_at is not None and restarted_at > seen_at
-                 else "gap" if (now - seen_at).total_seconds() > gap_seconds else None)
-        if cause:
-            cur.execute("INSERT INTO accs_outage (began_at, ended_at, cause) VALUES (%s, %s, %s)",
-                        [seen_at, now, cause])
-        cur.execute("UPDATE accs_cluster_pulse SET seen_at = %s WHERE name = %s", [now, PULSE_NAME])
-        return seen_at if cause else None
+    with connection.cursor() as cur:
+        cur.execute(STAMP_SQL, {"name": PULSE_NAME, "gap": gap_seconds})
+        return cur.fetchone()[0]

@@ -136,6 +136,45 @@ def test_the_pulse_records_a_gap_and_a_restart_and_nothing_else(db):
         pulse.stamp(gap_seconds=0)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_stamp_holds_the_pulse_row_only_within_its_one_statement_and_a_second_stamper_compares_with_the_first(
+        db_url):
+    """A builder frozen between two statements of its stamp would hold the pulse row, and every other
+    builder's tick (and so a takeover of the leader's lease) would wait until the server ended that
+    transaction. The stamp is one statement, committed by itself; stampers that meet still take turns."""
+    statements: list[tuple[str, bool]] = []
+
+    def record(execute, sql, params, many, context):
+        statements.append((sql, connection.in_atomic_block))
+        return execute(sql, params, many, context)
+
+    pulse.stamp()
+    with connection.execute_wrapper(record):
+        pulse.stamp()
+    assert [in_transaction for _sql, in_transaction in statements] == [False], statements
+
+    # The first stamper's statement has run, its commit has not: the second waits for it, then compares
+    # its own clock with that stamp, not the one before.
+    with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second, \
+            psycopg.connect(db_url, autocommit=True) as watch:
+        assert first.execute(pulse.STAMP_SQL, {"name": pulse.PULSE_NAME, "gap": 3600}).fetchone() == (None,)
+        first_stamp = first.execute("SELECT seen_at FROM accs_cluster_pulse WHERE name = %s",
+                                    [pulse.PULSE_NAME]).fetchone()[0]
+        answer: list = []
+        waiting = threading.Thread(target=lambda: answer.append(second.execute(
+            pulse.STAMP_SQL, {"name": pulse.PULSE_NAME, "gap": 1e-6}).fetchone()[0]))
+        waiting.start()
+        pid = second.info.backend_pid
+        wait_for(lambda: watch.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                                       [pid]).fetchone()[0], timeout=10, message="the second stamper waits")
+        first.commit()
+        waiting.join(timeout=10)
+    assert answer == [first_stamp], (answer, first_stamp)
+    outage = Outage.objects.get()
+    assert outage.began_at == first_stamp and outage.ended_at > first_stamp
+    assert ClusterPulse.objects.get(name=pulse.PULSE_NAME).seen_at == outage.ended_at
+
+
 def test_an_attempt_the_agent_stopped_in_an_outage_is_queued_again_without_using_the_budget(make_service):
     svc = make_service("svc", max_attempts=1)
     job = api.start_service("svc")
