@@ -18,6 +18,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from accs_site.admin_kit import human_age
 from accs_site.dbrouter import read_connection
+from jobs.attempt_refs import refs_complete
 from ops.overview import _tenant_filter
 from ops.rates import range_ids
 
@@ -37,26 +38,40 @@ CHART_SERVICES = 8
 
 CHART_SQL = """
 -- The newest attempts by primary key up to the span's last one (ops.rates.range_ids), then those
--- started inside the span, counted per bar (and
--- per service): attempts started, those that failed or timed out, and the median queue latency of
--- tasks' current attempts (claim time − the time the task became claimable).
+-- started inside the span, counted per bar (and per service): attempts started, those that failed or
+-- timed out, and the median queue wait (claim time − the time the task became claimable for it).
+-- The service, tenant and claimable time are the attempt's own copy of its task's (ATTEMPT_SOURCE: the
+-- attempts alone), or its task's while some attempts lack the copy (TASK_SOURCE: one primary-key lookup
+-- per attempt in the span, and a wait for the task's current attempt only, the one whose time it holds).
 -- The sample is read twice (inlined: a materialized copy would hide its size from the planner,
 -- which then hashes the whole task table instead of looking each task up by its key).
 WITH recent AS NOT MATERIALIZED (
-    SELECT a.task_id, a.attempt_no, a.status, a.started_at
+    SELECT a.task_id, a.attempt_no, a.status, a.started_at, a.service_id, a.tenant_id, a.claimable_at
       FROM accs_attempt a WHERE a.id <= %(last)s ORDER BY a.id DESC LIMIT %(sample)s
 ), r AS (
-    SELECT t.service_id, r.status,
+    SELECT {service} AS service_id, r.status,
            floor(extract(epoch FROM r.started_at - %(since)s) / %(bucket)s)::int AS bar,
-           CASE WHEN r.attempt_no = t.attempt AND t.next_attempt_at <= r.started_at
-                THEN extract(epoch FROM r.started_at - t.next_attempt_at) END AS latency
-      FROM recent r JOIN accs_task t ON t.id = r.task_id
+           CASE WHEN {known} THEN extract(epoch FROM r.started_at - {claimable}) END AS latency
+      FROM recent r {join}
      WHERE r.started_at >= %(since)s AND {tenants}
 )
 SELECT service_id, bar, count(*), count(*) FILTER (WHERE status IN ('failed', 'timeout')),
        percentile_cont(0.5) WITHIN GROUP (ORDER BY latency), min(bar) OVER (), (SELECT count(*) FROM recent)
   FROM r GROUP BY GROUPING SETS ((bar), (service_id, bar))
 """
+
+#: Where the charts read an attempt's service, tenant and claimable time: its copy (jobs.attempt_refs) ...
+ATTEMPT_SOURCE = {"service": "r.service_id", "tenant": "r.tenant_id", "join": "", "claimable": "r.claimable_at",
+                  "known": "r.claimable_at <= r.started_at"}
+#: ... or its task, while some attempts lack the copy.
+TASK_SOURCE = {"service": "t.service_id", "tenant": "t.tenant_id", "join": "JOIN accs_task t ON t.id = r.task_id",
+               "claimable": "t.next_attempt_at",
+               "known": "r.attempt_no = t.attempt AND t.next_attempt_at <= r.started_at"}
+
+
+def chart_sql(source: dict[str, str], tenants: str) -> str:
+    """Return the charts' statement reading ``source`` (:data:`ATTEMPT_SOURCE` or :data:`TASK_SOURCE`)."""
+    return CHART_SQL.format(tenants=tenants, **{k: v for k, v in source.items() if k != "tenant"})
 
 
 @dataclass
@@ -95,14 +110,15 @@ def chart_data(*, tenant_ids: set[UUID] | None = None, now: datetime | None = No
     now = now or timezone.now()
     bars = int(span / bucket)
     since = now - bars * bucket
-    where, params = _tenant_filter("t.tenant_id", tenant_ids)
     rows: list[tuple] = []
     with read_connection().cursor() as cur:
         cur.execute("SELECT id, key FROM accs_service")
         names = dict(cur.fetchall())
         if bounds := range_ids(cur, since=since, until=now):
-            cur.execute(CHART_SQL.format(tenants=where), {"sample": sample, "since": since, "last": bounds[1],
-                                                          "bucket": bucket.total_seconds(), **params})
+            source = ATTEMPT_SOURCE if refs_complete(cur) else TASK_SOURCE
+            where, params = _tenant_filter(source["tenant"], tenant_ids)
+            cur.execute(chart_sql(source, where), {"sample": sample, "since": since, "last": bounds[1],
+                                                   "bucket": bucket.total_seconds(), **params})
             rows = cur.fetchall()
     series: dict[int | None, Series] = {}
     first_bar, full_sample = bars, False
@@ -166,4 +182,5 @@ def chart_rows(charts: Charts) -> list[dict[str, object]]:
     return rows
 
 
-__all__ = ["CHART_BARS", "Charts", "Series", "bars_svg", "chart_data", "chart_rows", "chart_span"]
+__all__ = ["ATTEMPT_SOURCE", "CHART_BARS", "TASK_SOURCE", "Charts", "Series", "bars_svg", "chart_data", "chart_rows",
+           "chart_span", "chart_sql"]
