@@ -458,6 +458,12 @@ class Attempt(models.Model):
                                 related_name="+", db_index=False, db_constraint=False, editable=False)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.DO_NOTHING, null=True, blank=True,
                                related_name="+", db_index=False, db_constraint=False, editable=False)
+    # When the task became claimable for this attempt (its ``next_attempt_at``, which the claim leaves
+    # as it was), copied by the same trigger: the charts' queue wait is ``started_at`` minus it, read
+    # from the attempt alone. NULL on attempts written before the copy until ``accs_attempt_refs`` fills
+    # them, and for good on those older attempts that were not their task's last (the task no longer
+    # holds their time).
+    claimable_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "accs_attempt"

@@ -97,6 +97,10 @@ REVIEWED: dict[tuple[str, str, str], str] = {
         "lock_timeout 5s so the migration fails rather than queue the daemons behind it",
     ("jobs", "0039_limit_keys", "require-concurrent-index-creation"):
         "safe: limit_key_head_emptied_idx is built on accs_limit_key_head, created empty by the same migration",
+    ("jobs", "0040_attempt_claimable_at", HOT_LOCK):
+        "safe: ADD COLUMN claimable_at (nullable, no default, no index) on accs_attempt changes the catalog only, "
+        "in its own transaction; ACCESS EXCLUSIVE is held for milliseconds once granted (the wait bounded by "
+        "accs_site.migrate_locks)",
     ("workflows", "0004_service_lease_seconds", "constraint-missing-not-valid"):
         "safe: the CHECK service_lease_at_least_3 scans accs_service (definitions, a few rows) in milliseconds",
 }
