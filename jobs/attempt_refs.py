@@ -26,6 +26,10 @@ FILL_BATCH = 5_000
 
 MISSING_SQL = "SELECT EXISTS (SELECT FROM accs_attempt WHERE service_id IS NULL)"  # attempt_refs_missing_idx
 
+#: When the task still holds an older attempt's claimable time: the attempt is its last and started after
+#: it (a failed last attempt whose retry is not yet claimed has moved ``next_attempt_at`` past its start).
+KNOWN_CLAIMABLE = "a.attempt_no = t.attempt AND t.next_attempt_at <= a.started_at"
+
 FILL_SQL = """
 -- The oldest attempts still missing their task's service and tenant (attempt_refs_missing_idx), filled.
 -- The batch is picked once (MATERIALIZED): as a subquery in the WHERE, a plan that scans it again for
@@ -37,13 +41,7 @@ UPDATE accs_attempt a SET service_id = t.service_id, tenant_id = t.tenant_id,
        claimable_at = CASE WHEN {known} THEN t.next_attempt_at END
   FROM picked p, accs_task t
  WHERE a.id = p.id AND t.id = a.task_id
-"""
-
-#: When the task still holds an older attempt's claimable time: the attempt is its last and started after
-#: it (a failed last attempt whose retry is not yet claimed has moved ``next_attempt_at`` past its start).
-KNOWN_CLAIMABLE = "a.attempt_no = t.attempt AND t.next_attempt_at <= a.started_at"
-
-FILL_SQL = FILL_SQL.format(known=KNOWN_CLAIMABLE)
+""".format(known=KNOWN_CLAIMABLE)
 
 CLAIMABLE_SQL = """
 -- The next attempts by primary key after %(after)s (a walk, so an attempt whose time is unknown is read
