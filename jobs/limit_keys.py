@@ -58,6 +58,39 @@ from __future__ import annotations
 KEY_AT_PATH = "CASE WHEN {path} IS NULL THEN NULL ELSE coalesce({params} #>> string_to_array({path}, '.'), '') END"
 
 
+# Each statement's starts of keys under a rate (a claim records all of its starts in one): once a
+# key's starts fill its window, its rows are passed over until the earliest of them leaves the window
+# (a claim clears the blocks that ran out before it walks). Kept from the starts themselves, so every
+# writer of a start is followed; one trigger call per statement, each key looked at once, each
+# service's lock (shared) taken in id order.
+RATE_START_BLOCK_SQL = """
+CREATE OR REPLACE FUNCTION accs_rate_start_block() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || n.service_id))
+       FROM (SELECT DISTINCT service_id FROM accs_rate_started WHERE key IS NOT NULL ORDER BY 1) n;
+    -- The start that leaves the window last among the newest rate_key_limit: until then the window
+    -- is full (for a key whose earliest start of this statement is still inside it).
+    UPDATE accs_limit_key_head h SET rate_until = b.until
+      FROM (SELECT n.service_id, n.key, n.at,
+                   (SELECT r.at + make_interval(secs => s.rate_period_seconds) FROM accs_rate_start r
+                     WHERE r.service_id = n.service_id AND r.key = n.key
+                     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET s.rate_key_limit - 1 LIMIT 1) AS until
+              FROM (SELECT service_id, key, min(at) AS at FROM accs_rate_started WHERE key IS NOT NULL
+                     GROUP BY 1, 2) n
+              JOIN accs_service s ON s.id = n.service_id AND s.rate_key_limit > 0
+                                 AND s.rate_key = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key,
+                                                                      s.rate_key_limit, s.rate_key)) b
+     WHERE b.until > b.at AND h.service_id = b.service_id AND h.key = b.key COLLATE "C"
+       AND h.rate_until IS DISTINCT FROM b.until;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS accs_rate_start_block ON accs_rate_start;
+CREATE TRIGGER accs_rate_start_block AFTER INSERT ON accs_rate_start REFERENCING NEW TABLE AS accs_rate_started
+    FOR EACH STATEMENT EXECUTE FUNCTION accs_rate_start_block();
+"""
+
 LIMIT_KEY_SQL = f"""
 CREATE OR REPLACE FUNCTION accs_limit_key_path(p_climit int, p_cpath text, p_rlimit int, p_rpath text)
 RETURNS text LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
@@ -183,39 +216,7 @@ BEGIN
 END
 $$;
 
--- Each start of a key under a rate: once the key's starts fill its window, its rows are passed over
--- until the earliest of them leaves the window (a claim clears the blocks that ran out before it
--- walks). Kept from the starts themselves, so every writer of a start is followed.
-CREATE OR REPLACE FUNCTION accs_rate_start_block() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    v_limit int;
-    v_period int;
-    v_until timestamptz;
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || NEW.service_id));
-    SELECT s.rate_key_limit, s.rate_period_seconds INTO v_limit, v_period FROM accs_service s
-     WHERE s.id = NEW.service_id AND s.rate_key_limit > 0
-       AND s.rate_key = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
-                                            s.rate_key);
-    IF v_limit IS NULL THEN
-        RETURN NULL;
-    END IF;
-    -- The start that leaves the window last among the newest v_limit: until then the window is full.
-    SELECT r.at + make_interval(secs => v_period) INTO v_until FROM accs_rate_start r
-     WHERE r.service_id = NEW.service_id AND r.key = NEW.key
-     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET v_limit - 1 LIMIT 1;
-    IF v_until > NEW.at THEN
-        UPDATE accs_limit_key_head h SET rate_until = v_until
-         WHERE h.service_id = NEW.service_id AND h.key = NEW.key COLLATE "C"
-           AND h.rate_until IS DISTINCT FROM v_until;
-    END IF;
-    RETURN NULL;
-END
-$$;
-
-DROP TRIGGER IF EXISTS accs_rate_start_block ON accs_rate_start;
-CREATE TRIGGER accs_rate_start_block AFTER INSERT ON accs_rate_start
-    FOR EACH ROW WHEN (NEW.key IS NOT NULL) EXECUTE FUNCTION accs_rate_start_block();
+{RATE_START_BLOCK_SQL.strip()}
 
 -- A change of a service's per-key limits: every row of it follows the new cap and the new rate at
 -- once (one look at each key's held count and latest starts).

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions
 from jobs.claim import NodeLimits, claim_many, claim_statement, service_spec
-from jobs.limit_keys import BACKFILL_HELD_SQL, LIMIT_KEY_SQL
+from jobs.limit_keys import BACKFILL_HELD_SQL, LIMIT_KEY_SQL, RATE_START_BLOCK_SQL
 from tests.daemons import wait_for
 from tests.engine_helpers import KEY_HELD_DRIFT_SQL, run_fail, run_ok
 from tests.jobs.test_flow_control import PEAK_TRIGGER  # the held tasks of each claimed key, at commit
@@ -120,6 +120,31 @@ def test_finished_work_gives_its_key_room_again_and_the_next_claim_takes_the_key
     run_ok([t for t in first if t.params["customer"] == "a"])
     assert [t.params["i"] for t in claim(svc, 10)] == [1], "a's next task, in order"
     assert rows_of(UNCOVERED_SQL) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_claims_starts_mark_the_keys_whose_window_they_fill_in_one_trigger_call(make_service):
+    """A claim records its starts in one statement; the keys whose rate window they fill are marked
+    (passed over by the walk until the window frees), each from all of its starts, by one call of the
+    marking trigger however many starts and keys the claim took."""
+    svc = make_service("marks", rate_key="customer", rate_key_limit=2, rate_period_seconds=3600, **SCHEMA)
+    enqueue("marks", ["a", "a", "a", "b", "b", "c"])
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL track_functions = 'pl'")
+        got = claim(svc, 10)
+        cur.execute("SELECT calls FROM pg_stat_xact_user_functions WHERE funcname = 'accs_rate_start_block'")
+        calls = cur.fetchall()
+    assert sorted(t.params["customer"] for t in got) == ["a", "a", "b", "b", "c"]
+    assert calls == [(1,)], f"the marking trigger ran {calls} times for one claim's five starts"
+    with connection.cursor() as cur:
+        cur.execute("SELECT h.key, h.rate_until, (SELECT max(r.at) + interval '1 hour' FROM accs_rate_start r"
+                    " WHERE r.service_id = h.service_id AND r.key = h.key) FROM accs_limit_key_head h"
+                    " WHERE h.service_id = %s AND NOT h.emptied", [svc.id])
+        marks = {key: (until, expected) for key, until, expected in cur.fetchall()}
+    assert marks["a"][0] is not None and marks["a"][0] == marks["a"][1], "a's two starts fill its window"
+    assert marks.get("b", (None,))[0] is None, "b has nothing queued: its row is gone, or unmarked"
+    assert "c" not in marks, "c's one task was claimed: its row is gone"
+    assert claim(svc, 10) == [], "a's third task waits for the window"
 
 
 @pytest.mark.django_db(transaction=True)
@@ -366,9 +391,14 @@ def test_claims_over_generated_layouts_take_what_a_model_of_the_rules_takes(make
 # The migration's copy
 # --------------------------------------------------------------------------------------------
 
-def test_the_migration_creates_the_triggers_this_module_describes():
+def test_the_migrations_create_the_triggers_this_module_describes():
     migration = importlib.import_module("jobs.migrations.0039_limit_keys")
-    assert migration.LIMIT_KEY_SQL == LIMIT_KEY_SQL
+    # jobs.0041 replaced the rate marks' trigger (one call per statement of starts).
+    per_statement = importlib.import_module("jobs.migrations.0041_rate_start_block_per_statement")
+    assert per_statement.RATE_START_BLOCK_SQL == RATE_START_BLOCK_SQL
+    assert per_statement.RATE_START_BLOCK_0039.strip() in migration.LIMIT_KEY_SQL
+    assert migration.LIMIT_KEY_SQL.replace(per_statement.RATE_START_BLOCK_0039.strip(),
+                                           RATE_START_BLOCK_SQL.strip()) == LIMIT_KEY_SQL
     assert migration.BACKFILL_HELD_SQL == BACKFILL_HELD_SQL
 
 
