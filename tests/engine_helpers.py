@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from uuid import UUID
+
+from django.db import connection
+
 from jobs import transitions
 from jobs.claim import ClaimedTask, NodeLimits, ServiceSpec, claim, service_spec
+from jobs.sql import from_json
 from workflows.models import Service
 
 NODE = NodeLimits(name="node-t", slot_cap=20, cpu_budget=8, per_service={})
@@ -102,3 +107,12 @@ SELECT h.service_id, h.key, -1, (SELECT count(*)::int FROM accs_rate_start st
              WHERE st.service_id = h.service_id AND st.key = h.key COLLATE "default"
                AND st.at > now() - make_interval(secs => s.rate_period_seconds)) < s.rate_key_limit)
 """
+
+
+def previous_release_inputs(task_id: UUID) -> dict | None:
+    """A task's inputs as the previous release's agents read them (``accs_step_context``, which built the
+    object in the database; left in place for them): the read that replaced it must give the same."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT inputs FROM accs_step_context(%s)", [task_id])
+        row = cur.fetchone()
+    return None if row is None else from_json(row[0])

@@ -18,7 +18,7 @@ from jobs import api
 from jobs.claim import NodeLimits
 from jobs.inputs import step_context
 from jobs.models import Job, JobStep, Task
-from tests.engine_helpers import claim_for, run_ok
+from tests.engine_helpers import claim_for, previous_release_inputs, run_ok
 from workflows.api import create_workflow
 from workflows.models import Service
 from workflows.validation import DefinitionError
@@ -65,6 +65,7 @@ def test_a_step_fans_out_over_a_parents_list_and_a_dependent_gathers_the_outputs
     for task in claimed:
         inputs = step_context(task.id).inputs
         assert inputs["pick"] == {"parcels": ["a", {"b": 1}, 3]}
+        assert inputs == previous_release_inputs(task.id)
         run_ok([task], results={"labelled": inputs["item"], "at": inputs["index"]})
     _run_step(job, "ship", "close", results=lambda inputs: inputs)
     ship = Task.objects.get(job=job, task_key="ship")

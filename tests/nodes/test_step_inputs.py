@@ -19,7 +19,7 @@ from jobs.transitions import Outcome
 from nodes.executors import output_violation
 from nodes.models import Host, Node
 from tests.daemons import agent_in_this_process, wait_all_final
-from tests.engine_helpers import claim_for
+from tests.engine_helpers import claim_for, previous_release_inputs
 from workflows.api import create_workflow
 
 SHOW_INPUTS = ("import json, os, stat; p = os.environ['ACCS_INPUTS']; "
@@ -158,6 +158,7 @@ def test_a_task_receives_each_parents_output_and_a_fanned_parents_outputs_in_tas
     every = list(Task.objects.filter(job__in=jobs).values_list("id", flat=True))
     gone = uuid.uuid4()
     assert step_contexts([*every, gone], lock_wait=5) == {task_id: step_context(task_id) for task_id in every}
+    assert all(step_context(task_id).inputs == previous_release_inputs(task_id) for task_id in every)
 
 
 def _expected_inputs(job: Job) -> dict:
@@ -225,6 +226,7 @@ def test_a_steps_output_gathered_when_it_settles_is_what_its_tasks_give_even_aft
     # The dependent reads the step rows, not the tasks, once every parent has its output gathered.
     JobStep.objects.filter(job=job, step_key="many").update(output=["from the step row"])
     assert step_context(child.id).inputs["many"] == ["from the step row"]
+    assert step_context(child.id).inputs == previous_release_inputs(child.id)
 
 
 SCHEMA = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}

@@ -139,11 +139,11 @@ def test_an_attempt_waits_out_a_restart_that_catches_it_reading_its_inputs(make_
         blocker.execute("LOCK TABLE accs_workflow IN ACCESS EXCLUSIVE MODE")
         agent = daemons.agent("inputs", "reads-inputs", env={"ACC_LOG_FORMAT": "json"})
         # The claim's batch read of its tasks' inputs gives up on the lock (it must not hold up the
-        # agent's loop); the attempt's own read is then one call of accs_step_context (jobs.inputs),
+        # agent's loop); the attempt's own read is then one call of accs_step_inputs (jobs.inputs),
         # waiting on the workflow table's lock.
         wait_for(lambda: _rows(db_url, """
             SELECT count(*) FROM pg_stat_activity
-             WHERE wait_event_type = 'Lock' AND query LIKE 'SELECT * FROM accs_step_context(%%'""")[0][0] == 1,
+             WHERE wait_event_type = 'Lock' AND query LIKE 'SELECT * FROM accs_step_inputs(%%'""")[0][0] == 1,
                  timeout=60, message="the attempt's read of its inputs waits on the lock")
         connections.close_all()  # this test's own connections die with the server
         subprocess.run([PG_LOCAL, "stop"], check=True, capture_output=True)
