@@ -28,14 +28,13 @@ import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import jsonschema_rs
 import psycopg
 from django.db import connection, transaction
 from django.utils import timezone
-from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
 from accs_site.conf import accs
@@ -158,6 +157,9 @@ def resolve_service(service: str | Service) -> Service:
         raise NotFound(f"service {found.key!r} is not active")
     return found
 
+if TYPE_CHECKING:  # the pure-Python validator is imported for invalid params only (daemons start without it)
+    from jsonschema import Draft202012Validator
+
 
 class _Validators:
     """Per-call caches: compiled JSON Schema validators and resolved targets (bulk starts reuse them).
@@ -187,6 +189,8 @@ class _Validators:
                 return []
             slow = self._slow.get(service.id)
             if slow is None:
+                from jsonschema import Draft202012Validator
+
                 slow = self._slow[service.id] = Draft202012Validator(service.params_schema or {})
             return validator_errors(slow, params)
         except (Unresolvable, RecursionError, LookupError, ValueError, TypeError) as exc:

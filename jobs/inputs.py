@@ -21,10 +21,10 @@ always within the task's own job, so no task can see another job's outputs:
   :data:`jobs.finalize.RELEASE_STEPS_SQL`), into its ``accs_job_step`` row, so each dependent task reads
   one row per parent step however wide the parent fanned out (the 1,000 tasks after a 1,000-host
   fan-out read 1,000 rows, not a million), and gets it as it is stored, never re-built into a new
-  value (which copied the 1,000 outputs for each of the 1,000 tasks). Any later change of a parent task's final state (a retry, a
-  redrive) clears that row's output (the step counts' trigger), and a parent without a gathered output
-  (released by the previous release's code, or changed since) is read from its tasks as before, so the
-  two reads give the same answer.
+  value (which copied the 1,000 outputs for each of the 1,000 tasks). Any later change of a parent
+  task's final state (a retry, a redrive) clears that row's output (the step counts' trigger), and a
+  parent without a gathered output (released by the previous release's code, or changed since) is
+  read from its tasks as before, so the two reads give the same answer.
 """
 
 from __future__ import annotations

@@ -18,16 +18,17 @@ import string
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, models, transaction
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 
 from accs_site.conf import ANY, DEMO_ONLY, accs
 from accs_site.redaction import is_secret_name, redact_params
+
+if TYPE_CHECKING:  # jsonschema is imported where a schema is checked (daemons start without it)
+    from jsonschema import Draft202012Validator
 
 STEP_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 #: A governor condition's name (workflows.governor): what block_during and priority_adjust_during name.
@@ -114,6 +115,8 @@ def schema_errors(schema: Mapping[str, Any], instance: Any, *, partial: bool = F
     """Return readable JSON Schema violations of ``instance``; ``partial`` ignores ``required``."""
     if partial and isinstance(schema, Mapping) and "required" in schema:
         schema = {k: v for k, v in schema.items() if k != "required"}
+    from jsonschema import Draft202012Validator
+
     return validator_errors(Draft202012Validator(schema), instance)
 
 
@@ -216,6 +219,9 @@ def service_problems(service) -> list[Problem]:
     if not isinstance(schema, dict):
         problems.append(Problem("params_schema", "must be a JSON object (a JSON Schema)"))
     else:
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
         try:
             Draft202012Validator.check_schema(schema)
         except SchemaError as exc:
@@ -750,6 +756,9 @@ def output_schema_problems(schema: Any, *, where: str) -> list[Problem]:
         return []
     if not isinstance(schema, dict):
         return [Problem(where, "output_schema must be a JSON object (a JSON Schema) or absent")]
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:

@@ -20,9 +20,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-
 from accs_site.conf import known_secrets
 from accs_site.redaction import SECRET_KEY_RE, redact, secrets_in  # noqa: F401 (re-exported: the executors use them by these names)
 from jobs.claim import ClaimedTask
@@ -296,6 +293,9 @@ def output_violation(outcome: Outcome, schema: dict[str, Any] | None) -> Outcome
     output ``schema``, naming each violation; else ``outcome`` itself. Running it again would return the same."""
     if schema is None or outcome.status != "succeeded":
         return outcome
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
     try:
         problems = validator_errors(Draft202012Validator(schema), outcome.results)
     except SchemaError as exc:  # a row written without validation: say so rather than crash the report
