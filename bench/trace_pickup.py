@@ -56,15 +56,15 @@ def agent_main(argv: list[str]) -> None:
 
     agent_mod.Agent._wait = traced_wait
 
-    original_claim_many = claim_mod.claim_many
+    original_claim_round = claim_mod.claim_round
 
-    def traced_claim_many(*args, **kwargs):
+    def traced_claim_round(*args, **kwargs):
         mark("claim_call")
-        tasks = original_claim_many(*args, **kwargs)
-        mark("claim_return", tasks=[str(t.id) for t in tasks])
-        return tasks
+        answer = original_claim_round(*args, **kwargs)
+        mark("claim_return", tasks=[str(t.id) for t in answer.tasks])
+        return answer
 
-    agent_mod.claim_many = traced_claim_many
+    agent_mod.claim_round = traced_claim_round
 
     original_execute = CursorWrapper.execute
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from django.db import connection, transaction
+from django.db import connection
 
-from jobs.locks import bound_lock_waits
+from jobs.locks import LOCK_WAIT_SQL, lock_wait_ms
 from jobs.sql import from_json
 
 # One step's output from its tasks (aliased ``p``, grouped by step): a single task's results, or the list of
@@ -179,12 +179,19 @@ def step_contexts(task_ids: Sequence[UUID], *, lock_wait: float) -> dict[UUID, S
     """
     if not task_ids:
         return {}
-    with transaction.atomic(), connection.cursor() as cur:
-        bound_lock_waits(cur, seconds=lock_wait)
-        cur.execute(f"""SELECT t.id, c.* FROM unnest(%s::uuid[]) AS t(id)
-                           CROSS JOIN LATERAL {STEP_INPUTS_FUNCTION}(t.id) AS c""", [list(task_ids)])
+    with connection.cursor() as cur:
+        cur.execute(STEP_INPUTS_BATCH_SQL, [lock_wait_ms(lock_wait), list(task_ids)])
         rows = cur.fetchall()
     return {row[0]: _as_context(*row[1:]) for row in rows}
+
+
+# The batch read as one statement, one round trip (no BEGIN, no COMMIT around it): the lock timeout is
+# set for the statement's own transaction first, and each task's read takes its id through the setting's
+# answer, so none runs before it (as the bounded claim call does).
+STEP_INPUTS_BATCH_SQL = f"""
+SELECT t.id, c.* FROM {LOCK_WAIT_SQL.format(ms="%s")} AS w(setting), unnest(%s::uuid[]) AS t(id)
+ CROSS JOIN LATERAL {STEP_INPUTS_FUNCTION}(CASE WHEN w.setting IS NOT NULL THEN t.id END) AS c
+"""
 
 
 def _as_context(keys: list[str] | None, outputs: list[Any] | None, item: Any, item_index: int | None,

@@ -8,6 +8,7 @@ import os
 import uuid
 
 import pytest
+from django.db import connection
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions, verbs
@@ -304,4 +305,11 @@ def test_the_batch_read_of_inputs_gives_up_on_a_held_lock_instead_of_holding_up_
         with pytest.raises(Exception) as raised:
             step_contexts([task.id], lock_wait=0.2)
         assert is_lock_timeout(raised.value), raised.value
-    assert step_contexts([task.id], lock_wait=0.2) == {task.id: step_context(task.id)}
+    with connection.cursor() as cur:
+        cur.execute("SHOW lock_timeout")
+        before = cur.fetchone()[0]
+        assert step_contexts([task.id], lock_wait=0.2) == {task.id: step_context(task.id)}
+        # One statement in its own transaction: the bound ends with it (the connection's later
+        # statements, its claims and reports among them, keep their own).
+        cur.execute("SHOW lock_timeout")
+        assert cur.fetchone()[0] == before != "200ms"
