@@ -1,6 +1,6 @@
 """Where pick-up time goes: an agent traced from the outside, then the breakdown per task.
 
-    python bench/trace_pickup.py [--jobs 200] [--gap 0.05]
+    python bench/trace_pickup.py          (BENCH_LAT_JOBS jobs, 200; BENCH_LAT_GAP seconds apart, 0.05)
 
 Runs ``bench/run.py``'s pick-up (an idle agent, one ``bench-stamp`` job every ``gap`` seconds) with an
 agent whose functions are wrapped (nothing in the agent's code changes, so the same tracer runs on
