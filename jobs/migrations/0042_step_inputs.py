@@ -41,12 +41,14 @@ SELECT coalesce(ps.keys, pt.keys, '{}') AS parent_keys, coalesce(ps.outputs, pt.
                             CASE WHEN bool_and(s.output IS NOT NULL) THEN array_agg(s.output) END AS outputs
                        FROM accs_job_step s
                       WHERE s.job_id = t.job_id AND s.step_key = ANY (t.depends_on) AND s.total > 0) ps
- -- Else from their tasks (a parent released by the previous release's code, or changed since).
+ -- Else from their tasks (a parent released by the previous release's code, or changed since); a task
+ -- without parents reads none (a filter on the task alone, decided before any row is read).
  CROSS JOIN LATERAL (SELECT array_agg(g.step_key::text) AS keys, array_agg(g.output) AS outputs
                        FROM (SELECT p.step_key, CASE WHEN bool_or(p.task_key <> p.step_key) THEN jsonb_agg(p.results ORDER BY p.id)
                             ELSE (array_agg(p.results))[1] END AS output
                                FROM accs_task p
-                              WHERE ps.keys IS NULL AND p.job_id = t.job_id AND p.step_key = ANY (t.depends_on)
+                              WHERE ps.keys IS NULL AND cardinality(t.depends_on) > 0
+                                AND p.job_id = t.job_id AND p.step_key = ANY (t.depends_on)
                               GROUP BY p.step_key) g) pt
  CROSS JOIN LATERAL (SELECT (SELECT s.value -> 'fan_out'
           FROM accs_workflow wf CROSS JOIN LATERAL jsonb_array_elements(wf.steps) AS s(value)
