@@ -36,6 +36,7 @@ from uuid import UUID
 
 from django.db import connection
 
+from accs_site.redaction import SECRET_KEY_RE, secrets_in
 from jobs.locks import LOCK_WAIT_SQL, lock_wait_ms
 from jobs.sql import from_json
 
@@ -159,6 +160,9 @@ class StepContext:
 
     inputs: dict[str, Any]
     output_schema: dict[str, Any] | None
+    #: The values among ``inputs`` under secret-looking names (accs_site.redaction.secrets_in), for the
+    #: attempt's logs to redact.
+    secrets: tuple[str, ...] = ()
 
 
 def step_context(task_id: UUID) -> StepContext:
@@ -198,9 +202,21 @@ SELECT t.id, c.* FROM {LOCK_WAIT_SQL.format(ms="%s")} AS w(setting), unnest(%s::
 
 def _as_context(keys: list[str] | None, outputs: list[Any] | None, item: Any, item_index: int | None,
                 schema: Any) -> StepContext:
-    """The parents' outputs as ``{step key: output}`` (and a list fan-out's ``item`` and ``index``)."""
-    inputs: dict[str, Any] = {key: from_json(output) for key, output in zip(keys or [], outputs or [], strict=True)}
+    """The parents' outputs as ``{step key: output}`` (and a list fan-out's ``item`` and ``index``), with the
+    secret values among them."""
+    inputs: dict[str, Any] = {}
+    secrets: list[str] = []
+    pairs = list(zip(keys or [], outputs or [], strict=True))
     if item_index is not None:
-        inputs.update(item=from_json(item), index=item_index)
+        pairs.append(("item", item))
+    for key, output in pairs:
+        inputs[key] = from_json(output)
+        # A secret-looking name appears as it is in the output's JSON text (letters are never escaped), so
+        # an output whose text and key have none holds no secret: the walk of a wide gather is skipped.
+        if not isinstance(output, str) or SECRET_KEY_RE.search(key) or SECRET_KEY_RE.search(output):
+            secrets += secrets_in({key: inputs[key]})
+    if item_index is not None:
+        inputs["index"] = item_index
     schema = from_json(schema)
-    return StepContext(inputs=inputs, output_schema=schema if isinstance(schema, dict) else None)
+    return StepContext(inputs=inputs, output_schema=schema if isinstance(schema, dict) else None,
+                       secrets=tuple(secrets))

@@ -1105,7 +1105,7 @@ def _read_step_context(task: ClaimedTask, ctx: RunContext) -> None:
 
 def _give_step_context(ctx: RunContext, found: StepContext) -> None:
     ctx.inputs, ctx.output_schema = found.inputs, found.output_schema
-    ctx.secrets += secrets_in(found.inputs)
+    ctx.secrets += found.secrets
 
 
 def _stage_inputs(task: ClaimedTask, ctx: RunContext) -> None:

@@ -352,3 +352,36 @@ def test_a_tasks_read_of_its_inputs_reads_its_own_row_only_however_many_tasks_it
     assert JobStep.objects.get(job=job, step_key="root").output == [{"n": 1}] * 30, "the parent's output is gathered"
     assert step_context(child.id).inputs == {"root": [{"n": 1}] * 30} == previous_release_inputs(child.id)
     assert _task_rows_read(lambda: step_context(child.id)) <= 1
+
+
+SECRET_WORDS = ["password", "api-key", "Token", "MyPrivate_Key", "note", "x", "päss", "tokenish"]
+# Text jsonb can store (no NUL, no lone surrogate), with the names above mixed in.
+_text = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=12)
+_json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), _text, st.sampled_from(SECRET_WORDS)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.one_of(st.sampled_from(SECRET_WORDS), _text), inner, max_size=3)),
+    max_leaves=12)
+
+
+@pytest.mark.django_db
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(outputs=st.tuples(*[_json_values.filter(lambda v: v is not None)] * 2),  # (a SQL NULL: not gathered)
+       parent=st.sampled_from(["first", "token"]))
+def test_the_secrets_found_in_a_tasks_inputs_are_every_value_under_a_secret_name(make_service, outputs, parent):
+    """The read names the values among a task's inputs under secret-looking names (for its logs to redact),
+    the same as a walk of the whole inputs finds, whatever the outputs' shapes and wherever the name is: a
+    key at any depth, or a parent step's own key."""
+    from accs_site.redaction import secrets_in
+
+    make_service("sec-in")
+    name = f"sec-{uuid.uuid4().hex[:8]}"
+    create_workflow(name=name, steps=[{"key": parent, "service": "sec-in"}, {"key": "second", "service": "sec-in"},
+                                      {"key": "child", "service": "sec-in", "depends_on": [parent, "second"]}])
+    job = api.start_workflow(name)
+    for key, output in zip([parent, "second"], outputs, strict=True):
+        JobStep.objects.filter(job=job, step_key=key).update(output=output, total=1)
+    child = Task.objects.get(job=job, step_key="child")
+    found = step_context(child.id)
+    assert found.inputs == {parent: outputs[0], "second": outputs[1]}
+    assert sorted(found.secrets) == sorted(secrets_in(found.inputs))
