@@ -44,6 +44,15 @@ def _history(now) -> None:
                         [None if wait is None else started - timedelta(seconds=wait), cur.fetchone()[0]])
 
 
+def _scene():
+    """The pipeline scene in two tenants and six days of attempts before now; return (tenants, now)."""
+    tenants = two_tenants()
+    pipeline_scene(tenants)
+    now = timezone.now()
+    _history(now)
+    return tenants, now
+
+
 def _mark() -> tuple:
     with connection.cursor() as cur:
         cur.execute("SELECT folded_until, pending FROM accs_attempt_rollup_mark WHERE name = 'attempts'")
@@ -140,10 +149,7 @@ def _check_every_view(tenants, now) -> None:
 
 @pytest.mark.django_db
 def test_charts_and_rates_equal_a_direct_count_before_during_and_after_the_fold_per_tenant():
-    tenants = two_tenants()
-    pipeline_scene(tenants)
-    now = timezone.now()
-    _history(now)
+    tenants, now = _scene()
     _check_every_view(tenants, now)  # nothing folded: every attempt read raw
     assert fold(limit=50, now=now) > 0
     assert fold(limit=50, now=now) > 0
@@ -167,10 +173,7 @@ def test_charts_and_rates_equal_a_direct_count_before_during_and_after_the_fold_
 
 @pytest.mark.django_db
 def test_once_folded_the_week_is_read_from_the_rollup_not_from_its_attempts():
-    tenants = two_tenants()
-    pipeline_scene(tenants)
-    now = timezone.now()
-    _history(now)
+    _tenants, now = _scene()
     Attempt.objects.filter(status="running").update(status="canceled", finished_at=now)
     Attempt.objects.filter(started_at__gt=now - LAG - timedelta(minutes=20)).delete()
     while fold(limit=1000, now=now):
