@@ -484,3 +484,19 @@ def test_accs_status_json_and_tenant_filter(tenants):
     assert [t["tenant"] for t in data["tenants"]] == ["globex"] and data["failures"] == []
     with pytest.raises(Exception, match="no tenant nope"):
         call_command("accs_status", "--tenant", "nope", stdout=StringIO())
+
+
+def test_a_list_row_s_action_checkbox_is_the_markup_django_s_widget_renders(tenants):
+    from django.contrib import admin
+
+    from accs_site.admin_kit import TenantScopedAdmin
+    from tenants.models import Tenant
+
+    job = failed_service_job(tenants.acme)
+    task = Task.objects.filter(job=job).first()
+    odd = Tenant(slug='<b>"&\' x', name="odd")  # a name the label escapes
+    assert "<b>" in str(odd)
+    for obj in (job, task, odd):
+        fast = TenantScopedAdmin.action_checkbox(None, obj)
+        assert fast == admin.ModelAdmin.action_checkbox(None, obj), obj
+        assert 'class="action-select"' in fast and f'value="{obj.pk}"' in fast
