@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 from django.utils import timezone
 from hypothesis import given, settings, strategies as st
@@ -156,3 +157,16 @@ def test_a_builder_tick_folds_the_attempts_under_the_leader_lease(transactional_
         builder._drop_session("test over")
     rolled, direct, nodes, direct_nodes = _rolled_and_direct()
     assert rolled == direct and nodes == direct_nodes and rolled
+
+
+@pytest.mark.django_db
+def test_the_command_folds_everything_up_to_the_lag_and_says_how_many(capsys):
+    pipeline_scene(two_tenants())
+    _history(timezone.now())
+    call_command("accs_attempt_rollup", "--batch", "3")
+    rolled, direct, nodes, direct_nodes = _rolled_and_direct()
+    assert rolled == direct and nodes == direct_nodes and rolled
+    folded = sum(row[3] for row in rolled)
+    assert f"folded {folded} attempts in " in capsys.readouterr().out
+    with pytest.raises(CommandError, match="--batch must be at least 1"):
+        call_command("accs_attempt_rollup", "--batch", "0")

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
 
 from jobs.attempt_rollup import FOLD_BATCH, behind, fold
 
@@ -31,4 +32,6 @@ class Command(BaseCommand):
                 self.stderr.write(f"{total} attempts folded")
             if not behind():
                 break
+        with connection.cursor() as cur:  # the readers' plans see the filled tables before autovacuum does
+            cur.execute("ANALYZE accs_attempt_rollup, accs_attempt_node_rollup")
         self.stdout.write(f"folded {total} attempts in {time.monotonic() - started:.1f} s")
