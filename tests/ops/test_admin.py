@@ -504,3 +504,17 @@ def test_a_list_row_s_action_checkbox_is_the_markup_django_s_widget_renders(tena
         fast = TenantScopedAdmin.action_checkbox(None, obj)
         assert fast == admin.ModelAdmin.action_checkbox(None, obj), obj
         assert 'class="action-select"' in fast and f'value="{obj.pk}"' in fast
+
+
+@pytest.mark.parametrize("url", ["/admin/jobs/task/0190a1b2-aaaa/change/", "/admin/jobs/job/5/change/?_to_field=id",
+                                 "/admin/jobs/job/", "/admin/jobs/job/5/history/", "/admin/jobs/job/5/change/#x"])
+@pytest.mark.parametrize("filters", ["", "_changelist_filters=status__exact%3Derror%26q%3Da%2Bb%26p%3D500",
+                                     "_changelist_filters=range%3Dcustom%26from%3D2026-11-28T13%253A05"])
+@pytest.mark.parametrize("popup", [False, True])
+def test_a_row_link_keeps_the_list_s_filters_as_django_writes_it(url, filters, popup):
+    from django.contrib.admin.templatetags import admin_urls
+
+    from accs_site.admin_kit import add_preserved_filters
+
+    context = {"preserved_filters": filters, "opts": Job._meta}
+    assert add_preserved_filters(context, url, popup) == admin_urls.add_preserved_filters(context, url, popup)
