@@ -8,77 +8,80 @@ release folds finished attempts in, off their path). Until the first folds catch
 accs_attempt_rollup``, or the builder's duty in bounded batches) the readers count the attempts as before.
 """
 
-from django.db import migrations
-
-# The queue wait's histogram columns (jobs.attempt_rollup.WAIT_BOUNDS: 19 bounds, 20 bins).
-CREATE = """
-CREATE TABLE accs_attempt_rollup (
-    bucket timestamptz NOT NULL,
-    service_id bigint,
-    tenant_id uuid,
-    attempts integer NOT NULL,
-    succeeded integer NOT NULL,
-    failed integer NOT NULL,
-    wait_0 integer NOT NULL DEFAULT 0,
-    wait_1 integer NOT NULL DEFAULT 0,
-    wait_2 integer NOT NULL DEFAULT 0,
-    wait_3 integer NOT NULL DEFAULT 0,
-    wait_4 integer NOT NULL DEFAULT 0,
-    wait_5 integer NOT NULL DEFAULT 0,
-    wait_6 integer NOT NULL DEFAULT 0,
-    wait_7 integer NOT NULL DEFAULT 0,
-    wait_8 integer NOT NULL DEFAULT 0,
-    wait_9 integer NOT NULL DEFAULT 0,
-    wait_10 integer NOT NULL DEFAULT 0,
-    wait_11 integer NOT NULL DEFAULT 0,
-    wait_12 integer NOT NULL DEFAULT 0,
-    wait_13 integer NOT NULL DEFAULT 0,
-    wait_14 integer NOT NULL DEFAULT 0,
-    wait_15 integer NOT NULL DEFAULT 0,
-    wait_16 integer NOT NULL DEFAULT 0,
-    wait_17 integer NOT NULL DEFAULT 0,
-    wait_18 integer NOT NULL DEFAULT 0,
-    wait_19 integer NOT NULL DEFAULT 0
-);
--- The fold's ON CONFLICT key, and the readers' range by bucket; an attempt without a service or tenant
--- (none is written since jobs.0038) is one key too.
-CREATE UNIQUE INDEX attempt_rollup_key ON accs_attempt_rollup (bucket, service_id, tenant_id) NULLS NOT DISTINCT;
-
-CREATE TABLE accs_attempt_node_rollup (
-    bucket timestamptz NOT NULL,
-    node varchar(200) NOT NULL,
-    service_id bigint,
-    tenant_id uuid,
-    attempts integer NOT NULL,
-    succeeded integer NOT NULL,
-    failed integer NOT NULL
-);
-CREATE UNIQUE INDEX attempt_node_rollup_key
-    ON accs_attempt_node_rollup (bucket, node, service_id, tenant_id) NULLS NOT DISTINCT;
-
--- How far the fold has come: attempts started before folded_until are in the rollups, but for those
--- still running when they were folded (pending, counted once they finish).
-CREATE TABLE accs_attempt_rollup_mark (
-    name text PRIMARY KEY,
-    folded_until timestamptz,
-    folded_at timestamptz,
-    pending bigint[] NOT NULL DEFAULT '{}'
-);
-INSERT INTO accs_attempt_rollup_mark (name) VALUES ('attempts');
-"""
-
-DROP = """
-DROP TABLE accs_attempt_rollup_mark;
-DROP TABLE accs_attempt_node_rollup;
-DROP TABLE accs_attempt_rollup;
-"""
+import django.contrib.postgres.fields
+from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("jobs", "0042_step_inputs"),
+        ('jobs', '0042_step_inputs'),
     ]
 
     operations = [
-        migrations.RunSQL(CREATE, DROP),
+        migrations.CreateModel(
+            name='AttemptRollupMark',
+            fields=[
+                ('name', models.TextField(primary_key=True, serialize=False)),
+                ('folded_until', models.DateTimeField(null=True)),
+                ('folded_at', models.DateTimeField(help_text="When the last fold committed (PostgreSQL's clock).", null=True)),
+                ('pending', django.contrib.postgres.fields.ArrayField(base_field=models.BigIntegerField(), default=list, size=None)),
+            ],
+            options={
+                'db_table': 'accs_attempt_rollup_mark',
+            },
+        ),
+        migrations.CreateModel(
+            name='AttemptNodeRollup',
+            fields=[
+                ('id', models.BigAutoField(primary_key=True, serialize=False)),
+                ('bucket', models.DateTimeField(help_text='The start of the hour (UTC).')),
+                ('node', models.CharField(max_length=200)),
+                ('service_id', models.BigIntegerField(null=True)),
+                ('tenant_id', models.UUIDField(null=True)),
+                ('attempts', models.IntegerField()),
+                ('succeeded', models.IntegerField()),
+                ('failed', models.IntegerField(help_text='Failed or timed out.')),
+            ],
+            options={
+                'db_table': 'accs_attempt_node_rollup',
+                'constraints': [models.UniqueConstraint(fields=('bucket', 'node', 'service_id', 'tenant_id'), name='attempt_node_rollup_key', nulls_distinct=False)],
+            },
+        ),
+        migrations.CreateModel(
+            name='AttemptRollup',
+            fields=[
+                ('id', models.BigAutoField(primary_key=True, serialize=False)),
+                ('bucket', models.DateTimeField(help_text='The start of the 20 minutes (from the Unix epoch, UTC).')),
+                ('service_id', models.BigIntegerField(null=True)),
+                ('tenant_id', models.UUIDField(null=True)),
+                ('attempts', models.IntegerField(help_text='Attempts started in the bucket, finished when folded.')),
+                ('succeeded', models.IntegerField()),
+                ('failed', models.IntegerField(help_text='Failed or timed out.')),
+                ('wait_0', models.IntegerField(default=0)),
+                ('wait_1', models.IntegerField(default=0)),
+                ('wait_2', models.IntegerField(default=0)),
+                ('wait_3', models.IntegerField(default=0)),
+                ('wait_4', models.IntegerField(default=0)),
+                ('wait_5', models.IntegerField(default=0)),
+                ('wait_6', models.IntegerField(default=0)),
+                ('wait_7', models.IntegerField(default=0)),
+                ('wait_8', models.IntegerField(default=0)),
+                ('wait_9', models.IntegerField(default=0)),
+                ('wait_10', models.IntegerField(default=0)),
+                ('wait_11', models.IntegerField(default=0)),
+                ('wait_12', models.IntegerField(default=0)),
+                ('wait_13', models.IntegerField(default=0)),
+                ('wait_14', models.IntegerField(default=0)),
+                ('wait_15', models.IntegerField(default=0)),
+                ('wait_16', models.IntegerField(default=0)),
+                ('wait_17', models.IntegerField(default=0)),
+                ('wait_18', models.IntegerField(default=0)),
+                ('wait_19', models.IntegerField(default=0)),
+            ],
+            options={
+                'db_table': 'accs_attempt_rollup',
+                'constraints': [models.UniqueConstraint(fields=('bucket', 'service_id', 'tenant_id'), name='attempt_rollup_key', nulls_distinct=False)],
+            },
+        ),
     ]

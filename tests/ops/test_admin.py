@@ -449,8 +449,8 @@ def test_overview_queries_read_partial_indexes_not_the_history(tenants, make_ser
         ):
             cur.execute("EXPLAIN " + sql, params)
             plans[name] = "\n".join(r[0] for r in cur.fetchall())
-    for name, plan in plans.items():
-        assert "Seq Scan on accs_task " not in plan and "Seq Scan on accs_attempt" not in plan, f"{name}:\n{plan}"
+    for name, plan in plans.items():  # (the rollups of a test are a few rows: a seq scan of them is right)
+        assert "Seq Scan on accs_task " not in plan and "Seq Scan on accs_attempt " not in plan, f"{name}:\n{plan}"
     assert "accs_attempt_pkey" in plans["recent"], plans["recent"]
     assert "attempt_started_idx" in plans["charts"] and "accs_task" not in plans["charts"], plans["charts"]
     assert "accs_task_pkey" in plans["charts through tasks"], plans["charts through tasks"]

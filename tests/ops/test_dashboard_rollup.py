@@ -56,7 +56,7 @@ def _scene():
 def _mark() -> tuple:
     with connection.cursor() as cur:
         cur.execute("SELECT folded_until, pending FROM accs_attempt_rollup_mark WHERE name = 'attempts'")
-        return cur.fetchone()
+        return cur.fetchone() or (None, [])  # no row before the first fold
 
 
 def _waited(a: Attempt) -> float | None:
