@@ -23,7 +23,9 @@ def estimated_count(queryset: QuerySet, *, exact_up_to: int | None = None) -> tu
     if capped <= limit:
         return capped, False
     try:
-        plan = json.loads(queryset.order_by().explain(format="json"))
+        # The key alone: the estimate is the WHERE's, and planning the list's joined columns and
+        # annotations took 8-10 ms of a list page at a million rows (0.5 ms so).
+        plan = json.loads(queryset.order_by().values("pk").explain(format="json"))
         return max(int(plan[0]["Plan"]["Plan Rows"]), capped), True
     except Exception:  # noqa: BLE001 - an estimate is optional; the capped count is still a lower bound
         return capped, True

@@ -77,12 +77,13 @@ READERS: dict[str, dict[str, str]] = {
         "task_error_trgm_idx": "the admin's job search by a task's last error (jobs.admin.jobs_with_error)",
     },
     "accs_attempt": {
-        "accs_attempt_pkey": "the newest attempts first: ops.overview.RECENT_STATS_SQL, RECENT_FAILURES_SQL, "
-                             "ops.charts.CHART_SQL",
+        "accs_attempt_pkey": "the newest attempts first: ops.overview.RECENT_STATS_SQL, RECENT_FAILURES_SQL; "
+                             "the attempts a fold left running (jobs.attempt_rollup: FOLD_SQL, the readers' RAW_SQL)",
         "attempt_task_no_unique": "one row per attempt of a task (the rule); the report's and the failure "
                                   "path's update of the attempt (task_id, attempt_no); retention's delete",
-        "attempt_started_idx": "ops.rates.RATES_SQL (success and failure per node and service over a time "
-                               "range); the attempts list's time range (ops.timerange.TimeRangeFilter)",
+        "attempt_started_idx": "the part of a range not rolled up yet (jobs.attempt_rollup.RAW_SQL: "
+                               "ops.rates.RATES_SQL, ops.charts.CHART_SQL) and the fold's window (FOLD_SQL); the "
+                               "attempts list's time range (ops.timerange.TimeRangeFilter)",
         "attempt_node_idx": "the attempts list filtered by node, newest first (ops.admin.AttemptNodeFilter)",
         "attempt_service_idx": "the attempts list filtered by service, newest first (ops.admin.AttemptServiceFilter)",
         "attempt_refs_missing_idx": "jobs.attempt_refs: whether any attempt lacks its copy, and the fill's batches "

@@ -771,3 +771,64 @@ class RetentionMark(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}: last pruned {self.last_pruned_at:%Y-%m-%d %H:%M} ({self.jobs} jobs)"
+
+
+class AttemptRollup(models.Model):
+    """Attempts per 20 minutes of their start, service and tenant (:mod:`jobs.attempt_rollup`): the dashboard's
+    charts. Written only by the builder's fold; ``wait_0`` … ``wait_19`` count the queue waits per bin of
+    ``jobs.attempt_rollup.WAIT_BOUNDS``."""
+
+    id = models.BigAutoField(primary_key=True)
+    bucket = models.DateTimeField(help_text="The start of the 20 minutes (from the Unix epoch, UTC).")
+    # Plain ids, no foreign keys: a rollup row outlives nothing it names, and a service's or tenant's delete
+    # has nothing to check here.
+    service_id = models.BigIntegerField(null=True)
+    tenant_id = models.UUIDField(null=True)
+    attempts = models.IntegerField(help_text="Attempts started in the bucket, finished when folded.")
+    succeeded = models.IntegerField()
+    failed = models.IntegerField(help_text="Failed or timed out.")
+
+    class Meta:
+        db_table = "accs_attempt_rollup"
+        constraints = [
+            # The fold's ON CONFLICT key, and the readers' range by bucket.
+            models.UniqueConstraint(fields=["bucket", "service_id", "tenant_id"], nulls_distinct=False,
+                                    name="attempt_rollup_key"),
+        ]
+
+
+for _bin in range(20):  # jobs.attempt_rollup.WAIT_BINS
+    AttemptRollup.add_to_class(f"wait_{_bin}", models.IntegerField(default=0))
+
+
+class AttemptNodeRollup(models.Model):
+    """Attempts per hour of their start, node, service and tenant (:mod:`jobs.attempt_rollup`): the rates."""
+
+    id = models.BigAutoField(primary_key=True)
+    bucket = models.DateTimeField(help_text="The start of the hour (UTC).")
+    node = models.CharField(max_length=200)
+    service_id = models.BigIntegerField(null=True)
+    tenant_id = models.UUIDField(null=True)
+    attempts = models.IntegerField()
+    succeeded = models.IntegerField()
+    failed = models.IntegerField(help_text="Failed or timed out.")
+
+    class Meta:
+        db_table = "accs_attempt_node_rollup"
+        constraints = [
+            models.UniqueConstraint(fields=["bucket", "node", "service_id", "tenant_id"], nulls_distinct=False,
+                                    name="attempt_node_rollup_key"),
+        ]
+
+
+class AttemptRollupMark(models.Model):
+    """How far the fold has come (one row): attempts started before ``folded_until`` are in the rollups, but
+    for ``pending``, those still running when they were folded (counted once they finish)."""
+
+    name = models.TextField(primary_key=True)
+    folded_until = models.DateTimeField(null=True)
+    folded_at = models.DateTimeField(null=True, help_text="When the last fold committed (PostgreSQL's clock).")
+    pending = ArrayField(models.BigIntegerField(), default=list)
+
+    class Meta:
+        db_table = "accs_attempt_rollup_mark"

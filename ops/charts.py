@@ -1,9 +1,12 @@
 """Small time-series charts for the dashboard: throughput, failures and queue latency over the last
 hours, overall and per service, drawn as inline SVG (no script, no CDN).
 
-The figures come from the newest attempts by primary key (as the dashboard's timings do), so the
-read is bounded whatever the size of the history; a busy site whose sample does not reach back the
-whole span says so.
+The figures come from the attempts rolled up per 20 minutes (jobs.attempt_rollup) for the bars that are
+whole rollup buckets and that the builder has folded, and from the attempts themselves for the rest (the
+last minutes, the attempts still running, and every bar of a range shorter than a few hours), so the
+read is bounded by the span's buckets, not its attempts. A raw part is read up to a sample of its newest
+attempts; a busy site whose sample does not reach back that whole part says so. The median queue wait
+of a bar holding folded attempts is estimated from a histogram (jobs.attempt_rollup.wait_median).
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from django.utils.safestring import SafeString, mark_safe
 
 from accs_site.admin_kit import human_age
 from accs_site.dbrouter import read_connection
+from jobs import attempt_rollup as rollup
 from jobs.attempt_refs import refs_complete
 from ops.overview import _tenant_filter
-from ops.rates import range_ids
 
 #: How far back the charts reach by default, and the width of one bar; a chosen range keeps the number of bars.
 CHART_SPAN, CHART_BUCKET = timedelta(hours=6), timedelta(minutes=10)
@@ -28,52 +31,61 @@ CHART_BARS = int(CHART_SPAN / CHART_BUCKET)
 
 
 def chart_span(since: datetime, until: datetime, *, bars: int = CHART_BARS) -> tuple[timedelta, timedelta]:
-    """Return the span and bar width that draw ``since``..``until`` in ``bars`` bars (a bar at least a second)."""
+    """Return the span and bar width that draw ``since``..``until`` in ``bars`` bars (a bar at least a second;
+    one at least a rollup bucket wide is a whole number of them, so that it is read from the rollup)."""
     bucket = timedelta(seconds=max(1, round((until - since).total_seconds() / bars)))
+    if bucket >= rollup.SERVICE_GRID:
+        bucket = max(1, round(bucket / rollup.SERVICE_GRID)) * rollup.SERVICE_GRID
     return bucket * bars, bucket
-#: Attempts read at most (the newest by primary key).
+#: Attempts read raw at most in each part of the span the rollup does not cover (the newest).
 CHART_SAMPLE = 50_000
 #: Services drawn one by one (the busiest); the rest are in the overall charts.
 CHART_SERVICES = 8
 
 CHART_SQL = """
--- The newest attempts by primary key up to the span's last one (ops.rates.range_ids), then those
--- started inside the span, counted per bar (and per service): attempts started, those that failed or
--- timed out, and the median queue wait (claim time − the time the task became claimable for it).
--- The service, tenant and claimable time are the attempt's own copy of its task's (ATTEMPT_SOURCE: the
--- attempts alone), or its task's while some attempts lack the copy (TASK_SOURCE: one primary-key lookup
--- per attempt in the span, and a wait for the task's current attempt only, the one whose time it holds).
--- The sample is read twice (inlined: a materialized copy would hide its size from the planner,
--- which then hashes the whole task table instead of looking each task up by its key). Seconds are
--- date_part's double precision, not extract's numeric: numeric arithmetic and sorting on 50,000 rows
--- took a third of the statement.
-WITH recent AS NOT MATERIALIZED (
-    SELECT a.task_id, a.attempt_no, a.status, a.started_at, a.service_id, a.tenant_id, a.claimable_at
-      FROM accs_attempt a WHERE a.id <= %(last)s ORDER BY a.id DESC LIMIT %(sample)s
-), r AS (
-    SELECT {service} AS service_id, r.status,
-           floor(date_part('epoch', r.started_at - %(since)s) / %(bucket)s)::int AS bar,
-           CASE WHEN {known} THEN date_part('epoch', r.started_at - {claimable}) END AS latency
-      FROM recent r {join}
-     WHERE r.started_at >= %(since)s AND {tenants}
+-- The span's attempts per bar (and per service): attempts started, those that failed or timed out, and
+-- the median queue wait (claim time − the time the task became claimable for it). Whole buckets the
+-- builder has folded come from accs_attempt_rollup (jobs.attempt_rollup), the rest from the attempts
+-- themselves (the raw CTE: the tail since the mark, the pending attempts, or the whole span when its bars
+-- do not fall on the rollup's buckets), in one statement so that a fold cannot commit in between. A raw
+-- attempt's service, tenant and claimable time are its own copy of its task's (ATTEMPT_SOURCE), or its
+-- task's while some attempts lack the copy (TASK_SOURCE). Seconds are date_part's double precision, not
+-- extract's numeric: numeric arithmetic and sorting on 50,000 rows took a third of the statement.
+WITH {zone}, {raw}, r AS (
+    SELECT service_id, status, part, latency, {wait_bin} AS wait_bin,
+           floor(date_part('epoch', started_at - %(since)s) / %(bucket)s)::int AS bar
+      FROM raw
+), counted AS (
+    SELECT service_id, bar, count(*) AS attempts, count(*) FILTER (WHERE status IN ('failed', 'timeout')) AS failed,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY latency) AS median, false AS rolled, {raw_bins}
+      FROM r GROUP BY GROUPING SETS ((bar), (service_id, bar))
+    UNION ALL
+    SELECT service_id, bar, sum(attempts), sum(failed), NULL, true, {rolled_bins}
+      FROM (SELECT u.*, floor(date_part('epoch', u.bucket - %(since)s) / %(bucket)s)::int AS bar
+              FROM accs_attempt_rollup u
+             WHERE u.bucket >= %(lo)s AND u.bucket < (SELECT hi FROM zone) AND {rolled_tenants}) u
+     GROUP BY GROUPING SETS ((bar), (service_id, bar))
 )
-SELECT service_id, bar, count(*), count(*) FILTER (WHERE status IN ('failed', 'timeout')),
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY latency), min(bar) OVER (), (SELECT count(*) FROM recent)
-  FROM r GROUP BY GROUPING SETS ((bar), (service_id, bar))
+SELECT c.*, (SELECT max(n) FROM (SELECT count(*) AS n FROM raw GROUP BY part) p) FROM counted c
 """
 
-#: Where the charts read an attempt's service, tenant and claimable time: its copy (jobs.attempt_refs) ...
-ATTEMPT_SOURCE = {"service": "r.service_id", "tenant": "r.tenant_id", "join": "", "claimable": "r.claimable_at",
-                  "known": "r.claimable_at <= r.started_at"}
-#: ... or its task, while some attempts lack the copy.
-TASK_SOURCE = {"service": "t.service_id", "tenant": "t.tenant_id", "join": "JOIN accs_task t ON t.id = r.task_id",
-               "claimable": "t.next_attempt_at",
-               "known": "r.attempt_no = t.attempt AND t.next_attempt_at <= r.started_at"}
+#: Where the charts read a raw attempt's service, tenant and claimable time: its copy (jobs.attempt_refs) ...
+ATTEMPT_SOURCE = {"service": "a.service_id", "tenant": "a.tenant_id", "join": "", "claimable": "a.claimable_at"}
+#: ... or its task, while some attempts lack the copy (the task holds the time for its last attempt only).
+TASK_SOURCE = {"service": "t.service_id", "tenant": "t.tenant_id", "join": "JOIN accs_task t ON t.id = a.task_id",
+               "claimable": "CASE WHEN a.attempt_no = t.attempt THEN t.next_attempt_at END"}
 
 
-def chart_sql(source: dict[str, str], tenants: str) -> str:
-    """Return the charts' statement reading ``source`` (:data:`ATTEMPT_SOURCE` or :data:`TASK_SOURCE`)."""
-    return CHART_SQL.format(tenants=tenants, **{k: v for k, v in source.items() if k != "tenant"})
+def chart_sql(source: dict[str, str], tenants: str, rolled_tenants: str) -> str:
+    """Return the charts' statement reading raw attempts through ``source`` (:data:`ATTEMPT_SOURCE` or
+    :data:`TASK_SOURCE`), ``tenants`` and ``rolled_tenants`` restricting the raw rows and the rollup's."""
+    columns = (f"{source['service']} AS service_id, a.status, a.started_at, "
+               f"{rollup.WAIT_SQL.format(claimable=source['claimable'])} AS latency, {{part}} AS part")
+    raw = rollup.raw_sql(columns, join=source["join"], where=f"AND {tenants}")
+    return CHART_SQL.format(zone=rollup.ZONE_SQL, raw=raw,
+                            wait_bin=rollup.WAIT_BIN_SQL.format(wait="latency"), raw_bins=rollup.wait_bin_counts(),
+                            rolled_bins=", ".join(f"sum({c})" for c in rollup.WAIT_COLUMNS),
+                            rolled_tenants=rolled_tenants)
 
 
 @dataclass
@@ -99,43 +111,71 @@ class Charts:
     bars: int
     overall: Series
     services: list[Series]
-    partial: bool  # the sample did not reach back to the start of the span
+    partial: bool  # a part of the span read raw held more attempts than the sample: its newest only
 
     @property
     def span_seconds(self) -> int:
         return self.bars * self.bucket_seconds
 
 
+@dataclass
+class _Bar:
+    attempts: int = 0
+    failed: int = 0
+    median: float | None = None  # the raw attempts' exact median, while none of the bar is rolled up
+    rolled: bool = False
+    bins: list[int] = field(default_factory=lambda: [0] * rollup.WAIT_BINS)
+
+    def add(self, attempts: int, failed: int, median: float | None, rolled: bool, bins: tuple[int, ...]) -> None:
+        self.attempts, self.failed = self.attempts + attempts, self.failed + failed
+        self.median, self.rolled = (median if not rolled else self.median), self.rolled or rolled
+        self.bins = [a + b for a, b in zip(self.bins, bins, strict=True)]
+
+    @property
+    def latency(self) -> float | None:
+        # Once a bar holds folded attempts, its median comes from the histogram of all of them.
+        return rollup.wait_median(self.bins) if self.rolled else self.median
+
+
 def chart_data(*, tenant_ids: set[UUID] | None = None, now: datetime | None = None,
                span: timedelta = CHART_SPAN, bucket: timedelta = CHART_BUCKET, sample: int = CHART_SAMPLE) -> Charts:
-    """Count attempts, failures and queue latency per bar over ``span``, overall and per service."""
+    """Count attempts, failures and queue latency per bar over ``span``, overall and per service.
+
+    Bars a whole number of rollup buckets wide (:data:`jobs.attempt_rollup.SERVICE_GRID`) end on the
+    bucket boundary at or after ``now``, so that each bar is whole buckets; narrower ones end at ``now``.
+    """
     now = now or timezone.now()
     bars = int(span / bucket)
-    since = now - bars * bucket
+    aligned = bucket % rollup.SERVICE_GRID == timedelta(0)
+    until = rollup.ceil_to(now, rollup.SERVICE_GRID) if aligned else now
+    since = until - bars * bucket
     rows: list[tuple] = []
     with read_connection().cursor() as cur:
         cur.execute("SELECT id, key FROM accs_service")
         names = dict(cur.fetchall())
-        if bounds := range_ids(cur, since=since, until=now):
-            source = ATTEMPT_SOURCE if refs_complete(cur) else TASK_SOURCE
-            where, params = _tenant_filter(source["tenant"], tenant_ids)
-            cur.execute(chart_sql(source, where), {"sample": sample, "since": since, "last": bounds[1],
-                                                   "bucket": bucket.total_seconds(), **params})
-            rows = cur.fetchall()
+        source = ATTEMPT_SOURCE if refs_complete(cur) else TASK_SOURCE
+        where, params = _tenant_filter(source["tenant"], tenant_ids)
+        rolled_where, _same = _tenant_filter("u.tenant_id", tenant_ids)
+        cur.execute(chart_sql(source, where, rolled_where),
+                    {"sample": sample, "since": since, "until": until, "bucket": bucket.total_seconds(), **params,
+                     **rollup.zone(since, until, rollup.SERVICE_GRID, aligned=aligned), **rollup.fold_params()})
+        rows = cur.fetchall()
+    found: dict[tuple[int | None, int], _Bar] = {}
+    full_sample = False
+    for service_id, bar, attempts, failed, median, rolled, *rest in rows:
+        *bins, read = rest
+        full_sample = full_sample or (read or 0) >= sample
+        if 0 <= bar < bars:
+            found.setdefault((service_id, bar), _Bar()).add(attempts, failed, median, rolled, tuple(bins))
     series: dict[int | None, Series] = {}
-    first_bar, full_sample = bars, False
-    for service_id, bar, started, failed, latency, earliest, read in rows:
-        full_sample = read >= sample
-        if not 0 <= bar < bars:
-            continue
-        first_bar = min(first_bar, earliest if earliest is not None else bars)
+    for (service_id, bar), b in found.items():
         s = series.setdefault(service_id, Series(service=names.get(service_id, "") if service_id else "",
                                                  started=[0] * bars, failed=[0] * bars, latency=[None] * bars))
-        s.started[bar], s.failed[bar], s.latency[bar] = started, failed, latency
+        s.started[bar], s.failed[bar], s.latency[bar] = b.attempts, b.failed, b.latency
     overall = series.pop(None, Series(service="", started=[0] * bars, failed=[0] * bars, latency=[None] * bars))
     busiest = sorted(series.values(), key=lambda s: (-s.total, s.service))[:CHART_SERVICES]
     return Charts(since=since, bucket_seconds=int(bucket.total_seconds()), bars=bars, overall=overall,
-                  services=sorted(busiest, key=lambda s: s.service), partial=bool(full_sample and first_bar > 0))
+                  services=sorted(busiest, key=lambda s: s.service), partial=full_sample)
 
 
 def bar_stamps(*, since: datetime, bucket_seconds: int, bars: int) -> list[str]:

@@ -1,10 +1,11 @@
 """Which node, which service is sick: attempts that succeeded and failed per node and per service over a
 time range (:mod:`ops.timerange`), on the dashboard, a node's page and a service's page.
 
-The read is bounded whatever the range: the newest attempts of the range are read backwards through
-``attempt_started_idx``, at most :data:`RATES_SAMPLE`; for one node, its attempts between the range's
-first and last id (one probe of ``attempt_started_idx`` each) through ``attempt_node_idx``. A range
-holding more says so (``partial``) and the figures are those of its newest attempts.
+The read is bounded by the range's hours, not its attempts: the whole hours the builder has folded are
+read from the rollup (jobs.attempt_rollup), and only the rest from the attempts, backwards through
+``attempt_started_idx``: the range's first part hour and the tail since the mark (a few minutes), each
+at most :data:`RATES_SAMPLE`, and the attempts that were still running when their hour was folded. A
+raw part holding more says so (``partial``) and the figures are those of its newest attempts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from django.utils.http import urlencode
 
 from accs_site.dbrouter import read_connection
 from jobs.attempt_refs import refs_complete
+from jobs.attempt_rollup import NODE_GRID, ZONE_SQL, raw_sql, zone
 from ops.overview import _tenant_filter
 from ops.timerange import current_range, picker
 from tenants.scoping import tenant_ids_for
@@ -28,51 +30,57 @@ from tenants.scoping import tenant_ids_for
 #: The range a node's or a service's page counts over until the operator picks one (the dashboard's).
 PAGE_RANGE = "6h"
 
-#: Attempts read at most for one table of rates.
+#: Attempts read raw at most in each part of the range the rollup does not cover (the newest).
 RATES_SAMPLE = 50_000
 #: Statuses counted as failures (an interrupted attempt is the agent's shutdown, retried: not the work's fault).
 FAILED = ("failed", "timeout")
 
-BOUNDS_SQL = """
--- The first and the last attempt started inside the range: one descent of attempt_started_idx each.
-SELECT (SELECT a.id FROM accs_attempt a WHERE a.started_at >= %(since)s AND a.started_at < %(until)s
-         ORDER BY a.started_at LIMIT 1),
-       (SELECT a.id FROM accs_attempt a WHERE a.started_at >= %(since)s AND a.started_at < %(until)s
-         ORDER BY a.started_at DESC LIMIT 1)
-"""
-
-#: Every node: the range's newest attempts by start, attempt_started_idx read backwards from the
-#: range's end, stopping at the sample.
-EVERY_NODE = ("a.started_at >= %(since)s AND a.started_at < %(until)s", "a.started_at DESC")
-#: One node: its attempts between the range's first and last id, attempt_node_idx read backwards (the
-#: node's rows only, however many other nodes ran in the range).
-ONE_NODE = ("a.node = %(node)s AND a.id BETWEEN %(lo)s AND %(hi)s", "a.id DESC")
-
 RATES_SQL = """
--- The range's newest attempts (see EVERY_NODE and ONE_NODE), at most the sample, then counted per node
--- and per service (a grouping set each). The service and tenant are the attempt's own copy of its task's
--- (ATTEMPT_REFS: the attempts alone, heap rows in start order), or its task's while some attempts lack the copy
--- (TASK_REFS: one primary-key lookup per attempt; inlined, not materialized, so the planner sees it).
-WITH recent AS NOT MATERIALIZED (
-    SELECT a.node, a.status, {refs} FROM accs_attempt a {join} WHERE {where} ORDER BY {order} LIMIT %(sample)s
+-- The range's attempts counted per node and per service (a grouping set each): the whole hours the builder
+-- has folded from accs_attempt_node_rollup (jobs.attempt_rollup), the rest from the attempts themselves
+-- (the raw CTE: the range's first part hour, the tail since the mark, the attempts pending in between), in
+-- one statement so that a fold cannot commit in between. A raw attempt's service and tenant are its own
+-- copy of its task's (ATTEMPT_REFS), or its task's while some attempts lack the copy (TASK_REFS).
+WITH {zone}, {raw}, counted AS (
+    SELECT node, service_id, count(*) FILTER (WHERE status = 'succeeded') AS succeeded,
+           count(*) FILTER (WHERE status IN ('failed', 'timeout')) AS failed, count(*) AS attempts
+      FROM raw GROUP BY node, service_id
+    UNION ALL
+    SELECT u.node, u.service_id, sum(u.succeeded), sum(u.failed), sum(u.attempts)
+      FROM accs_attempt_node_rollup u
+     WHERE u.bucket >= %(lo)s AND u.bucket < (SELECT hi FROM zone) AND {rolled}
+     GROUP BY u.node, u.service_id
 )
-SELECT GROUPING(r.node), r.node, r.service_id,
-       count(*) FILTER (WHERE r.status = 'succeeded'),
-       count(*) FILTER (WHERE r.status IN ('failed', 'timeout')),
-       count(*), (SELECT count(*) FROM recent)
-  FROM recent r
- WHERE {tenants} {service}
- GROUP BY GROUPING SETS ((r.node), (r.service_id))
+SELECT GROUPING(c.node), c.node, c.service_id, sum(c.succeeded)::bigint, sum(c.failed)::bigint, sum(c.attempts)::bigint,
+       (SELECT max(n) FROM (SELECT count(*) AS n FROM raw GROUP BY part) p)
+  FROM counted c
+ GROUP BY GROUPING SETS ((c.node), (c.service_id))
 """
 
-#: Where an attempt's service and tenant are read: the attempt's copy (jobs.attempt_refs), or its task.
-ATTEMPT_REFS = {"refs": "a.service_id, a.tenant_id", "join": ""}
-TASK_REFS = {"refs": "t.service_id, t.tenant_id", "join": "JOIN accs_task t ON t.id = a.task_id"}
+#: Where a raw attempt's service and tenant are read: the attempt's copy (jobs.attempt_refs), or its task.
+ATTEMPT_REFS = {"service": "a.service_id", "tenant": "a.tenant_id", "join": ""}
+TASK_REFS = {"service": "t.service_id", "tenant": "t.tenant_id", "join": "JOIN accs_task t ON t.id = a.task_id"}
 
 
 def refs_source(cur: Any) -> dict[str, str]:
     """The attempts' own service and tenant once every attempt carries them, else their tasks'."""
     return ATTEMPT_REFS if refs_complete(cur) else TASK_REFS
+
+
+def rates_sql(refs: dict[str, str], *, tenant_ids: set[UUID] | None, node: bool, service: bool) -> tuple[str, dict]:
+    """Return the rates' statement reading raw attempts through ``refs`` and its tenants' parameters;
+    ``node`` and ``service`` narrow both parts to ``%(node)s`` and ``%(service)s``."""
+
+    def where(node_column: str, service_column: str, tenant_column: str) -> tuple[str, dict]:
+        tenants, params = _tenant_filter(tenant_column, tenant_ids)
+        return " AND ".join([tenants, *([f"{node_column} = %(node)s"] if node else []),
+                             *([f"{service_column} = %(service)s"] if service else [])]), params
+
+    raw_where, params = where("a.node", refs["service"], refs["tenant"])
+    rolled, _same = where("u.node", "u.service_id", "u.tenant_id")
+    columns = f"a.node, a.status, {refs['service']} AS service_id, {{part}} AS part"
+    return RATES_SQL.format(zone=ZONE_SQL, raw=raw_sql(columns, join=refs["join"], where=f"AND {raw_where}"),
+                            rolled=rolled), params
 
 
 @dataclass
@@ -117,13 +125,6 @@ class Rates:
     partial: bool
 
 
-def range_ids(cur: Any, *, since: datetime, until: datetime) -> tuple[int, int] | None:
-    """Return the lowest and highest id of the attempts started in ``since``..``until`` (None: there are none)."""
-    cur.execute(BOUNDS_SQL, {"since": since, "until": until})
-    lo, hi = cur.fetchone()
-    return None if lo is None else (min(lo, hi), max(lo, hi))
-
-
 def attempts_url(*, node: str = "", service_id: int | None = None, status: str = "",
                  range_params: dict[str, str] | None = None) -> str:
     """Return the attempts list filtered to a node or a service (and a status), in the given range."""
@@ -144,21 +145,15 @@ def rates(*, since: datetime, until: datetime, tenant_ids: set[UUID] | None = No
         raise ValueError(f"a range must start before it ends: {since.isoformat()} is not before {until.isoformat()}")
     if sample < 1:
         raise ValueError(f"the sample must be at least one attempt, got {sample}")
-    where, params = _tenant_filter("r.tenant_id", tenant_ids)
     with read_connection().cursor() as cur:
-        bounds = range_ids(cur, since=since, until=until)
-        if bounds is None:
-            return Rates(since=since, until=until, nodes=[], services=[], partial=False)
         cur.execute("SELECT id, key FROM accs_service")
         names = dict(cur.fetchall())
-        among, order = ONE_NODE if node else EVERY_NODE
-        cur.execute(RATES_SQL.format(tenants=where, where=among, order=order, **refs_source(cur),
-                                     service="AND r.service_id = %(service)s" if service_id else ""),
-                    {"lo": bounds[0], "hi": bounds[1], "since": since, "until": until, "sample": sample,
-                     "node": node, "service": service_id, **params})
+        sql, params = rates_sql(refs_source(cur), tenant_ids=tenant_ids, node=bool(node), service=bool(service_id))
+        cur.execute(sql, {"since": since, "until": until, "sample": sample, "node": node, "service": service_id,
+                          **zone(since, until, NODE_GRID), **params})
         rows = cur.fetchall()
     nodes, services = [], []
-    read = rows[0][-1] if rows else 0  # the attempts the sample read (the same on every row)
+    read = rows[0][-1] or 0 if rows else 0  # the most a raw part read (the same on every row)
     for by_service, node_name, sid, ok, bad, total, _read in rows:
         if by_service:
             services.append(Rate(names.get(sid, str(sid)), ok, bad, total,
@@ -184,4 +179,4 @@ def page_rates(request: HttpRequest, *, node: str = "", service_id: int | None =
     return {"rates": found, "range": chosen, "picker": picker(request, chosen)}
 
 
-__all__ = ["page_rates", "RATES_SAMPLE", "Rate", "Rates", "attempts_url", "range_ids", "rates"]
+__all__ = ["page_rates", "RATES_SAMPLE", "Rate", "Rates", "attempts_url", "rates", "rates_sql"]

@@ -242,32 +242,40 @@ def _jobs_of_workflow(h):
     return _orm(Job.objects.filter(workflow_id__in=[1, 2]).order_by().values("id"))
 
 
-def _rates_bounds(h):
-    from ops.rates import BOUNDS_SQL
+def _rates(h, *, node: str = ""):
+    from jobs.attempt_rollup import NODE_GRID, zone
+    from ops.rates import ATTEMPT_REFS, rates_sql
 
-    return BOUNDS_SQL, {"since": timezone.now() - timedelta(hours=1), "until": timezone.now()}
-
-
-def _rates(h, among: tuple[str, str]):
-    from ops.overview import _tenant_filter
-    from ops.rates import ATTEMPT_REFS, RATES_SQL
-
-    where, params = _tenant_filter("r.tenant_id", {h["tenant"].id})
-    sql = RATES_SQL.format(tenants=where, where=among[0], order=among[1], service="", **ATTEMPT_REFS)
-    return sql, {"lo": 1, "hi": 10**9, "since": timezone.now() - timedelta(days=7), "until": timezone.now(),
-                 "sample": 50_000, "node": "n3", **params}
+    sql, params = rates_sql(ATTEMPT_REFS, tenant_ids={h["tenant"].id}, node=bool(node), service=False)
+    since, until = timezone.now() - timedelta(days=7), timezone.now()
+    return sql, {"since": since, "until": until, "sample": 50_000, "node": node, **zone(since, until, NODE_GRID),
+                 **params}
 
 
 def _rates_of_node(h):
-    from ops.rates import ONE_NODE
-
-    return _rates(h, ONE_NODE)
+    return _rates(h, node="n3")
 
 
 def _rates_of_every_node(h):
-    from ops.rates import EVERY_NODE
+    return _rates(h)
 
-    return _rates(h, EVERY_NODE)
+
+def _charts(h):
+    from jobs.attempt_rollup import SERVICE_GRID, fold_params, zone
+    from ops.charts import ATTEMPT_SOURCE, chart_sql
+
+    until = timezone.now()
+    since = until - timedelta(days=7)
+    return chart_sql(ATTEMPT_SOURCE, "TRUE", "TRUE"), {"since": since, "until": until, "sample": 50_000,
+                                                       "bucket": 16800, **zone(since, until, SERVICE_GRID),
+                                                       **fold_params()}
+
+
+def _fold(h):
+    from jobs.attempt_rollup import EPOCH, FOLD_SQL, NODE_GRID, SERVICE_GRID, fold_params
+
+    return FOLD_SQL, {"start": timezone.now() - timedelta(hours=1), "end": timezone.now(), "pending": [1, 2],
+                      "service_grid": SERVICE_GRID, "node_grid": NODE_GRID, "epoch": EPOCH, **fold_params()}
 
 
 def _attempts_of_service(h):
@@ -335,9 +343,10 @@ PLANS = [
     ("dashboard's dead letters", _dead_letters, ["task_dead_letter_count_idx"]),
     ("jobs of a service (search, delete)", _jobs_of_service, ["job_service_idx"]),
     ("jobs of a workflow (search, delete)", _jobs_of_workflow, ["job_workflow_idx"]),
-    ("rates: the range's first and last attempt", _rates_bounds, [("attempt_started_idx",)]),
-    ("rates of one node", _rates_of_node, ["attempt_node_idx"]),
-    ("rates of every node", _rates_of_every_node, [("attempt_started_idx",)]),
+    ("rates of one node", _rates_of_node, [("attempt_started_idx", "attempt_node_idx")]),
+    ("rates of every node", _rates_of_every_node, ["attempt_started_idx", "accs_attempt_pkey"]),
+    ("charts", _charts, ["attempt_started_idx", "accs_attempt_pkey"]),
+    ("the rollup's fold", _fold, ["attempt_started_idx", "accs_attempt_pkey"]),
     ("attempts list by service", _attempts_of_service, ["attempt_service_idx"]),
     ("attempts list by node", _attempts_of_node, ["attempt_node_idx"]),
     ("attempts list by time range", _attempts_in_range, [("attempt_started_idx",)]),
