@@ -170,3 +170,21 @@ def test_the_command_folds_everything_up_to_the_lag_and_says_how_many(capsys):
     assert f"folded {folded} attempts in " in capsys.readouterr().out
     with pytest.raises(CommandError, match="--batch must be at least 1"):
         call_command("accs_attempt_rollup", "--batch", "0")
+
+
+@pytest.mark.django_db
+def test_a_fold_keeps_to_the_databases_clock_whatever_the_builders_clock_says(monkeypatch):
+    """The claims write attempts' starts with PostgreSQL's clock: a builder whose own clock runs an hour ahead
+    must not move the mark past attempts still to be written (no page would ever count them)."""
+    pipeline_scene(two_tenants())
+    with connection.cursor() as cur:
+        cur.execute("SELECT now()")
+        db_now = cur.fetchone()[0]
+    ahead = db_now + timedelta(hours=1)
+    monkeypatch.setattr(timezone, "now", lambda: ahead)
+    fold(limit=1000)
+    with connection.cursor() as cur:
+        cur.execute("SELECT folded_until FROM accs_attempt_rollup_mark WHERE name = 'attempts'")
+        mark = cur.fetchone()[0]
+    assert mark == rollup.floor_to(db_now - LAG, SERVICE_GRID), (mark, db_now)
+    assert not rollup.behind(), "behind by the database's clock, not the builder's"
