@@ -108,6 +108,16 @@ def click(driver, selector: str) -> None:
     wait(driver, clicked, f"an element to click: {selector}")
 
 
+def read(driver, selector: str) -> list[dict]:
+    """Return each element matching ``selector`` as read in one script: its attributes, its text and its
+    top (``y``). One snapshot of the page, so a self-refreshing section replacing the elements between two
+    reads cannot leave a stale reference (as reading them one by one through the driver can)."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0])).map(e => Object.assign("
+        "Object.fromEntries(Array.from(e.attributes).map(a => [a.name, a.value])),"
+        " {text: e.innerText, y: e.getBoundingClientRect().top + window.scrollY}))", selector)
+
+
 def css(driver, selector: str):
     from selenium.webdriver.common.by import By
 
