@@ -316,16 +316,42 @@ def test_the_batch_read_of_inputs_gives_up_on_a_held_lock_instead_of_holding_up_
 
 
 def _task_rows_read(read) -> int:
-    """How many rows of accs_task ``read()`` reads (index fetches and sequential reads, this transaction's counts)."""
+    """How many rows of accs_task ``read()`` reads (index fetches and sequential reads, this transaction's counts).
+
+    The read's plan is made once per connection and kept: one made while the table was a page or two (in
+    an earlier test, after an autovacuum's ANALYZE saw it so) walks the whole table, as a plan for a table
+    that small should. So the table is first given a size it has in use (waiting filler tasks of the same
+    job: a read that scanned the job's tasks reads them too) and an ANALYZE, which makes the connection
+    plan the read again.
+    """
     def counted(cur) -> int:
         cur.execute("SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables"
                     " WHERE relname = 'accs_task'")
         return cur.fetchone()[0]
 
     with transaction.atomic(), connection.cursor() as cur:
+        _fill_task_table(cur)
         before = counted(cur)
         read()
         return counted(cur) - before
+
+
+def _fill_task_table(cur, rows: int = 5000) -> None:
+    """Give the table ``rows`` waiting tasks (copies of the newest, under new ids, in a step of their own),
+    once, then ANALYZE it."""
+    cur.execute("SELECT count(*) FROM accs_task WHERE step_key = 'filler'")
+    if cur.fetchone()[0]:
+        return
+    cur.execute("SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute"
+                " WHERE attrelid = 'accs_task'::regclass AND attnum > 0 AND NOT attisdropped"
+                " AND attname NOT IN ('id', 'task_key', 'step_key')")
+    columns = cur.fetchone()[0]
+    cur.execute(f"INSERT INTO accs_task (id, task_key, step_key, {columns})"
+                f" SELECT gen_random_uuid(), 'filler-' || g, 'filler', {columns}"
+                f"   FROM (SELECT * FROM accs_task WHERE status = 'waiting' ORDER BY created_at DESC LIMIT 1) t,"
+                f"        generate_series(1, %s) g",
+                [rows])
+    cur.execute("ANALYZE accs_task")
 
 
 @pytest.mark.django_db
@@ -344,7 +370,7 @@ def test_a_tasks_read_of_its_inputs_reads_its_own_row_only_however_many_tasks_it
     limits = NodeLimits(name=node.name, slot_cap=100, cpu_budget=100, per_service={})
     roots = claim_for(svc, 100, limits=limits)
     assert len(roots) == 40
-    # A few rows at most (a full run once counted 3 for this read), never the job's 80 tasks (81 read without the fix).
+    # Its own row (and a few at most), never the job's 5,080 tasks (all read without the fix).
     assert _task_rows_read(lambda: step_context(roots[0].id)) <= 10
     assert _task_rows_read(lambda: step_contexts([t.id for t in roots], lock_wait=5)) <= 10 * 40
     transitions.report([Outcome(task_id=t.id, attempt=t.attempt, status="succeeded", results={"n": 1}) for t in roots],
