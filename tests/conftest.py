@@ -229,6 +229,7 @@ def pytest_runtest_call(item):
 DURATIONS = json.loads((Path(__file__).parent / "durations.json").read_text())
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which names each test's group in its node id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the longest tests first: the ones ``tests/durations.json`` lists, longest first, then the
     other ``slow`` ones, then the rest (each in its collected order).
@@ -237,12 +238,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the run on one worker while the others sit idle. The tests of an ``xdist_group`` run one after
     another on one worker, so the group counts as long as all of them together. Every worker sorts
     alike, as xdist requires.
+
+    A test whose ``xdist_group`` mark would do nothing fails at its setup, saying so: pytest-xdist's
+    ``loadgroup`` sends a group's tests to one worker by the group's name it appends to their node
+    ids, and a pytest whose node ids ignore that (9.2.0 with xdist 3.8) spread each group over every
+    worker, each building the group's costly module fixture again (a migrated database, a replica).
     """
+    if config.getvalue("loadgroup"):
+        for item in items:
+            group = _xdist_group(item)
+            if group and not item.nodeid.endswith(f"@{group}"):
+                item.stash[_GROUP_LOST] = (f"xdist_group was not applied (pytest {pytest.__version__}): this test's "
+                                           "node id names no group, so --dist loadgroup spreads its group")
     groups: dict[str, float] = {}
     for item in items:
         group = _xdist_group(item)
         if group:
-            groups[group] = groups.get(group, 0.0) + DURATIONS.get(item.nodeid, 0.0)
+            groups[group] = groups.get(group, 0.0) + DURATIONS.get(item.nodeid.removesuffix(f"@{group}"), 0.0)
 
     def key(item: pytest.Item) -> tuple[float, bool]:
         group = _xdist_group(item)
@@ -250,6 +262,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return -seconds, item.get_closest_marker("slow") is None
 
     items.sort(key=key)
+
+
+_GROUP_LOST = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _GROUP_LOST in item.stash:
+        pytest.fail(item.stash[_GROUP_LOST], pytrace=False)
 
 
 def _xdist_group(item: pytest.Item) -> str | None:

@@ -132,6 +132,12 @@ def findings(captured) -> list[Finding]:
     return lint(captured)
 
 
+# The tests reading the capture run on one worker (make test), so ``migrate`` from an empty database
+# runs once (about 20 s of CPU).
+_ONE_CAPTURE = pytest.mark.xdist_group("migration-lint-capture")
+
+
+@_ONE_CAPTURE
 def test_every_migration_that_breaks_a_rule_is_reviewed(findings):
     unreviewed = [str(f) for f in findings if f.key not in REVIEWED]
     assert not unreviewed, (
@@ -142,11 +148,13 @@ def test_every_migration_that_breaks_a_rule_is_reviewed(findings):
           "the CHANGELOG says")
 
 
+@_ONE_CAPTURE
 def test_every_reviewed_entry_still_matches_a_finding(findings):
     found = {f.key for f in findings}
     assert not [key for key in REVIEWED if key not in found], "stale reviewed entries"
 
 
+@_ONE_CAPTURE
 def test_the_lint_reads_migrations_of_every_accs_app(captured):
     apps = {m["app"] for m in captured}
     assert {"tenants", "events", "workflows", "jobs", "nodes"} <= apps
