@@ -244,7 +244,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ids, and a pytest whose node ids ignore that (9.2.0 with xdist 3.8) spread each group over every
     worker, each building the group's costly module fixture again (a migrated database, a replica).
     """
-    if config.getvalue("loadgroup"):
+    if getattr(config.option, "loadgroup", False):  # set in a worker of --dist loadgroup only
         for item in items:
             group = _xdist_group(item)
             if group and not item.nodeid.endswith(f"@{group}"):
