@@ -48,7 +48,10 @@ lint: install
 # bubblewrap: installed here when missing (root or sudo).
 # TEST_WORKERS parallel pytest-xdist workers, each with a PostgreSQL cluster of its own (tests/dbselect.py);
 # most tests wait on real daemons rather than compute, so three per core keep the cores busy (on 2
-# cores, a fresh clone: 6 workers 605-750 s, the machine's speed varying between sessions).
+# cores, a fresh clone: 6 workers 605-750 s, the machine's speed varying between sessions; on one day
+# 6 workers took 705 s and 8 took 766 s). --dist loadgroup runs each xdist_group's tests on one
+# worker, so a module's costly fixture is built once (tests/conftest.py fails a test whose group
+# pytest lost).
 # TEST_WORKERS=0 runs the tests in this one process.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 3 )))
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
