@@ -12,6 +12,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 from hypothesis import given, settings, strategies as st
 
+from accs_site.clock import db_now
 from jobs import attempt_rollup as rollup
 from jobs.attempt_rollup import LAG, SERVICE_GRID, WAIT_BINS, fold, wait_bin, wait_median
 from jobs.builder import Builder
@@ -178,13 +179,12 @@ def test_a_fold_keeps_to_the_databases_clock_whatever_the_builders_clock_says(mo
     must not move the mark past attempts still to be written (no page would ever count them)."""
     pipeline_scene(two_tenants())
     with connection.cursor() as cur:
-        cur.execute("SELECT now()")
-        db_now = cur.fetchone()[0]
-    ahead = db_now + timedelta(hours=1)
+        now = db_now(cur)
+    ahead = now + timedelta(hours=1)
     monkeypatch.setattr(timezone, "now", lambda: ahead)
     fold(limit=1000)
     with connection.cursor() as cur:
         cur.execute("SELECT folded_until FROM accs_attempt_rollup_mark WHERE name = 'attempts'")
         mark = cur.fetchone()[0]
-    assert mark == rollup.floor_to(db_now - LAG, SERVICE_GRID), (mark, db_now)
+    assert mark == rollup.floor_to(now - LAG, SERVICE_GRID), (mark, now)
     assert not rollup.behind(), "behind by the database's clock, not the builder's"
