@@ -44,8 +44,8 @@ lint: install
 	@$(VENV)/bin/ruff check .
 	@$(PY) -m mypy $(LINT_APPS)
 
-# The browser tests need Debian's chromium and chromedriver, the fleet test PgBouncer, the sandbox tests
-# bubblewrap: installed here when missing (root or sudo).
+# The browser tests need Debian's chromium-headless-shell (or chromium) and chromedriver, the fleet test PgBouncer,
+# the sandbox tests bubblewrap: installed here when missing (root or sudo).
 # TEST_WORKERS parallel pytest-xdist workers, each with a PostgreSQL cluster of its own (tests/dbselect.py);
 # most tests wait on real daemons rather than compute, so three per core keep the cores busy (on 2
 # cores, a fresh clone: 6 workers 605-750 s, the machine's speed varying between sessions; on one day
