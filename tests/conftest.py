@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests import s3_fixtures
-from tests.browser import CHROMEDRIVER, CHROMIUM, HEADLESS_SHELL, reset, start_chromium
+from tests.browser import CHROMEDRIVER, chromium_binary, reset, start_chromium
 from tests.daemons import START_TIMEOUT, Daemons, free_port, http_server
 from tests.ops_helpers import Tenants, make_user, two_tenants
 from tests.s3_fixtures import S3
@@ -161,7 +161,7 @@ def browser(_chromium, tmp_path_factory, request):
     One browser serves the worker's tests in turn (a start costs 0.4 s to a second of CPU); after each
     test it is put back (:func:`tests.browser.reset`), and one that cannot be is replaced.
     """
-    if not ((Path(HEADLESS_SHELL).exists() or Path(CHROMIUM).exists()) and Path(CHROMEDRIVER).exists()):
+    if not (chromium_binary() and Path(CHROMEDRIVER).exists()):
         if os.environ.get("CI"):
             pytest.fail("CI needs chromium-headless-shell (or chromium) and chromium-driver (make test installs them)")
         pytest.skip("install chromium-headless-shell (or chromium) and chromium-driver (apt-get) to run the "
