@@ -2,7 +2,8 @@
 
 For each test (setup, call and teardown together) one JSON line in ``.local/cpu-profile/<worker>.jsonl``:
 the wall seconds, the CPU seconds of the pytest process itself, of the processes it started and
-reaped (daemons, ``manage.py`` runs, the browser through its driver) and of the worker's PostgreSQL
+reaped (daemons, ``manage.py`` runs, the browser through its driver; the scripts its fork server
+forked and reaped) and of the worker's PostgreSQL
 cluster (the postmaster, the backends it reaped and the ones still alive). The machine's other work
 is not counted, so the figures hold under parallel workers. Not counted either: servers that detach
 from the test (the private clusters of the chaos and upgrade tests, the local S3 server). To list
@@ -51,11 +52,26 @@ def _cluster_cpu() -> float:
     return total
 
 
+def _forked_cpu() -> float:
+    """CPU seconds of this process's fork servers (tests/forkserver.py) and the scripts they forked and
+    reaped: those are the fork servers' children, not ours, until a server ends."""
+    from tests import forkserver
+
+    total = 0.0
+    for pid in forkserver.server_pids():
+        try:
+            _, own, reaped = _proc_times(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        total += own + reaped
+    return total
+
+
 def _sample() -> dict[str, float]:
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"wall": time.monotonic(), "self": me.ru_utime + me.ru_stime, "children": kids.ru_utime + kids.ru_stime,
-            "postgres": _cluster_cpu()}
+    return {"wall": time.monotonic(), "self": me.ru_utime + me.ru_stime,
+            "children": kids.ru_utime + kids.ru_stime + _forked_cpu(), "postgres": _cluster_cpu()}
 
 
 @pytest.hookimpl(hookwrapper=True)

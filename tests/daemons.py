@@ -15,6 +15,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -55,7 +57,7 @@ class Daemons:
 
     def start(self, *args: str, name: str, env: dict[str, str] | None = None, wait: bool = True) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, str(self.manage_py), *args], cwd=self.manage_py.parent,
+        proc = forkserver.Popen([sys.executable, str(self.manage_py), *args], cwd=self.manage_py.parent,
                                 env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         proc.log_path = self.log_dir / f"{name}.log"  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -224,7 +226,7 @@ def http_server(argv: list[str], *, env: dict[str, str], port: int, log_path: Pa
     import requests
 
     log = open(log_path, "wb")
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = forkserver.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:

@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from events.logging import JsonFormatter, TextFormatter, choose_format
+from tests import forkserver
 from tests.daemons import ROOT, free_port, stop_process, wait_for
 
 MANAGE = str(ROOT / "manage.py")
@@ -34,7 +35,7 @@ def env_with_database_down(**extra: str) -> dict[str, str]:
 
 
 def run_command(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, MANAGE, *argv], cwd=ROOT, env=env or env_with_database_down(),
+    return forkserver.run([sys.executable, MANAGE, *argv], cwd=ROOT, env=env or env_with_database_down(),
                           capture_output=True, text=True, timeout=60)
 
 
@@ -146,7 +147,7 @@ def start(argv: tuple[str, ...], env: dict[str, str], *, terminal: bool) -> tupl
         reader, writer = pty.openpty()
     else:
         reader, writer = os.pipe()
-    proc = subprocess.Popen([sys.executable, MANAGE, *argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+    proc = forkserver.Popen([sys.executable, MANAGE, *argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=writer)
     os.close(writer)
     return proc, Output(reader)

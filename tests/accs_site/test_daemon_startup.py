@@ -11,6 +11,7 @@ import uuid
 import psycopg
 import pytest
 
+from tests import forkserver
 from tests.accs_site.test_cli import env_with_database_down
 from tests.daemons import ROOT
 
@@ -20,7 +21,7 @@ DAEMONS = {"runbuilder": ("runbuilder", "--tick", "0.2"), "runagent": ("runagent
 
 
 def run(argv: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "manage.py"), *argv], cwd=ROOT, env=env,
+    return forkserver.run([sys.executable, str(ROOT / "manage.py"), *argv], cwd=ROOT, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
 
 

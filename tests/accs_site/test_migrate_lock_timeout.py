@@ -22,6 +22,7 @@ from django.core.management import CommandError, call_command
 from hypothesis import given, strategies as st
 
 from accs_site.migrate_locks import LockPolicy, concurrent_index_name, is_lock_timeout
+from tests import forkserver
 from tests.daemons import ROOT, wait_for
 
 COLUMN = "lockprobe_note"
@@ -69,7 +70,7 @@ def probe_env(subprocess_env, tmp_path: Path, db_url: str) -> Iterator[dict[str,
 
 
 def _migrate(env: dict[str, str], *args: str, out: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "manage.py", "migrate", "lockprobe", *args, "--noinput"], cwd=ROOT,
+    return forkserver.Popen([sys.executable, "manage.py", "migrate", "lockprobe", *args, "--noinput"], cwd=ROOT,
                             env=env, stdout=open(out, "w") if out else subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from accs_site import daemon
 from accs_site.management.commands.migrate import newer_schema_line
+from tests import forkserver
 from tests.daemons import ROOT
 
 FUTURE = ("jobs", "9999_from_a_newer_release")
@@ -28,7 +29,7 @@ def _applied(app: str, name: str) -> None:
 
 
 def _manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return forkserver.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
 
 

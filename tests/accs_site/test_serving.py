@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from jobs.models import Job
+from tests import forkserver
 from tests.api_helpers import client_for, user_with_token
 from tests.browser import css, wait
 from tests.daemons import ROOT, free_port, http_server, stop_process, wait_for
@@ -150,7 +151,7 @@ def test_runserver_with_debug_off_serves_the_admins_styles(subprocess_env, tmp_p
     port = free_port()
     log_path = tmp_path / "runserver.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "runserver", "--noreload",
+        proc = forkserver.Popen([sys.executable, str(ROOT / "manage.py"), "runserver", "--noreload",
                                  f"127.0.0.1:{port}"],
                                 cwd=ROOT, env={**subprocess_env, "ACC_DEBUG": "false"}, stdout=log,
                                 stderr=subprocess.STDOUT)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from jobs.duties import prune as prune_duty
 from jobs.models import Attempt, Job, JobStep, Task
 from jobs.retention import ExportFailed, prune_finished_jobs
 from tenants.models import Tenant
+from tests import forkserver
 from tests.engine_helpers import claim_for, run_fail, run_ok
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -470,7 +470,7 @@ def test_a_crash_between_the_commit_and_the_deletion_loses_nothing(s3, services,
     job = finished_job(services, default_tenant, days_ago=40)
     artifact = output(job, "crash/report.txt")
     env = {**subprocess_env, **{k: v for k, v in os.environ.items() if k.startswith(("ACC_MINIO", "ACC_RETENTION"))}}
-    crashed = subprocess.run([sys.executable, "manage.py", "shell", "-c", CRASH_AFTER_COMMIT], cwd=ROOT, env=env,
+    crashed = forkserver.run([sys.executable, "manage.py", "shell", "-c", CRASH_AFTER_COMMIT], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)
     assert crashed.returncode == 9, crashed.stderr[-2000:]
     assert not Job.objects.filter(pk=job.pk).exists(), "the prune committed"

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from django.core.management import get_commands
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
@@ -164,7 +166,7 @@ def _deploy_check(env_values: dict[str, str]) -> subprocess.CompletedProcess:
     """Run ``manage.py check --deploy`` with only the given variables (and what a shell needs)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACC_", "DJANGO_"))}
     env.update(env_values, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "manage.py"), "check", "--deploy", "--fail-level", "WARNING"],
+    return forkserver.run([sys.executable, str(ROOT / "manage.py"), "check", "--deploy", "--fail-level", "WARNING"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -194,7 +196,7 @@ def test_check_deploy_refuses_the_placeholder_secret_key_and_metrics_token_when_
     # An agent's plain `check` needs neither.
     agent = {**env_file_values(ENV_FILES["accs.env"]), **env_file_values(ENV_FILES["agent.env"])}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACC_", "DJANGO_"))}
-    plain = subprocess.run([sys.executable, str(ROOT / "manage.py"), "check"], cwd=ROOT, capture_output=True,
+    plain = forkserver.run([sys.executable, str(ROOT / "manage.py"), "check"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120, env={**env, **agent, "PYTHONPATH": str(ROOT)})
     assert plain.returncode == 0, plain.stdout + plain.stderr
     assert "ACC_SECRET_KEY" not in agent and "ACC_METRICS_TOKEN" not in agent
@@ -247,7 +249,7 @@ def _previous_release_web_env(**extra: str) -> dict[str, str]:
 
 
 def test_the_web_unit_starts_on_the_previous_release_settings_and_prints_what_to_set():
-    done = subprocess.run(_web_unit_check_argv(), cwd=ROOT, env=_previous_release_web_env(), capture_output=True,
+    done = forkserver.run(_web_unit_check_argv(), cwd=ROOT, env=_previous_release_web_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     printed = done.stdout + done.stderr
@@ -258,5 +260,5 @@ def test_the_web_unit_starts_on_the_previous_release_settings_and_prints_what_to
 
 def test_the_web_unit_still_fails_on_a_warning_that_is_not_optional():
     env = _previous_release_web_env(ACC_RETENTION_DAYS="30", ACC_RETENTION_DEAD_DAYS="7")
-    done = subprocess.run(_web_unit_check_argv(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = forkserver.run(_web_unit_check_argv(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "accs.W001" in done.stderr, done.stdout + done.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests import forkserver
 from tests.browser import css, log_in, wait
 from tests.daemons import Daemons, wait_for
 from tests.ops_helpers import PASSWORD
@@ -49,7 +50,7 @@ def site_env(tmp_path_factory):
 
 
 def manage(env: dict[str, str], *args: str, extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(MANAGE), *args], cwd=SITE, env={**env, **(extra or {})},
+    return forkserver.run([sys.executable, str(MANAGE), *args], cwd=SITE, env={**env, **(extra or {})},
                           capture_output=True, text=True, timeout=120)
 
 
@@ -112,7 +113,7 @@ def site_server(site_env, tmp_path):
     assert created.returncode == 0 or "already taken" in created.stderr, created.stderr
     port = _free_port()
     log = open(tmp_path / "runserver.log", "w")
-    proc = subprocess.Popen([sys.executable, str(MANAGE), "runserver", f"127.0.0.1:{port}", "--noreload", "--insecure"],
+    proc = forkserver.Popen([sys.executable, str(MANAGE), "runserver", f"127.0.0.1:{port}", "--noreload", "--insecure"],
                             cwd=SITE, env=site_env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
 

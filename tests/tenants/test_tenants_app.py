@@ -25,6 +25,7 @@ import tenants.models
 from accs_site import checks
 from events.artifacts import record_artifact
 from jobs import api, transitions, triggers
+from tests import forkserver
 from tests.daemons import ROOT
 from workflows.api import create_workflow
 from workflows.validation import DefinitionError, validate_service
@@ -51,7 +52,7 @@ def empty_database():
 
 def _manage(url: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACC_DB_URL": url, "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "accs_site.settings"}
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return forkserver.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
 
 
@@ -187,7 +188,7 @@ def test_a_site_without_the_tenants_app_stops_with_one_sentence_saying_so(tmp_pa
         "from accs_site.settings import *  # noqa: F401,F403\n"
         "INSTALLED_APPS = [a for a in INSTALLED_APPS if a != 'tenants']  # noqa: F405\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "DJANGO_SETTINGS_MODULE": "no_tenants_site"}
-    done = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = forkserver.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0
     assert "INSTALLED_APPS lacks 'tenants'" in done.stderr and "moved out of 'jobs'" in done.stderr, done.stderr
