@@ -216,6 +216,11 @@ def test_agent_cut_off_from_the_database_stops_its_task_before_the_lease_ends(ma
         # Up before the cut (n1 holds the task meanwhile), so the time to the kill counts no daemon's start.
         daemons.builder()
         daemons.agent("n2", "cut", "--lease-seconds", "4", "--poll-interval", "0.2")
+        # Cut after n1's start report committed: cut inside that transaction, its session would keep the
+        # job's row lock on the server until the daemons' idle-in-transaction timeout (60 s) ends it, and
+        # the builder's rescue of the task waits for that lock.
+        wait_until(lambda: Task.objects.filter(job=job, status="running").exists(), timeout=20,
+                   message="n1 reported attempt 1 running")
         proxy.cut()  # blackhole: the agent lives, its connections hang
         cut_at = time.monotonic()
         wait_until(lambda: not _alive(first_pid), timeout=10, message="the cut-off agent kills its task")
