@@ -93,13 +93,14 @@ def lock_jobs(cur, job_ids: Iterable[UUID | str]) -> list[UUID]:
     return [r[0] for r in cur.fetchall()]
 
 
-def lock_jobs_of_tasks(cur, task_ids: Iterable[UUID]) -> list[UUID]:
-    """Lock the jobs of the given tasks, sorted by id (reading task rows takes no lock)."""
+def lock_jobs_of_tasks(cur, task_ids: Iterable[UUID], *, skip_locked: bool = False) -> list[UUID]:
+    """Lock the jobs of the given tasks, sorted by id (reading task rows takes no lock); return the ids
+    locked (with ``skip_locked``, those another transaction holds are left out, not waited for)."""
     ids = sorted({str(t) for t in task_ids})
     if not ids:
         return []
     cur.execute("SELECT id FROM accs_job WHERE id IN (SELECT job_id FROM accs_task WHERE id = ANY(%s::uuid[]))"
-                " ORDER BY id FOR NO KEY UPDATE", [ids])
+                " ORDER BY id FOR NO KEY UPDATE" + (" SKIP LOCKED" if skip_locked else ""), [ids])
     return [r[0] for r in cur.fetchall()]
 
 

@@ -58,7 +58,7 @@ SELECT id FROM accs_task
 
 LOCK_EXPIRED_SQL = f"""
 SELECT id, attempt, {IN_OUTAGE_SQL} FROM accs_task
- WHERE id = ANY(%(ids)s) AND status IN ('starting', 'running') AND lease_expires_at < %(now)s
+ WHERE id = ANY(%(ids)s) AND job_id = ANY(%(jobs)s) AND status IN ('starting', 'running') AND lease_expires_at < %(now)s
    AND NOT {IN_GRACE_SQL}
  ORDER BY id FOR UPDATE SKIP LOCKED
 """
@@ -74,8 +74,14 @@ def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportRe
         candidates = [r[0] for r in cur.fetchall()]
         if not candidates:
             return result
-        lock_jobs_of_tasks(cur, candidates)
-        cur.execute(LOCK_EXPIRED_SQL, {**params, "ids": candidates})
+        # A job another transaction holds is skipped, not waited for: its lock may belong to an agent's
+        # session cut off inside a transaction, which the server ends only at its idle-in-transaction
+        # timeout, and every other expired lease would wait as long. Its tasks are rescued at a later
+        # run, once the lock is free.
+        jobs = lock_jobs_of_tasks(cur, candidates, skip_locked=True)
+        if not jobs:
+            return result
+        cur.execute(LOCK_EXPIRED_SQL, {**params, "ids": candidates, "jobs": jobs})
         expired = [_rescued(task_id, attempt, in_outage=in_outage) for task_id, attempt, in_outage in cur.fetchall()]
         if expired:
             touched = record_failures(cur, expired, result, now=now, source=BUILDER)

@@ -165,7 +165,8 @@ def _rescue(h):
 def _rescue_lock(h):
     from jobs.rescue import LOCK_EXPIRED_SQL
 
-    return LOCK_EXPIRED_SQL, {"ids": [h["running"]], "now": timezone.now(), "default_lease": 60}
+    return LOCK_EXPIRED_SQL, {"ids": [h["running"]], "jobs": [h["running"]], "now": timezone.now(),
+                              "default_lease": 60}
 
 
 def _due(h):

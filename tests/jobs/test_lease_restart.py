@@ -290,3 +290,29 @@ def test_two_threads_logging_as_the_database_returns_write_each_waiting_line_onc
     finally:
         logger.removeHandler(handler)
         logger.propagate = True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_a_hung_session_holds_delays_only_its_own_rescue(make_service, db_url):
+    """An agent cut off inside a transaction keeps its job's row lock until the server's idle timeout:
+    the rescue of every other expired lease goes on meanwhile, and that job's follows once it is free."""
+    svc = make_service("hung")
+    held_job, other_job = api.start_service("hung"), api.start_service("hung")
+    claimed = {t.job_id: t for t in claim_for(svc)}
+    assert set(claimed) == {held_job.id, other_job.id}
+    _, now = _server_times()
+    for task in claimed.values():
+        _expire(task.id, lease=timedelta(seconds=60), ended=now - timedelta(minutes=5))
+    with psycopg.connect(db_url) as hung, connection.cursor() as cur:
+        hung.execute("SELECT id FROM accs_job WHERE id = %s FOR NO KEY UPDATE", [held_job.id])
+        cur.execute("SET lock_timeout = '5s'")  # the old rescue waited for the lock: fail, do not hang
+        try:
+            rescue_expired()
+        finally:
+            cur.execute("RESET lock_timeout")
+        statuses = dict(Attempt.objects.filter(task_id__in=[t.id for t in claimed.values()])
+                        .values_list("task__job_id", "status"))
+        assert statuses == {held_job.id: "running", other_job.id: "failed"}, statuses
+    rescue_expired()  # the hung session is gone: its job's lease is rescued now
+    assert set(Attempt.objects.filter(task_id__in=[t.id for t in claimed.values()])
+               .values_list("status", flat=True)) == {"failed"}
