@@ -184,7 +184,9 @@ def _reset_tasks(cur, job_ids: Sequence[UUID], *, only: Sequence[UUID] | None = 
         [[str(j) for j in job_ids], ids, ids, seen_ids, seen_ids, list(seen.values()) if seen is not None else None,
          now, now, now],
     )
-    rows = cur.fetchall()
+    # RETURNING comes in the rows' physical order, which moves from run to run: the timeline lists
+    # the tasks' moves (one transaction, one time) in the order of their ids, as they were created.
+    rows = sorted(cur.fetchall(), key=lambda row: row[0])
     write_events([EventRow(type="status", job_id=job, task_id=t, source=source,
                            level="warn" if st == "blocked" else "info",
                            message=(f"task {frm} → blocked ({why.task}: {msg})" if st == "blocked"

@@ -168,3 +168,21 @@ def test_cancel_and_retry_through_the_api(flow):
     job.refresh_from_db()
     assert job.status == "waiting"
     assert sorted(Task.objects.filter(job=job).values_list("status", flat=True)) == ["queued", "waiting"]
+
+
+def test_a_retry_lists_its_tasks_moves_in_the_order_the_tasks_were_created(make_service):
+    # The retry moves every failed task in one statement, whose rows come back in whatever order
+    # its plan reads them: here the steps' keys sort in the reverse of their creation, and each
+    # task's row is rewritten last-created first, so neither the key's nor the physical order is
+    # the ids'. The timeline (one transaction, one time) must still list them as created.
+    make_service("part", max_attempts=1)
+    create_workflow(name="parts", steps=[{"key": f"p{7 - i}", "service": "part"} for i in range(8)])
+    job = api.start_workflow("parts")
+    tasks = sorted(Task.objects.filter(job=job), key=lambda t: t.id)
+    assert api.cancel(job.id, by="ops").changed
+    for task in reversed(tasks):
+        Task.objects.filter(pk=task.pk).update(error_message=f"row of {task.task_key} written again")
+
+    assert api.retry(job.id, by="ops").changed
+    moved = [e.task_id for e in Event.objects.filter(job_id=job.id, data__retry=True).order_by("id")]
+    assert moved == [t.id for t in tasks]
