@@ -27,6 +27,14 @@ from tests.s3_fixtures import S3
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fast_transactional_teardown() -> None:
+    """Transactional tests empty only the tables they wrote (tests/fast_flush.py)."""
+    from tests import fast_flush
+
+    fast_flush.install()
+
+
 @pytest.fixture
 def db_url(transactional_db) -> str:
     """URL of the test database, for daemons started as subprocesses."""
