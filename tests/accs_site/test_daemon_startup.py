@@ -115,11 +115,16 @@ def test_a_garbled_answer_to_a_command_counts_as_a_lost_connection_not_a_bug():
     assert not is_transient(psycopg.InternalError("could not read block 7 in file base/1/2"))
 
 
-@pytest.mark.parametrize("daemon", sorted(DAEMONS))
-def test_a_daemon_runs_every_check_but_the_url_ones_at_start_and_a_failing_one_stops_it(daemon):
-    """The daemons serve no URL: the URL checks (which import the whole HTTP API) are left out at their
-    start. Every other check runs, untagged and tagged, and one that fails stops the daemon in one line;
-    the registry is whole again afterwards."""
+# Every command built on accs_site.cli.OperatorCommand, with its app.
+COMMAND_APPS = {"runagent": "nodes", "runbuilder": "jobs", "accs_status": "ops", "accs_redrive": "jobs",
+                "demo": "nodes"}
+
+
+@pytest.mark.parametrize("daemon", sorted(COMMAND_APPS))
+def test_a_command_runs_every_check_but_the_url_ones_at_start_and_a_failing_one_stops_it(daemon):
+    """The daemons and the operators' commands serve no URL: the URL checks (which import the whole
+    HTTP API) are left out at their start. Every other check runs, untagged and tagged, and one that
+    fails stops the command in one line; the registry is whole again afterwards."""
     from django.core import checks
     from django.core.checks.registry import registry
     from django.core.management import load_command_class
@@ -144,7 +149,7 @@ def test_a_daemon_runs_every_check_but_the_url_ones_at_start_and_a_failing_one_s
     registry.register(urls, checks.Tags.urls)
     before = set(registry.registered_checks)
     try:
-        command = load_command_class("nodes" if daemon == "runagent" else "jobs", daemon)
+        command = load_command_class(COMMAND_APPS[daemon], daemon)
         with pytest.raises(CommandError) as refused:
             command.check()
         assert registry.registered_checks == before

@@ -14,7 +14,6 @@ from jobs.leader import LEASE_SECONDS
 
 class Command(OperatorCommand):
     help = "Run a builder: start due jobs; the elected leader also runs maintenance (leases, cron, partitions, wake)."
-    skipped_check_tags = ("urls",)
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--tick", type=bounded(float, above=0, minimum=0.01, maximum=3600), default=1.0,

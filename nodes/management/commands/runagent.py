@@ -31,7 +31,6 @@ def node_name_problem(name: str) -> str | None:
 
 class Command(OperatorCommand):
     help = "Run an agent: claim tasks of the given services on this node and run them."
-    skipped_check_tags = ("urls",)
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--node", default=None, help="Node name (default: ACC_NODE_NAME, else the hostname).")
