@@ -184,7 +184,7 @@ def readmit(cur, job_id: UUID, *, tenant_id: Any, workflow_id: Any, now: datetim
                 " RETURNING t.id, o.status", [job_id, now])
     write_events([EventRow(type="status", message=f"task {frm} → waiting (the job waits for admission)",
                            job_id=job_id, task_id=tid, source=source, data={"from": frm, "to": "waiting"})
-                  for tid, frm in cur.fetchall()], cursor=cur)
+                  for tid, frm in sorted(cur.fetchall())], cursor=cur)  # the order of creation
     notify(cur, [builder_channel()])
     return "queued"
 

@@ -359,7 +359,7 @@ def rewait_always(cur, job_ids: Sequence[UUID], *, now: datetime, source: str) -
     why = "a dependency was retried; an always step waits until every dependency is final"
     return [EventRow(type="status", job_id=jid, task_id=tid, source=source, message=f"task queued → waiting ({why})",
                      data={"from": "queued", "to": "waiting", "reason": why})
-            for tid, jid in cur.fetchall()]
+            for tid, jid in sorted(cur.fetchall())]  # the order of creation, as skip_unstarted's
 
 
 def reset_step_flags(cur, job_ids: Sequence[UUID]) -> None:
@@ -386,9 +386,11 @@ def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, 
         " FROM o WHERE t.id = o.id RETURNING t.id, t.job_id, o.status",
         [[str(j) for j in job_ids], keep_always, now, now, reason],
     )
+    # In the order of the task ids (time-ordered: the order the tasks were created), not RETURNING's,
+    # which is whatever order the plan read the rows in: the timeline lists them the same every time.
     return [EventRow(type="status", job_id=jid, task_id=tid, source=source, level="warn",
                      message=f"task {frm} → {to} ({reason})", data={"from": frm, "to": to, "reason": reason})
-            for tid, jid, frm in cur.fetchall()]
+            for tid, jid, frm in sorted(cur.fetchall())]
 
 
 # finalize_jobs as one server-side function (migration 0020): its statements in one round trip

@@ -91,7 +91,7 @@ def cancel_job(job_id: UUID, *, by: str = "", now: datetime | None = None) -> Ac
         cur.execute("UPDATE accs_task SET cancel_requested_at = %s"
                     " WHERE job_id = %s AND status IN ('starting', 'running')"
                     " AND cancel_requested_at IS NULL RETURNING id, attempt", [now, job_id])
-        held = cur.fetchall()
+        held = sorted(cur.fetchall())  # the tasks' order of creation, as skip_unstarted's events
         write_events([EventRow(type="cancel",
                                message="cancel requested; the agent stops the task at its next heartbeat",
                                job_id=job_id, task_id=t, attempt=a, source=source, level="warn")

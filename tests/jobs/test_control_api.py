@@ -14,6 +14,7 @@ from events.models import Event
 from jobs import api, transitions, triggers
 from jobs.models import Job, Task, Trigger
 from tenants.models import Tenant
+from tests.engine_helpers import claim_for
 from workflows.api import create_workflow
 from workflows.validation import DefinitionError
 
@@ -186,3 +187,24 @@ def test_a_retry_lists_its_tasks_moves_in_the_order_the_tasks_were_created(make_
     assert api.retry(job.id, by="ops").changed
     moved = [e.task_id for e in Event.objects.filter(job_id=job.id, data__retry=True).order_by("id")]
     assert moved == [t.id for t in tasks]
+
+
+def test_a_cancel_lists_its_tasks_moves_and_stop_requests_in_the_order_the_tasks_were_created(make_service):
+    # As for a retry: the cancel moves the unstarted tasks, and asks the held ones to stop, one
+    # statement each, whose rows come back in whatever order the plan reads them. Every row is
+    # rewritten last-created first, so the physical order is the reverse of the ids'.
+    service = make_service("part")
+    create_workflow(name="parts", steps=[{"key": f"p{7 - i}", "service": "part"} for i in range(8)])
+    job = api.start_workflow("parts")
+    tasks = sorted(Task.objects.filter(job=job), key=lambda t: t.id)
+    held = {t.id for t in claim_for(service, 4)}
+    assert len(held) == 4
+    for task in reversed(tasks):
+        Task.objects.filter(pk=task.pk).update(error_message=f"row of {task.task_key} written again")
+
+    assert api.cancel(job.id, by="ops").changed
+    skipped = [e.task_id for e in Event.objects.filter(job_id=job.id, task_id__isnull=False, data__to="canceled")
+               .order_by("id")]
+    asked = [e.task_id for e in Event.objects.filter(job_id=job.id, type="cancel").order_by("id")]
+    assert skipped == [t.id for t in tasks if t.id not in held]
+    assert asked == [t.id for t in tasks if t.id in held]
