@@ -14,7 +14,7 @@ pytestmark = pytest.mark.django_db
 def test_a_warm_start_reads_nothing_back_and_returns_the_stored_job(make_service, default_tenant,
                                                                django_assert_num_queries):
     make_service("obj", params_schema={"type": "object", "properties": {"n": {"type": "integer"}}})
-    api.start_service("obj", params={"n": 0})  # definitions cached, statement prepared
+    api.start_service("obj", params={"n": 0})  # definitions cached, the start function planned
     # The start's own statement runs on a psycopg cursor of Django's connection, which Django does
     # not count: any ORM query (a read-back, a relation fetched) would be.
     with django_assert_num_queries(0):
