@@ -55,6 +55,7 @@ from jobs.instantiate import (
 )
 from jobs.models import JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus
 from jobs.notify import builder_channel, not_yet_notified, notify, service_channel
+from jobs.sql import query_function_sql
 from tenants.models import DEFAULT_TENANT_SLUG, Tenant
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem, validator_errors
@@ -578,20 +579,10 @@ def start_function_sql() -> str:
     # Each "name type" kept on one line (no-break spaces while the lines are filled).
     args = ", ".join(f"p_{name}\u00a0{kind}" for name, kind in START_ARGS.items())
     args = textwrap.fill(args, 116, initial_indent="    ", subsequent_indent="    ").replace("\u00a0", " ")
-    return f"""CREATE OR REPLACE FUNCTION {START_FUNCTION}(
-{args})
-RETURNS TABLE (id uuid, order_seq bigint, created_at timestamptz, scheduled_at timestamptz, notified bigint)
-LANGUAGE plpgsql VOLATILE
--- One plan per server connection (see jobs.claim's claim function).
-SET plan_cache_mode = force_generic_plan
-SET jit = off
-AS $start$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY
-{body};
-END
-$start$"""
+    return query_function_sql(
+        START_FUNCTION, f"\n{args}",
+        "TABLE (id uuid, order_seq bigint, created_at timestamptz, scheduled_at timestamptz, notified bigint)",
+        body, volatility="VOLATILE", tag="start")
 
 
 def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channels: Sequence[str],
@@ -617,8 +608,7 @@ def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channe
     # Server-side binding (Django's cursors bind client-side); errors are still Django's.
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cur:
         cur.execute(START_CALL_SQL, params)
-        row = cur.fetchone()
-    return None if row is None else row[:4]
+        return cur.fetchone()
 
 
 @functools.cache
