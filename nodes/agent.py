@@ -217,6 +217,9 @@ class Agent:
         # committed all the same), or starting a claimed task raised. The next pass adopts them.
         self._claim_in_doubt = False
         self._claim_filled = False  # the last claim took all it asked for (more may be queued)
+        # The last claim had a free slot to ask for work with: only such a claim that took nothing
+        # (the queue empty, or this node paused) lets --once leave.
+        self._claim_asked = False
         # The last claim left a capped service out because another claimer held its lock: claim
         # again after a short delay, doubling while the lock stays busy (5-10 ms, 10-20 ms, ... the poll).
         self._claim_contended = False
@@ -329,7 +332,9 @@ class Agent:
             idle = not self.running and not self._has_pending()
             if self.stopping and idle:
                 break
-            if self.once and not claimed and idle and not self.guard.failed:
+            # Every slot may have been held by finished tasks not yet reported when this pass claimed:
+            # the queue counts as empty only after a claim that had room found nothing.
+            if self.once and not claimed and idle and self._claim_asked and not self.guard.failed:
                 break
             # Connection pool: the loop's connection goes back while it waits, for the tasks' use.
             daemon.close_django_connection()
@@ -514,6 +519,7 @@ class Agent:
         """Claim across this agent's services in the one global order, in one statement."""
         free = min(self.max_concurrent - len(self.running), self.claim_batch)
         self._claim_filled = self._claim_contended = False
+        self._claim_asked = free > 0
         if free <= 0 or self._paused:
             return 0
         services, adjust = [], {}

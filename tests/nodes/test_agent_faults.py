@@ -355,6 +355,21 @@ def test_agent_adopts_tasks_whose_claim_committed_but_whose_answer_was_lost(make
     assert len(jobs) == 3
 
 
+def test_an_agent_run_once_leaves_only_when_a_claim_with_room_found_nothing(make_service):
+    """With ``--once`` the agent leaves once a claim finds the queue empty and nothing runs. A claim
+    made while every slot was taken by finished but unreported tasks (the loop claims before it
+    reports) found nothing because it asked for nothing: the agent left with most of the queue."""
+    from nodes.agent import Agent
+
+    make_service("once-full")
+    jobs = [api.start_service("once-full") for _ in range(6)]
+    agent = Agent(node="once-node", services=["once-full"], max_concurrent=1, once=True, lease_seconds=30)
+    with agent_in_this_process():
+        assert agent.run() == 0
+    assert sorted(Task.objects.filter(job__in=jobs).values_list("status", flat=True)) == ["done"] * 6
+    assert agent.stats["claimed"] == 6
+
+
 def test_tasks_a_claim_returned_are_adopted_when_starting_one_of_them_fails(make_service, monkeypatch):
     """Starting a claimed task can raise (its scratch folder cannot be made: a full disk); the tasks
     after it in the claim's answer are this agent's all the same and must still run, not wait for
