@@ -37,7 +37,9 @@ A row locked by a transaction queueing a task is skipped, never waited for.
 
 A key's rows are also marked while the key is at its limit, so the claim's walk (an index that
 leaves marked rows out) never visits a full key: ``cap_full`` follows the key's held count
-(``accs_key_cap_follow``, called by the count's trigger), ``rate_until`` its starts
+(``accs_key_held_move``, called by the count's trigger once per statement: the count rows, then the
+marks that flip, each in (service, key) order, so two statements never take them in opposite
+orders), ``rate_until`` its starts
 (``accs_rate_start_block``, on each start: until the earliest of the newest ``rate_key_limit``
 starts leaves the window, the key has no room); a claim clears the rate marks that ran out before
 it walks, and a change of a service's limits rewrites its rows' marks (``accs_service_key_limits``)
@@ -89,6 +91,103 @@ $$;
 DROP TRIGGER IF EXISTS accs_rate_start_block ON accs_rate_start;
 CREATE TRIGGER accs_rate_start_block AFTER INSERT ON accs_rate_start REFERENCING NEW TABLE AS accs_rate_started
     FOR EACH STATEMENT EXECUTE FUNCTION accs_rate_start_block();
+"""
+
+# The held count per key and the marks of the keys at their cap, kept per statement (jobs.0045; jobs.0039
+# kept them per task, and two statements whose keys interleave could wait for each other in a cycle).
+KEY_HELD_SQL = """-- Held tasks per key (the per-key cap's count), kept by the database on each task's way into and
+-- out of held work, in the transaction that moves it, whichever release's daemon moves it
+-- (accs_limit_key_held: jobs.models.LimitKeyHeld). One call per statement, over the statement's
+-- moves (transition tables), so a statement takes its keys' rows in (service, key) order whatever
+-- order it moves its tasks in: two statements whose tasks' keys interleave (a, b and b, a) take the
+-- rows in the same order and cannot wait for each other in a cycle. A transaction that moves held
+-- tasks in more than one statement takes their count rows first, in one sorted statement
+-- (jobs.locks.lock_key_counts; the report function takes the same).
+CREATE OR REPLACE FUNCTION accs_task_key_held() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_services bigint[];
+    v_keys text[];
+    v_deltas int[];
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        -- Most statements move no keyed task (heartbeats, progress, unkeyed services): one look each.
+        IF NOT EXISTS (SELECT 1 FROM accs_key_held_new n WHERE n.limit_key IS NOT NULL)
+           AND NOT EXISTS (SELECT 1 FROM accs_key_held_old o WHERE o.limit_key IS NOT NULL) THEN
+            RETURN NULL;
+        END IF;
+        SELECT array_agg(m.service_id), array_agg(m.key), array_agg(m.delta) INTO v_services, v_keys, v_deltas
+          FROM (SELECT o.service_id, o.limit_key AS key, -1 AS delta
+                  FROM accs_key_held_old o JOIN accs_key_held_new n ON n.id = o.id
+                 WHERE o.limit_key IS NOT NULL AND o.status IN ('starting', 'running')
+                   AND n.status NOT IN ('starting', 'running')
+                UNION ALL
+                SELECT n.service_id, n.limit_key, 1
+                  FROM accs_key_held_old o JOIN accs_key_held_new n ON n.id = o.id
+                 WHERE n.limit_key IS NOT NULL AND n.status IN ('starting', 'running')
+                   AND o.status NOT IN ('starting', 'running')) m;
+    ELSE
+        SELECT array_agg(o.service_id), array_agg(o.limit_key), array_agg(-1) INTO v_services, v_keys, v_deltas
+          FROM accs_key_held_old o WHERE o.limit_key IS NOT NULL AND o.status IN ('starting', 'running');
+    END IF;
+    IF v_services IS NOT NULL THEN
+        PERFORM accs_key_held_move(v_services, v_keys, v_deltas);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- One statement's moves of held tasks (a service, a key and +1 or -1 each): the services' limits
+-- locks, shared, in id order (a change of the limits takes its service's alone and recomputes every
+-- mark once the counts in flight have committed); the count rows in (service, key) order; then the
+-- key rows whose cap flag flips (held >= the cap: the claim's walk leaves them out), in the same order.
+CREATE OR REPLACE FUNCTION accs_key_held_move(p_services bigint[], p_keys text[], p_deltas int[])
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || s.id))
+       FROM (SELECT DISTINCT x.id FROM unnest(p_services) AS x(id) ORDER BY 1) s;
+    -- A key without a row gets one on its way in; a move out of a key without a row changes nothing.
+    INSERT INTO accs_limit_key_held AS k (service_id, key, held)
+    SELECT d.service_id, d.key, d.delta
+      FROM (SELECT m.service_id, m.key COLLATE "C" AS key, sum(m.delta)::int AS delta
+              FROM unnest(p_services, p_keys, p_deltas) AS m(service_id, key, delta) GROUP BY 1, 2) d
+     WHERE d.delta > 0 OR (d.delta < 0 AND EXISTS (SELECT 1 FROM accs_limit_key_held e
+                                                     WHERE e.service_id = d.service_id AND e.key = d.key))
+     ORDER BY d.service_id, d.key
+    ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + excluded.held;
+    WITH f AS (
+        SELECT h.id, coalesce(k.held >= CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key
+                                                  = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key,
+                                                                        s.rate_key_limit, s.rate_key)
+                                             THEN s.concurrency_key_limit END, false) AS is_full
+          FROM (SELECT DISTINCT m.service_id, m.key COLLATE "C" AS key
+                  FROM unnest(p_services, p_keys) AS m(service_id, key)) d
+          JOIN accs_service s ON s.id = d.service_id
+          JOIN accs_limit_key_held k ON k.service_id = d.service_id AND k.key = d.key
+          JOIN accs_limit_key_head h ON h.service_id = d.service_id AND h.key = d.key
+    )
+    UPDATE accs_limit_key_head h SET cap_full = f.is_full
+      FROM f
+     WHERE h.id = f.id
+       AND h.id = ANY(ARRAY(SELECT x.id FROM accs_limit_key_head x JOIN f f2 ON f2.id = x.id
+                             WHERE x.cap_full IS DISTINCT FROM f2.is_full
+                             ORDER BY x.service_id, x.key, x.id FOR NO KEY UPDATE OF x));
+END
+$$;
+
+"""
+
+KEY_HELD_TRIGGERS_SQL = """-- Per statement (jobs.0045); jobs.0039's per-row triggers go.
+DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_moves ON accs_task;
+CREATE TRIGGER accs_task_key_held_moves AFTER UPDATE ON accs_task
+    REFERENCING OLD TABLE AS accs_key_held_old NEW TABLE AS accs_key_held_new
+    FOR EACH STATEMENT EXECUTE FUNCTION accs_task_key_held();
+
+DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
+CREATE TRIGGER accs_task_key_held_delete AFTER DELETE ON accs_task REFERENCING OLD TABLE AS accs_key_held_old
+    FOR EACH STATEMENT EXECUTE FUNCTION accs_task_key_held();
+DROP FUNCTION IF EXISTS accs_key_cap_follow(bigint, text, int);
 """
 
 LIMIT_KEY_SQL = f"""
@@ -174,49 +273,7 @@ BEGIN
 END
 $$;
 
--- Held tasks per key (the per-key cap's count), kept by the database on each task's way into and
--- out of held work, in the transaction that moves it, whichever release's daemon moves it
--- (accs_limit_key_held: jobs.models.LimitKeyHeld).
-CREATE OR REPLACE FUNCTION accs_task_key_held() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    v_held int;
-BEGIN
-    IF TG_ARGV[0] = 'in' THEN
-        INSERT INTO accs_limit_key_held AS k (service_id, key, held) VALUES (NEW.service_id, NEW.limit_key, 1)
-        ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + 1
-        RETURNING k.held INTO v_held;
-        PERFORM accs_key_cap_follow(NEW.service_id, NEW.limit_key, v_held);
-    ELSE
-        UPDATE accs_limit_key_held k SET held = k.held - 1
-         WHERE k.service_id = OLD.service_id AND k.key = OLD.limit_key
-        RETURNING k.held INTO v_held;
-        PERFORM accs_key_cap_follow(OLD.service_id, OLD.limit_key, v_held);
-    END IF;
-    RETURN NULL;
-END
-$$;
-
--- Whether a key's held tasks (now p_held, its count row locked by the caller's update) fill its cap,
--- written on the key's rows: the walk's index leaves out the full ones, so a claim never visits
--- them. Under the service's limits lock, shared (a change of the limits takes it alone and
--- recomputes every row after the counts in flight have committed).
-CREATE OR REPLACE FUNCTION accs_key_cap_follow(p_service bigint, p_key text, p_held int)
-RETURNS void LANGUAGE plpgsql AS $$
-DECLARE
-    v_cap int;
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || p_service));
-    SELECT CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key = accs_limit_key_path(
-                    s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
-                THEN s.concurrency_key_limit END
-      INTO v_cap FROM accs_service s WHERE s.id = p_service;
-    UPDATE accs_limit_key_head h SET cap_full = coalesce(p_held >= v_cap, false)
-     WHERE h.service_id = p_service AND h.key = p_key
-       AND h.cap_full IS DISTINCT FROM coalesce(p_held >= v_cap, false);
-END
-$$;
-
-{RATE_START_BLOCK_SQL.strip()}
+{KEY_HELD_SQL}{RATE_START_BLOCK_SQL.strip()}
 
 -- A change of a service's per-key limits: every row of it follows the new cap and the new rate at
 -- once (one look at each key's held count and latest starts).
@@ -243,23 +300,7 @@ BEGIN
 END
 $$;
 
-DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
-CREATE TRIGGER accs_task_key_held_in AFTER UPDATE OF status ON accs_task
-    FOR EACH ROW WHEN (NEW.limit_key IS NOT NULL AND NEW.status IN ('starting', 'running')
-                       AND OLD.status NOT IN ('starting', 'running'))
-    EXECUTE FUNCTION accs_task_key_held('in');
-
-DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
-CREATE TRIGGER accs_task_key_held_out AFTER UPDATE OF status ON accs_task
-    FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running')
-                       AND NEW.status NOT IN ('starting', 'running'))
-    EXECUTE FUNCTION accs_task_key_held('out');
-
-DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
-CREATE TRIGGER accs_task_key_held_delete AFTER DELETE ON accs_task
-    FOR EACH ROW WHEN (OLD.limit_key IS NOT NULL AND OLD.status IN ('starting', 'running'))
-    EXECUTE FUNCTION accs_task_key_held('out');
-
+{KEY_HELD_TRIGGERS_SQL}
 -- After accs_service_rekey (triggers of one event fire in name order), so rows it rebuilt are covered.
 DROP TRIGGER IF EXISTS accs_service_relimit ON accs_service;
 CREATE TRIGGER accs_service_relimit
@@ -290,9 +331,11 @@ DROP TRIGGER IF EXISTS accs_service_rekey ON accs_service;
 DROP TRIGGER IF EXISTS accs_task_limit_key_update ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_limit_key_insert ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
+DROP TRIGGER IF EXISTS accs_task_key_held_moves ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_key_held_out ON accs_task;
 DROP TRIGGER IF EXISTS accs_task_key_held_in ON accs_task;
 DROP FUNCTION IF EXISTS accs_task_key_held();
+DROP FUNCTION IF EXISTS accs_key_held_move(bigint[], text[], int[]);
 DROP FUNCTION IF EXISTS accs_key_cap_follow(bigint, text, int);
 DROP FUNCTION IF EXISTS accs_service_rekey();
 DROP FUNCTION IF EXISTS accs_task_limit_key();

@@ -7,7 +7,8 @@ for each other in a cycle:
    sorted by key;
 2. job rows, sorted by id (``FOR NO KEY UPDATE``: inserting tasks that reference a locked job
    is still allowed);
-3. task rows, sorted by id.
+3. task rows, sorted by id;
+4. the per-key held counts of keyed tasks (``accs_limit_key_held``), sorted by service and key.
 
 A verb that needs no job lock (heartbeats, marking a task running) still takes its task locks
 sorted by id. Claims never wait on a row (``SKIP LOCKED``). Behind a pooler the claim function
@@ -17,6 +18,11 @@ waits for its node's lock only, then merely tries each capped service's
 An agent bounds its waits (:func:`bound_lock_waits`, ``SET LOCAL lock_timeout``): a claim waits
 for a lock at most ``ACC_CLAIM_LOCK_WAIT_SEC``, a lease renewal a fraction of the lease, and a
 wait that runs out rolls the transaction back (:func:`is_lock_timeout`) instead of queueing on.
+
+The held counts are kept by the database's triggers (jobs.limit_keys): each statement that moves
+held tasks takes its keys' count rows in that order. A transaction that moves held tasks in more
+than one statement (a report that ends some tasks and fails others) first takes them all in one
+statement (:func:`lock_key_counts`), so no later statement of it adds a row out of order.
 
 After a task row, the database's own triggers (jobs.limit_keys) take two more, as a foreign key
 check does: a task that becomes queued reads its service row ``FOR SHARE`` and a key row of the
@@ -35,6 +41,14 @@ from collections.abc import Iterable, Sequence
 from uuid import UUID
 
 import psycopg
+
+# The held-count rows of the keys of the held tasks among the uuid array {ids}, locked in (service, key)
+# order: the order the count triggers (jobs.limit_keys) take them in. The report function takes the
+# same text.
+KEY_COUNTS_LOCK_SQL = ("1 FROM accs_limit_key_held k WHERE (k.service_id, k.key) IN ("
+                       "SELECT t.service_id, t.limit_key FROM accs_task t WHERE t.id = ANY({ids})"
+                       " AND t.limit_key IS NOT NULL AND t.status IN ('starting', 'running'))"
+                       " ORDER BY k.service_id, k.key FOR UPDATE")
 
 # Transaction-scoped advisory locks on the keys of the text array {keys}, taken in the order of the
 # lock's identity (the key's hash), so two keys whose hashes collide cannot invert the order between
@@ -112,6 +126,18 @@ def lock_tasks(cur, task_ids: Iterable[UUID], *, skip_locked: bool = False) -> l
     cur.execute("SELECT id FROM accs_task WHERE id = ANY(%s::uuid[]) ORDER BY id FOR UPDATE"
                 + (" SKIP LOCKED" if skip_locked else ""), [ids])
     return [r[0] for r in cur.fetchall()]
+
+
+def lock_key_counts(cur, task_ids: Iterable[UUID]) -> None:
+    """Lock the held counts of the keys of those (locked) tasks that are held, in (service, key) order.
+
+    For a transaction that moves held tasks out in more than one statement: each statement's
+    trigger takes its own keys in order, but two statements could still take them out of order
+    between them.
+    """
+    ids = sorted({str(t) for t in task_ids})
+    if ids:
+        cur.execute("SELECT " + KEY_COUNTS_LOCK_SQL.format(ids="%s::uuid[]"), [ids])
 
 
 def lock_tasks_of_jobs(cur, job_ids: Sequence[UUID], *, where: str = "TRUE", params: Sequence = ()) -> list[UUID]:

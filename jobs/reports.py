@@ -24,7 +24,7 @@ from accs_site.clock import db_now
 from events.timeline import BUILDER, EventRow, write_events
 from jobs.failure.apply import record_failures
 from jobs.finalize import finalize_jobs
-from jobs.locks import lock_jobs_of_tasks, lock_tasks
+from jobs.locks import KEY_COUNTS_LOCK_SQL, lock_jobs_of_tasks, lock_key_counts, lock_tasks
 from jobs.notify import notify, service_channel
 from jobs.outcomes import Outcome, ReportResult, attempt_ending
 
@@ -195,6 +195,8 @@ BEGIN
     PERFORM 1 FROM accs_job WHERE id IN (SELECT t.job_id FROM accs_task t WHERE t.id = ANY(p_ids || p_start_ids))
      ORDER BY id FOR NO KEY UPDATE;
     PERFORM 1 FROM accs_task WHERE id = ANY(p_ids || p_start_ids) ORDER BY id FOR UPDATE;
+    -- Then the held counts of their keys, sorted: up to two statements below end tasks.
+    PERFORM {KEY_COUNTS_LOCK_SQL.format(ids="p_ids")};
     -- Starts of attempts still running (mark_running).
     IF cardinality(p_start_ids) > 0 THEN
         v_ids := p_start_ids;
@@ -249,6 +251,7 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
         task_ids = [o.task_id for o in outcomes] + [s[0] for s in started]
         lock_jobs_of_tasks(cur, task_ids)
         lock_tasks(cur, task_ids)
+        lock_key_counts(cur, [o.task_id for o in outcomes])
         now = now or db_now(cur)
         if to_mark:
             _mark_running(cur, to_mark, agent_id=agent_id, source=source, now=now)

@@ -30,7 +30,7 @@ from accs_site.conf import accs
 from events.timeline import BUILDER
 from jobs.failure.apply import record_failures
 from jobs.finalize import finalize_jobs
-from jobs.locks import lock_jobs_of_tasks
+from jobs.locks import lock_jobs_of_tasks, lock_key_counts
 from jobs.outcomes import INTERRUPTED_BY_OUTAGE, LEASE_EXPIRED, Outcome, ReportResult
 
 # The lease its holder was granted; the site's default for a row written before heartbeat_at was.
@@ -84,6 +84,8 @@ def rescue_expired(*, limit: int = 500, now: datetime | None = None) -> ReportRe
         cur.execute(LOCK_EXPIRED_SQL, {**params, "ids": candidates, "jobs": jobs})
         expired = [_rescued(task_id, attempt, in_outage=in_outage) for task_id, attempt, in_outage in cur.fetchall()]
         if expired:
+            # Retries and dead letters are two statements: their keys' counts first, in one.
+            lock_key_counts(cur, [o.task_id for o in expired])
             touched = record_failures(cur, expired, result, now=now, source=BUILDER)
             finalize_jobs(cur, sorted(touched, key=str), now=now, source=BUILDER)
     return result

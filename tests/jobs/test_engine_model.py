@@ -42,7 +42,7 @@ without the example database: the test's call takes about 15 s on two idle cores
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -90,7 +90,7 @@ def site(make_service, default_tenant, retention_defaults) -> Site:
     services = [
         make_service("m-plain", max_attempts=2),
         make_service("m-capped", max_attempts=2, max_concurrent=2),
-        make_service("m-keyed", max_attempts=2, concurrency_key="customer", concurrency_key_limit=1,
+        make_service("m-keyed", max_attempts=2, concurrency_key="customer", concurrency_key_limit=2,
                      params_schema=keyed_schema),
     ]
     create_workflow(name="m-pair", max_active_jobs=2, steps=[
@@ -129,9 +129,13 @@ class Agent:
         """Its identity; a restarted agent is a new one (as a real agent's host:pid:boot is)."""
         return f"{self.name}:{self.boot}"
 
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Start ``fn`` on this agent's thread and connection; its future holds the result."""
+        return self._thread.submit(fn, *args, **kwargs)
+
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` on this agent's thread and connection; return its result."""
-        return self._thread.submit(fn, *args, **kwargs).result(timeout=60)
+        return self.submit(fn, *args, **kwargs).result(timeout=60)
 
     def restart(self) -> None:
         self.boot += 1
@@ -267,6 +271,33 @@ class EngineMachine(RuleBasedStateMachine):
         assert _accepted(result, task_id), f"the report of {name}'s live attempt was refused: {result}"
         self.accepted[(task_id, attempt)] = (frozenset({"succeeded"}) if succeeded
                                              else frozenset({"failed", "canceled"}))
+
+    @precondition(lambda self: len(self._holding()) > 1)
+    @rule(data=st.data())
+    def finish_together(self, data: st.DataObject) -> None:
+        """Every agent that holds tasks reports all of them at once, each on its own connection, racing
+        the others (two agents may hold tasks of the same keys, in any order of their ids)."""
+        calls = []
+        for name in self._holding():
+            agent = self.agents[name]
+            outcomes, started = [], []
+            for task_id, attempt in sorted(agent.held.items(), key=lambda item: str(item[0])):
+                ok = data.draw(st.booleans(), label=f"{name} {task_id} succeeded")
+                outcomes.append(Outcome(task_id=task_id, attempt=attempt, status="succeeded", results={"n": attempt})
+                                if ok else Outcome(task_id=task_id, attempt=attempt, status="failed", error="boom",
+                                                   exit_code=1))
+                if task_id not in agent.running:
+                    started.append((task_id, attempt, 4242))
+            calls.append((agent, outcomes, agent.submit(
+                transitions.report, outcomes, started=started, agent_id=agent.agent_id, source=SOURCE)))
+        for agent, outcomes, future in calls:
+            result = future.result(timeout=60)  # a deadlock or any other error is raised here
+            for o in outcomes:
+                assert _accepted(result, o.task_id), f"the report of {agent.name}'s live attempt was refused: {result}"
+                self.accepted[(o.task_id, o.attempt)] = (frozenset({"succeeded"}) if o.status == "succeeded"
+                                                         else frozenset({"failed", "canceled"}))
+            agent.held.clear()
+            agent.running.clear()
 
     @precondition(lambda self: bool(self._holding()))
     @rule(data=st.data())

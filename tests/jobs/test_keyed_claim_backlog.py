@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions
 from jobs.claim import NodeLimits, claim_many, claim_statement, service_spec
-from jobs.limit_keys import BACKFILL_HELD_SQL, LIMIT_KEY_SQL, RATE_START_BLOCK_SQL
+from jobs.limit_keys import BACKFILL_HELD_SQL, KEY_HELD_SQL, KEY_HELD_TRIGGERS_SQL, LIMIT_KEY_SQL, RATE_START_BLOCK_SQL
 from tests.daemons import wait_for
 from tests.engine_helpers import KEY_HELD_DRIFT_SQL, run_fail, run_ok
 from tests.jobs.test_flow_control import PEAK_TRIGGER  # the held tasks of each claimed key, at commit
@@ -333,6 +333,68 @@ def test_racing_claimers_on_their_own_connections_never_exceed_a_key_limit(make_
     assert rows_of(KEY_HELD_DRIFT_SQL) == []
 
 
+@pytest.mark.parametrize("shape", ["one statement", "a start beside them", "a failure beside them"])
+@pytest.mark.django_db(transaction=True)
+def test_two_reports_whose_keys_interleave_never_deadlock(make_service, db_url, shape):
+    """Each report holds tasks of keys a and b, their ids interleaved (a, b | b, a): the keys' count rows
+    are taken in (service, key) order in every report, whatever the order of its tasks or of the
+    statements that end them. Made deterministic with a third connection holding b's key row: the second
+    report waits for it after its counts; the first then waits for the second; once released, the old
+    order (each count as its task came) had the second report wait for a's count, held by the first."""
+    svc = make_service("interleaved", concurrency_key="customer", concurrency_key_limit=2, max_attempts=3,
+                       backoff_base_seconds=0, **SCHEMA)
+    # Creation order is id order: t0 a, t1 b, t2 a, t3 b held; one more of each queued keeps the key rows.
+    enqueue("interleaved", ["a", "b", "a", "b", "a", "b"])
+    got = sorted(claim(svc, 10), key=lambda t: t.id)
+    assert [t.params["customer"] for t in got] == ["a", "b", "a", "b"]
+    assert rows_of(f"SELECT key FROM accs_limit_key_head WHERE service_id = {svc.id} AND cap_full ORDER BY key") \
+        == [("a",), ("b",)], "both keys full: each report flips its keys' rows"
+    first, second = [got[0], got[3]], [got[1], got[2]]  # a then b; b then a
+    if shape != "a start beside them":
+        transitions.mark_running([(t.id, t.attempt, 1) for t in got], agent_id="agent-kb", source="agent:test")
+    else:
+        # The second report ends b with its start (starting -> done) and a already running: two statements.
+        transitions.mark_running([(t.id, t.attempt, 1) for t in [*first, got[2]]], agent_id="agent-kb",
+                                 source="agent:test")
+    pids: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def report(name: str, tasks) -> None:
+        try:
+            with connection.cursor() as cur:
+                cur.execute("SELECT pg_backend_pid()")
+                pids[name] = cur.fetchone()[0]
+            outcomes = [transitions.Outcome(task_id=t.id, attempt=t.attempt, status="succeeded") for t in tasks]
+            started: list = []
+            if name == "second" and shape == "a start beside them":
+                started = [(tasks[0].id, tasks[0].attempt, 1)]
+            if name == "second" and shape == "a failure beside them":
+                outcomes[1] = transitions.Outcome(task_id=tasks[1].id, attempt=tasks[1].attempt, status="failed",
+                                                  error="boom", exit_code=1)
+            transitions.report(outcomes, started=started, agent_id="agent-kb", source="agent:test")
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            connection.close()
+
+    with psycopg.connect(db_url) as gate:
+        gate.execute("SELECT 1 FROM accs_limit_key_head WHERE service_id = %s AND key = 'b' FOR UPDATE", [svc.id])
+        threads = {name: threading.Thread(target=report, args=(name, tasks))
+                   for name, tasks in [("second", second), ("first", first)]}
+        for name in ("second", "first"):
+            threads[name].start()
+            wait_for(lambda name=name: name in pids and _waits_for_a_lock(db_url, pids[name]), timeout=10,
+                     message=f"the {name} report should wait for a lock")
+        gate.rollback()
+    for t in threads.values():
+        t.join(timeout=30)
+        assert not t.is_alive()
+    assert not errors, errors
+    assert rows_of(f"SELECT status FROM accs_task WHERE service_id = {svc.id} AND status IN ('starting', 'running')"
+                   ) == [], "both reports ended their tasks"
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+
+
 # --------------------------------------------------------------------------------------------
 # Generated layouts against a model of the rules
 # --------------------------------------------------------------------------------------------
@@ -397,8 +459,13 @@ def test_the_migrations_create_the_triggers_this_module_describes():
     per_statement = importlib.import_module("jobs.migrations.0041_rate_start_block_per_statement")
     assert per_statement.RATE_START_BLOCK_SQL == RATE_START_BLOCK_SQL
     assert per_statement.RATE_START_BLOCK_0039.strip() in migration.LIMIT_KEY_SQL
-    assert migration.LIMIT_KEY_SQL.replace(per_statement.RATE_START_BLOCK_0039.strip(),
-                                           RATE_START_BLOCK_SQL.strip()) == LIMIT_KEY_SQL
+    # jobs.0045 replaced the held counts' triggers (one call per statement, the rows in key order).
+    in_order = importlib.import_module("jobs.migrations.0045_key_counts_in_order")
+    assert (in_order.KEY_HELD_SQL, in_order.KEY_HELD_TRIGGERS_SQL) == (KEY_HELD_SQL, KEY_HELD_TRIGGERS_SQL)
+    assert migration.LIMIT_KEY_SQL.replace(
+        per_statement.RATE_START_BLOCK_0039.strip(), RATE_START_BLOCK_SQL.strip()).replace(
+        in_order.KEY_HELD_0039, KEY_HELD_SQL).replace(
+        in_order.KEY_HELD_TRIGGERS_0039, KEY_HELD_TRIGGERS_SQL) == LIMIT_KEY_SQL
     assert migration.BACKFILL_HELD_SQL == BACKFILL_HELD_SQL
 
 
