@@ -395,6 +395,53 @@ def test_two_reports_whose_keys_interleave_never_deadlock(make_service, db_url, 
     assert rows_of(KEY_HELD_DRIFT_SQL) == []
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_and_a_report_whose_keys_interleave_never_deadlock(make_service, db_url):
+    """A claim takes tasks of keys b then a (in id order) while a report ends tasks of a then b. A third
+    connection holds the service's key-limits lock (what a change of its limits takes), which the
+    count's trigger waits for: taken per task, the claim waited holding b's count and the report
+    holding a's, and on release each wanted the other's."""
+    svc = make_service("claim-report", concurrency_key="customer", concurrency_key_limit=3, **SCHEMA)
+    enqueue("claim-report", ["a", "b", "a", "b"])
+    held = sorted(claim(svc, 10), key=lambda t: t.id)
+    assert [t.params["customer"] for t in held] == ["a", "b", "a", "b"]
+    transitions.mark_running([(t.id, t.attempt, 1) for t in held], agent_id="agent-kb", source="agent:test")
+    enqueue("claim-report", ["b", "a"])
+    pids: dict[str, int] = {}
+    errors: list[BaseException] = []
+    claimed: list = []
+
+    def on_own_connection(name: str, fn) -> None:
+        try:
+            with connection.cursor() as cur:
+                cur.execute("SELECT pg_backend_pid()")
+                pids[name] = cur.fetchone()[0]
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            connection.close()
+
+    with psycopg.connect(db_url) as gate:
+        gate.execute("SELECT pg_advisory_xact_lock(hashtext('accs:key-limits:' || %s))", [svc.id])
+        threads = {
+            "claim": threading.Thread(target=on_own_connection,
+                                      args=("claim", lambda: claimed.extend(claim(svc, 10, agent="agent-2")))),
+            "report": threading.Thread(target=on_own_connection, args=("report", lambda: run_ok(held[:2]))),
+        }
+        for name in ("claim", "report"):
+            threads[name].start()
+            wait_for(lambda name=name: name in pids and _waits_for_a_lock(db_url, pids[name]), timeout=10,
+                     message=f"the {name} should wait for a lock")
+        gate.rollback()
+    for t in threads.values():
+        t.join(timeout=30)
+        assert not t.is_alive()
+    assert not errors, errors
+    assert sorted(t.params["customer"] for t in claimed) == ["a", "b"]
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+
+
 # --------------------------------------------------------------------------------------------
 # Generated layouts against a model of the rules
 # --------------------------------------------------------------------------------------------
