@@ -37,9 +37,9 @@ A row locked by a transaction queueing a task is skipped, never waited for.
 
 A key's rows are also marked while the key is at its limit, so the claim's walk (an index that
 leaves marked rows out) never visits a full key: ``cap_full`` follows the key's held count
-(``accs_key_held_move``, called by the count's trigger once per statement: the count rows, then the
-marks that flip, each in (service, key) order, so two statements never take them in opposite
-orders), ``rate_until`` its starts
+(``accs_key_held_move``, called by the count's trigger once per statement: the count rows in
+(service, key) order, so two statements never take them in opposite orders, then the marks that
+flip, which only the holder of their key's count row writes), ``rate_until`` its starts
 (``accs_rate_start_block``, on each start: until the earliest of the newest ``rate_key_limit``
 starts leaves the window, the key has no room); a claim clears the rate marks that ran out before
 it walks, and a change of a service's limits rewrites its rows' marks (``accs_service_key_limits``)
@@ -139,7 +139,7 @@ $$;
 -- One statement's moves of held tasks (a service, a key and +1 or -1 each): the services' limits
 -- locks, shared, in id order (a change of the limits takes its service's alone and recomputes every
 -- mark once the counts in flight have committed); the count rows in (service, key) order; then the
--- key rows whose cap flag flips (held >= the cap: the claim's walk leaves them out), in the same order.
+-- key rows whose cap flag flips (held >= the cap: the claim's walk leaves them out).
 CREATE OR REPLACE FUNCTION accs_key_held_move(p_services bigint[], p_keys text[], p_deltas int[])
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
@@ -154,11 +154,14 @@ BEGIN
                                                      WHERE e.service_id = d.service_id AND e.key = d.key))
      ORDER BY d.service_id, d.key
     ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + excluded.held;
-    WITH f AS (
-        SELECT h.id, coalesce(k.held >= CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key
-                                                  = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key,
-                                                                        s.rate_key_limit, s.rate_key)
-                                             THEN s.concurrency_key_limit END, false) AS is_full
+    -- Found by key, then locked in id order (a plan asked for key order walked every key row of the
+    -- service). Any order does: a key's rows flip only under its count row's lock, taken above.
+    WITH f AS MATERIALIZED (
+        SELECT h.id, h.cap_full, coalesce(k.held >= CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key
+                                                              = accs_limit_key_path(s.concurrency_key_limit,
+                                                                                    s.concurrency_key,
+                                                                                    s.rate_key_limit, s.rate_key)
+                                                         THEN s.concurrency_key_limit END, false) AS is_full
           FROM (SELECT DISTINCT m.service_id, m.key COLLATE "C" AS key
                   FROM unnest(p_services, p_keys) AS m(service_id, key)) d
           JOIN accs_service s ON s.id = d.service_id
@@ -167,10 +170,11 @@ BEGIN
     )
     UPDATE accs_limit_key_head h SET cap_full = f.is_full
       FROM f
-     WHERE h.id = f.id
-       AND h.id = ANY(ARRAY(SELECT x.id FROM accs_limit_key_head x JOIN f f2 ON f2.id = x.id
-                             WHERE x.cap_full IS DISTINCT FROM f2.is_full
-                             ORDER BY x.service_id, x.key, x.id FOR NO KEY UPDATE OF x));
+     WHERE h.id = f.id AND h.cap_full IS DISTINCT FROM f.is_full
+       AND h.id = ANY(ARRAY(SELECT x.id FROM accs_limit_key_head x
+                             WHERE x.id = ANY(ARRAY(SELECT f2.id FROM f f2
+                                                     WHERE f2.cap_full IS DISTINCT FROM f2.is_full))
+                             ORDER BY x.id FOR NO KEY UPDATE));
 END
 $$;
 

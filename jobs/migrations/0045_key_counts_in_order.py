@@ -5,7 +5,7 @@ in the order a statement moved its tasks (task id order). Two reports whose task
 ends a task of key a, then one of key b; the other b, then a) took the count rows in opposite orders and
 PostgreSQL aborted one of them after its deadlock timeout. The trigger now runs once per statement, over
 the statement's moves (transition tables), and takes the count rows in (service, key) order, then the key
-rows whose mark flips in the same order. The report of successes (accs_report_succeeded) also locks its
+rows whose mark flips (only the holder of their key's count row writes them). The report of successes (accs_report_succeeded) also locks its
 tasks' count rows first, in one sorted statement, because it ends tasks in up to two statements.
 
 Safe under the previous release's daemons: the functions and triggers are replaced in one short transaction
@@ -62,7 +62,7 @@ $$;
 -- One statement's moves of held tasks (a service, a key and +1 or -1 each): the services' limits
 -- locks, shared, in id order (a change of the limits takes its service's alone and recomputes every
 -- mark once the counts in flight have committed); the count rows in (service, key) order; then the
--- key rows whose cap flag flips (held >= the cap: the claim's walk leaves them out), in the same order.
+-- key rows whose cap flag flips (held >= the cap: the claim's walk leaves them out).
 CREATE OR REPLACE FUNCTION accs_key_held_move(p_services bigint[], p_keys text[], p_deltas int[])
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
@@ -77,11 +77,14 @@ BEGIN
                                                      WHERE e.service_id = d.service_id AND e.key = d.key))
      ORDER BY d.service_id, d.key
     ON CONFLICT (service_id, key) DO UPDATE SET held = k.held + excluded.held;
-    WITH f AS (
-        SELECT h.id, coalesce(k.held >= CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key
-                                                  = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key,
-                                                                        s.rate_key_limit, s.rate_key)
-                                             THEN s.concurrency_key_limit END, false) AS is_full
+    -- Found by key, then locked in id order (a plan asked for key order walked every key row of the
+    -- service). Any order does: a key's rows flip only under its count row's lock, taken above.
+    WITH f AS MATERIALIZED (
+        SELECT h.id, h.cap_full, coalesce(k.held >= CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key
+                                                              = accs_limit_key_path(s.concurrency_key_limit,
+                                                                                    s.concurrency_key,
+                                                                                    s.rate_key_limit, s.rate_key)
+                                                         THEN s.concurrency_key_limit END, false) AS is_full
           FROM (SELECT DISTINCT m.service_id, m.key COLLATE "C" AS key
                   FROM unnest(p_services, p_keys) AS m(service_id, key)) d
           JOIN accs_service s ON s.id = d.service_id
@@ -90,10 +93,11 @@ BEGIN
     )
     UPDATE accs_limit_key_head h SET cap_full = f.is_full
       FROM f
-     WHERE h.id = f.id
-       AND h.id = ANY(ARRAY(SELECT x.id FROM accs_limit_key_head x JOIN f f2 ON f2.id = x.id
-                             WHERE x.cap_full IS DISTINCT FROM f2.is_full
-                             ORDER BY x.service_id, x.key, x.id FOR NO KEY UPDATE OF x));
+     WHERE h.id = f.id AND h.cap_full IS DISTINCT FROM f.is_full
+       AND h.id = ANY(ARRAY(SELECT x.id FROM accs_limit_key_head x
+                             WHERE x.id = ANY(ARRAY(SELECT f2.id FROM f f2
+                                                     WHERE f2.cap_full IS DISTINCT FROM f2.is_full))
+                             ORDER BY x.id FOR NO KEY UPDATE));
 END
 $$;
 
