@@ -16,6 +16,7 @@ import random
 import threading
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -167,6 +168,38 @@ def _waits_for_a_lock(url: str, pid: int) -> bool:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
                             [pid]).fetchone() == (True,)
+
+
+def race_behind_a_gate(db_url: str, gate_sql: str, gate_params: list, calls: list[tuple[str, Callable]]) -> None:
+    """Run ``calls`` each on a thread (so a connection) of its own, in order, each started once the one
+    before waits for a lock, while a third connection holds what ``gate_sql`` locks; then release the
+    gate and wait for all. Whatever a call raises (a deadlock) fails the test."""
+    pids: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def on_own_connection(name: str, fn: Callable) -> None:
+        try:
+            with connection.cursor() as cur:
+                cur.execute("SELECT pg_backend_pid()")
+                pids[name] = cur.fetchone()[0]
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            connection.close()
+
+    with psycopg.connect(db_url) as gate:
+        gate.execute(gate_sql, gate_params)
+        threads = [threading.Thread(target=on_own_connection, args=call) for call in calls]
+        for (name, _), thread in zip(calls, threads, strict=True):
+            thread.start()
+            wait_for(lambda name=name: name in pids and _waits_for_a_lock(db_url, pids[name]), timeout=10,
+                     message=f"the {name} should wait for a lock")
+        gate.rollback()
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    assert not errors, errors
 
 
 @pytest.mark.parametrize("first", ["tasks queued", "path changed"])
@@ -356,40 +389,19 @@ def test_two_reports_whose_keys_interleave_never_deadlock(make_service, db_url, 
         # The second report ends b with its start (starting -> done) and a already running: two statements.
         transitions.mark_running([(t.id, t.attempt, 1) for t in [*first, got[2]]], agent_id="agent-kb",
                                  source="agent:test")
-    pids: dict[str, int] = {}
-    errors: list[BaseException] = []
-
     def report(name: str, tasks) -> None:
-        try:
-            with connection.cursor() as cur:
-                cur.execute("SELECT pg_backend_pid()")
-                pids[name] = cur.fetchone()[0]
-            outcomes = [transitions.Outcome(task_id=t.id, attempt=t.attempt, status="succeeded") for t in tasks]
-            started: list = []
-            if name == "second" and shape == "a start beside them":
-                started = [(tasks[0].id, tasks[0].attempt, 1)]
-            if name == "second" and shape == "a failure beside them":
-                outcomes[1] = transitions.Outcome(task_id=tasks[1].id, attempt=tasks[1].attempt, status="failed",
-                                                  error="boom", exit_code=1)
-            transitions.report(outcomes, started=started, agent_id="agent-kb", source="agent:test")
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-        finally:
-            connection.close()
+        outcomes = [transitions.Outcome(task_id=t.id, attempt=t.attempt, status="succeeded") for t in tasks]
+        started: list = []
+        if name == "second" and shape == "a start beside them":
+            started = [(tasks[0].id, tasks[0].attempt, 1)]
+        if name == "second" and shape == "a failure beside them":
+            outcomes[1] = transitions.Outcome(task_id=tasks[1].id, attempt=tasks[1].attempt, status="failed",
+                                              error="boom", exit_code=1)
+        transitions.report(outcomes, started=started, agent_id="agent-kb", source="agent:test")
 
-    with psycopg.connect(db_url) as gate:
-        gate.execute("SELECT 1 FROM accs_limit_key_head WHERE service_id = %s AND key = 'b' FOR UPDATE", [svc.id])
-        threads = {name: threading.Thread(target=report, args=(name, tasks))
-                   for name, tasks in [("second", second), ("first", first)]}
-        for name in ("second", "first"):
-            threads[name].start()
-            wait_for(lambda name=name: name in pids and _waits_for_a_lock(db_url, pids[name]), timeout=10,
-                     message=f"the {name} report should wait for a lock")
-        gate.rollback()
-    for t in threads.values():
-        t.join(timeout=30)
-        assert not t.is_alive()
-    assert not errors, errors
+    race_behind_a_gate(db_url, "SELECT 1 FROM accs_limit_key_head WHERE service_id = %s AND key = 'b' FOR UPDATE",
+                       [svc.id], [("second report", lambda: report("second", second)),
+                                  ("first report", lambda: report("first", first))])
     assert rows_of(f"SELECT status FROM accs_task WHERE service_id = {svc.id} AND status IN ('starting', 'running')"
                    ) == [], "both reports ended their tasks"
     assert rows_of(KEY_HELD_DRIFT_SQL) == []
@@ -407,37 +419,10 @@ def test_a_claim_and_a_report_whose_keys_interleave_never_deadlock(make_service,
     assert [t.params["customer"] for t in held] == ["a", "b", "a", "b"]
     transitions.mark_running([(t.id, t.attempt, 1) for t in held], agent_id="agent-kb", source="agent:test")
     enqueue("claim-report", ["b", "a"])
-    pids: dict[str, int] = {}
-    errors: list[BaseException] = []
     claimed: list = []
-
-    def on_own_connection(name: str, fn) -> None:
-        try:
-            with connection.cursor() as cur:
-                cur.execute("SELECT pg_backend_pid()")
-                pids[name] = cur.fetchone()[0]
-            fn()
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-        finally:
-            connection.close()
-
-    with psycopg.connect(db_url) as gate:
-        gate.execute("SELECT pg_advisory_xact_lock(hashtext('accs:key-limits:' || %s))", [svc.id])
-        threads = {
-            "claim": threading.Thread(target=on_own_connection,
-                                      args=("claim", lambda: claimed.extend(claim(svc, 10, agent="agent-2")))),
-            "report": threading.Thread(target=on_own_connection, args=("report", lambda: run_ok(held[:2]))),
-        }
-        for name in ("claim", "report"):
-            threads[name].start()
-            wait_for(lambda name=name: name in pids and _waits_for_a_lock(db_url, pids[name]), timeout=10,
-                     message=f"the {name} should wait for a lock")
-        gate.rollback()
-    for t in threads.values():
-        t.join(timeout=30)
-        assert not t.is_alive()
-    assert not errors, errors
+    race_behind_a_gate(db_url, "SELECT pg_advisory_xact_lock(hashtext('accs:key-limits:' || %s))", [svc.id],
+                       [("claim", lambda: claimed.extend(claim(svc, 10, agent="agent-2"))),
+                        ("report", lambda: run_ok(held[:2]))])
     assert sorted(t.params["customer"] for t in claimed) == ["a", "b"]
     assert rows_of(KEY_HELD_DRIFT_SQL) == []
 
