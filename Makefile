@@ -103,7 +103,7 @@ bench: db
 bench-churn: db
 	@$(PY) bench/churn.py
 
-# One claim of a keyed service against the same service without limits, over four layouts of the
+# One claim of a keyed service against the same service without limits (and without a key path), over four layouts of the
 # backlog (the last round's 50 full keys of 1,000 over 100,000 tasks, interleaved and grouped; 800 of
 # 1,000 keys full over 50,000; 2,000 of 10,000 over 50,000): bench/results/keyed_claim.json
 # (bench/keyed_claim.py). KEYED_LAYOUTS=full-800,many-keys picks some.
