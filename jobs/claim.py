@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import textwrap
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -50,7 +49,7 @@ from jobs import limit_keys
 from jobs.locks import ADVISORY_LOCKS_SQL, LOCK_WAIT_SQL, TRY_ADVISORY_LOCK_SQL, is_lock_timeout, lock_wait_ms
 from jobs.notify import service_channel
 from jobs.reports import PROMOTE_DUE_SQL
-from jobs.sql import from_json
+from jobs.sql import bind_params, from_json
 from workflows.governor import PAUSED_TENANTS_SQL
 
 log = logging.getLogger("accs.claim")
@@ -642,12 +641,12 @@ _NODE_ROOM = """        v_stamp := coalesce(p_now, clock_timestamp());
 
 def _bind(statement: str, names: Mapping[str, str]) -> str:
     """Return ``statement`` with its instant and its parameters bound to a function's variables."""
-    return re.sub(r"%\((\w+)\)s", lambda m: names[m.group(1)], statement.replace(STAMP_SQL, "v_stamp"))
+    return bind_params(statement.replace(STAMP_SQL, "v_stamp"), names)
 
 
 def _bound_promotion() -> str:
     """Return the promotion of due retries (PROMOTE_DUE_SQL) as a claim function runs it."""
-    promote = re.sub(r"%\((\w+)\)s", lambda m: _PROMOTE_PARAMS[m.group(1)], PROMOTE_DUE_SQL)
+    promote = bind_params(PROMOTE_DUE_SQL, _PROMOTE_PARAMS)
     return (textwrap.indent(promote, "    ")
             + "\n    SELECT array_agg(DISTINCT up.service_id) INTO v_promoted FROM up;")
 

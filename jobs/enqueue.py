@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from jobs.instantiate import (
 )
 from jobs.models import JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus
 from jobs.notify import builder_channel, not_yet_notified, notify, service_channel
-from jobs.sql import query_function_sql
+from jobs.sql import bind_params, query_function_sql
 from tenants.models import DEFAULT_TENANT_SLUG, Tenant
 from workflows.models import Service, Workflow
 from workflows.validation import DefinitionError, Problem, validator_errors
@@ -575,7 +574,7 @@ def start_function_sql() -> str:
 
     A migration holds a copy; a test compares the database's function with this text.
     """
-    body = re.sub(r"%\((\w+)\)s", lambda m: f"p_{m.group(1)}", START_NOW_SQL).strip()
+    body = bind_params(START_NOW_SQL, {name: f"p_{name}" for name in START_ARGS}).strip()
     # Each "name type" kept on one line (no-break spaces while the lines are filled).
     args = ", ".join(f"p_{name}\u00a0{kind}" for name, kind in START_ARGS.items())
     args = textwrap.fill(args, 116, initial_indent="    ", subsequent_indent="    ").replace("\u00a0", " ")

@@ -22,7 +22,6 @@ already read.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from datetime import datetime
 from uuid import UUID
@@ -30,6 +29,7 @@ from uuid import UUID
 from events.timeline import EventRow
 from jobs.inputs import GATHERED_OUTPUT, JSONPATH_FUNCTION, parent_outputs, step_field
 from jobs.notify import notify, service_channel
+from jobs.sql import bind_params
 from jobs.states import JOB_ADMITTED, TASK_HELD, TASK_UNSTARTED, sql_in
 
 MAX_DAG_DEPTH = 100  # skipping cascades one step level per pass
@@ -407,7 +407,7 @@ _FINALIZE_PARAMS = {"jobs": "p_jobs", "job_ids": "v_job_ids", "steps": "v_steps"
 
 def _bind(sql: str) -> str:
     """Return ``sql`` with its ``%(name)s`` parameters replaced by the function's variables."""
-    return re.sub(r"%\((\w+)\)s", lambda m: _FINALIZE_PARAMS[m.group(1)], sql).strip()
+    return bind_params(sql, _FINALIZE_PARAMS).strip()
 
 
 def _into(sql: str, last_select: str, target: str) -> str:

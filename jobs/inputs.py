@@ -38,7 +38,7 @@ from django.db import connection
 
 from accs_site.redaction import SECRET_KEY_RE, secrets_in
 from jobs.locks import LOCK_WAIT_SQL, lock_wait_ms
-from jobs.sql import from_json, query_function_sql
+from jobs.sql import bind_params, from_json, query_function_sql
 
 # One step's output from its tasks (aliased ``p``, grouped by step): a single task's results, or the list of
 # a fanned-out step's results in task order.
@@ -138,7 +138,7 @@ def step_inputs_function_sql() -> str:
 
     A migration holds a copy; a test compares the database's function with this text.
     """
-    body = STEP_INPUTS_SQL.replace("%(task)s", "p_task").strip()
+    body = bind_params(STEP_INPUTS_SQL, {"task": "p_task"}).strip()
     return query_function_sql(
         STEP_INPUTS_FUNCTION, "p_task uuid",
         "TABLE (parent_keys text[], parent_outputs jsonb[], item jsonb, item_index int, output_schema jsonb)",

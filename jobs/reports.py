@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -27,6 +26,7 @@ from jobs.finalize import finalize_jobs
 from jobs.locks import KEY_COUNTS_LOCK_SQL, lock_jobs_of_tasks, lock_key_counts, lock_tasks
 from jobs.notify import notify, service_channel
 from jobs.outcomes import Outcome, ReportResult, attempt_ending
+from jobs.sql import bind_params
 
 __all__ = ["Outcome", "ReportResult", "heartbeat", "mark_running", "promote_scheduled", "promote_scheduled_in",
            "report", "report_progress"]
@@ -149,7 +149,7 @@ _REPORT_PARAMS = {"ids": "v_ids", "attempts": "v_attempts", "results": "v_result
 
 
 def _bind_report(sql: str) -> str:
-    return re.sub(r"%\((\w+)\)s", lambda m: _REPORT_PARAMS[m.group(1)], sql).strip()
+    return bind_params(sql, _REPORT_PARAMS).strip()
 
 
 def _select_into(sql: str, last: str, into: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -10,6 +12,19 @@ def from_json(value: Any) -> Any:
     """Decode a json/jsonb column read through Django's cursor (which returns it as text)."""
     return json.loads(value) if isinstance(value, (str, bytes)) else value
 
+
+# A statement's psycopg parameter: %(name)s.
+_PARAMETER_RE = re.compile(r"%\((\w+)\)s")
+
+
+def bind_params(sql: str, names: Mapping[str, str]) -> str:
+    """Return ``sql`` with each ``%(name)s`` parameter replaced by ``names[name]``.
+
+    How a server-side function is built from a statement the code holds: each parameter becomes one
+    of the function's arguments or variables (a name the mapping lacks is a KeyError, not a function
+    left with a parameter it cannot bind).
+    """
+    return _PARAMETER_RE.sub(lambda m: names[m.group(1)], sql)
 
 
 def query_function_sql(name: str, args: str, returns: str, body: str, *, volatility: str, tag: str) -> str:
