@@ -183,6 +183,17 @@ def _attempt_rows(task_id: UUID) -> list[tuple]:
                  " ORDER BY attempt_no", [task_id])
 
 
+def _ran(task_id: UUID, attempt: int, succeeded: bool) -> Outcome:
+    """What an agent reports of an attempt it ran to its end: a success, or its command's failure."""
+    return (Outcome(task_id=task_id, attempt=attempt, status="succeeded", results={"n": attempt}) if succeeded
+            else Outcome(task_id=task_id, attempt=attempt, status="failed", error="boom", exit_code=1))
+
+
+def _statuses_after(outcome: Outcome) -> frozenset[str]:
+    """The attempt statuses an accepted report of ``outcome`` may leave (a failure's job may be canceled)."""
+    return frozenset({"succeeded"}) if outcome.status == "succeeded" else frozenset({"failed", "canceled"})
+
+
 def _accepted(result: ReportResult, task_id: UUID) -> bool:
     return task_id in set(result.done) | set(result.retried) | set(result.failed) | set(result.canceled)
 
@@ -265,12 +276,10 @@ class EngineMachine(RuleBasedStateMachine):
             self.artifact_seq += 1
             agent.call(record_artifact, job_id=job_id, task_id=task_id, attempt=attempt, kind="output",
                        name=f"out-{self.artifact_seq}.txt", data=b"output")
-        outcome = (Outcome(task_id=task_id, attempt=attempt, status="succeeded", results={"n": attempt}) if succeeded
-                   else Outcome(task_id=task_id, attempt=attempt, status="failed", error="boom", exit_code=1))
+        outcome = _ran(task_id, attempt, succeeded)
         result = agent.call(transitions.report, [outcome], started=started, agent_id=agent.agent_id, source=SOURCE)
         assert _accepted(result, task_id), f"the report of {name}'s live attempt was refused: {result}"
-        self.accepted[(task_id, attempt)] = (frozenset({"succeeded"}) if succeeded
-                                             else frozenset({"failed", "canceled"}))
+        self.accepted[(task_id, attempt)] = _statuses_after(outcome)
 
     @precondition(lambda self: len(self._holding()) > 1)
     @rule(data=st.data())
@@ -282,10 +291,7 @@ class EngineMachine(RuleBasedStateMachine):
             agent = self.agents[name]
             outcomes, started = [], []
             for task_id, attempt in sorted(agent.held.items(), key=lambda item: str(item[0])):
-                ok = data.draw(st.booleans(), label=f"{name} {task_id} succeeded")
-                outcomes.append(Outcome(task_id=task_id, attempt=attempt, status="succeeded", results={"n": attempt})
-                                if ok else Outcome(task_id=task_id, attempt=attempt, status="failed", error="boom",
-                                                   exit_code=1))
+                outcomes.append(_ran(task_id, attempt, data.draw(st.booleans(), label=f"{name} {task_id} succeeded")))
                 if task_id not in agent.running:
                     started.append((task_id, attempt, 4242))
             calls.append((agent, outcomes, agent.submit(
@@ -294,8 +300,7 @@ class EngineMachine(RuleBasedStateMachine):
             result = future.result(timeout=60)  # a deadlock or any other error is raised here
             for o in outcomes:
                 assert _accepted(result, o.task_id), f"the report of {agent.name}'s live attempt was refused: {result}"
-                self.accepted[(o.task_id, o.attempt)] = (frozenset({"succeeded"}) if o.status == "succeeded"
-                                                         else frozenset({"failed", "canceled"}))
+                self.accepted[(o.task_id, o.attempt)] = _statuses_after(o)
             agent.held.clear()
             agent.running.clear()
 
@@ -374,8 +379,7 @@ class EngineMachine(RuleBasedStateMachine):
         if current:
             # Its lease ran out but nothing rescued it yet: the attempt is still its own to report.
             assert _accepted(result, late.task_id), result
-            self.accepted[(late.task_id, late.attempt)] = (frozenset({"succeeded"}) if succeeded
-                                                           else frozenset({"failed", "canceled"}))
+            self.accepted[(late.task_id, late.attempt)] = _statuses_after(outcome)
             self.cut_off.discard(late.task_id)
             self.ended.discard(late.task_id)
             return
