@@ -23,18 +23,22 @@ The layouts (``KEYED_LAYOUTS`` picks some by name, comma-separated):
 * ``many-keys``: 50,000 tasks, 10,000 keys, 2,000 full, interleaved (a key per 5 tasks: the cost
   of visiting each key).
 
-Then ``KEYED_CLAIMS`` (60) claims of 10 tasks per scenario, the scenarios taking turns in six
-rounds (the service's limits are set in the database before each scenario's claims of a round,
-each round starting with the next scenario), every claim rolled back so each sees the same queue,
-timed from the call to its return (the median is reported, with p95). A change of limits rewrites
-every key row's marks, which never happens between two claims in real use: that rewrite is vacuumed
-away and two claims are run untimed before a scenario's timed ones.
+Each scenario is its own service with the same backlog (queued the same way, its head keys at their
+limit the same way), so no scenario changes another's rows:
 
-Scenarios: ``unkeyed`` (the service names no key path: its tasks have no keys, so nothing of the
-keyed machinery runs), ``plain`` (the paths named, no limits: an unkeyed claim of keyed tasks, which
-still pass through the keys' triggers), ``concurrency`` (``concurrency_key_limit`` 2), ``rate``
-(``rate_key_limit`` 2 per hour). Each keyed claim is given against both: against ``plain`` alone, a
-cost in the triggers lands on both sides of the ratio (a claim 10 times slower once showed 1.01x).
+* ``unkeyed``: the service names no key path: its tasks have no keys, so nothing of the keyed
+  machinery runs (the claim every keyed one is compared with);
+* ``plain``: the paths named, no limits: an unkeyed claim of keyed tasks, which still pass through
+  the keys' triggers;
+* ``concurrency``: ``concurrency_key_limit`` 2;
+* ``rate``: ``rate_key_limit`` 2 per hour.
+
+Then ``KEYED_CLAIMS`` (100) claims of 10 tasks per scenario, taking turns claim by claim in a shuffled
+order (seeded), so a load that comes and goes hits each scenario alike; every claim is rolled back
+so each sees the same queue, timed from the call to its return (the median is reported, with p95).
+Two claims per scenario are run untimed first. Each keyed claim is given against both ``unkeyed``
+and ``plain``: against ``plain`` alone, a cost in the triggers lands on both sides of the ratio (a
+claim 10 times slower once showed 1.01x).
 Output: a table on stdout
 and ``bench/results/keyed_claim.json``. Uses the database of ``ACC_DB_URL`` (``make db``) and
 empties the engine's tables first, as ``make bench`` does.
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -82,9 +87,9 @@ LAYOUTS = {
     "full-800": Layout(50_000, 1_000, 800, "grouped"),
     "many-keys": Layout(50_000, 10_000, 2_000, "interleaved"),
 }
-CLAIMS = int(os.environ.get("KEYED_CLAIMS", "60"))
+CLAIMS = int(os.environ.get("KEYED_CLAIMS", "100"))
 LIMIT = 2
-SERVICE = "bench-keyed"
+SERVICE = "bench-keyed"  # each scenario's service is named bench-keyed-<scenario>
 NODE = NodeLimits("bench-keyed-node", slot_cap=10_000, cpu_budget=100_000, per_service={})
 
 FILL_SQL = """
@@ -109,14 +114,16 @@ SELECT gen_random_uuid(), r.id, %(tenant)s, 'bench', 'bench', %(svc)s, NULL, fal
 # SQL for the key number of the task at position r.i ('%%' is psycopg's percent sign).
 KEY_OF = {"interleaved": "r.i %% {keys}", "grouped": "r.i / ({n} / {keys})"}
 
-# The full keys' held tasks: the first FULL keys of the order, LIMIT each, running on another node.
+# The full keys' held tasks (of one service): the first FULL keys of the order, LIMIT each, running on
+# another node.
 HOLD_SQL = """
 UPDATE accs_task t SET status = 'running', attempt = 1, claimed_by = 'bench-other:1:1', node = 'bench-other',
        claimed_at = now(), started_at = now(), lease_expires_at = now() + interval '1 hour', heartbeat_at = now()
  WHERE t.id IN (SELECT id FROM (
         SELECT t2.id, t2.params->>'customer' AS key,
                row_number() OVER (PARTITION BY t2.params->>'customer' ORDER BY t2.order_seq DESC) AS n
-          FROM accs_task t2 WHERE t2.params->>'customer' = ANY(%(keys)s)) x WHERE x.n <= %(limit)s)
+          FROM accs_task t2 WHERE t2.service_id = %(svc)s AND t2.params->>'customer' = ANY(%(keys)s)) x
+         WHERE x.n <= %(limit)s)
 """
 
 STARTS_SQL = """
@@ -146,16 +153,14 @@ def limits_of(scenario: str) -> dict[str, object]:
 
 
 def fill(service, layout: Layout) -> list[str]:
-    """Queue the backlog and put the head keys at their limit (held tasks and starts); return them."""
-    bench.reset()
+    """Queue the service's backlog and put its head keys at their limit (held tasks and starts); return them."""
     with connection.cursor() as cur:
-        cur.execute("DELETE FROM accs_rate_start")
         # (The default tenant, which a demo or a test run against this database may have removed.)
         tenant = resolve_tenant(None).id
         key = KEY_OF[layout.arrangement].format(keys=layout.keys, n=layout.tasks)
         cur.execute(FILL_SQL.format(key=key), {"tenant": tenant, "svc": service.id, "n": layout.tasks})
-        cur.execute("SELECT params->>'customer' FROM accs_task ORDER BY order_seq LIMIT %s",
-                    [layout.full * layout.tasks // layout.keys])
+        cur.execute("SELECT params->>'customer' FROM accs_task WHERE service_id = %s ORDER BY order_seq LIMIT %s",
+                    [service.id, layout.full * layout.tasks // layout.keys])
         head: list[str] = []
         for (k,) in cur.fetchall():
             if k not in head:
@@ -163,11 +168,8 @@ def fill(service, layout: Layout) -> list[str]:
             if len(head) == layout.full:
                 break
         # The full keys' held tasks come from the end of the order, so the head stays queued.
-        cur.execute(HOLD_SQL, {"keys": head, "limit": LIMIT})
+        cur.execute(HOLD_SQL, {"svc": service.id, "keys": head, "limit": LIMIT})
         cur.execute(STARTS_SQL, {"svc": service.id, "keys": head, "limit": LIMIT})
-    bench.settle()
-    with connection.cursor() as cur:
-        cur.execute("VACUUM ANALYZE accs_rate_start")
     return head
 
 
@@ -175,35 +177,13 @@ class Rollback(Exception):
     pass
 
 
-ROUNDS = 6
-
-
-def _rounds(claims: int) -> list[int]:
-    """Split ``claims`` into ROUNDS nearly equal rounds."""
-    return [claims // ROUNDS + (1 if i < claims % ROUNDS else 0) for i in range(ROUNDS)]
-
-
-# Claims run and thrown away after each change of the service's limits, before the timed ones.
+# Claims run and thrown away per scenario before the timed ones (each connection plans the claim
+# functions' statements at their first call).
 WARMUP = 2
 
 
-def set_limits(service, scenario: str) -> None:
-    """Give the service the scenario's limits, and leave its key rows as steady use would.
-
-    The database rewrites every key row's marks on a change of limits (a new version of each row,
-    the old ones dead until a vacuum), which never happens between two claims in real use: the
-    rewrite is vacuumed away and a few claims are run untimed before the timed ones.
-    """
-    Service.objects.filter(id=service.id).update(**limits_of(scenario))
-    service.refresh_from_db()
-    with connection.cursor() as cur:
-        cur.execute("VACUUM accs_limit_key_head")
-    for _ in range(WARMUP):
-        one_claim(service, scenario, [])
-
-
-def one_claim(service, scenario: str, full: list[str]) -> tuple[float, int]:
-    """Time one claim of 10 under the service's current limits (rolled back); return (ms, tasks claimed)."""
+def one_claim(service, full: list[str]) -> tuple[float, int]:
+    """Time one claim of 10 of the service (rolled back); return (ms, tasks claimed)."""
     spec = service_spec(service)
     try:
         with transaction.atomic():
@@ -221,37 +201,55 @@ def one_claim(service, scenario: str, full: list[str]) -> tuple[float, int]:
     return ms, len(got)
 
 
+def make_services() -> dict[str, Service]:
+    """Return each scenario's service, its limits set (the paths of ``plain`` straight in the table)."""
+    services = {}
+    for scenario in SCENARIOS:
+        key = f"{SERVICE}-{scenario}"
+        # (A previous run's plain service names paths without limits, which the validation refuses.)
+        Service.objects.filter(key=key).update(concurrency_key="", rate_key="", concurrency_key_limit=0,
+                                               rate_key_limit=0)
+        service = save_service(key=key, executor="python", executor_config={"callable": "bench.tasks:noop"},
+                               params_schema={"type": "object", "properties": {"customer": {"type": "string"}}},
+                               rate_period_seconds=3600)
+        Service.objects.filter(id=service.id).update(**limits_of(scenario))
+        service.refresh_from_db()
+        services[scenario] = service
+    return services
+
+
 def main() -> int:
     call_command("migrate", verbosity=0)
     chosen = [n.strip() for n in os.environ.get("KEYED_LAYOUTS", ",".join(LAYOUTS)).split(",") if n.strip()]
     unknown = sorted(set(chosen) - set(LAYOUTS))
     if unknown:
         raise SystemExit(f"KEYED_LAYOUTS names unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
-    bench.say(f"keyed claim: {CLAIMS} claims of 10 per scenario and layout, the scenarios taking turns in"
-              f" {ROUNDS} rounds; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    # (A previous run's service names paths without limits, which its validation refuses.)
-    Service.objects.filter(key=SERVICE).update(concurrency_key="", rate_key="", concurrency_key_limit=0,
-                                               rate_key_limit=0)
-    service = save_service(key=SERVICE, executor="python", executor_config={"callable": "bench.tasks:noop"},
-                           params_schema={"type": "object", "properties": {"customer": {"type": "string"}}},
-                           rate_period_seconds=3600)
-    # (A path without a limit is refused by the service's validation, so set straight in the table.)
-    Service.objects.filter(id=service.id).update(**limits_of("plain"))
+    bench.say(f"keyed claim: {CLAIMS} claims of 10 per scenario and layout, the scenarios (a service each) taking"
+              f" turns claim by claim; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    services = make_services()
     results: dict[str, dict[str, dict[str, float]]] = {}
+    turns = random.Random(20261130)
     for name in chosen:
         layout = LAYOUTS[name]
-        bench.say(f"  {name}: {layout.tasks:,} queued tasks, {layout.keys:,} keys ({layout.arrangement}),"
+        bench.say(f"  {name}: {layout.tasks:,} queued tasks a service, {layout.keys:,} keys ({layout.arrangement}),"
                   f" the first {layout.full:,} at their limit ({LIMIT})")
-        full = fill(service, layout)
+        bench.reset()
+        with connection.cursor() as cur:
+            cur.execute("DELETE FROM accs_rate_start")
+        full = {scenario: fill(service, layout) for scenario, service in services.items()}
+        bench.settle()
+        with connection.cursor() as cur:
+            cur.execute("VACUUM ANALYZE accs_rate_start")
+            cur.execute("VACUUM ANALYZE accs_limit_key_head")
+        for scenario, service in services.items():
+            for _ in range(WARMUP):
+                one_claim(service, full[scenario])
         runs: dict[str, list[tuple[float, int]]] = {s: [] for s in SCENARIOS}
-        # The scenarios take turns in rounds (a load that comes and goes hits each alike), each
-        # round's claims of a scenario in a row: a change of the service's limits rewrites its key
-        # rows' marks, which a service's limits do not do between two claims in real use.
-        for turn, claims in enumerate(_rounds(CLAIMS)):
-            # Each round starts with another scenario, so none is always the first after a change.
-            for scenario in SCENARIOS[turn % len(SCENARIOS):] + SCENARIOS[:turn % len(SCENARIOS)]:
-                set_limits(service, scenario)
-                runs[scenario].extend(one_claim(service, scenario, full) for _ in range(claims))
+        for _ in range(CLAIMS):
+            order = list(SCENARIOS)
+            turns.shuffle(order)
+            for scenario in order:
+                runs[scenario].append(one_claim(services[scenario], full[scenario]))
         results[name] = {}
         for scenario, got in runs.items():
             times = sorted(ms for ms, _ in got)
