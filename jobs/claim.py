@@ -378,12 +378,13 @@ def _before(a: str, b: str, *, a_id: str = "id", b_id: str = "id") -> str:
             f" AND ({a}.order_seq, {a}.created_at, {a}.{a_id}) < ({b}.order_seq, {b}.created_at, {b}.{b_id})))")
 
 
-def _key_room(kinds: str) -> str:
-    """Return the SQL of a key's room left: the nearer of its limits on the path the tasks are keyed by
-    (accs_limit_key_path); a second limit on another path is kept per task (_key_filter, and the pick
-    after the claim's scans)."""
-    return "least(" + ", ".join(f"CASE WHEN {_ALIGNED[k]} THEN {_LIMIT[k]} - {_KEY_USED[k].format(key='h.key')} END"
-                                for k in kinds) + ")"
+def _key_left(kinds: str, kind: str) -> str:
+    """Return the SQL of a key's room left under its limit of ``kind`` on the path the tasks are keyed
+    by (accs_limit_key_path); NULL where the service has no such limit. A second limit on another path
+    is kept per task (_key_filter, and the pick after the claim's scans)."""
+    if kind not in kinds:
+        return "NULL::int"
+    return f"CASE WHEN {_ALIGNED[kind]} THEN {_LIMIT[kind]} - {_KEY_USED[kind].format(key='h.key')} END"
 
 
 # The keys at their limit are left out by the walk's index (limit_key_head_order_idx, partial on
@@ -449,11 +450,14 @@ def _free_keyed(kinds: str) -> str:
          LIMIT svc.room + {KEY_ROWS_SPARE}) h
      WHERE q.tenant_id IS NOT NULL AND (svc.climit > 0 OR svc.rlimit > 0)
 ), kkeys AS MATERIALIZED (
-    SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key, {_key_room(kinds)} AS kleft
-      FROM kheads h JOIN svc ON svc.id = h.service_id
-     ORDER BY h.service_id, h.tenant_id, h.key
+    -- Each key's room under its cap (cleft) and its rate (rleft), and the nearer of the two (kleft).
+    SELECT r.*, least(r.cleft, r.rleft) AS kleft
+      FROM (SELECT DISTINCT ON (h.service_id, h.tenant_id, h.key) h.service_id, h.tenant_id, h.key,
+                   {_key_left(kinds, "c")} AS cleft, {_key_left(kinds, "r")} AS rleft
+              FROM kheads h JOIN svc ON svc.id = h.service_id
+             ORDER BY h.service_id, h.tenant_id, h.key) r
 ), ktasks AS (
-    SELECT k.service_id, k.tenant_id, f.*
+    SELECT k.service_id, k.tenant_id, k.key, f.*
       FROM kkeys k JOIN svc ON svc.id = k.service_id CROSS JOIN LATERAL (
         SELECT t.id, t.priority, t.order_seq, t.created_at
           FROM accs_task t
@@ -487,15 +491,28 @@ def _free_keyed(kinds: str) -> str:
 # first queued task now, the claimed ones left out; a row before it is moved there (one row kept
 # per key, the others dropped), a key with none is marked emptied. A row locked by a transaction
 # queueing a task of its key is skipped (SKIP LOCKED), never waited for.
+#
+# A key this claim filled is marked in the same update: its cap full when the claim took all the room
+# its held count left (cfilled), its window full until the period has passed when it took all of its
+# rate's starts (the newest starts are then all this claim's). The database's triggers mark the same
+# keys after the statement, from the held counts and the starts themselves (jobs.limit_keys); finding
+# the mark already there they write nothing, where they would otherwise write each row a second time.
+# They stay the authority: a mark set here on a count a finish has lowered since is cleared by them.
 _KEY_ROWS_MOVE = f""", kfirst AS (
-    SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at
-      FROM kkeys k LEFT JOIN LATERAL (
+    SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at,
+           k.cleft <= x.taken AS cfilled, k.rleft <= x.taken AND svc.rlimit <= x.taken AS rfilled, svc.period
+      FROM kkeys k JOIN svc ON svc.id = k.service_id LEFT JOIN LATERAL (
         SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
          WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
            AND t.host_id IS NULL AND t.limit_key = k.key AND t.id <> ALL(ARRAY(SELECT id FROM upd))
          ORDER BY t.priority DESC, t.order_seq, t.created_at, t.id LIMIT 1) n ON true
+      CROSS JOIN LATERAL (
+        -- The key's tasks this claim took, of every tenant (the held count is the key's, not a tenant's).
+        SELECT count(*) AS taken FROM ktasks c
+         WHERE c.service_id = k.service_id AND c.key = k.key AND c.id = ANY(ARRAY(SELECT id FROM upd))) x
 ), kstale AS (
-    SELECT h.id, h.service_id, h.tenant_id, h.key, f.id AS first_id, f.priority, f.order_seq, f.created_at
+    SELECT h.id, h.service_id, h.tenant_id, h.key, f.id AS first_id, f.priority, f.order_seq, f.created_at,
+           f.cfilled, f.rfilled, f.period
       FROM accs_limit_key_head h
       JOIN kfirst f ON f.service_id = h.service_id AND f.tenant_id = h.tenant_id AND f.key = h.key
      WHERE h.id = ANY(ARRAY(SELECT hid FROM kheads))
@@ -508,7 +525,10 @@ _KEY_ROWS_MOVE = f""", kfirst AS (
     UPDATE accs_limit_key_head h
        SET priority = coalesce(s.priority, h.priority), order_seq = coalesce(s.order_seq, h.order_seq),
            created_at = coalesce(s.created_at, h.created_at), task_id = coalesce(s.first_id, h.task_id),
-           emptied = s.first_id IS NULL
+           emptied = s.first_id IS NULL,
+           cap_full = h.cap_full OR coalesce(s.cfilled, false),
+           rate_until = CASE WHEN s.rfilled THEN {STAMP_SQL} + make_interval(secs => s.period)
+                             ELSE h.rate_until END
       FROM kstale s WHERE h.id = s.id AND s.id IN (SELECT id FROM kkeep)
 ), kdropped AS (
     DELETE FROM accs_limit_key_head h WHERE h.id IN (SELECT id FROM kstale WHERE id NOT IN (SELECT id FROM kkeep))
@@ -613,11 +633,19 @@ _PLAIN_PARAMS = {
 }
 
 # Whether the service {svc} has a task queued that this node could take: one bound to no host, or
-# to one of the node's hosts (task_claim_idx, task_claim_host_idx).
-_QUEUED_HERE = """(EXISTS (SELECT 1 FROM accs_task t
-                     WHERE t.service_id = {svc} AND t.status = 'queued' AND t.host_id IS NULL)
-            OR EXISTS (SELECT 1 FROM accs_task t JOIN accs_host h ON h.id = t.host_id
-                        WHERE h.node_id = p_node AND t.service_id = {svc} AND t.status = 'queued'))"""
+# to one of the node's hosts. Each is one descent of its index (task_claim_idx, task_claim_host_idx)
+# for the first row in the index's order: an EXISTS leaves the plan free to read the table from its
+# start instead, which the generic plan chose where the statistics said most tasks were this service's
+# queued ones, and then read past every other service's rows first (11 ms a call behind another
+# service's 50,000 tasks, and growing with them).
+_QUEUED_HERE = """(coalesce((SELECT true FROM accs_task t
+                     WHERE t.service_id = {svc} AND t.status = 'queued' AND t.host_id IS NULL
+                     ORDER BY t.service_id, t.tenant_id LIMIT 1), false)
+            OR EXISTS (SELECT 1 FROM accs_host h
+                        WHERE h.node_id = p_node
+                          AND coalesce((SELECT true FROM accs_task t
+                                         WHERE t.host_id = h.id AND t.service_id = {svc} AND t.status = 'queued'
+                                         ORDER BY t.host_id, t.service_id LIMIT 1), false)))"""
 
 # The builder's promotion of due retries, bound to the function's arguments (its own services only).
 _PROMOTE_PARAMS = {"now": "p_now", "services": "p_svc_ids", "limit": "p_promote_limit", "source": "p_source"}

@@ -139,17 +139,34 @@ $$;
 -- One statement's moves of held tasks (a service, a key and +1 or -1 each): the services' limits
 -- locks, shared, in id order (a change of the limits takes its service's alone and recomputes every
 -- mark once the counts in flight have committed); the count rows in (service, key) order; then the
--- key rows whose cap flag flips (held >= the cap: the claim's walk leaves them out).
+-- key rows whose cap flag flips (held >= the cap: the claim's walk leaves them out). Only a service
+-- with a per-key cap on the path its tasks are keyed by is counted (a per-key rate alone, or a path
+-- without a limit, reads no count): its limits are read under the lock, which a change of them takes
+-- before it counts the service's held tasks afresh (accs_service_key_limits), so a move is either
+-- seen by that count or counted here.
 CREATE OR REPLACE FUNCTION accs_key_held_move(p_services bigint[], p_keys text[], p_deltas int[])
 RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_services bigint[];
+    v_keys text[];
+    v_deltas int[];
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(hashtext('accs:key-limits:' || s.id))
        FROM (SELECT DISTINCT x.id FROM unnest(p_services) AS x(id) ORDER BY 1) s;
+    SELECT array_agg(m.service_id), array_agg(m.key), array_agg(m.delta) INTO v_services, v_keys, v_deltas
+      FROM unnest(p_services, p_keys, p_deltas) AS m(service_id, key, delta)
+      JOIN accs_service s ON s.id = m.service_id
+     WHERE s.concurrency_key_limit > 0
+       AND s.concurrency_key = accs_limit_key_path(s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit,
+                                                   s.rate_key);
+    IF v_services IS NULL THEN
+        RETURN;
+    END IF;
     -- A key without a row gets one on its way in; a move out of a key without a row changes nothing.
     INSERT INTO accs_limit_key_held AS k (service_id, key, held)
     SELECT d.service_id, d.key, d.delta
       FROM (SELECT m.service_id, m.key COLLATE "C" AS key, sum(m.delta)::int AS delta
-              FROM unnest(p_services, p_keys, p_deltas) AS m(service_id, key, delta) GROUP BY 1, 2) d
+              FROM unnest(v_services, v_keys, v_deltas) AS m(service_id, key, delta) GROUP BY 1, 2) d
      WHERE d.delta > 0 OR (d.delta < 0 AND EXISTS (SELECT 1 FROM accs_limit_key_held e
                                                      WHERE e.service_id = d.service_id AND e.key = d.key))
      ORDER BY d.service_id, d.key
@@ -163,7 +180,7 @@ BEGIN
                                                                                     s.rate_key_limit, s.rate_key)
                                                          THEN s.concurrency_key_limit END, false) AS is_full
           FROM (SELECT DISTINCT m.service_id, m.key COLLATE "C" AS key
-                  FROM unnest(p_services, p_keys) AS m(service_id, key)) d
+                  FROM unnest(v_services, v_keys) AS m(service_id, key)) d
           JOIN accs_service s ON s.id = d.service_id
           JOIN accs_limit_key_held k ON k.service_id = d.service_id AND k.key = d.key
           JOIN accs_limit_key_head h ON h.service_id = d.service_id AND h.key = d.key
@@ -192,6 +209,51 @@ DROP TRIGGER IF EXISTS accs_task_key_held_delete ON accs_task;
 CREATE TRIGGER accs_task_key_held_delete AFTER DELETE ON accs_task REFERENCING OLD TABLE AS accs_key_held_old
     FOR EACH STATEMENT EXECUTE FUNCTION accs_task_key_held();
 DROP FUNCTION IF EXISTS accs_key_cap_follow(bigint, text, int);
+"""
+
+# A change of a service's per-key limits (jobs.0046; jobs.0039 counted every keyed service's held tasks).
+KEY_LIMITS_SQL = """-- A change of a service's per-key limits: every row of it follows the new cap and the new rate at
+-- once (one look at each key's held count and latest starts). The held counts are kept only while the
+-- service has a per-key cap on the path its tasks are keyed by (accs_key_held_move): when it gains one
+-- or the path changes they are counted afresh from its held tasks, when it loses it they go. The lock
+-- waits for every move in flight (they share it), so the count sees each of them committed, and the
+-- moves after it read the new limits and count themselves.
+CREATE OR REPLACE FUNCTION accs_service_key_limits() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_path text := accs_limit_key_path(NEW.concurrency_key_limit, NEW.concurrency_key, NEW.rate_key_limit,
+                                       NEW.rate_key);
+    v_cap int := CASE WHEN NEW.concurrency_key_limit > 0 AND NEW.concurrency_key = v_path
+                      THEN NEW.concurrency_key_limit END;
+    v_rate int := CASE WHEN NEW.rate_key_limit > 0 AND NEW.rate_key = v_path THEN NEW.rate_key_limit END;
+    v_was_counted text := CASE WHEN OLD.concurrency_key_limit > 0
+                                    AND OLD.concurrency_key = accs_limit_key_path(
+                                        OLD.concurrency_key_limit, OLD.concurrency_key, OLD.rate_key_limit,
+                                        OLD.rate_key)
+                               THEN OLD.concurrency_key END;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('accs:key-limits:' || NEW.id));
+    IF v_cap IS NULL OR v_was_counted IS DISTINCT FROM v_path THEN
+        DELETE FROM accs_limit_key_held k WHERE k.service_id = NEW.id;
+        INSERT INTO accs_limit_key_held (service_id, key, held)
+        SELECT t.service_id, t.limit_key, count(*) FROM accs_task t
+         WHERE v_cap IS NOT NULL AND t.service_id = NEW.id AND t.status IN ('starting', 'running')
+           AND t.limit_key IS NOT NULL
+         GROUP BY 1, 2;
+    END IF;
+    UPDATE accs_limit_key_head h SET cap_full = x.full, rate_until = x.until
+      FROM (SELECT h2.id, coalesce(k.held >= v_cap, false) AS full,
+                   (SELECT nullif(greatest(r.at + make_interval(secs => NEW.rate_period_seconds), now()), now())
+                      FROM accs_rate_start r
+                     WHERE v_rate IS NOT NULL AND r.service_id = NEW.id AND r.key = (h2.key COLLATE "default")
+                     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET greatest(v_rate - 1, 0) LIMIT 1) AS until
+              FROM accs_limit_key_head h2
+              LEFT JOIN accs_limit_key_held k ON k.service_id = h2.service_id AND k.key = h2.key
+             WHERE h2.service_id = NEW.id) x
+     WHERE h.id = x.id AND (h.cap_full IS DISTINCT FROM x.full OR h.rate_until IS DISTINCT FROM x.until);
+    RETURN NULL;
+END
+$$;
+
 """
 
 LIMIT_KEY_SQL = f"""
@@ -279,32 +341,7 @@ $$;
 
 {KEY_HELD_SQL}{RATE_START_BLOCK_SQL.strip()}
 
--- A change of a service's per-key limits: every row of it follows the new cap and the new rate at
--- once (one look at each key's held count and latest starts).
-CREATE OR REPLACE FUNCTION accs_service_key_limits() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE
-    v_path text := accs_limit_key_path(NEW.concurrency_key_limit, NEW.concurrency_key, NEW.rate_key_limit,
-                                       NEW.rate_key);
-    v_cap int := CASE WHEN NEW.concurrency_key_limit > 0 AND NEW.concurrency_key = v_path
-                      THEN NEW.concurrency_key_limit END;
-    v_rate int := CASE WHEN NEW.rate_key_limit > 0 AND NEW.rate_key = v_path THEN NEW.rate_key_limit END;
-BEGIN
-    PERFORM pg_advisory_xact_lock(hashtext('accs:key-limits:' || NEW.id));
-    UPDATE accs_limit_key_head h SET cap_full = x.full, rate_until = x.until
-      FROM (SELECT h2.id, coalesce(k.held >= v_cap, false) AS full,
-                   (SELECT nullif(greatest(r.at + make_interval(secs => NEW.rate_period_seconds), now()), now())
-                      FROM accs_rate_start r
-                     WHERE v_rate IS NOT NULL AND r.service_id = NEW.id AND r.key = (h2.key COLLATE "default")
-                     ORDER BY r.service_id DESC, r.key DESC, r.at DESC OFFSET greatest(v_rate - 1, 0) LIMIT 1) AS until
-              FROM accs_limit_key_head h2
-              LEFT JOIN accs_limit_key_held k ON k.service_id = h2.service_id AND k.key = h2.key
-             WHERE h2.service_id = NEW.id) x
-     WHERE h.id = x.id AND (h.cap_full IS DISTINCT FROM x.full OR h.rate_until IS DISTINCT FROM x.until);
-    RETURN NULL;
-END
-$$;
-
-{KEY_HELD_TRIGGERS_SQL}
+{KEY_LIMITS_SQL}{KEY_HELD_TRIGGERS_SQL}
 -- After accs_service_rekey (triggers of one event fire in name order), so rows it rebuilt are covered.
 DROP TRIGGER IF EXISTS accs_service_relimit ON accs_service;
 CREATE TRIGGER accs_service_relimit

@@ -79,8 +79,14 @@ def racing_builders(*, builders: int = 3, rounds: int, limit: int) -> list:
 # cap or starve a key, so it must be empty after every step.
 KEY_HELD_DRIFT_SQL = """
 WITH real AS (
+    -- Counted only for a service with a per-key cap on its key path (the only counts a claim reads):
+    -- any other service's kept count must be absent or zero.
     SELECT t.service_id, t.limit_key AS key, count(*)::int AS held FROM accs_task t
-     WHERE t.status IN ('starting', 'running') AND t.limit_key IS NOT NULL GROUP BY 1, 2
+      JOIN accs_service s ON s.id = t.service_id
+     WHERE t.status IN ('starting', 'running') AND t.limit_key IS NOT NULL
+       AND s.concurrency_key_limit > 0 AND s.concurrency_key = accs_limit_key_path(
+               s.concurrency_key_limit, s.concurrency_key, s.rate_key_limit, s.rate_key)
+     GROUP BY 1, 2
 )
 SELECT coalesce(k.service_id, r.service_id), coalesce(k.key, r.key), k.held, r.held
   FROM accs_limit_key_held k FULL JOIN real r ON r.service_id = k.service_id AND r.key = k.key

@@ -25,7 +25,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs import api, transitions
 from jobs.claim import NodeLimits, claim_many, claim_statement, service_spec
-from jobs.limit_keys import BACKFILL_HELD_SQL, KEY_HELD_SQL, KEY_HELD_TRIGGERS_SQL, LIMIT_KEY_SQL, RATE_START_BLOCK_SQL
+from jobs.limit_keys import (
+    BACKFILL_HELD_SQL,
+    KEY_HELD_SQL,
+    KEY_HELD_TRIGGERS_SQL,
+    KEY_LIMITS_SQL,
+    LIMIT_KEY_SQL,
+    RATE_START_BLOCK_SQL,
+)
 from tests.daemons import wait_for
 from tests.engine_helpers import KEY_HELD_DRIFT_SQL, run_fail, run_ok
 from tests.jobs.test_flow_control import PEAK_TRIGGER  # the held tasks of each claimed key, at commit
@@ -148,6 +155,56 @@ def test_one_claims_starts_mark_the_keys_whose_window_they_fill_in_one_trigger_c
     assert claim(svc, 10) == [], "a's third task waits for the window"
 
 
+@pytest.mark.parametrize("limits", [{"concurrency_key": "customer", "concurrency_key_limit": 2},
+                                    {"rate_key": "customer", "rate_key_limit": 2, "rate_period_seconds": 3600}],
+                         ids=["per-key cap", "per-key rate"])
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_that_fills_keys_writes_each_of_their_rows_once(make_service, limits):
+    """The claim moves a key's row past the tasks it took and, when it took all the key's room, marks it
+    full in the same update: the triggers that keep the marks find the mark set and write nothing (each
+    row was written twice a claim, a second index entry each, before)."""
+    svc = make_service("fills", **limits, **SCHEMA)
+    enqueue("fills", ["a", "a", "a", "b", "b", "b"])
+    counts = ("SELECT n_tup_upd, n_tup_ins, n_tup_del FROM pg_stat_xact_user_tables"
+              " WHERE relname = 'accs_limit_key_head'")
+    with transaction.atomic(), connection.cursor() as cur:
+        # (The counts may still hold earlier transactions' writes not yet reported: the claim's are the difference.)
+        cur.execute(counts)
+        before = cur.fetchone()
+        got = claim(svc, 10)
+        cur.execute(counts)
+        writes = tuple(after - b for after, b in zip(cur.fetchone(), before, strict=True))
+    assert sorted(t.params["customer"] for t in got) == ["a", "a", "b", "b"]
+    assert writes == (2, 0, 0), f"key rows updated, inserted, deleted: {writes}"
+    marks = rows_of(f"SELECT key, cap_full, rate_until IS NOT NULL FROM accs_limit_key_head"
+                    f" WHERE service_id = {svc.id} ORDER BY key")
+    full = [(k, True, False) if "concurrency_key" in limits else (k, False, True) for k in "ab"]
+    assert marks == full, marks
+    assert rows_of(KEY_HELD_DRIFT_SQL) == [] and rows_of(UNCOVERED_SQL) == []
+    assert claim(svc, 10) == [], "both keys at their limit"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cap_mark_the_claim_sets_on_a_count_a_finish_lowered_meanwhile_is_cleared(make_service, db_url):
+    """The claim reads a key's held count, takes the room it leaves and marks the key full; a finish of
+    the key's other held task, committed before the claim's own count, leaves the key with room. The
+    count's trigger, which waits for that finish's count row, then clears the mark: a key with room is
+    never left marked (the walk would never visit it)."""
+    svc = make_service("lowered", concurrency_key="customer", concurrency_key_limit=2, **SCHEMA)
+    enqueue("lowered", ["a", "a", "a"])
+    (first,) = claim(svc, 1)
+    transitions.mark_running([(first.id, first.attempt, 1)], agent_id="agent-kb", source="agent:test")
+    claimed: list = []
+    # The finish's transaction (its count row taken, held 1 -> 0) stays open while the claim runs.
+    race_behind_a_gate(db_url, "UPDATE accs_task SET status = 'done', finished_at = now() WHERE id = %s",
+                       [first.id], [("claim", lambda: claimed.extend(claim(svc, 10, agent="agent-2")))], commit=True)
+    assert [t.params["customer"] for t in claimed] == ["a"], "the claim read one held: room for one"
+    assert rows_of(f"SELECT cap_full FROM accs_limit_key_head WHERE service_id = {svc.id}") == [(False,)]
+    assert held_per_key(svc.id) == {"a": 1}
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+    assert [t.params["customer"] for t in claim(svc, 10)] == ["a"], "the key's room, found by the walk"
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_changed_key_path_keys_the_queued_tasks_again_in_the_same_transaction(make_service):
     from workflows.models import Service
@@ -170,10 +227,12 @@ def _waits_for_a_lock(url: str, pid: int) -> bool:
                             [pid]).fetchone() == (True,)
 
 
-def race_behind_a_gate(db_url: str, gate_sql: str, gate_params: list, calls: list[tuple[str, Callable]]) -> None:
+def race_behind_a_gate(db_url: str, gate_sql: str, gate_params: list, calls: list[tuple[str, Callable]], *,
+                       commit: bool = False) -> None:
     """Run ``calls`` each on a thread (so a connection) of its own, in order, each started once the one
     before waits for a lock, while a third connection holds what ``gate_sql`` locks; then release the
-    gate and wait for all. Whatever a call raises (a deadlock) fails the test."""
+    gate (rolled back, or with ``commit`` committed) and wait for all. Whatever a call raises (a
+    deadlock) fails the test."""
     pids: dict[str, int] = {}
     errors: list[BaseException] = []
 
@@ -195,7 +254,10 @@ def race_behind_a_gate(db_url: str, gate_sql: str, gate_params: list, calls: lis
             thread.start()
             wait_for(lambda name=name: name in pids and _waits_for_a_lock(db_url, pids[name]), timeout=10,
                      message=f"the {name} should wait for a lock")
-        gate.rollback()
+        if commit:
+            gate.commit()
+        else:
+            gate.rollback()
     for thread in threads:
         thread.join(timeout=30)
         assert not thread.is_alive()
@@ -275,6 +337,53 @@ def test_each_keys_held_count_follows_claims_failures_a_new_path_deletes_and_the
     run_ok([t for t in got if t.params["customer"] == "a"])
     assert rows_of(kept) == []
     assert rows_of(KEY_HELD_DRIFT_SQL) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_held_counts_are_kept_only_while_a_per_key_cap_reads_them(make_service):
+    """A per-key rate alone reads no held count, so its claims and finishes keep none; a cap set later
+    counts the held tasks afresh, and a cap removed forgets them."""
+    from workflows.models import Service
+
+    svc = make_service("uncounted", rate_key="customer", rate_key_limit=5, rate_period_seconds=3600, **SCHEMA)
+    enqueue("uncounted", ["a", "a", "b", "b", "c"])
+    kept = f"SELECT key, held FROM accs_limit_key_held WHERE service_id = {svc.id} ORDER BY key"
+    got = claim(svc, 3)
+    assert rows_of(kept) == [], "a rate alone: no count kept"
+    Service.objects.filter(id=svc.id).update(concurrency_key="customer", concurrency_key_limit=2)
+    assert rows_of(kept) == [("a", 2), ("b", 1)], "the cap counts the held tasks afresh"
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+    assert [t.params["customer"] for t in claim(svc, 10)] == ["b", "c"], "a is at its cap"
+    run_ok(got[:1])
+    assert rows_of(kept) == [("a", 1), ("b", 2), ("c", 1)]
+    Service.objects.filter(id=svc.id).update(concurrency_key_limit=0)
+    assert rows_of(kept) == [], "no cap: the counts go"
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+
+
+@pytest.mark.parametrize("first", ["a finish", "the cap"])
+@pytest.mark.django_db(transaction=True)
+def test_a_cap_set_while_held_tasks_move_counts_every_move(make_service, db_url, first):
+    """The change of limits that sets a cap counts the held tasks under a lock every move of the
+    service's keyed tasks shares: a finish in flight is committed before the count reads the tasks, and
+    a finish after it reads the new cap and counts itself. Either way the count is the held tasks'."""
+    svc = make_service("cap-race", rate_key="customer", rate_key_limit=5, rate_period_seconds=3600, **SCHEMA)
+    enqueue("cap-race", ["a", "a", "a"])
+    held = claim(svc, 3)
+    transitions.mark_running([(t.id, t.attempt, 1) for t in held], agent_id="agent-kb", source="agent:test")
+    set_cap = f"UPDATE accs_service SET concurrency_key = 'customer', concurrency_key_limit = 5 WHERE id = {svc.id}"
+    finish = "UPDATE accs_task SET status = 'done', finished_at = now() WHERE id = %s"
+    if first == "a finish":
+        race_behind_a_gate(db_url, finish, [held[0].id], [("cap", lambda: _execute(set_cap))], commit=True)
+    else:
+        race_behind_a_gate(db_url, set_cap, [], [("finish", lambda: _execute(finish, [held[0].id]))], commit=True)
+    assert rows_of(f"SELECT key, held FROM accs_limit_key_held WHERE service_id = {svc.id}") == [("a", 2)]
+    assert rows_of(KEY_HELD_DRIFT_SQL) == []
+
+
+def _execute(sql: str, params: list | None = None) -> None:
+    with connection.cursor() as cur:
+        cur.execute(sql, params)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -493,11 +602,15 @@ def test_the_migrations_create_the_triggers_this_module_describes():
     assert per_statement.RATE_START_BLOCK_0039.strip() in migration.LIMIT_KEY_SQL
     # jobs.0045 replaced the held counts' triggers (one call per statement, the rows in key order).
     in_order = importlib.import_module("jobs.migrations.0045_key_counts_in_order")
-    assert (in_order.KEY_HELD_SQL, in_order.KEY_HELD_TRIGGERS_SQL) == (KEY_HELD_SQL, KEY_HELD_TRIGGERS_SQL)
+    assert in_order.KEY_HELD_TRIGGERS_SQL == KEY_HELD_TRIGGERS_SQL
+    # jobs.0046 counts only the services with a per-key cap on their key path.
+    counted = importlib.import_module("jobs.migrations.0046_claims_probe_and_mark_what_they_fill")
+    assert (counted.KEY_HELD_SQL, counted.KEY_LIMITS_SQL) == (KEY_HELD_SQL, KEY_LIMITS_SQL)
     assert migration.LIMIT_KEY_SQL.replace(
         per_statement.RATE_START_BLOCK_0039.strip(), RATE_START_BLOCK_SQL.strip()).replace(
         in_order.KEY_HELD_0039, KEY_HELD_SQL).replace(
-        in_order.KEY_HELD_TRIGGERS_0039, KEY_HELD_TRIGGERS_SQL) == LIMIT_KEY_SQL
+        in_order.KEY_HELD_TRIGGERS_0039, KEY_HELD_TRIGGERS_SQL).replace(
+        counted.KEY_LIMITS_0039, KEY_LIMITS_SQL) == LIMIT_KEY_SQL
     assert migration.BACKFILL_HELD_SQL == BACKFILL_HELD_SQL
 
 
