@@ -310,9 +310,12 @@ def params_key_at(alias: str, parts: str) -> str:
 # key in the one row where its queue begins (jobs.limit_keys), never over its queued tasks, and a
 # candidate whose key is among them is passed over with one lookup in a hash table built once per
 # claim. So the claim's cost follows its room, the keys at their limit and the held work, not the
-# backlog behind the full keys (bench/keyed_claim.py). The keyed claim function runs one statement
-# with both kinds of key (c: a cap, r: a rate): a service without a limit of a kind passes that
-# kind's parts at the cost of a comparison, and the statement is planned once per connection.
+# backlog behind the full keys (bench/keyed_claim.py). The keyed claim function runs the statement
+# built for the kinds of key its services have (c: a cap, r: a rate) and whether any records its
+# starts (keyed_claim_kinds): a service without a limit of a kind in a claim that has both passes
+# that kind's parts at the cost of a comparison. Each statement is planned once per connection, at
+# its first use; a smaller statement is a smaller plan to start at each call (the statement with
+# every part cost a claim of a per-key cap alone 0.4-0.5 ms more, docs/performance.md).
 #
 # cused: held tasks per key of the services with a per-key cap. Where the cap's path is the one the
 # service's tasks are keyed by (jobs.limit_keys), the count kept per key (accs_limit_key_held, one
@@ -871,14 +874,27 @@ $claim$"""
 # node's, and each fleet-limited service's, shared with every claimer of it, waited for in the
 # order of jobs.locks); the room again under them, with the services' limits, the node's hosts,
 # held work and the starts in each rate period read now (each statement sees every row committed
-# before it starts, so the counts are exact under the locks); the one keyed claim statement
-# (KEYED_CLAIM_SQL: every kind of per-key limit, starts recorded; a service without a limit of a
-# kind passes the parts of that kind at the cost of a comparison); then the key rows the claim
-# found empty are settled (jobs.limit_keys.SETTLE_SQL), a statement that sees the tasks queued
-# before the claim took those rows.
+# before it starts, so the counts are exact under the locks); the keyed claim statement for the
+# kinds of limit the services have now (KEYED_CLAIM_STATEMENTS); then the key rows the claim found
+# empty are settled (jobs.limit_keys.SETTLE_SQL), a statement that sees the tasks queued before the
+# claim took those rows.
 KEYED_CLAIM_FUNCTION = "accs_claim_keyed"
 
+# The keyed claim statement with every part: every kind of per-key limit, starts recorded.
 KEYED_CLAIM_SQL = claim_sql(kinds="cr", rated=True)
+
+# The claim statements the keyed claim function chooses from, by (kinds of per-key limit, whether
+# starts are recorded): a per-key rate records its starts, so it is never without them.
+KEYED_CLAIM_STATEMENTS = {(kinds, rated): claim_sql(kinds=kinds, rated=rated)
+                          for kinds in ("cr", "c", "r", "") for rated in (True, False)
+                          if rated or "r" not in kinds}
+
+
+def keyed_claim_kinds(climits: Sequence[int], rlimits: Sequence[int], rated: Sequence[bool]) -> tuple[str, bool]:
+    """Return the key of KEYED_CLAIM_STATEMENTS for services with these per-key caps and rates and
+    these needs to record starts, as the keyed claim function chooses it."""
+    kinds = ("c" if any(c > 0 for c in climits) else "") + ("r" if any(r > 0 for r in rlimits) else "")
+    return kinds, any(rated) or "r" in kinds
 
 _KEYED_PARAMS = {
     **_PLAIN_PARAMS, "scans": "v_scans", "rpaths": "v_rpaths", "rlimits": "v_rlimits", "cpaths": "v_cpaths",
@@ -925,12 +941,21 @@ _KEYED_ROOMS = """SELECT array_agg(r.id ORDER BY r.ord), array_agg(r.room ORDER 
 
 
 def keyed_claim_function_sql() -> str:
-    """Return the CREATE FUNCTION statement of :data:`KEYED_CLAIM_FUNCTION`, built from KEYED_CLAIM_SQL.
+    """Return the CREATE FUNCTION statement of :data:`KEYED_CLAIM_FUNCTION`, built from KEYED_CLAIM_STATEMENTS.
 
     A migration holds a copy; a test compares the database's function with this text.
     """
-    body = _function_answer(_bind(KEYED_CLAIM_SQL, _KEYED_PARAMS),
-                            lease="coalesce((v_leases ->> upd.service_id::text)::float8, p_lease)")
+    # One RETURN QUERY per statement, chosen as keyed_claim_kinds chooses (the services' limits as
+    # read under the locks).
+    branches = []
+    for (kinds, rated), statement in KEYED_CLAIM_STATEMENTS.items():
+        body = _function_answer(_bind(statement, _KEYED_PARAMS),
+                                lease="coalesce((v_leases ->> upd.service_id::text)::float8, p_lease)")
+        test = f"v_kinds = '{kinds}' AND v_any_rated = {str(rated).lower()}"
+        branches.append(f"""{"IF" if not branches else "ELSIF"} {test} THEN
+        RETURN QUERY
+{textwrap.indent(body.strip(), "    ")};""")
+    choose = "\n    ".join(branches) + "\n    END IF;"
     settle = _bind(limit_keys.SETTLE_SQL, {"svc_ids": "v_keyed"})
     locks = ADVISORY_LOCKS_SQL.format(
         keys="ARRAY['accs:node:' || p_node] || ARRAY(SELECT 'accs:service:' || s.id FROM accs_service s"
@@ -975,6 +1000,8 @@ DECLARE
     v_rated bool[];
     v_leases jsonb;
     v_keyed bigint[];  -- the services with a per-key limit
+    v_kinds text;  -- the kinds of per-key limit among them: 'c' a cap, 'r' a rate (KEYED_CLAIM_STATEMENTS)
+    v_any_rated boolean;  -- whether any of the services records its starts
 BEGIN
     -- Retries of these services whose backoff is over (the builder's promotion, PROMOTE_DUE_SQL).
 {_bound_promotion()}
@@ -1010,8 +1037,9 @@ BEGIN
         UPDATE accs_limit_key_head h SET rate_until = NULL
          WHERE h.service_id = ANY(v_keyed) AND h.rate_until IS NOT NULL AND h.rate_until <= v_stamp;
     END IF;
-    RETURN QUERY
-{body.strip()};
+    v_kinds := CASE WHEN 0 < ANY(v_climits) THEN 'c' ELSE '' END || CASE WHEN 0 < ANY(v_rlimits) THEN 'r' ELSE '' END;
+    v_any_rated := true = ANY(v_rated) OR v_kinds IN ('r', 'cr');
+    {choose}
     IF cardinality(v_keyed) > 0 THEN
         -- The key rows this claim found empty, seen again now that it holds them (jobs.limit_keys).
 {textwrap.indent(settle.strip(), "        ")};
@@ -1023,11 +1051,13 @@ def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
                     adjust: Mapping[int, int]) -> tuple[str, dict[str, Any]]:
     """Return the claim statement these services need and its per-service parameters.
 
-    The statement a claim function runs (CLAIM_SQL in the plain one, KEYED_CLAIM_SQL in the keyed
-    one), for reading its plan (EXPLAIN) with the parameters the function would bind.
+    The statement a claim function runs (CLAIM_SQL in the plain one, one of KEYED_CLAIM_STATEMENTS in
+    the keyed one), for reading its plan (EXPLAIN) with the parameters the function would bind.
     """
     specs = [s for s, _ in rooms]
-    sql = KEYED_CLAIM_SQL if any(s.rated or s.keyed for s in specs) else CLAIM_SQL
+    sql = (KEYED_CLAIM_STATEMENTS[keyed_claim_kinds([s.concurrency_key_limit for s in specs],
+                                                    [s.rate_key_limit for s in specs], [s.rated for s in specs])]
+           if any(s.rated or s.keyed for s in specs) else CLAIM_SQL)
     return sql, {
         "svc_ids": [s.id for s in specs], "rooms": [n for _, n in rooms],
         "weights": [max(s.cpu_weight, 1) for s in specs], "adjust": [adjust.get(s.id, 0) for s in specs],
