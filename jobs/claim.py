@@ -947,7 +947,7 @@ def keyed_claim_function_sql() -> str:
     """
     # One RETURN QUERY per statement, chosen as keyed_claim_kinds chooses (the services' limits as
     # read under the locks).
-    branches = []
+    branches: list[str] = []
     for (kinds, rated), statement in KEYED_CLAIM_STATEMENTS.items():
         body = _function_answer(_bind(statement, _KEYED_PARAMS),
                                 lease="coalesce((v_leases ->> upd.service_id::text)::float8, p_lease)")
