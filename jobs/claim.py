@@ -503,7 +503,7 @@ def _free_keyed(kinds: str) -> str:
 # They stay the authority: a mark set here on a count a finish has lowered since is cleared by them.
 _KEY_ROWS_MOVE = f""", kfirst AS (
     SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at,
-           k.cleft <= x.taken AS cfilled, k.rleft <= x.taken AND svc.rlimit <= x.taken AS rfilled, svc.period
+           k.cleft <= x.taken AS cfilled, k.rleft IS NOT NULL AND svc.rlimit <= x.taken AS rfilled, svc.period
       FROM kkeys k JOIN svc ON svc.id = k.service_id LEFT JOIN LATERAL (
         SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
          WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
@@ -879,9 +879,6 @@ $claim$"""
 # empty are settled (jobs.limit_keys.SETTLE_SQL), a statement that sees the tasks queued before the
 # claim took those rows.
 KEYED_CLAIM_FUNCTION = "accs_claim_keyed"
-
-# The keyed claim statement with every part: every kind of per-key limit, starts recorded.
-KEYED_CLAIM_SQL = claim_sql(kinds="cr", rated=True)
 
 # The claim statements the keyed claim function chooses from, by (kinds of per-key limit, whether
 # starts are recorded): a per-key rate records its starts, so it is never without them.

@@ -174,11 +174,8 @@ BEGIN
     -- Found by key, then locked in id order (a plan asked for key order walked every key row of the
     -- service). Any order does: a key's rows flip only under its count row's lock, taken above.
     WITH f AS MATERIALIZED (
-        SELECT h.id, h.cap_full, coalesce(k.held >= CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key
-                                                              = accs_limit_key_path(s.concurrency_key_limit,
-                                                                                    s.concurrency_key,
-                                                                                    s.rate_key_limit, s.rate_key)
-                                                         THEN s.concurrency_key_limit END, false) AS is_full
+        -- (The services here are those counted: each has a per-key cap on its key path.)
+        SELECT h.id, h.cap_full, k.held >= s.concurrency_key_limit AS is_full
           FROM (SELECT DISTINCT m.service_id, m.key COLLATE "C" AS key
                   FROM unnest(v_services, v_keys) AS m(service_id, key)) d
           JOIN accs_service s ON s.id = d.service_id

@@ -748,7 +748,7 @@ BEGIN
           FROM upd JOIN svc ON svc.id = upd.service_id WHERE svc.rated
     ), kfirst AS (
         SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at,
-               k.cleft <= x.taken AS cfilled, k.rleft <= x.taken AND svc.rlimit <= x.taken AS rfilled, svc.period
+               k.cleft <= x.taken AS cfilled, k.rleft IS NOT NULL AND svc.rlimit <= x.taken AS rfilled, svc.period
           FROM kkeys k JOIN svc ON svc.id = k.service_id LEFT JOIN LATERAL (
             SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
              WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
@@ -1013,7 +1013,7 @@ BEGIN
           FROM upd JOIN svc ON svc.id = upd.service_id WHERE svc.rated
     ), kfirst AS (
         SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at,
-               k.cleft <= x.taken AS cfilled, k.rleft <= x.taken AND svc.rlimit <= x.taken AS rfilled, svc.period
+               k.cleft <= x.taken AS cfilled, k.rleft IS NOT NULL AND svc.rlimit <= x.taken AS rfilled, svc.period
           FROM kkeys k JOIN svc ON svc.id = k.service_id LEFT JOIN LATERAL (
             SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
              WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
@@ -1273,7 +1273,7 @@ BEGIN
           FROM upd
     ), kfirst AS (
         SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at,
-               k.cleft <= x.taken AS cfilled, k.rleft <= x.taken AND svc.rlimit <= x.taken AS rfilled, svc.period
+               k.cleft <= x.taken AS cfilled, k.rleft IS NOT NULL AND svc.rlimit <= x.taken AS rfilled, svc.period
           FROM kkeys k JOIN svc ON svc.id = k.service_id LEFT JOIN LATERAL (
             SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
              WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
@@ -1534,7 +1534,7 @@ BEGIN
           FROM upd JOIN svc ON svc.id = upd.service_id WHERE svc.rated
     ), kfirst AS (
         SELECT k.service_id, k.tenant_id, k.key, n.id, n.priority, n.order_seq, n.created_at,
-               k.cleft <= x.taken AS cfilled, k.rleft <= x.taken AND svc.rlimit <= x.taken AS rfilled, svc.period
+               k.cleft <= x.taken AS cfilled, k.rleft IS NOT NULL AND svc.rlimit <= x.taken AS rfilled, svc.period
           FROM kkeys k JOIN svc ON svc.id = k.service_id LEFT JOIN LATERAL (
             SELECT t.id, t.priority, t.order_seq, t.created_at FROM accs_task t
              WHERE t.service_id = k.service_id AND t.tenant_id = k.tenant_id AND t.status = 'queued'
@@ -1980,11 +1980,8 @@ BEGIN
     -- Found by key, then locked in id order (a plan asked for key order walked every key row of the
     -- service). Any order does: a key's rows flip only under its count row's lock, taken above.
     WITH f AS MATERIALIZED (
-        SELECT h.id, h.cap_full, coalesce(k.held >= CASE WHEN s.concurrency_key_limit > 0 AND s.concurrency_key
-                                                              = accs_limit_key_path(s.concurrency_key_limit,
-                                                                                    s.concurrency_key,
-                                                                                    s.rate_key_limit, s.rate_key)
-                                                         THEN s.concurrency_key_limit END, false) AS is_full
+        -- (The services here are those counted: each has a per-key cap on its key path.)
+        SELECT h.id, h.cap_full, k.held >= s.concurrency_key_limit AS is_full
           FROM (SELECT DISTINCT m.service_id, m.key COLLATE "C" AS key
                   FROM unnest(v_services, v_keys) AS m(service_id, key)) d
           JOIN accs_service s ON s.id = d.service_id
