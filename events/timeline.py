@@ -129,13 +129,30 @@ def is_creation(event: Event) -> bool:
             and isinstance(data.get("tasks"), list) and data.get("from") in (CREATED, ADMITTED))
 
 
-def unfold(event: Event) -> list[Event]:
-    """Return a creation row as the lines it stands for, oldest first; any other event as itself.
+def is_folded(event: Event) -> bool:
+    """Whether ``event`` is a task's row that folds several moves (its own through ``via``, its job's)."""
+    data = event.data
+    return (event.task_id is not None and event.type == "status" and isinstance(data, dict)
+            and any(isinstance(data.get(k), list) for k in ("via", "job_before", "job")))
 
-    The lines are the job's moves (created → queued, queued → waiting) and one "task created" line
-    per task, with the row's time, source and id, and each task's id and key: what the timeline
-    showed when each was a row of its own. The lines are not saved.
+
+def job_move_message(move: dict[str, Any]) -> str:
+    """Return the line of a job's move folded into a task's row: its own message, else ``job <from> → <to>``."""
+    return move.get("message") or f"job {move.get('from', '')} → {move.get('to', '')}"
+
+
+def unfold(event: Event) -> list[Event]:
+    """Return a row that stands for several lines as those lines, oldest first; any other event as itself.
+
+    A job's creation row stands for the job's moves (created → queued, queued → waiting) and one "task
+    created" line per task, with each task's id and key. A task's folded row (jobs.finalize: a report's
+    moves, a row per task) stands for the moves its job made before the task's, the task's own moves
+    one line each (``from``, each of ``via``, ``to``) and the moves its job made after them. Each line
+    has the row's time, source and id: what the timeline showed when each was a row of its own. The
+    lines are not saved.
     """
+    if is_folded(event):
+        return _unfold_moves(event)
     if not is_creation(event):
         return [event]
     data = event.data
@@ -154,3 +171,30 @@ def unfold(event: Event) -> list[Event]:
         lines.append(line(f"task created {to}", creation_level([to]),
                           {"from": "created", "to": to, "task_key": task.get("task_key", "")}, UUID(task["id"])))
     return lines
+
+
+#: What a folded row holds besides its task's moves' own data.
+_FOLDED_KEYS = ("from", "to", "via", "level", "job_before", "job")
+
+
+def _unfold_moves(event: Event) -> list[Event]:
+    data = event.data
+
+    def job_line(move: dict[str, Any]) -> Event:
+        return Event(id=event.id, ts=event.ts, job_id=event.job_id, task_id=None, attempt=None, source=event.source,
+                     level=move.get("level", Level.INFO), type=event.type, message=job_move_message(move),
+                     data={k: v for k, v in move.items() if k not in ("message", "level")})
+
+    # The task's moves: from → each status it passed through → to; the row's other data (the attempt's
+    # process id) belongs to its move into running, or to its last move.
+    path = [data.get("from", ""), *[str(s) for s in data.get("via") or []], data.get("to", "")]
+    extra = {k: v for k, v in data.items() if k not in _FOLDED_KEYS}
+    steps = list(zip(path, path[1:], strict=False))
+    with_extra = next((i for i, (_, to) in enumerate(steps) if to == "running"), len(steps) - 1)
+    task_lines = [Event(id=event.id, ts=event.ts, job_id=event.job_id, task_id=event.task_id, attempt=event.attempt,
+                        source=event.source, level=data.get("level", Level.INFO), type=event.type,
+                        message=f"task {frm} → {to}",
+                        data={"from": frm, "to": to, **(extra if i == with_extra else {})})
+                  for i, (frm, to) in enumerate(steps)]
+    return ([job_line(m) for m in data.get("job_before") or []] + task_lines
+            + [job_line(m) for m in data.get("job") or []])

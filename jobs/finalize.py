@@ -252,6 +252,84 @@ p AS (
 SELECT DISTINCT s.key::text FROM p JOIN accs_service s ON s.id = p.service_id
 """
 
+# --------------------------------------------------------------------------------------------
+# The timeline of a transaction's moves: a row per task moved, its job's moves folded in
+# --------------------------------------------------------------------------------------------
+#
+# An agent's report of a short task moves its job waiting → running, the task starting → running →
+# done and the job running → done, all in one transaction. Such moves are written as ONE row per task
+# moved (events.timeline.unfold shows its lines): the task's moves in order (``from``, then ``via``, then
+# ``to``; ``level`` where theirs is not info); the moves its job made before them (its start) on the row
+# of the job's first task moved (``job_before``), and those after (its end) on the row of its last
+# (``job``). A job that moved while no task of it did gets a row of its own per move, as every job move
+# had before.
+#
+# The statements that move tasks hand their moves over rather than writing them: task moves as
+# ``{"id", "job_id", "task_id", "attempt", "level"?, "data": {"from", "to", "via"?, ...}}`` (``%(moves)s``;
+# ``id`` is the row's, taken when the move was made: RESERVE_EVENT_ID),
+# job moves as ``{"job_id", "move": {"from", "to", ..., "message"?, "level"?}}`` (``%(job_moves)s``, the
+# moves made before the tasks'; a move names its message and level only where they are not the plain
+# "job <from> → <to>" at level info). The statement that writes them follows them with its own.
+
+#: A task's move takes its row's id (the timeline's order) when it is made: the row is written later, after
+#: rows of what followed from it (a dependent task promoted when it finished), and still reads before them.
+RESERVE_EVENT_ID = "nextval('accs_event_id_seq')"
+
+#: The task moves handed over, as rows.
+TASK_MOVES = ("tm AS (SELECT * FROM jsonb_to_recordset(%(moves)s::jsonb)"
+              " AS m(id bigint, job_id uuid, task_id uuid, attempt int, level text, data jsonb))")
+
+
+def level_rank(level: str) -> str:
+    """Return SQL ranking an event level (debug 0, info 1, warn 2, error 3; none is info)."""
+    return f"CASE {level} WHEN 'error' THEN 3 WHEN 'warn' THEN 2 WHEN 'debug' THEN 0 ELSE 1 END"
+
+
+# The rows, after the CTEs ``tm`` (task moves) and ``jm`` (job_id, before, move): a row per task moved, and
+# a row per move of a job no task of which moved. Its message names the task's moves and its job's:
+# "task starting → done (job waiting → running → done)".
+WRITE_MOVES_SQL = f"""
+, tmo AS (
+    SELECT tm.*, row_number() OVER (PARTITION BY tm.job_id ORDER BY tm.id, tm.task_id) AS i,
+           count(*) OVER (PARTITION BY tm.job_id) AS n
+      FROM tm
+), jmv AS (
+    SELECT jm.job_id,
+           jsonb_agg(jm.move) FILTER (WHERE jm.before) AS before,
+           jsonb_agg(jm.move) FILTER (WHERE NOT jm.before) AS after,
+           max({level_rank("jm.move ->> 'level'")}) FILTER (WHERE jm.before) AS before_rank,
+           max({level_rank("jm.move ->> 'level'")}) FILTER (WHERE NOT jm.before) AS after_rank
+      FROM jm GROUP BY jm.job_id
+), r AS (
+    SELECT t.id, t.job_id, t.task_id, t.attempt, t.data, t.level,
+           CASE WHEN t.i = 1 THEN j.before END AS before, CASE WHEN t.i = t.n THEN j.after END AS after,
+           greatest({level_rank("t.level")}, CASE WHEN t.i = 1 THEN j.before_rank END,
+                    CASE WHEN t.i = t.n THEN j.after_rank END) AS rank
+      FROM tmo t LEFT JOIN jmv j ON j.job_id = t.job_id
+)
+INSERT INTO accs_event (id, ts, job_id, task_id, attempt, source, level, type, message, data)
+SELECT coalesce(r.id, {RESERVE_EVENT_ID}), %(now)s, r.job_id, r.task_id, r.attempt, %(source)s,
+       (ARRAY['debug', 'info', 'warn', 'error'])[r.rank + 1], 'status',
+       'task ' || (r.data ->> 'from') || ' → ' || (r.data ->> 'to')
+       || coalesce(' (job ' || (coalesce(r.before, r.after) -> 0 ->> 'from') || ' → '
+                   || (SELECT string_agg(m.move ->> 'to', ' → ' ORDER BY m.i)
+                         FROM jsonb_array_elements(coalesce(r.before, '[]') || coalesce(r.after, '[]'))
+                              WITH ORDINALITY AS m(move, i)) || ')', ''),
+       r.data || jsonb_strip_nulls(jsonb_build_object('level', nullif(r.level, 'info'), 'job_before', r.before,
+                                                      'job', r.after))
+  FROM r
+UNION ALL
+SELECT {RESERVE_EVENT_ID}, %(now)s, jm.job_id, NULL, NULL, %(source)s, coalesce(jm.move ->> 'level', 'info'), 'status',
+       coalesce(jm.move ->> 'message', 'job ' || (jm.move ->> 'from') || ' → ' || (jm.move ->> 'to')),
+       jm.move - 'message' - 'level'
+  FROM jm WHERE jm.job_id NOT IN (SELECT tm.job_id FROM tm)"""
+
+# The moves of a transaction that finalizes no job (a report of starts alone), written on their own.
+WRITE_MOVES_ALONE_SQL = f"""
+WITH jm AS (
+    SELECT m.job_id, true AS before, m.move FROM jsonb_to_recordset(%(job_moves)s::jsonb) AS m(job_id uuid, move jsonb)
+), {TASK_MOVES}{WRITE_MOVES_SQL}"""
+
 FINISH_SQL = f"""
 -- Progress, current step and status of admitted jobs. A job whose tasks are all final ends; any
 -- other admitted job is "running" while a task of it is starting or running and "waiting"
@@ -299,41 +377,67 @@ WITH agg AS (
            updated_at = %(now)s
       FROM verdict v WHERE j.id = v.job_id
     RETURNING j.id
-)
-INSERT INTO accs_event (job_id, source, level, type, message, data)
-SELECT v.job_id, %(source)s, CASE v.ends WHEN 'done' THEN 'info' WHEN 'error' THEN 'error' ELSE 'warn' END, 'status',
-       'job ' || v.was || ' → ' || v.ends
-           || CASE WHEN v.ends = 'partial' AND v.tolerated = 0 THEN ' (' || v.blocked || ' of ' || v.total
-                                                                  || ' task(s) blocked)'
-                   WHEN v.ends = 'partial' THEN ' (' || v.partly || ')'
-                   WHEN v.ends = 'error' THEN ' (' || v.fatal || ' task(s) of on_failure "fail_job" steps failed)'
-                   ELSE '' END,
-       jsonb_build_object('from', v.was, 'to', v.ends, 'total', v.total, 'blocked', v.blocked,
-                          'canceled', v.canceled, 'error', v.error, 'continue_failed', v.tolerated,
-                          'continue_failed_steps', v.tolerated_steps)
-  FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NOT NULL
-UNION ALL
-SELECT v.job_id, %(source)s, 'info', 'status',
-       'job ' || v.was || ' → ' || v.settles || CASE v.settles WHEN 'waiting' THEN ' (no task starting or running)'
-                                                   ELSE ' (a task is starting or running)' END,
-       jsonb_build_object('from', v.was, 'to', v.settles)
-  FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NULL AND v.settles <> v.was
+), jm AS (
+    -- The jobs' moves: those the caller made before this statement (a task's start moving its job from
+    -- waiting), then this statement's own. A move names its message and level only where they are not
+    -- the plain "job <from> → <to>" at level info.
+    SELECT m.job_id, true AS before, m.move FROM jsonb_to_recordset(%(job_moves)s::jsonb) AS m(job_id uuid, move jsonb)
+    UNION ALL
+    SELECT v.job_id, false,
+           jsonb_build_object('from', v.was, 'to', v.ends, 'total', v.total)
+           -- (The counts that are not 0: a done job's end names none.)
+           || jsonb_strip_nulls(jsonb_build_object(
+                  'blocked', nullif(v.blocked, 0), 'canceled', nullif(v.canceled, 0), 'error', nullif(v.error, 0),
+                  'continue_failed', nullif(v.tolerated, 0), 'continue_failed_steps', nullif(v.tolerated_steps, 0),
+                  'level', CASE v.ends WHEN 'done' THEN NULL WHEN 'error' THEN 'error' ELSE 'warn' END,
+                  -- (NULL, so left out, where no reason follows the move: a done or canceled job's.)
+                  'message', 'job ' || v.was || ' → ' || v.ends
+                             || CASE WHEN v.ends = 'partial' AND v.tolerated = 0
+                                         THEN ' (' || v.blocked || ' of ' || v.total || ' task(s) blocked)'
+                                     WHEN v.ends = 'partial' THEN ' (' || v.partly || ')'
+                                     WHEN v.ends = 'error'
+                                         THEN ' (' || v.fatal || ' task(s) of on_failure "fail_job" steps failed)'
+                                END))
+      FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NOT NULL
+    UNION ALL
+    SELECT v.job_id, false,
+           jsonb_build_object('from', v.was, 'to', v.settles, 'message',
+                              'job ' || v.was || ' → ' || v.settles
+                              || CASE v.settles WHEN 'waiting' THEN ' (no task starting or running)'
+                                                ELSE ' (a task is starting or running)' END)
+      FROM verdict v JOIN upd ON upd.id = v.job_id WHERE v.ends IS NULL AND v.settles <> v.was
+), {TASK_MOVES}{WRITE_MOVES_SQL}
 """
 
 
-def finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, roots: bool = False) -> None:
-    """Skip, promote, update progress and finish the given (locked) jobs.
+def finalize_jobs(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, roots: bool = False,
+                  moves: Sequence[str] = (), job_moves: Sequence[str] = ()) -> None:
+    """Skip, promote, update progress and finish the given (locked) jobs; write the transaction's moves.
 
     ``roots`` also promotes waiting tasks without dependencies: a job just re-admitted after a
-    retry, whose tasks waited for admission.
+    retry, whose tasks waited for admission. ``moves`` and ``job_moves`` are the moves of tasks and
+    jobs the caller made and has not written, each a JSON object's text (see WRITE_MOVES_SQL): they
+    are written with the jobs' own moves, a row per task.
     """
     if not job_ids:
+        write_moves(cur, moves, job_moves, now=now, source=source)
         return
     # One call of the server-side function that runs the statements above (see finalize_function_sql).
-    cur.execute(f"SELECT * FROM {FINALIZE_FUNCTION}(%s::uuid[], %s::timestamptz, %s, %s)",
-                [sorted({str(j) for j in job_ids}), now, source, roots])
+    cur.execute(f"SELECT * FROM {FINALIZE_FUNCTION}(%s::uuid[], %s::timestamptz, %s, %s, %s::jsonb, %s::jsonb)",
+                [sorted({str(j) for j in job_ids}), now, source, roots, json_array(moves), json_array(job_moves)])
     notify(cur, [service_channel(r[0]) for r in cur.fetchall()])
 
+
+def json_array(items: Sequence[str]) -> str:
+    """Return the JSON array of ``items``, each a JSON value's text (as a jsonb column reads on Django's cursor)."""
+    return "[" + ",".join(items) + "]"
+
+
+def write_moves(cur, moves: Sequence[str], job_moves: Sequence[str], *, now: datetime, source: str) -> None:
+    """Write moves of tasks and jobs that no finalization follows (see WRITE_MOVES_SQL)."""
+    if moves or job_moves:
+        cur.execute(WRITE_MOVES_ALONE_SQL, {"moves": json_array(moves), "job_moves": json_array(job_moves),
+                                            "now": now, "source": source})
 
 
 REWAIT_ALWAYS_SQL = f"""
@@ -399,10 +503,12 @@ def skip_unstarted(cur, job_ids: Sequence[UUID], *, now: datetime, source: str, 
 # its variables; a test compares the database's function with finalize_function_sql(), so a change
 # to a statement comes with a migration that replaces the function. It returns the keys of the
 # services whose tasks it promoted, for the caller's NOTIFY (the channel names are the caller's).
-FINALIZE_FUNCTION = "accs_finalize_jobs"
+# (It took the moves to write when the timeline began folding them, migration 0047; the function
+# before, accs_finalize_jobs, is left for the previous release's daemons.)
+FINALIZE_FUNCTION = "accs_finalize_and_write"
 
 _FINALIZE_PARAMS = {"jobs": "p_jobs", "job_ids": "v_job_ids", "steps": "v_steps", "now": "p_now",
-                    "source": "p_source", "roots": "v_roots"}
+                    "source": "p_source", "roots": "v_roots", "moves": "p_moves", "job_moves": "p_job_moves"}
 
 
 def _bind(sql: str) -> str:
@@ -430,7 +536,7 @@ def finalize_function_sql() -> str:
     condition_skip = _into(_bind(CONDITION_SKIP_SQL), "SELECT count(*) FROM sk", "v_n")
     fan_out = _into(_bind(FAN_OUT_SQL), "SELECT count(*) FROM t WHERE t.status <> 'waiting'", "v_m")
     return f"""CREATE OR REPLACE FUNCTION {FINALIZE_FUNCTION}(p_jobs uuid[], p_now timestamptz, p_source text,
-                                              p_roots bool)
+                                                   p_roots bool, p_moves jsonb, p_job_moves jsonb)
 RETURNS SETOF text
 LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement (see jobs.claim's claim function).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -22,7 +23,7 @@ from django.db import connection, transaction
 from accs_site.clock import db_now
 from events.timeline import BUILDER, EventRow, write_events
 from jobs.failure.apply import record_failures
-from jobs.finalize import finalize_jobs
+from jobs.finalize import FINALIZE_FUNCTION, RESERVE_EVENT_ID, WRITE_MOVES_ALONE_SQL, finalize_jobs, write_moves
 from jobs.locks import KEY_COUNTS_LOCK_SQL, lock_jobs_of_tasks, lock_key_counts, lock_tasks
 from jobs.notify import notify, service_channel
 from jobs.outcomes import Outcome, ReportResult, attempt_ending
@@ -35,7 +36,17 @@ log = logging.getLogger("accs.reports")
 
 
 
-MARK_RUNNING_SQL = """
+# The statements below hand their moves over to be written together, a row per task with its job's
+# moves folded in (jobs.finalize.WRITE_MOVES_SQL), rather than writing a row per move: each returns
+# its moves as JSON objects of that shape.
+
+#: A task's move to running, with the agent's process id of the attempt where it is known (the row "run" of a
+#: statement).
+TASK_STARTED_MOVE = (f"jsonb_build_object('id', {RESERVE_EVENT_ID}, 'job_id', job_id, 'task_id', id,"
+                     " 'attempt', attempt,"
+                     " 'data', jsonb_strip_nulls(jsonb_build_object('from', 'starting', 'to', 'running', 'pid', pid)))")
+
+MARK_RUNNING_SQL = f"""
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[], %(pids)s::int[]) AS v(id, attempt, pid)),
 run AS (
     UPDATE accs_task t SET status = 'running', started_at = %(now)s, updated_at = %(now)s
@@ -44,19 +55,17 @@ run AS (
 ),
 att AS (
     UPDATE accs_attempt a SET pid = run.pid FROM run WHERE a.task_id = run.id AND a.attempt_no = run.attempt
-),
-ev AS (
-    INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
-    SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task starting → running',
-           jsonb_build_object('from', 'starting', 'to', 'running', 'pid', pid) FROM run
 )
-SELECT id FROM run
+SELECT id, {TASK_STARTED_MOVE} FROM run ORDER BY id
 """
 
-JOBS_RUNNING_SQL = """
+#: A job's move from waiting to running (the row "up" of JOBS_RUNNING_SQL).
+JOB_STARTED_MOVE = "jsonb_build_object('job_id', id, 'move', jsonb_build_object('from', 'waiting', 'to', 'running'))"
+
+JOBS_RUNNING_SQL = f"""
 -- A job is running while a task of it is starting or running: the first start moves it from
--- waiting. Written just before the tasks' own start (same transaction, same fencing), so the
--- timeline reads "job waiting → running", then "task starting → running".
+-- waiting. Run just before the tasks' own start (same transaction, same fencing), so the timeline
+-- reads "job waiting → running", then "task starting → running".
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS v(id, attempt)),
 up AS (
     UPDATE accs_job SET status = 'running', updated_at = %(now)s
@@ -65,10 +74,16 @@ up AS (
                    WHERE t.status = 'starting' AND t.claimed_by = %(agent)s)
     RETURNING id
 )
-INSERT INTO accs_event (ts, job_id, source, level, type, message, data)
-SELECT %(now)s, id, %(source)s, 'info', 'status', 'job waiting → running',
-       '{"from": "waiting", "to": "running"}'::jsonb FROM up
+SELECT {JOB_STARTED_MOVE} FROM up
 """
+
+
+@dataclass
+class Moves:
+    """The moves a report made and has not written yet, each a JSON object's text (see jobs.finalize)."""
+
+    tasks: list[str] = field(default_factory=list)
+    jobs: list[str] = field(default_factory=list)
 
 
 def mark_running(items: Sequence[tuple[UUID, int, int | None]], *, agent_id: str, source: str,
@@ -82,30 +97,46 @@ def mark_running(items: Sequence[tuple[UUID, int, int | None]], *, agent_id: str
     with transaction.atomic(savepoint=False), connection.cursor() as cur:
         lock_jobs_of_tasks(cur, [i[0] for i in items])
         lock_tasks(cur, [i[0] for i in items])
-        return _mark_running(cur, items, agent_id=agent_id, source=source, now=now or db_now(cur))
+        now = now or db_now(cur)
+        moves = Moves()
+        started = _mark_running(cur, items, agent_id=agent_id, now=now, moves=moves)
+        write_moves(cur, moves.tasks, moves.jobs, now=now, source=source)
+        return started
 
 
-def _mark_running(cur, items, *, agent_id: str, source: str, now: datetime) -> set[UUID]:
-    """Move tasks to running; the caller holds the locks of their jobs, then of the tasks."""
-    _jobs_running(cur, items, agent_id=agent_id, now=now, source=source)
+def _mark_running(cur, items, *, agent_id: str, now: datetime, moves: Moves) -> set[UUID]:
+    """Move tasks to running, adding their moves to ``moves``; the caller holds the locks of their jobs, then
+    of the tasks."""
+    _jobs_running(cur, items, agent_id=agent_id, now=now, moves=moves)
     cur.execute(MARK_RUNNING_SQL, {"ids": [i[0] for i in items], "attempts": [i[1] for i in items],
-                                   "pids": [i[2] for i in items], "now": now, "agent": agent_id, "source": source})
-    return {r[0] for r in cur.fetchall()}
+                                   "pids": [i[2] for i in items], "now": now, "agent": agent_id})
+    rows = cur.fetchall()
+    moves.tasks += [move for _, move in rows]
+    return {r[0] for r in rows}
 
 
-def _jobs_running(cur, items, *, agent_id: str, now: datetime, source: str) -> None:
+def _jobs_running(cur, items, *, agent_id: str, now: datetime, moves: Moves) -> None:
     """Move the waiting jobs of starting tasks (``items`` start with task_id, attempt) to running."""
     cur.execute(JOBS_RUNNING_SQL, {"ids": [i[0] for i in items], "attempts": [i[1] for i in items],
-                                   "now": now, "agent": agent_id, "source": source})
+                                   "now": now, "agent": agent_id})
+    moves.jobs += [r[0] for r in cur.fetchall()]
 
 
-COMPLETE_SQL = """
+#: A task's move to done (the row "done" of COMPLETE_SQL): through running when its start is in the same report.
+TASK_DONE_MOVE = f"""jsonb_build_object('id', {RESERVE_EVENT_ID}, 'job_id', job_id, 'task_id', id, 'attempt', attempt,
+           'data',
+           CASE WHEN was = 'starting'
+                THEN jsonb_strip_nulls(jsonb_build_object('from', 'starting', 'via', jsonb_build_array('running'),
+                                                          'to', 'done', 'pid', pid))
+                ELSE jsonb_build_object('from', 'running', 'to', 'done') END)"""
+
+COMPLETE_SQL = f"""
 -- Fenced by attempt: a report from an attempt that is no longer current changes nothing.
 -- %(from_status)s is 'running', or 'starting' when the agent reports an attempt's start and end
--- together: the task then goes starting → done in one UPDATE and BOTH transitions get their event
--- (the intermediate row version would be visible to no other transaction anyway). A task the
--- report finds already running (an earlier report of its start committed but its answer was lost)
--- goes running → done, with that one event. "was" is the row as the statement found it.
+-- together: the task then goes starting → done in one UPDATE, its move through running on the
+-- timeline (the intermediate row version would be visible to no other transaction anyway). A task
+-- the report finds already running (an earlier report of its start committed but its answer was
+-- lost) goes running → done. "was" is the row as the statement found it.
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[], %(results)s::text[], %(codes)s::int[],
                                 %(outs)s::text[], %(errs)s::text[], %(pids)s::int[])
                   AS v(id, attempt, results, code, out, err, pid)),
@@ -120,17 +151,8 @@ att AS (
     UPDATE accs_attempt a SET status = 'succeeded', finished_at = %(now)s, exit_code = done.code,
            stdout_tail = done.out, stderr_tail = done.err, pid = coalesce(done.pid, a.pid)
       FROM done WHERE a.task_id = done.id AND a.attempt_no = done.attempt
-),
-ev AS (
-    INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
-    SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task starting → running',
-           jsonb_build_object('from', 'starting', 'to', 'running', 'pid', pid)
-      FROM done WHERE was = 'starting'
-    UNION ALL
-    SELECT %(now)s, job_id, id, attempt, %(source)s, 'info', 'status', 'task running → done',
-           '{"from": "running", "to": "done"}'::jsonb FROM done
 )
-SELECT id, job_id FROM done
+SELECT id, job_id, {TASK_DONE_MOVE} FROM done ORDER BY id
 """
 
 
@@ -145,7 +167,7 @@ REPORT_FUNCTION = "accs_report_succeeded"
 
 _REPORT_PARAMS = {"ids": "v_ids", "attempts": "v_attempts", "results": "v_results", "codes": "v_codes",
                   "outs": "v_outs", "errs": "v_errs", "pids": "v_pids", "now": "v_now", "source": "p_source",
-                  "agent": "p_agent", "from_status": "v_from"}
+                  "agent": "p_agent", "from_status": "v_from", "moves": "v_moves", "job_moves": "v_job_moves"}
 
 
 def _bind_report(sql: str) -> str:
@@ -160,10 +182,19 @@ def _select_into(sql: str, last: str, into: str) -> str:
 
 def report_function_sql() -> str:
     """Return the CREATE FUNCTION statement of :data:`REPORT_FUNCTION`, built from the statements above."""
-    mark = _select_into(_bind_report(MARK_RUNNING_SQL), "SELECT id FROM run", "SELECT count(*) INTO v_n FROM run")
-    complete = _select_into(_bind_report(COMPLETE_SQL), "SELECT id, job_id FROM done",
-                            "SELECT coalesce(array_agg(id), '{}'), coalesce(array_agg(job_id), '{}')"
-                            " INTO v_done, v_jobs FROM done")
+    jobs_running = _select_into(_bind_report(JOBS_RUNNING_SQL), f"SELECT {JOB_STARTED_MOVE} FROM up",
+                                f"SELECT v_job_moves || coalesce(jsonb_agg({JOB_STARTED_MOVE}), '[]')"
+                                " INTO v_job_moves FROM up")
+    # The moves in the order of the tasks' ids, each row's id taken in that order (the sorted subquery's
+    # output is computed after its sort).
+    mark = _select_into(_bind_report(MARK_RUNNING_SQL), f"SELECT id, {TASK_STARTED_MOVE} FROM run ORDER BY id",
+                        "SELECT v_moves || coalesce(jsonb_agg(x.move), '[]') INTO v_moves"
+                        f" FROM (SELECT {TASK_STARTED_MOVE} AS move FROM run ORDER BY id) x")
+    complete = _select_into(_bind_report(COMPLETE_SQL), f"SELECT id, job_id, {TASK_DONE_MOVE} FROM done ORDER BY id",
+                            "SELECT coalesce(array_agg(x.id), '{}'), coalesce(array_agg(x.job_id), '{}'),"
+                            " v_moves || coalesce(jsonb_agg(x.move), '[]') INTO v_done, v_jobs, v_moves"
+                            f" FROM (SELECT id, job_id, {TASK_DONE_MOVE} AS move FROM done ORDER BY id) x")
+    write_alone = bind_params(WRITE_MOVES_ALONE_SQL, _REPORT_PARAMS).strip()
     return f"""CREATE OR REPLACE FUNCTION {REPORT_FUNCTION}(
     p_start_ids uuid[], p_start_attempts int[], p_start_pids int[],
     p_ids uuid[], p_attempts int[], p_results text[], p_codes int[], p_outs text[], p_errs text[], p_pids int[],
@@ -189,7 +220,8 @@ DECLARE
     v_jobs uuid[];
     v_all_done uuid[] := '{{}}';
     v_all_jobs uuid[] := '{{}}';
-    v_n bigint;
+    v_moves jsonb := '[]';
+    v_job_moves jsonb := '[]';
 BEGIN
     -- The lock order (jobs.locks): the jobs of the reported tasks, then the tasks, each sorted by id.
     PERFORM 1 FROM accs_job WHERE id IN (SELECT t.job_id FROM accs_task t WHERE t.id = ANY(p_ids || p_start_ids))
@@ -202,7 +234,7 @@ BEGIN
         v_ids := p_start_ids;
         v_attempts := p_start_attempts;
         v_pids := p_start_pids;
-        {_bind_report(JOBS_RUNNING_SQL)};
+        {jobs_running};
         {mark};
     END IF;
     -- Successes whose start is in this report go starting → done, the others running → done.
@@ -215,16 +247,20 @@ BEGIN
          WHERE v.started = (v_from = 'starting');
         CONTINUE WHEN v_ids IS NULL;
         IF v_from = 'starting' THEN
-            {_bind_report(JOBS_RUNNING_SQL)};
+            {jobs_running};
         END IF;
         {complete};
         v_all_done := v_all_done || v_done;
         v_all_jobs := v_all_jobs || v_jobs;
     END LOOP;
     RETURN QUERY SELECT 'done', d::text FROM unnest(v_all_done) AS d;
+    -- The jobs are finalized and every move of the report written, a row per task (jobs.finalize).
     IF cardinality(v_all_jobs) > 0 THEN
-        RETURN QUERY SELECT 'notify', k FROM accs_finalize_jobs(
-            ARRAY(SELECT DISTINCT j FROM unnest(v_all_jobs) AS j ORDER BY 1), v_now, p_source, false) AS k;
+        RETURN QUERY SELECT 'notify', k FROM {FINALIZE_FUNCTION}(
+            ARRAY(SELECT DISTINCT j FROM unnest(v_all_jobs) AS j ORDER BY 1), v_now, p_source, false, v_moves,
+            v_job_moves) AS k;
+    ELSE
+        {write_alone};
     END IF;
 END
 $report$"""
@@ -253,27 +289,27 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
         lock_tasks(cur, task_ids)
         lock_key_counts(cur, [o.task_id for o in outcomes])
         now = now or db_now(cur)
+        moves = Moves()
         if to_mark:
-            _mark_running(cur, to_mark, agent_id=agent_id, source=source, now=now)
-        if not outcomes:
-            return result
+            _mark_running(cur, to_mark, agent_id=agent_id, now=now, moves=moves)
         touched_jobs: set[UUID] = set()
         for group, from_status in ((ok_with_start, "starting"), (ok_running, "running")):
             if not group:
                 continue
             if from_status == "starting":
-                _jobs_running(cur, [(o.task_id, o.attempt) for o in group], agent_id=agent_id, now=now, source=source)
+                _jobs_running(cur, [(o.task_id, o.attempt) for o in group], agent_id=agent_id, now=now, moves=moves)
             cur.execute(COMPLETE_SQL, {
                 "ids": [o.task_id for o in group], "attempts": [o.attempt for o in group],
                 "results": [json.dumps(o.results if o.results is not None else {}, default=str) for o in group],
                 "codes": [o.exit_code for o in group], "outs": [o.stdout_tail for o in group],
                 "errs": [o.stderr_tail for o in group],
                 "pids": [started_pid.get((o.task_id, o.attempt)) for o in group],
-                "now": now, "source": source, "from_status": from_status,
+                "now": now, "from_status": from_status,
             })
-            for tid, jid in cur.fetchall():
+            for tid, jid, move in cur.fetchall():
                 result.done.append(tid)
                 touched_jobs.add(jid)
+                moves.tasks.append(move)
         bad = [o for o in outcomes if o.status != "succeeded"]
         if bad:
             touched_jobs |= record_failures(cur, bad, result, now=now, source=source)
@@ -281,7 +317,9 @@ def report(outcomes: Sequence[Outcome], *, source: str, started: Sequence[tuple[
         rejected = [o for o in outcomes if o.task_id not in accepted]
         if rejected:
             _sort_rejected(cur, rejected, result, source=source)
-        finalize_jobs(cur, sorted(touched_jobs, key=str), now=now, source=source)
+        # The jobs are finalized and the moves above written with theirs, a row per task (jobs.finalize).
+        finalize_jobs(cur, sorted(touched_jobs, key=str), now=now, source=source, moves=moves.tasks,
+                      job_moves=moves.jobs)
     return result
 
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from uuid import UUID
 
 from django.contrib import admin
+from django.db import connection
 from django.db.models import Q
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
@@ -52,6 +53,23 @@ JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 10
 #: flapping and act on none of them; the timeline hides them unless asked for every change.
 FLAPPING = Q(task_id__isnull=True, type=EventType.STATUS, data__from__in=["running", "waiting"],
              data__to__in=["running", "waiting"])
+#: The same moves folded into their tasks' rows (jobs.finalize: a report's moves, a row per task), counted;
+#: the page leaves them out line by line (:func:`is_flapping`).
+FOLDED_FLAPPING_SQL = """
+SELECT count(*) FROM accs_event e
+ CROSS JOIN LATERAL jsonb_array_elements(coalesce(e.data->'job_before', '[]') || coalesce(e.data->'job', '[]')) m
+ WHERE e.job_id = %s AND e.task_id IS NOT NULL AND e.type = 'status'
+   AND m->>'from' IN ('running', 'waiting') AND m->>'to' IN ('running', 'waiting')
+"""
+
+
+def is_flapping(line: Event) -> bool:
+    """Whether a timeline line is the job's own move between running and waiting (see FLAPPING)."""
+    data = line.data if isinstance(line.data, dict) else {}
+    return (line.task_id is None and line.type == EventType.STATUS and data.get("from") in ("running", "waiting")
+            and data.get("to") in ("running", "waiting"))
+
+
 #: Event levels, lowest first (the timeline's own); a level filter keeps that level and those after it.
 LEVELS = tuple(Level.values)
 #: Seconds between refreshes of an active job's page (``?refresh=N`` overrides, 1-300).
@@ -185,7 +203,9 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     hidden = 0
     if not show_all:
         flapping = Event.objects.filter(job_id=job.pk).filter(FLAPPING)
-        hidden = flapping.count()
+        with connection.cursor() as cur:
+            cur.execute(FOLDED_FLAPPING_SQL, [job.pk])
+            hidden = flapping.count() + cur.fetchone()[0]
         events = events.exclude(FLAPPING)
     if level:
         events = events.filter(level__in=levels_from(level))
@@ -195,7 +215,8 @@ def job_page_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     shown_levels = levels_from(level)
     timeline = [EventRow(event=line, task_key=task_keys.get(line.task_id, "") if line.task_id else "")
                 for event in events.order_by("-ts", "-id")[:JOB_PAGE_EVENTS]
-                for line in reversed(unfold(event)) if line.level in shown_levels]
+                for line in reversed(unfold(event))
+                if line.level in shown_levels and (show_all or not is_flapping(line))]
     artifacts = _artifacts(job)
     attempt_ids: dict[tuple[UUID | None, int | None], int] = {(a.task_id, a.attempt_no): a.pk for a in attempts}
     for row in artifacts:

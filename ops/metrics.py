@@ -56,24 +56,33 @@ def _bucket_sql(value: str, bounds: tuple[float, ...], prefix: str) -> str:
 
 FOLD_SQL = f"""
 -- Classify new timeline rows by their structured data (not their message text), then label each
--- with its service (task events) or tenant (job events).
+-- with its service (task events) or tenant (job events). A task's row that folds its job's moves in
+-- (jobs.finalize: "job_before", "job") counts each of them as the job's own row would.
 WITH e AS (
-    SELECT e.id, e.ts, e.task_id, e.job_id, e.attempt, e.type,
+    SELECT e.id, e.ts, m.task_id, e.job_id, m.attempt, e.type,
            CASE
              WHEN e.type = 'fenced' THEN 'fenced'
              WHEN e.type = 'retry' THEN 'retry'
-             WHEN e.task_id IS NOT NULL AND e.data->>'to' = 'starting' THEN 'claim'
-             WHEN e.task_id IS NOT NULL AND e.data->>'to' = 'done' THEN 'done'
-             WHEN e.task_id IS NOT NULL AND e.data->>'dead_letter' = 'true' THEN 'dead_letter'
-             WHEN e.task_id IS NOT NULL AND e.attempt IS NOT NULL AND e.data->>'to' = 'canceled' THEN 'canceled'
+             WHEN m.task_id IS NOT NULL AND m.d->>'to' = 'starting' THEN 'claim'
+             WHEN m.task_id IS NOT NULL AND m.d->>'to' = 'done' THEN 'done'
+             WHEN m.task_id IS NOT NULL AND m.d->>'dead_letter' = 'true' THEN 'dead_letter'
+             WHEN m.task_id IS NOT NULL AND m.attempt IS NOT NULL AND m.d->>'to' = 'canceled' THEN 'canceled'
              -- a job started: admitted from queued, or created already waiting (the one-statement start)
-             WHEN e.task_id IS NULL AND e.job_id IS NOT NULL AND e.data->>'from' IN ('queued', 'created')
-                  AND e.data->>'to' IN ('waiting', 'running') THEN 'job_started'
-             WHEN e.task_id IS NULL AND e.job_id IS NOT NULL
-                  AND e.data->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected')
-             THEN 'job_' || (e.data->>'to')
+             WHEN m.task_id IS NULL AND e.job_id IS NOT NULL AND m.d->>'from' IN ('queued', 'created')
+                  AND m.d->>'to' IN ('waiting', 'running') THEN 'job_started'
+             WHEN m.task_id IS NULL AND e.job_id IS NOT NULL
+                  AND m.d->>'to' IN ('done', 'partial', 'error', 'canceled', 'rejected')
+             THEN 'job_' || (m.d->>'to')
            END AS kind
       FROM accs_event e
+     CROSS JOIN LATERAL (
+         SELECT e.task_id, e.attempt, e.data AS d
+         UNION ALL
+         SELECT NULL, NULL, j.move
+           FROM jsonb_array_elements(CASE WHEN e.task_id IS NOT NULL AND e.type = 'status'
+                                          THEN coalesce(e.data->'job_before', '[]') || coalesce(e.data->'job', '[]')
+                                          ELSE '[]' END) AS j(move)
+     ) m
      WHERE e.id > %(lo)s AND e.id <= %(hi)s
 ), k AS (
     SELECT e.*, s.key AS service, tn.slug AS tenant,

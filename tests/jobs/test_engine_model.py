@@ -53,6 +53,8 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from events.artifacts import record_artifact
+from events.models import Event
+from events.timeline import unfold
 from jobs import api, pulse, transitions
 from jobs.claim import NodeLimits, ServiceSpec, claim_many, service_spec
 from jobs.outcomes import Outcome, ReportResult
@@ -519,9 +521,10 @@ class EngineMachine(RuleBasedStateMachine):
     def every_status_change_has_its_event(self) -> None:
         now = {("task", i): s for i, s in _rows("SELECT id, status FROM accs_task")}
         now |= {("job", i): s for i, s in _rows("SELECT id, status FROM accs_job")}
-        events = _rows("SELECT id, job_id, task_id, data->>'from', data->>'to' FROM accs_event"
-                       " WHERE id > %s AND type IN ('status', 'retry') AND data ? 'to' ORDER BY id",
-                       [self.seen.event_id])
+        # The lines operators see: a row that folds several moves (a task's and its job's) stands for each.
+        rows = list(Event.objects.filter(id__gt=self.seen.event_id, type__in=("status", "retry")).order_by("id"))
+        events = [(line.id, line.job_id, line.task_id, line.data.get("from"), line.data["to"])
+                  for row in rows for line in unfold(row) if isinstance(line.data, dict) and "to" in line.data]
         last_to: dict[tuple[str, UUID], str] = {}
         for _, job_id, task_id, frm, to in events:
             key = ("task", task_id) if task_id else ("job", job_id)
@@ -532,7 +535,7 @@ class EngineMachine(RuleBasedStateMachine):
                    if k in self.seen.statuses and self.seen.statuses[k] != s}
         missing = {k: moved for k, moved in changed.items() if last_to.get(k) != moved[1]}
         assert not missing, f"status changes without an event naming the new status: {missing}"
-        self.seen = Seen(event_id=max([self.seen.event_id] + [e[0] for e in events]), statuses=now)
+        self.seen = Seen(event_id=max([self.seen.event_id] + [e.id for e in rows]), statuses=now)
 
 
 def test_the_engine_keeps_its_promises_whatever_the_order_of_events(site, s3):

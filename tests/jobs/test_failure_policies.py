@@ -58,9 +58,14 @@ def job_state(job: Job) -> tuple[str, str]:
     return job.status, job.error_code
 
 
+def job_lines(job: Job) -> list[Event]:
+    """The job's own status lines, as the timeline shows them (a report folds them into its tasks' rows)."""
+    return [line for e in Event.objects.filter(job_id=job.id, type="status").order_by("id")
+            for line in unfold(e) if line.task_id is None]
+
+
 def job_messages(job: Job) -> list[str]:
-    return list(Event.objects.filter(job_id=job.id, task_id__isnull=True, type="status")
-                .order_by("id").values_list("message", flat=True))
+    return [line.message for line in job_lines(job)]
 
 
 def diamond(**b_policy: Any) -> list[dict[str, Any]]:
@@ -119,7 +124,7 @@ def test_continue_step_failing_in_a_diamond_skips_its_dependent_lets_the_sibling
                                  "their dependents were skipped")
     assert job_messages(job)[-1] == ('job running → partial (1 task(s) of 1 step(s) with on_failure "continue" '
                                      "failed; their dependents were skipped)")
-    end = Event.objects.filter(job_id=job.id, data__to="partial").get()
+    (end,) = [line for line in job_lines(job) if line.data["to"] == "partial"]
     assert (end.level, end.data["continue_failed"], end.data["continue_failed_steps"]) == ("warn", 1, 1)
     policy = Event.objects.get(job_id=job.id, type="policy")
     assert policy.task_id == Task.objects.get(job=job, step_key="b").id

@@ -204,7 +204,8 @@ def _promote_dependents(h):
 def _settle(h):
     from jobs.finalize import FINISH_SQL
 
-    return FINISH_SQL, {"jobs": [h["running"]], "now": timezone.now(), "source": "plan"}
+    return FINISH_SQL, {"jobs": [h["running"]], "now": timezone.now(), "source": "plan", "moves": "[]",
+                        "job_moves": "[]"}
 
 
 def _job_held_count(h):

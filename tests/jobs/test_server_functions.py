@@ -14,6 +14,7 @@ import pytest
 from django.db import connection, connections, transaction
 
 from events.models import Event
+from events.timeline import unfold
 from jobs import api, transitions
 from jobs.claim import (
     KEYED_CLAIM_FUNCTION,
@@ -136,7 +137,7 @@ def test_a_report_of_successes_is_one_statement_and_writes_every_transition(make
     with django_assert_num_queries(2):  # the function, and the NOTIFY for the promoted step
         result = run_ok(tasks)
     assert result.done == [tasks[0].id]
-    messages = list(Event.objects.filter(job_id=job.id).order_by("id").values_list("message", flat=True))
+    messages = [line.message for e in Event.objects.filter(job_id=job.id).order_by("id") for line in unfold(e)]
     for expected in ("job waiting → running", "task starting → running", "task running → done",
                      "task waiting → queued"):
         assert expected in messages, (expected, messages)
