@@ -18,7 +18,9 @@ Printed and written to bench/results/churn.json:
   estimates) when the first 10 % are done and when the last task is reported; with pruning
   keeping pace, the live rows stay at about the queue plus the retention's worth and the sizes
   level off (the timeline, archived by month, grows: it is shown for scale);
-* ``pruned``: rows the prune deleted by the end (jobs, tasks, attempts, steps), and its passes.
+* ``pruned``: rows the prune deleted by the end (jobs, tasks, attempts, steps), and its passes;
+* ``timeline``: the timeline's bytes (table and indexes) and rows per task at the end, every event of
+  the run counted (its jobs' moves and the claims included).
 
 ``CHURN_HOLD_SNAPSHOT=1`` holds one REPEATABLE READ transaction open on a second connection for
 the whole run (it read ``accs_job`` once, as a long report query would): vacuum cannot remove the
@@ -202,6 +204,9 @@ def churn() -> dict[str, object]:
                           f"{done / (time.perf_counter() - started):,.0f} tasks/s")
         wall = time.perf_counter() - started
         sizes_end = sizes()
+        with connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM accs_event")
+            event_rows = cur.fetchone()[0]
     finally:
         pruner.stopping.set()
         pruner.join(timeout=120)
@@ -217,6 +222,9 @@ def churn() -> dict[str, object]:
         "sizes_start": sizes_start,
         "sizes_end": sizes_end,
         "pruned": dict(pruner.totals),
+        # The timeline a task leaves (every event of the run, its jobs' included, per task); with indexes.
+        "timeline": {"bytes_per_task": round(sizes_end["accs_event"]["total_bytes"] / TASKS),
+                     "rows_per_task": round(event_rows / TASKS, 2)},
     }
 
 
@@ -227,6 +235,8 @@ def show(results: dict) -> None:
     bench.say(f"  overall (with enqueue)   {results['wall_rate']:>10,.1f} tasks/s"
               f" over {results['wall_seconds']:,.0f} s")
     bench.say(f"  pruned                   {results['pruned']}")
+    bench.say(f"  timeline per task        {results['timeline']['bytes_per_task']:>10,} bytes with indexes,"
+              f" {results['timeline']['rows_per_task']:g} rows")
     bench.say("  sizes MB (total / table / indexes), after the first 10 % → at the end:")
     for table in results["sizes_end"]:
         a, b = results["sizes_start"][table], results["sizes_end"][table]
