@@ -542,6 +542,10 @@ LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement (see jobs.claim's claim function).
 SET plan_cache_mode = force_generic_plan
 SET jit = off  -- as the claim function: a generic plan's cost must not start a compile per call
+-- No sequential scans: every statement reads rows by the ids it was given (jobs, tasks, their steps), but a
+-- plan made while a table was small (a connection's first call after a burst had ended) joined them by
+-- reading the whole table, and kept doing so as the table grew, for as long as the connection lived.
+SET enable_seqscan = off
 AS $finalize$
 #variable_conflict use_column
 DECLARE

@@ -68,10 +68,12 @@ JOBS_RUNNING_SQL = f"""
 -- reads "job waiting → running", then "task starting → running".
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS v(id, attempt)),
 up AS (
+    -- By the ids of the reported tasks' jobs: with "id IN (...)" a generic plan made from statistics that
+    -- said few jobs wait (a burst that had ended) walked every waiting job instead, at every report.
     UPDATE accs_job SET status = 'running', updated_at = %(now)s
-     WHERE status = 'waiting'
-       AND id IN (SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
-                   WHERE t.status = 'starting' AND t.claimed_by = %(agent)s)
+     WHERE id = ANY(ARRAY(SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
+                           WHERE t.status = 'starting' AND t.claimed_by = %(agent)s))
+       AND status = 'waiting'
     RETURNING id
 )
 SELECT {JOB_STARTED_MOVE} FROM up
@@ -204,6 +206,10 @@ LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement (see jobs.claim's claim function).
 SET plan_cache_mode = force_generic_plan
 SET jit = off  -- as the claim function: a generic plan's cost must not start a compile per call
+-- No sequential scans: every statement reads rows by the ids it was given (jobs, tasks, their steps), but a
+-- plan made while a table was small (a connection's first call after a burst had ended) joined them by
+-- reading the whole table, and kept doing so as the table grew, for as long as the connection lived.
+SET enable_seqscan = off
 AS $report$
 #variable_conflict use_column
 DECLARE

@@ -8,6 +8,12 @@ moved, those after them on its last. ``accs_finalize_and_write`` is the finaliza
 also writes the moves its caller hands over; ``accs_report_succeeded`` hands its moves over instead of
 writing a row per move.
 
+Both functions also run without sequential scans, and the report finds its tasks' waiting jobs by their
+ids: each plan is made once per server connection, and one made from statistics taken while a table was
+small (the first call after a burst of work had ended) read every job, step or waiting job at every
+report for as long as the connection lived (a report of 64 tasks took 175-200 ms instead of 20-25 ms
+behind 12,800 jobs, in about one run of three after a drain).
+
 Safe under the previous release's daemons: the report function keeps its name, arguments and results, so
 its agents call it as before and write the new rows (the previous release's pages list such a row as one
 line, its message naming the task's and the job's moves); its other verbs call ``accs_finalize_jobs``,
@@ -28,6 +34,10 @@ LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement (see jobs.claim's claim function).
 SET plan_cache_mode = force_generic_plan
 SET jit = off  -- as the claim function: a generic plan's cost must not start a compile per call
+-- No sequential scans: every statement reads rows by the ids it was given (jobs, tasks, their steps), but a
+-- plan made while a table was small (a connection's first call after a burst had ended) joined them by
+-- reading the whole table, and kept doing so as the table grew, for as long as the connection lived.
+SET enable_seqscan = off
 AS $finalize$
 #variable_conflict use_column
 DECLARE
@@ -368,6 +378,10 @@ LANGUAGE plpgsql VOLATILE
 -- One plan per server connection for each statement (see jobs.claim's claim function).
 SET plan_cache_mode = force_generic_plan
 SET jit = off  -- as the claim function: a generic plan's cost must not start a compile per call
+-- No sequential scans: every statement reads rows by the ids it was given (jobs, tasks, their steps), but a
+-- plan made while a table was small (a connection's first call after a burst had ended) joined them by
+-- reading the whole table, and kept doing so as the table grew, for as long as the connection lived.
+SET enable_seqscan = off
 AS $report$
 #variable_conflict use_column
 DECLARE
@@ -403,10 +417,12 @@ BEGIN
 -- reads "job waiting → running", then "task starting → running".
 WITH v AS (SELECT * FROM unnest(v_ids::uuid[], v_attempts::int[]) AS v(id, attempt)),
 up AS (
+    -- By the ids of the reported tasks' jobs: with "id IN (...)" a generic plan made from statistics that
+    -- said few jobs wait (a burst that had ended) walked every waiting job instead, at every report.
     UPDATE accs_job SET status = 'running', updated_at = v_now
-     WHERE status = 'waiting'
-       AND id IN (SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
-                   WHERE t.status = 'starting' AND t.claimed_by = p_agent)
+     WHERE id = ANY(ARRAY(SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
+                           WHERE t.status = 'starting' AND t.claimed_by = p_agent))
+       AND status = 'waiting'
     RETURNING id
 )
 SELECT v_job_moves || coalesce(jsonb_agg(jsonb_build_object('job_id', id, 'move', jsonb_build_object('from', 'waiting', 'to', 'running'))), '[]') INTO v_job_moves FROM up;
@@ -436,10 +452,12 @@ SELECT v_moves || coalesce(jsonb_agg(x.move), '[]') INTO v_moves FROM (SELECT js
 -- reads "job waiting → running", then "task starting → running".
 WITH v AS (SELECT * FROM unnest(v_ids::uuid[], v_attempts::int[]) AS v(id, attempt)),
 up AS (
+    -- By the ids of the reported tasks' jobs: with "id IN (...)" a generic plan made from statistics that
+    -- said few jobs wait (a burst that had ended) walked every waiting job instead, at every report.
     UPDATE accs_job SET status = 'running', updated_at = v_now
-     WHERE status = 'waiting'
-       AND id IN (SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
-                   WHERE t.status = 'starting' AND t.claimed_by = p_agent)
+     WHERE id = ANY(ARRAY(SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
+                           WHERE t.status = 'starting' AND t.claimed_by = p_agent))
+       AND status = 'waiting'
     RETURNING id
 )
 SELECT v_job_moves || coalesce(jsonb_agg(jsonb_build_object('job_id', id, 'move', jsonb_build_object('from', 'waiting', 'to', 'running'))), '[]') INTO v_job_moves FROM up;

@@ -110,6 +110,31 @@ def test_a_plain_claim_finds_its_services_work_without_reading_other_services_ta
     assert scanned == (0, 0), f"the claim scanned the task table: (scans, rows read) {scanned}"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_report_finds_its_tasks_waiting_jobs_without_reading_the_other_waiting_jobs(make_service):
+    """The reported tasks' jobs move to running by their ids: planned generically from statistics taken when
+    no job waited (a burst that had ended), the look walked every waiting job instead (166 ms a report
+    behind 12,800, for as long as the connection lived)."""
+    svc = make_service("fn-run")
+    api.start_many([api.JobSpec(service="fn-run", params={"n": i}) for i in range(20)])
+    transitions.start_due_jobs(limit=100)
+    run_ok(claim_for(svc, n=20))
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE accs_job")  # every job done
+    api.start_many([api.JobSpec(service="fn-run", params={"n": i}) for i in range(1500)])
+    transitions.start_due_jobs(limit=10_000)  # 1,500 jobs waiting
+    connection.close()  # a new server connection plans the function's statements from those statistics
+    tasks = claim_for(svc, n=2)
+    reads = "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables WHERE relname = 'accs_job'"
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute(reads)
+        before = cur.fetchone()[0]
+        assert run_ok(tasks).done == [t.id for t in tasks]
+        cur.execute(reads)
+        read = cur.fetchone()[0] - before
+    assert read <= 20, f"the report read {read} job rows to move 2 jobs"
+
+
 @pytest.mark.parametrize("limits", [{"concurrency_key": "customer", "concurrency_key_limit": 1},
                                     {"rate_key": "customer", "rate_key_limit": 1},
                                     {"rate_limit": 3, "max_concurrent": 5}],
