@@ -78,13 +78,19 @@ def test_a_start_reported_alone_is_one_row_with_its_jobs_start(make_service):
     assert lines([row]) == [("task", "task running → done"), ("job", "job running → done")]
 
 
-def test_a_dependent_promoted_by_a_finish_reads_after_the_finish(make_service):
-    """The finish's row is written after the promotion it caused, and its id was taken first."""
+@pytest.fixture
+def pair(make_service):
+    """A started job of two steps, ``store`` waiting for ``fetch``."""
     make_service("first")
     make_service("second")
     create_workflow(name="pair", steps=[{"key": "fetch", "service": "first"},
                                         {"key": "store", "service": "second", "depends_on": ["fetch"]}])
-    job = api.start_workflow("pair")
+    return api.start_workflow("pair")
+
+
+def test_a_dependent_promoted_by_a_finish_reads_after_the_finish(pair):
+    """The finish's row is written after the promotion it caused, and its id was taken first."""
+    job = pair
     (fetch,) = claim_for(Service.objects.get(key="first"))
     before = last_event_id()
     run_ok([fetch])
@@ -129,12 +135,8 @@ def test_a_job_end_above_info_raises_its_rows_level_and_keeps_the_tasks_lines_at
     assert unfold(row)[-1].data["continue_failed"] == 1
 
 
-def test_the_job_page_hides_a_folded_running_waiting_move_and_counts_it(make_service):
-    make_service("first")
-    make_service("second")
-    create_workflow(name="pair", steps=[{"key": "fetch", "service": "first"},
-                                        {"key": "store", "service": "second", "depends_on": ["fetch"]}])
-    job = api.start_workflow("pair")
+def test_the_job_page_hides_a_folded_running_waiting_move_and_counts_it(pair):
+    job = pair
     run_ok(claim_for(Service.objects.get(key="first")))
     admin = Client()
     admin.force_login(make_user("fold-root", superuser=True))
