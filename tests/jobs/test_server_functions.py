@@ -132,7 +132,8 @@ def test_a_report_finds_its_tasks_waiting_jobs_without_reading_the_other_waiting
         assert run_ok(tasks).done == [t.id for t in tasks]
         cur.execute(reads)
         read = cur.fetchone()[0] - before
-    assert read <= 20, f"the report read {read} job rows to move 2 jobs"
+    # (The walk read every waiting job, 1,500 twice; by id, a few rows per job moved, as the plan goes.)
+    assert read < 100, f"the report read {read} job rows to move 2 jobs of 1,500 waiting"
 
 
 @pytest.mark.parametrize("limits", [{"concurrency_key": "customer", "concurrency_key_limit": 1},
