@@ -38,7 +38,7 @@ from events.models import Artifact, ArtifactKind, Event, EventType, Level
 from events.timeline import unfold
 from jobs.models import JOB_ACTIVE, TASK_FINAL, TASK_HELD, Attempt, AttemptStatus, Job, JobStatus, Task, TaskStatus
 from jobs.progress import attempt_text, job_progress, job_progress_of, job_progress_subquery, shown_progress
-from jobs.states import job_actions_for, task_actions_for
+from jobs.states import job_actions_for, sql_in, task_actions_for
 from jobs.verbs import self_approval_reason
 from ops.dag import job_dag_svg
 from ops.dashboard import query_int, refresh_seconds, sees_infrastructure
@@ -51,23 +51,23 @@ JOB_PAGE_TASKS, JOB_PAGE_ATTEMPTS, JOB_PAGE_EVENTS, JOB_PAGE_ARTIFACTS = 300, 10
 #: A job's own moves between running and waiting: it is "waiting" whenever none of its tasks is
 #: starting or running, so a one-task step writes a pair around every task. Operators read them as
 #: flapping and act on none of them; the timeline hides them unless asked for every change.
-FLAPPING = Q(task_id__isnull=True, type=EventType.STATUS, data__from__in=["running", "waiting"],
-             data__to__in=["running", "waiting"])
+SETTLING = ("running", "waiting")
+FLAPPING = Q(task_id__isnull=True, type=EventType.STATUS, data__from__in=SETTLING, data__to__in=SETTLING)
 #: The same moves folded into their tasks' rows (jobs.finalize: a report's moves, a row per task), counted;
 #: the page leaves them out line by line (:func:`is_flapping`).
-FOLDED_FLAPPING_SQL = """
+FOLDED_FLAPPING_SQL = f"""
 SELECT count(*) FROM accs_event e
  CROSS JOIN LATERAL jsonb_array_elements(coalesce(e.data->'job_before', '[]') || coalesce(e.data->'job', '[]')) m
  WHERE e.job_id = %s AND e.task_id IS NOT NULL AND e.type = 'status'
-   AND m->>'from' IN ('running', 'waiting') AND m->>'to' IN ('running', 'waiting')
+   AND m->>'from' IN {sql_in(SETTLING)} AND m->>'to' IN {sql_in(SETTLING)}
 """
 
 
 def is_flapping(line: Event) -> bool:
     """Whether a timeline line is the job's own move between running and waiting (see FLAPPING)."""
     data = line.data if isinstance(line.data, dict) else {}
-    return (line.task_id is None and line.type == EventType.STATUS and data.get("from") in ("running", "waiting")
-            and data.get("to") in ("running", "waiting"))
+    return (line.task_id is None and line.type == EventType.STATUS and data.get("from") in SETTLING
+            and data.get("to") in SETTLING)
 
 
 #: Event levels, lowest first (the timeline's own); a level filter keeps that level and those after it.
