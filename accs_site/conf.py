@@ -395,6 +395,19 @@ class AccsSettings:
         return _int("ACC_ORPHAN_GRACE_SEC", 3600, minimum=60)
 
     @cached_property
+    def narrow_starts(self) -> bool:
+        """Write a start that needs nothing decided before it runs as one narrow row, widened into its
+        job when an agent claims it or the builder ages it out (jobs.narrow). Off: every start writes
+        its job, task, step and event rows at once. Turn it on once every agent and builder runs a
+        release that widens narrow starts."""
+        return _bool("ACC_NARROW_STARTS", False)
+
+    @cached_property
+    def narrow_widen_after_sec(self) -> float:
+        """The age at which the builder widens a narrow start no claim has taken."""
+        return _float("ACC_NARROW_WIDEN_AFTER_SEC", 1.0, minimum=0.0)
+
+    @cached_property
     def allow_self_approval(self) -> bool:
         """Let the user who started an approval-gated job approve it too (off: another approver must)."""
         return _bool("ACC_ALLOW_SELF_APPROVAL", False)

@@ -70,8 +70,8 @@ def say(text: str) -> None:
 def reset() -> None:
     with connection.cursor() as cur:
         # (The keyed claim's key rows and held counts too: a TRUNCATE fires no trigger to keep them.)
-        cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event, accs_artifact, accs_limit_key_head,"
-                    " accs_limit_key_held CASCADE")
+        cur.execute("TRUNCATE accs_job, accs_task, accs_attempt, accs_event, accs_artifact, accs_start,"
+                    " accs_limit_key_head, accs_limit_key_held CASCADE")
         cur.execute("DELETE FROM accs_disk_sample"
                     " WHERE node_id LIKE 'bench-%%' OR node_id LIKE 'e2e-%%' OR node_id = 'lat'")
         cur.execute("DELETE FROM accs_host WHERE name LIKE 'fan-h%%'")
@@ -130,8 +130,11 @@ def progress_wait(label: str, total: int, done_sql: str, timeout: float = 600) -
 
 
 def make_tasks(n: int, service: str = "bench-noop") -> None:
+    """Queue ``n`` one-task jobs as tasks (admitted, or widened when they were narrow starts)."""
+    from jobs.narrow import widen_aged
+
     api.start_many([api.JobSpec(service=service, params={"n": i}) for i in range(n)])
-    while transitions.start_due_jobs(limit=5000):
+    while transitions.start_due_jobs(limit=5000) or widen_aged(after_seconds=0, limit=5000):
         pass
 
 

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -133,7 +134,8 @@ def is_folded(event: Event) -> bool:
     """Whether ``event`` is a task's row that folds several moves (its own through ``via``, its job's)."""
     data = event.data
     return (event.task_id is not None and event.type == "status" and isinstance(data, dict)
-            and any(isinstance(data.get(k), list) for k in ("via", "job_before", "job")))
+            and (any(isinstance(data.get(k), list) for k in ("via", "job_before", "job"))
+                 or isinstance(data.get("created"), dict)))
 
 
 def job_move_message(move: dict[str, Any]) -> str:
@@ -152,6 +154,8 @@ def unfold(event: Event) -> list[Event]:
     lines are not saved.
     """
     if is_folded(event):
+        if isinstance(event.data.get("created"), dict):
+            return _unfold_created(event)
         return _unfold_moves(event)
     if not is_creation(event):
         return [event]
@@ -171,6 +175,24 @@ def unfold(event: Event) -> list[Event]:
         lines.append(line(f"task created {to}", creation_level([to]),
                           {"from": "created", "to": to, "task_key": task.get("task_key", "")}, UUID(task["id"])))
     return lines
+
+
+def _unfold_created(event: Event) -> list[Event]:
+    """Return the lines of a claim's row that carries its job's creation (a narrow start, jobs.narrow).
+
+    The creation's lines come first, with the creation's own time and source, as its creation row
+    would have shown them; then the claim's line.
+    """
+    created = dict(event.data["created"])
+    stamp, source = created.pop("ts", None), created.pop("source", None)
+    when = datetime.fromisoformat(stamp) if isinstance(stamp, str) else event.ts
+    origin = Event(id=event.id, ts=when, job_id=event.job_id, task_id=None, attempt=None,
+                   source=source or event.source, level=Level.INFO, type=event.type, message="", data=created)
+    data = {k: v for k, v in event.data.items() if k != "created"}
+    claim = Event(id=event.id, ts=event.ts, job_id=event.job_id, task_id=event.task_id, attempt=event.attempt,
+                  source=event.source, level=event.level, type=event.type,
+                  message=f"task {data.get('from', '')} → {data.get('to', '')}", data=data)
+    return unfold(origin) + unfold(claim)
 
 
 #: What a folded row holds besides its task's moves' own data.

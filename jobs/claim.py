@@ -47,6 +47,7 @@ from django.db import DatabaseError, connection, transaction
 
 from jobs import limit_keys
 from jobs.locks import ADVISORY_LOCKS_SQL, LOCK_WAIT_SQL, TRY_ADVISORY_LOCK_SQL, is_lock_timeout, lock_wait_ms
+from jobs.narrow import CREATIONS_SQL, WIDEN_FUNCTION
 from jobs.notify import service_channel
 from jobs.reports import PROMOTE_DUE_SQL
 from jobs.sql import bind_params, from_json
@@ -258,9 +259,20 @@ WITH RECURSIVE svc AS (
     SELECT id, attempt, %(node)s, %(agent)s, %(pid)s, 'running', {stamp}, '', '', ''
       FROM upd
 ), ev AS (
+    -- One row per task claimed. A task whose job this claim's call made of a narrow start (%(created)s,
+    -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
+    -- written holds it ("created", with its own time and source): one row from start to claim.
     INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
-    SELECT {stamp}, job_id, id, attempt, %(source)s, 'info', 'status',
-           'task queued → starting', jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', %(agent)s::text)
+    SELECT {stamp}, upd.job_id, upd.id, upd.attempt, %(source)s, 'info', 'status',
+           CASE WHEN upd.job_id = ANY(%(created)s::uuid[]) THEN 'job created waiting, task queued → starting'
+                ELSE 'task queued → starting' END,
+           jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', %(agent)s::text)
+           || CASE WHEN upd.job_id = ANY(%(created)s::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
+                  'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
+                  'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                  'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
+                                                                'to', 'queued'))))
+              ELSE '{{}}'::jsonb END
       FROM upd
 ){record_starts}
 SELECT upd.id, upd.job_id, upd.task_key, upd.attempt, upd.params, upd.timeout_seconds, h.name, upd.service_id
@@ -632,7 +644,7 @@ _PLAIN_PARAMS = {
     "rpaths": "v_texts", "rlimits": "v_zeros", "cpaths": "v_texts", "climits": "v_zeros", "periods": "v_zeros",
     "rated": "v_falses", "exclude": "p_exclude", "hosts": "v_hosts", "slots": "v_slots", "cpu": "v_cpu",
     "agent": "p_agent", "node": "p_node", "leases": "v_leases", "lease": "p_lease", "pid": "p_pid",
-    "source": "p_source",
+    "source": "p_source", "created": "v_created",
 }
 
 # Whether the service {svc} has a task queued that this node could take: one bound to no host, or
@@ -668,6 +680,23 @@ _NODE_ROOM = """        v_stamp := coalesce(p_now, clock_timestamp());
         v_slots := least(p_free,
                          CASE WHEN v_hosts_all > 0 THEN least(p_slot_cap, v_hosts_ok) ELSE p_slot_cap END - v_held);
         v_cpu := p_cpu_budget - v_held_cpu;"""
+
+
+# Both claim functions, first thing after the promotion: narrow starts (jobs.narrow) at the head of
+# the services' queues become their jobs and tasks now, each tenant's first as many as this claim
+# could take, so the claim takes narrow and wide work in the one global order. Starts another
+# claimer is widening are passed over.
+_WIDEN_HEADS = f"""    IF p_free > 0 THEN
+        PERFORM {WIDEN_FUNCTION}(NULL, p_svc_ids, p_free, NULL, NULL, true);
+    END IF;
+"""
+# The plain claim function's: the starts' creation rows are not written as they are widened; the
+# claim's row of each task it takes carries its job's creation (one row from start to claim), and
+# the starts it widened but did not take get their creation rows once it is done.
+_WIDEN_HEADS_FOLDED = f"""    IF p_free > 0 THEN
+        v_created := {WIDEN_FUNCTION}(NULL, p_svc_ids, p_free, NULL, NULL, false);
+    END IF;
+"""
 
 
 def _bind(statement: str, names: Mapping[str, str]) -> str:
@@ -739,6 +768,7 @@ AS $claim$
 DECLARE
     v_stamp timestamptz;
     v_promoted bigint[];
+    v_created uuid[] := '{{}}';  -- jobs this call made of narrow starts whose creation the claim's rows carry
     v_limited bigint[];
     v_capped bigint[];
     v_caps int[];
@@ -766,7 +796,7 @@ BEGIN
         PERFORM pg_notify(c.ch, '') FROM (SELECT DISTINCT x.ch FROM unnest(p_channels, p_svc_ids) AS x(ch, sid)
                                           WHERE x.sid = ANY(v_promoted) ORDER BY 1) c;
     END IF;
-    -- The services as the database holds them now: one with a rate or per-key limit is not claimed
+{_WIDEN_HEADS_FOLDED}    -- The services as the database holds them now: one with a rate or per-key limit is not claimed
     -- here; a capped one is, under its lock, with the cap read now.
     SELECT coalesce(array_agg(s.id), '{{}}') INTO v_limited FROM accs_service s
      WHERE s.id = ANY(p_svc_ids) AND (s.rate_limit > 0 OR s.rate_key_limit > 0 OR s.concurrency_key_limit > 0);
@@ -850,6 +880,10 @@ BEGIN
             END IF;
         END IF;
     END claiming;
+    -- The starts this call widened but did not take: their creation rows (jobs.narrow).
+    IF cardinality(v_created) > 0 THEN
+{textwrap.indent(CREATIONS_SQL.format(jobs="v_created").strip(), "        ")};
+    END IF;
     -- The services left out for the caller to handle, each as a row without a task: those with a
     -- rate or per-key limit ('limited': the general path claims them) and the capped ones whose lock
     -- was busy ('busy': claim them again soon).
@@ -976,6 +1010,7 @@ AS $claim$
 DECLARE
     v_stamp timestamptz;
     v_promoted bigint[];
+    v_created uuid[] := '{{}}';  -- jobs this call made of narrow starts whose creation the claim's rows carry
     v_pass int;
     v_hosts_all int;
     v_hosts_ok int;
@@ -1006,7 +1041,7 @@ BEGIN
         PERFORM pg_notify(c.ch, '') FROM (SELECT DISTINCT x.ch FROM unnest(p_channels, p_svc_ids) AS x(ch, sid)
                                           WHERE x.sid = ANY(v_promoted) ORDER BY 1) c;
     END IF;
-    -- Pass 1, without any lock, only when a service has a fleet-wide cap or a service-wide rate: a
+{_WIDEN_HEADS}    -- Pass 1, without any lock, only when a service has a fleet-wide cap or a service-wide rate: a
     -- limit full now stays full for this claim (claims only fill it; a finish or the passing window
     -- frees room for the next claim), so a claimer that finds no room does not queue behind all the
     -- others for the lock, and the services without room are left out of it. (Whether a key has
@@ -1066,6 +1101,8 @@ def claim_statement(rooms: Sequence[tuple[ServiceSpec, int]], *,
         "periods": [s.rate_period for s in specs], "rated": [s.rated for s in specs],
         # Services with a lease of their own (service id -> seconds); the others get the claimer's.
         "leases": json.dumps({s.id: float(s.lease_seconds) for s in specs if s.lease_seconds}),
+        # Jobs the call made of narrow starts (their creation rides on the claim's row): none here.
+        "created": [],
     }
 
 

@@ -367,12 +367,14 @@ JOB_FIELDS: dict[str, str] = {
 }
 
 
-def insert_job_sql(read: Callable[[str], str], **fixed: str) -> str:
+def insert_job_sql(read: Callable[[str], str], *, order_seq: str | None = None, **fixed: str) -> str:
     """Return ``INSERT INTO accs_job (<every column>) SELECT <their values>`` for one insert path.
 
     ``read(name)`` says how the path reads a field of the row (``r.tenant``, ``%(tenant)s::uuid``);
     ``fixed`` gives a column SQL of the path's own instead (the one-statement start writes its job
-    already ``waiting``, with its first task named).
+    already ``waiting``, with its first task named). ``order_seq``: the job's place in the global
+    order, when the path took it already (a widened narrow start); otherwise the column's default
+    draws it.
     """
     unknown = sorted(set(fixed) - {column for column, _ in JOB_COLUMNS})
     if unknown:
@@ -380,6 +382,8 @@ def insert_job_sql(read: Callable[[str], str], **fixed: str) -> str:
     fields = {name: read(name) for name in JOB_FIELDS}
     columns = ", ".join(column for column, _ in JOB_COLUMNS)
     values = ", ".join(fixed.get(column, value.format(**fields)) for column, value in JOB_COLUMNS)
+    if order_seq is not None:
+        columns, values = f"{columns}, order_seq", f"{values}, {order_seq}"
     return f"{_wrap(f'INSERT INTO accs_job ({columns})', 22)}\n{_wrap(f'SELECT {values}', 7)}"
 
 
@@ -569,19 +573,70 @@ START_CALL_SQL = (f"SELECT * FROM {START_FUNCTION}("
                   + ", ".join(f"%({name})s::{kind}" for name, kind in START_ARGS.items()) + ")")
 
 
+def _statement_function_sql(name: str, statement: str, args: dict[str, str], returns: str) -> str:
+    """Return the CREATE FUNCTION statement of a start ``statement`` whose parameters are ``args``."""
+    body = bind_params(statement, {arg: f"p_{arg}" for arg in args}).strip()
+    # Each "name type" kept on one line (no-break spaces while the lines are filled).
+    listed = ", ".join(f"p_{arg}\u00a0{kind}" for arg, kind in args.items())
+    listed = textwrap.fill(listed, 116, initial_indent="    ", subsequent_indent="    ").replace("\u00a0", " ")
+    return query_function_sql(name, f"\n{listed}", returns, body, volatility="VOLATILE", tag="start")
+
+
 def start_function_sql() -> str:
     """Return the CREATE FUNCTION statement of :data:`START_FUNCTION`, built from START_NOW_SQL.
 
     A migration holds a copy; a test compares the database's function with this text.
     """
-    body = bind_params(START_NOW_SQL, {name: f"p_{name}" for name in START_ARGS}).strip()
-    # Each "name type" kept on one line (no-break spaces while the lines are filled).
-    args = ", ".join(f"p_{name}\u00a0{kind}" for name, kind in START_ARGS.items())
-    args = textwrap.fill(args, 116, initial_indent="    ", subsequent_indent="    ").replace("\u00a0", " ")
-    return query_function_sql(
-        START_FUNCTION, f"\n{args}",
-        "TABLE (id uuid, order_seq bigint, created_at timestamptz, scheduled_at timestamptz, notified bigint)",
-        body, volatility="VOLATILE", tag="start")
+    return _statement_function_sql(
+        START_FUNCTION, START_NOW_SQL, START_ARGS,
+        "TABLE (id uuid, order_seq bigint, created_at timestamptz, scheduled_at timestamptz, notified bigint)")
+
+
+# A start on the narrow path (jobs.narrow): one row of accs_start and the agents' wake-up, nothing
+# else. The row takes its place in the global order (order_seq) and its creation time now, as a
+# job row would; widening gives both to the job, task and event it becomes.
+NARROW_START_SQL = """
+WITH s AS (
+    INSERT INTO accs_start (id, task_id, tenant_id, service_id, priority, job_priority, params, source, source_ref,
+                            correlation_id, created_by_id, created_at)
+    VALUES (%(id)s, %(task_id)s, %(tenant)s, %(svc)s, %(priority)s, %(job_priority)s, %(params)s, %(src)s,
+            %(sref)s, %(corr)s, %(cby)s, now())
+    RETURNING order_seq, created_at
+), n AS (
+    SELECT pg_notify(c, '') FROM unnest(%(channels)s::text[]) AS c
+)
+SELECT s.order_seq, s.created_at, (SELECT count(*) FROM n) FROM s
+"""
+NARROW_START_FUNCTION = "accs_start_narrow"
+NARROW_START_ARGS: dict[str, str] = {
+    "id": "uuid", "task_id": "uuid", "tenant": "uuid", "svc": "bigint", "priority": "int", "job_priority": "int",
+    "params": "jsonb", "src": "text", "sref": "text", "corr": "text", "cby": "int", "channels": "text[]",
+}
+NARROW_START_CALL_SQL = (f"SELECT * FROM {NARROW_START_FUNCTION}("
+                         + ", ".join(f"%({name})s::{kind}" for name, kind in NARROW_START_ARGS.items()) + ")")
+
+
+# Many narrow starts in one statement (start_many): one JSON document carries the rows, each takes its
+# place in the global order in the order given.
+INSERT_NARROW_SQL = """
+WITH s AS (
+    INSERT INTO accs_start (id, task_id, tenant_id, service_id, priority, job_priority, params, source, source_ref,
+                            correlation_id, created_by_id, created_at)
+    SELECT r.id, r.task_id, r.tenant, r.svc, r.priority, r.job_priority, r.params, r.src, r.sref, r.corr, r.cby, now()
+      FROM ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb) AS (
+           id uuid, task_id uuid, tenant uuid, svc bigint, priority int, job_priority int, params jsonb, src text,
+           sref text, corr text, cby int)) WITH ORDINALITY AS r
+     ORDER BY r.ordinality
+    RETURNING 1
+)
+SELECT count(*) FROM s
+"""
+
+
+def narrow_start_function_sql() -> str:
+    """Return the CREATE FUNCTION statement of :data:`NARROW_START_FUNCTION`, built from NARROW_START_SQL."""
+    return _statement_function_sql(NARROW_START_FUNCTION, NARROW_START_SQL, NARROW_START_ARGS,
+                                   "TABLE (order_seq bigint, created_at timestamptz, notified bigint)")
 
 
 def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channels: Sequence[str],
@@ -608,6 +663,63 @@ def insert_and_start(*, job: dict[str, Any], tasks: list[dict[str, Any]], channe
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cur:
         cur.execute(START_CALL_SQL, params)
         return cur.fetchone()
+
+
+def _is_narrow(plan: _Plan) -> bool:
+    """Whether the start needs nothing decided before it runs, so it may be one narrow row (jobs.narrow).
+
+    A one-task service job, due now (no scheduled time given), with no idempotency key, approval,
+    options or tenant cap, of an active service without a rate or per-key limit (those are claimed
+    by the keyed path, which does not widen), on a site that turned narrow starts on.
+    """
+    spec, service = plan.spec, plan.service
+    return (accs.narrow_starts and service is not None and service.is_active
+            and spec.external_id is None and spec.dedupe_key is None and spec.scheduled_at is None
+            and not spec.options and plan.approval != ApprovalState.PENDING and not plan.tenant.max_in_flight
+            and not (service.rate_limit or service.rate_key_limit or service.concurrency_key_limit))
+
+
+def _narrow_row(plan: _Plan, *, for_json: bool) -> dict[str, Any]:
+    """Return the start row of a narrow start (the arguments of :data:`NARROW_START_SQL`), drawing its ids.
+
+    ``for_json``: for the batch insert's JSON document (ids as hex, params as objects).
+    """
+    spec, service = plan.spec, plan.service
+    assert service is not None
+    plan.job_id, task_id = uuid7(), uuid7()
+    params = plan.step_params[service.key]
+    ids = (plan.job_id.hex, task_id.hex, plan.tenant.id.hex) if for_json else (plan.job_id, task_id, plan.tenant.id)
+    return {"id": ids[0], "task_id": ids[1], "tenant": ids[2], "svc": service.id,
+            "priority": plan.priority + service.base_priority, "job_priority": plan.priority,
+            "params": params if for_json else params_json(params), "src": str(spec.source),
+            "sref": spec.source_ref, "corr": spec.correlation_id,
+            "cby": getattr(spec.created_by, "pk", spec.created_by)}
+
+
+def _start_narrow(plan: _Plan) -> Job:
+    """Start a job on the narrow path: one row of accs_start, in the caller's transaction."""
+    spec, service = plan.spec, plan.service
+    assert service is not None
+    call = _narrow_row(plan, for_json=False)
+    call["channels"] = not_yet_notified([service_channel(service.key)])
+    jid, cby = plan.job_id, call["cby"]
+    connection.ensure_connection()
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cur:
+        cur.execute(NARROW_START_CALL_SQL, call)
+        row = cur.fetchone()
+    assert row is not None, "the narrow start's insert answers its row"
+    order_seq, created_at = row[:2]
+    values = {
+        "id": jid, "tenant_id": plan.tenant.id, "workflow_id": None, "service_id": service.id,
+        "status": JobStatus.WAITING, "progress": 0.0, "current_task_key": service.key, "priority": plan.priority,
+        "order_seq": order_seq, "options": {}, "step_params": plan.step_params, "scheduled_at": created_at,
+        "error_code": "", "error_message": "", "source": spec.source, "source_ref": spec.source_ref,
+        "external_id": None, "dedupe_key": None, "correlation_id": spec.correlation_id,
+        "approval_state": ApprovalState.NOT_REQUIRED, "approved_by": "", "approved_at": None, "created_by_id": cby,
+        "created_at": created_at, "started_at": created_at, "finished_at": None, "updated_at": created_at,
+        "approval_barred": None,
+    }
+    return _built_job(plan, values)
 
 
 @functools.cache
@@ -656,8 +768,15 @@ def _start_now(plan: _Plan) -> Job | None:
         "approved_at": None, "created_by_id": fields["cby"], "created_at": created_at, "started_at": created_at,
         "finished_at": None, "updated_at": created_at, "approval_barred": fields["barred"],
     }
-    # Built as a row read from the database is (positional values, no keyword or relation handling:
-    # half the cost of the keyword constructor), with its tenant, workflow and service attached.
+    return _built_job(plan, values)
+
+
+def _built_job(plan: _Plan, values: dict[str, Any]) -> Job:
+    """Return the new job as the start wrote it, read from nothing.
+
+    Built as a row read from the database is (positional values, no keyword or relation handling:
+    half the cost of the keyword constructor), with its tenant, workflow and service attached.
+    """
     job = Job.from_db("default", _job_attnames(), [values[name] for name in _job_attnames()])
     job._state.fields_cache.update(tenant=plan.tenant, workflow=plan.workflow, service=plan.service)
     job.was_created = True
@@ -679,6 +798,8 @@ def start(spec: JobSpec) -> Job:
     """Start one job (see :func:`jobs.api.start_workflow`); ``job.was_created`` tells a new job from a repeat."""
     now = timezone.now()
     plan = _plan(spec, _Validators(), {})
+    if _is_narrow(plan):
+        return _start_narrow(plan)
     if spec.scheduled_at is None and _runs_now(plan, now):
         # Due now by PostgreSQL's clock (no scheduled time given). One statement, atomic on its own:
         # no savepoint or transaction of ours is needed.
@@ -720,6 +841,8 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     validators = _Validators()
     services: dict[str, Service] = {}
     plans = [_plan(s, validators, services) for s in specs]
+    if plans and all(_is_narrow(plan) for plan in plans):
+        return _start_many_narrow(plans, batch_size=batch_size)
     out: list[UUID] = []
     # A savepoint (one per call, not per job): on JobConflict nothing of this call remains and the
     # caller's own transaction stays usable, as with start().
@@ -746,3 +869,14 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
         with connection.cursor() as cur:
             notify(cur, [builder_channel()])
     return out
+
+
+def _start_many_narrow(plans: Sequence[_Plan], *, batch_size: int) -> list[UUID]:
+    """Start jobs that may all be narrow as narrow starts, in batches (in the caller's transaction)."""
+    keys = {plan.service.key for plan in plans if plan.service is not None}
+    with transaction.atomic(), connection.cursor() as cur:
+        for start_at in range(0, len(plans), batch_size):
+            rows = [_narrow_row(plan, for_json=True) for plan in plans[start_at:start_at + batch_size]]
+            cur.execute(INSERT_NARROW_SQL, {"rows": json.dumps(rows)})
+        notify(cur, [service_channel(key) for key in keys])
+    return [plan.job_id for plan in plans]

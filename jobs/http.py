@@ -37,6 +37,7 @@ from jobs.models import (
     Trigger,
     TriggerType,
 )
+from jobs.narrow import widen
 from tenants.models import Tenant
 from tenants.scoping import can_act, scope, tenant_ids_for
 from workflows.validation import DefinitionError, Problem
@@ -351,7 +352,11 @@ def _trigger_out(trigger: Trigger) -> dict[str, Any]:
 
 
 def _visible_job(request: HttpRequest, job_id: UUID, *, write: bool = False) -> Job:
-    """Return a job the caller may see (and, with ``write``, act on); another tenant's job is 404."""
+    """Return a job the caller may see (and, with ``write``, act on); another tenant's job is 404.
+
+    A narrow start (jobs.narrow) becomes its job first, so a job just started reads as queued.
+    """
+    widen([job_id])
     job = scope(Job.objects.select_related(*JOB_RELATED), request.auth).filter(pk=job_id).first()
     if job is None:
         raise api.NotFound(f"no job {job_id}")

@@ -42,6 +42,8 @@ from uuid import UUID
 
 import psycopg
 
+from jobs.narrow import WIDEN_IDS_SQL
+
 # The held-count rows of the keys of the held tasks among the uuid array {ids}, locked in (service, key)
 # order: the order the count triggers (jobs.limit_keys) take them in. The report function takes the
 # same text.
@@ -99,10 +101,15 @@ def advisory_locks(cur, keys: Iterable[str]) -> None:
 
 
 def lock_jobs(cur, job_ids: Iterable[UUID | str]) -> list[UUID]:
-    """Lock job rows sorted by id; return the ids that exist."""
+    """Lock job rows sorted by id; return the ids that exist.
+
+    A narrow start among the ids (jobs.narrow) becomes its job first, so a verb acts on a job just
+    started as on any queued job.
+    """
     ids = sorted({str(j) for j in job_ids})
     if not ids:
         return []
+    cur.execute(WIDEN_IDS_SQL, {"ids": ids})
     cur.execute("SELECT id FROM accs_job WHERE id = ANY(%s::uuid[]) ORDER BY id FOR NO KEY UPDATE", [ids])
     return [r[0] for r in cur.fetchall()]
 

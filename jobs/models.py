@@ -371,6 +371,44 @@ class Task(models.Model):
         return f"{self.task_key} ({self.status})"
 
 
+class Start(models.Model):
+    """A job started on the narrow path and not yet widened (:mod:`jobs.narrow`).
+
+    One row, written by one statement, for a one-task service job that needs nothing decided before
+    it runs (no idempotency key, approval, schedule, cap or options). The row holds what its job,
+    task, step and creation event are made of. It lives until a claim takes it or the builder ages
+    it out: either deletes it and writes those rows in the same transaction, with the ids and the
+    place in the global order the start was given here. Reads by id widen it first.
+    """
+
+    id = models.UUIDField(primary_key=True, editable=False, help_text="The job's id.")
+    task_id = models.UUIDField(editable=False, help_text="The id its one task gets.")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+", db_index=False)
+    service = models.ForeignKey("workflows.Service", on_delete=models.PROTECT, related_name="+", db_index=False)
+    priority = models.IntegerField(help_text="The task's: the job's priority plus the service's base priority.")
+    job_priority = models.IntegerField()
+    order_seq = models.BigIntegerField(
+        db_default=Func(Value(JOB_ORDER_SEQUENCE), function="nextval", output_field=models.BigIntegerField()),
+        editable=False, help_text="The job's place in the global order, taken when it started.")
+    params = models.JSONField(default=dict)
+    source = models.CharField(max_length=20)
+    source_ref = models.CharField(max_length=200, blank=True, default="")
+    correlation_id = models.CharField(max_length=200, blank=True, default="")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
+                                   related_name="+", db_index=False)
+    created_at = models.DateTimeField(db_default=Func(function="now"), editable=False)
+
+    class Meta:
+        db_table = "accs_start"
+        indexes = [
+            # The claim's widening: each service's and tenant's starts in the global order.
+            models.Index("service", "tenant", F("priority").desc(), "order_seq", "id", name="start_claim_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"start {self.id}"
+
+
 class JobStep(models.Model):
     """How many tasks of one step of a job ended in each final state.
 

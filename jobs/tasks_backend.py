@@ -80,6 +80,7 @@ except ImportError:
 from jobs import api
 from jobs.definitions import TTL as DEFINITIONS_TTL
 from jobs.models import Attempt, AttemptStatus, Job, JobSource, JobStatus, Task as TaskRow, TaskStatus
+from jobs.narrow import widen
 from workflows.code import ServiceDef, takes_inputs, task_origin
 from workflows.models import Service
 from workflows.validation import TASKS_ADAPTER
@@ -545,6 +546,7 @@ def _task_job(result_id: str) -> Job:
         job_id = UUID(str(result_id))
     except ValueError:
         raise TaskResultDoesNotExist(result_id) from None
+    widen([job_id])  # a task just enqueued on the narrow path (jobs.narrow) reads as its queued job
     job = (Job.objects.select_related("service")
            .filter(pk=job_id, service__executor_config__callable=ADAPTER).first())
     if job is None:

@@ -57,7 +57,8 @@ def _bucket_sql(value: str, bounds: tuple[float, ...], prefix: str) -> str:
 FOLD_SQL = f"""
 -- Classify new timeline rows by their structured data (not their message text), then label each
 -- with its service (task events) or tenant (job events). A task's row that folds its job's moves in
--- (jobs.finalize: "job_before", "job") counts each of them as the job's own row would.
+-- (jobs.finalize: "job_before", "job"; a claim's row, its job's creation from a narrow start:
+-- "created") counts each of them as the job's own row would.
 WITH e AS (
     SELECT e.id, e.ts, m.task_id, e.job_id, m.attempt, e.type,
            CASE
@@ -81,6 +82,8 @@ WITH e AS (
          SELECT NULL, NULL, j.move
            FROM jsonb_array_elements(CASE WHEN e.task_id IS NOT NULL AND e.type = 'status'
                                           THEN coalesce(e.data->'job_before', '[]') || coalesce(e.data->'job', '[]')
+                                               || CASE WHEN e.data ? 'created' THEN jsonb_build_array(e.data->'created')
+                                                       ELSE '[]' END
                                           ELSE '[]' END) AS j(move)
      ) m
      WHERE e.id > %(lo)s AND e.id <= %(hi)s

@@ -13,7 +13,18 @@ starves the others: the builder runs every due duty every tick, each within its 
 
 from __future__ import annotations
 
-from jobs.duties import archive, attempt_rollup, cron, governor, partitions, prune, rate_window, rescue, scheduled
+from jobs.duties import (
+    archive,
+    attempt_rollup,
+    cron,
+    governor,
+    narrow,
+    partitions,
+    prune,
+    rate_window,
+    rescue,
+    scheduled,
+)
 from jobs.duties.base import Duty, register_duties, registered_duties
 
 __all__ = ["Duty", "all_duties", "register_duties", "registered_duties"]
@@ -21,5 +32,6 @@ __all__ = ["Duty", "all_duties", "register_duties", "registered_duties"]
 
 def all_duties(*, batch: int) -> list[Duty]:
     """Return the leader's duties, in the order they run each tick: rescue first, the apps' own last."""
-    return [rescue.duty(batch=batch), scheduled.duty(batch=batch), cron.duty(), governor.duty(), partitions.duty(),
-            archive.duty(), rate_window.duty(), attempt_rollup.duty(), *prune.duties(), *registered_duties()]
+    return [rescue.duty(batch=batch), scheduled.duty(batch=batch), narrow.duty(batch=batch), cron.duty(),
+            governor.duty(), partitions.duty(), archive.duty(), rate_window.duty(), attempt_rollup.duty(),
+            *prune.duties(), *registered_duties()]

@@ -26,10 +26,11 @@ from jobs.claim import (
     plain_claim_function_sql,
     service_spec,
 )
-from jobs.enqueue import START_FUNCTION, start_function_sql
+from jobs.enqueue import NARROW_START_FUNCTION, START_FUNCTION, narrow_start_function_sql, start_function_sql
 from jobs.finalize import FINALIZE_FUNCTION, finalize_function_sql
 from jobs.inputs import JSONPATH_FUNCTION, STEP_INPUTS_FUNCTION, jsonpath_function_sql, step_inputs_function_sql
 from jobs.models import Task
+from jobs.narrow import WIDEN_FUNCTION, widen_function_sql
 from jobs.reports import REPORT_FUNCTION, report_function_sql
 from tests.engine_helpers import NODE, claim_for, run_ok
 from workflows.api import create_workflow
@@ -51,7 +52,9 @@ def _body(create_sql: str) -> str:
                                              (REPORT_FUNCTION, report_function_sql),
                                              (STEP_INPUTS_FUNCTION, step_inputs_function_sql),
                                              (JSONPATH_FUNCTION, jsonpath_function_sql),
-                                             (START_FUNCTION, start_function_sql)])
+                                             (START_FUNCTION, start_function_sql),
+                                             (NARROW_START_FUNCTION, narrow_start_function_sql),
+                                             (WIDEN_FUNCTION, widen_function_sql)])
 def test_the_database_function_runs_the_statements_the_code_holds_now(name, build):
     """A change to a statement the function copies needs a migration that replaces the function."""
     with connection.cursor() as cur:
@@ -66,7 +69,8 @@ def test_the_database_function_runs_the_statements_the_code_holds_now(name, buil
 
 
 @pytest.mark.parametrize("build", [plain_claim_function_sql, keyed_claim_function_sql, finalize_function_sql,
-                                   report_function_sql, step_inputs_function_sql, start_function_sql])
+                                   report_function_sql, step_inputs_function_sql, start_function_sql,
+                                   narrow_start_function_sql, widen_function_sql])
 def test_the_functions_plan_once_and_never_compile(build):
     """Generic plans (planned once per connection) whose estimated cost grows with the backlog: with
     JIT on, a claim with 100k tasks queued compiled its expressions at every call (1.4 s instead of 3 ms)."""

@@ -111,10 +111,20 @@ def test_gauges_show_queue_depth_dead_letters_nodes_and_conditions(client, make_
 
 
 @pytest.mark.django_db
-def test_counters_and_histograms_come_from_the_timeline(client, make_service, default_tenant, fresh_collector):
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide starts", "narrow starts"])
+def test_counters_and_histograms_come_from_the_timeline(client, make_service, default_tenant, fresh_collector,
+                                                         monkeypatch, narrow):
+    """The same counts whether each job's creation has a row of its own or rides on its claim's row
+    (a narrow start widened by the claim that takes it, jobs.narrow)."""
     svc = make_service("work", max_attempts=2, backoff_base_seconds=0, backoff_cap_seconds=0)
-    for _ in range(4):
-        api.start_service("work")
+    monkeypatch.setenv("ACC_NARROW_STARTS", "1" if narrow else "0")
+    conf.reload()
+    try:
+        for _ in range(4):
+            api.start_service("work")
+    finally:
+        monkeypatch.delenv("ACC_NARROW_STARTS")
+        conf.reload()
     batch = claim_for(svc, n=4)
     run_ok(batch[:3])
     run_fail(batch[3:])  # retried
