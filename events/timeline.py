@@ -180,14 +180,18 @@ def unfold(event: Event) -> list[Event]:
 def _unfold_created(event: Event) -> list[Event]:
     """Return the lines of a claim's row that carries its job's creation (a narrow start, jobs.narrow).
 
-    The creation's lines come first, with the creation's own time and source, as its creation row
-    would have shown them; then the claim's line.
+    ``data.created`` holds the creation's time, source and the task's key. The creation's lines come
+    first, at that time and from that source, as the job's creation row would have shown them; then
+    the claim's line.
     """
-    created = dict(event.data["created"])
-    stamp, source = created.pop("ts", None), created.pop("source", None)
+    created = event.data["created"]
+    stamp = created.get("ts")
     when = datetime.fromisoformat(stamp) if isinstance(stamp, str) else event.ts
+    # What the creation row of a one-task job, due now and needing no approval, holds (jobs.narrow).
+    task = {"id": str(event.task_id), "task_key": created.get("task_key", ""), "to": "queued"}
     origin = Event(id=event.id, ts=when, job_id=event.job_id, task_id=None, attempt=None,
-                   source=source or event.source, level=Level.INFO, type=event.type, message="", data=created)
+                   source=created.get("source") or event.source, level=Level.INFO, type=event.type, message="",
+                   data={"from": CREATED, "to": "waiting", "approval": "not_required", "tasks": [task]})
     data = {k: v for k, v in event.data.items() if k != "created"}
     claim = Event(id=event.id, ts=event.ts, job_id=event.job_id, task_id=event.task_id, attempt=event.attempt,
                   source=event.source, level=event.level, type=event.type,

@@ -260,18 +260,17 @@ WITH RECURSIVE svc AS (
       FROM upd
 ), ev AS (
     -- One row per task claimed. A task whose job this claim's call made of a narrow start (%(created)s,
-    -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-    -- written holds it ("created", with its own time and source): one row from start to claim.
+    -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+    -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+    -- start to claim.
     INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
     SELECT {stamp}, upd.job_id, upd.id, upd.attempt, %(source)s, 'info', 'status',
            CASE WHEN upd.job_id = ANY(%(created)s::uuid[]) THEN 'job created waiting, task queued → starting'
                 ELSE 'task queued → starting' END,
            jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', %(agent)s::text)
            || CASE WHEN upd.job_id = ANY(%(created)s::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                  'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                  'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                  'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                'to', 'queued'))))
+                  'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                  'task_key', upd.task_key))
               ELSE '{{}}'::jsonb END
       FROM upd
 ){record_starts}

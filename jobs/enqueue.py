@@ -41,7 +41,7 @@ from accs_site.conf import accs
 from events.timeline import CREATED, created_tasks, creation_level, creation_message
 from jobs.admission import read_hosts, start_jobs
 from jobs.definitions import definitions
-from jobs.ids import uuid7
+from jobs.ids import uuid7, uuid7_many
 from jobs.instantiate import (
     InstantiationError,
     JobRow,
@@ -180,6 +180,16 @@ class _Validators:
         if cache_key not in self._resolved:
             self._resolved[cache_key] = resolve(key, *args)
         return self._resolved[cache_key]
+
+    def accepts(self, service: Service, params: dict[str, Any]) -> bool:
+        """Whether the service's schema accepts ``params`` (False also when it cannot be applied)."""
+        try:
+            fast = self._fast.get(service.id)
+            if fast is None:
+                fast = self._fast[service.id] = _compiled(service)
+            return bool(fast.is_valid(params))
+        except (Unresolvable, RecursionError, LookupError, ValueError, TypeError):
+            return False
 
     def errors(self, service: Service, params: dict[str, Any]) -> list[str]:
         try:
@@ -679,28 +689,22 @@ def _is_narrow(plan: _Plan) -> bool:
             and not (service.rate_limit or service.rate_key_limit or service.concurrency_key_limit))
 
 
-def _narrow_row(plan: _Plan, *, for_json: bool) -> dict[str, Any]:
-    """Return the start row of a narrow start (the arguments of :data:`NARROW_START_SQL`), drawing its ids.
-
-    ``for_json``: for the batch insert's JSON document (ids as hex, params as objects).
-    """
+def _narrow_row(plan: _Plan) -> dict[str, Any]:
+    """Return the start row of a narrow start (the arguments of :data:`NARROW_START_SQL`), drawing its ids."""
     spec, service = plan.spec, plan.service
     assert service is not None
-    plan.job_id, task_id = uuid7(), uuid7()
-    params = plan.step_params[service.key]
-    ids = (plan.job_id.hex, task_id.hex, plan.tenant.id.hex) if for_json else (plan.job_id, task_id, plan.tenant.id)
-    return {"id": ids[0], "task_id": ids[1], "tenant": ids[2], "svc": service.id,
+    plan.job_id, task_id = uuid7_many(2)
+    return {"id": plan.job_id, "task_id": task_id, "tenant": plan.tenant.id, "svc": service.id,
             "priority": plan.priority + service.base_priority, "job_priority": plan.priority,
-            "params": params if for_json else params_json(params), "src": str(spec.source),
-            "sref": spec.source_ref, "corr": spec.correlation_id,
-            "cby": getattr(spec.created_by, "pk", spec.created_by)}
+            "params": params_json(plan.step_params[service.key]), "src": str(spec.source), "sref": spec.source_ref,
+            "corr": spec.correlation_id, "cby": getattr(spec.created_by, "pk", spec.created_by)}
 
 
 def _start_narrow(plan: _Plan) -> Job:
     """Start a job on the narrow path: one row of accs_start, in the caller's transaction."""
     spec, service = plan.spec, plan.service
     assert service is not None
-    call = _narrow_row(plan, for_json=False)
+    call = _narrow_row(plan)
     call["channels"] = not_yet_notified([service_channel(service.key)])
     jid, cby = plan.job_id, call["cby"]
     connection.ensure_connection()
@@ -839,10 +843,12 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     is invalid (then nothing is written).
     """
     validators = _Validators()
+    specs = list(specs)
+    narrow = _narrow_rows(specs, validators) if accs.narrow_starts and specs else None
+    if narrow is not None:
+        return _start_many_narrow(*narrow, batch_size=batch_size)
     services: dict[str, Service] = {}
     plans = [_plan(s, validators, services) for s in specs]
-    if plans and all(_is_narrow(plan) for plan in plans):
-        return _start_many_narrow(plans, batch_size=batch_size)
     out: list[UUID] = []
     # A savepoint (one per call, not per job): on JobConflict nothing of this call remains and the
     # caller's own transaction stays usable, as with start().
@@ -871,12 +877,61 @@ def start_many(specs: Iterable[JobSpec], *, batch_size: int = 5000) -> list[UUID
     return out
 
 
-def _start_many_narrow(plans: Sequence[_Plan], *, batch_size: int) -> list[UUID]:
-    """Start jobs that may all be narrow as narrow starts, in batches (in the caller's transaction)."""
-    keys = {plan.service.key for plan in plans if plan.service is not None}
+def _start_many_narrow(rows: list[str], jobs: list[UUID], keys: set[str], *, batch_size: int) -> list[UUID]:
+    """Write a bulk start's narrow starts (:func:`_narrow_rows`), a statement a batch, in the caller's transaction."""
     with transaction.atomic(), connection.cursor() as cur:
-        for start_at in range(0, len(plans), batch_size):
-            rows = [_narrow_row(plan, for_json=True) for plan in plans[start_at:start_at + batch_size]]
-            cur.execute(INSERT_NARROW_SQL, {"rows": json.dumps(rows)})
+        for start_at in range(0, len(rows), batch_size):
+            cur.execute(INSERT_NARROW_SQL, {"rows": "[" + ",".join(rows[start_at:start_at + batch_size]) + "]"})
         notify(cur, [service_channel(key) for key in keys])
-    return [plan.job_id for plan in plans]
+    return jobs
+
+
+def _narrow_rows(specs: Sequence[JobSpec], validators: _Validators) -> tuple[list[str], list[UUID], set[str]] | None:
+    """Return ``specs`` as narrow starts (each one's row as JSON, the job ids, the services' keys), or None.
+
+    The bulk start's fast lane: each spec must be a one-task service job with nothing but params,
+    priority, tenant, correlation and source, that passes every check :func:`_plan` makes of such a
+    spec (params an object within ``ACC_MAX_PARAMS_BYTES`` that its service's schema accepts, a
+    priority in range, known source, short references). Each check here only accepts: None sends
+    the whole call through :func:`_plan`, which names whatever is wrong. Each params is encoded once,
+    into the batch's document.
+    """
+    limit = accs.max_params_bytes
+    ids = uuid7_many(2 * len(specs))
+    parts: list[str] = []
+    jobs: list[UUID] = []
+    keys: set[str] = set()
+    for n, spec in enumerate(specs):
+        if (spec.workflow is not None or spec.service is None or spec.step_params or spec.options
+                or spec.external_id is not None or spec.dedupe_key is not None or spec.scheduled_at is not None
+                or spec.source not in SOURCES or type(spec.priority) is not int or not -INT32 <= spec.priority <= INT32
+                or type(spec.source_ref) is not str or len(spec.source_ref) > 200
+                or type(spec.correlation_id) is not str or len(spec.correlation_id) > 200
+                or not (spec.params is None or type(spec.params) is dict)):
+            return None
+        try:
+            tenant = validators.resolved("tenant", spec.tenant, resolve_tenant)
+            service = validators.resolved("service", spec.service, resolve_service)
+        except NotFound:
+            return None
+        if (tenant.max_in_flight or service.requires_approval or service.rate_limit or service.rate_key_limit
+                or service.concurrency_key_limit):
+            return None
+        params = spec.params or {}
+        try:
+            text = json.dumps(params)
+        except (TypeError, ValueError):
+            return None
+        # (ASCII: json.dumps escapes the rest, as params_json does, so its length is its size in bytes.)
+        if len(text) > limit or not validators.accepts(service, params):
+            return None
+        priority = tenant.clamp_priority(spec.priority)
+        jid, task_id = ids[2 * n], ids[2 * n + 1]
+        cby = getattr(spec.created_by, "pk", spec.created_by)
+        parts.append(f'{{"id":"{jid.hex}","task_id":"{task_id.hex}","tenant":"{tenant.id.hex}","svc":{service.id},'
+                     f'"priority":{priority + service.base_priority},"job_priority":{priority},"params":{text},'
+                     f'"src":{json.dumps(str(spec.source))},"sref":{json.dumps(spec.source_ref)},'
+                     f'"corr":{json.dumps(spec.correlation_id)},"cby":{json.dumps(cby)}}}')
+        jobs.append(jid)
+        keys.add(service.key)
+    return parts, jobs, keys

@@ -82,7 +82,8 @@ WITH e AS (
          SELECT NULL, NULL, j.move
            FROM jsonb_array_elements(CASE WHEN e.task_id IS NOT NULL AND e.type = 'status'
                                           THEN coalesce(e.data->'job_before', '[]') || coalesce(e.data->'job', '[]')
-                                               || CASE WHEN e.data ? 'created' THEN jsonb_build_array(e.data->'created')
+                                               || CASE WHEN e.data ? 'created'
+                                                       THEN '[{{"from": "created", "to": "waiting"}}]'::jsonb
                                                        ELSE '[]' END
                                           ELSE '[]' END) AS j(move)
      ) m

@@ -463,18 +463,17 @@ WITH RECURSIVE svc AS (
       FROM upd
 ), ev AS (
     -- One row per task claimed. A task whose job this claim's call made of a narrow start (v_created,
-    -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-    -- written holds it ("created", with its own time and source): one row from start to claim.
+    -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+    -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+    -- start to claim.
     INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
     SELECT v_stamp, upd.job_id, upd.id, upd.attempt, p_source, 'info', 'status',
            CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN 'job created waiting, task queued → starting'
                 ELSE 'task queued → starting' END,
            jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', p_agent::text)
            || CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                  'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                  'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                  'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                'to', 'queued'))))
+                  'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                  'task_key', upd.task_key))
               ELSE '{}'::jsonb END
       FROM upd
 )
@@ -879,18 +878,17 @@ BEGIN
           FROM upd
     ), ev AS (
         -- One row per task claimed. A task whose job this claim's call made of a narrow start (v_created,
-        -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-        -- written holds it ("created", with its own time and source): one row from start to claim.
+        -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+        -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+        -- start to claim.
         INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
         SELECT v_stamp, upd.job_id, upd.id, upd.attempt, p_source, 'info', 'status',
                CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN 'job created waiting, task queued → starting'
                     ELSE 'task queued → starting' END,
                jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', p_agent::text)
                || CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                      'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                      'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                      'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                    'to', 'queued'))))
+                      'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                      'task_key', upd.task_key))
                   ELSE '{}'::jsonb END
           FROM upd
     ), starts AS (
@@ -1155,18 +1153,17 @@ BEGIN
           FROM upd
     ), ev AS (
         -- One row per task claimed. A task whose job this claim's call made of a narrow start (v_created,
-        -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-        -- written holds it ("created", with its own time and source): one row from start to claim.
+        -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+        -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+        -- start to claim.
         INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
         SELECT v_stamp, upd.job_id, upd.id, upd.attempt, p_source, 'info', 'status',
                CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN 'job created waiting, task queued → starting'
                     ELSE 'task queued → starting' END,
                jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', p_agent::text)
                || CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                      'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                      'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                      'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                    'to', 'queued'))))
+                      'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                      'task_key', upd.task_key))
                   ELSE '{}'::jsonb END
           FROM upd
     ), starts AS (
@@ -1431,18 +1428,17 @@ BEGIN
           FROM upd
     ), ev AS (
         -- One row per task claimed. A task whose job this claim's call made of a narrow start (v_created,
-        -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-        -- written holds it ("created", with its own time and source): one row from start to claim.
+        -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+        -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+        -- start to claim.
         INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
         SELECT v_stamp, upd.job_id, upd.id, upd.attempt, p_source, 'info', 'status',
                CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN 'job created waiting, task queued → starting'
                     ELSE 'task queued → starting' END,
                jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', p_agent::text)
                || CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                      'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                      'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                      'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                    'to', 'queued'))))
+                      'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                      'task_key', upd.task_key))
                   ELSE '{}'::jsonb END
           FROM upd
     ), kfirst AS (
@@ -1698,18 +1694,17 @@ BEGIN
           FROM upd
     ), ev AS (
         -- One row per task claimed. A task whose job this claim's call made of a narrow start (v_created,
-        -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-        -- written holds it ("created", with its own time and source): one row from start to claim.
+        -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+        -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+        -- start to claim.
         INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
         SELECT v_stamp, upd.job_id, upd.id, upd.attempt, p_source, 'info', 'status',
                CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN 'job created waiting, task queued → starting'
                     ELSE 'task queued → starting' END,
                jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', p_agent::text)
                || CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                      'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                      'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                      'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                    'to', 'queued'))))
+                      'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                      'task_key', upd.task_key))
                   ELSE '{}'::jsonb END
           FROM upd
     ), starts AS (
@@ -1900,18 +1895,17 @@ BEGIN
           FROM upd
     ), ev AS (
         -- One row per task claimed. A task whose job this claim's call made of a narrow start (v_created,
-        -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-        -- written holds it ("created", with its own time and source): one row from start to claim.
+        -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+        -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+        -- start to claim.
         INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
         SELECT v_stamp, upd.job_id, upd.id, upd.attempt, p_source, 'info', 'status',
                CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN 'job created waiting, task queued → starting'
                     ELSE 'task queued → starting' END,
                jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', p_agent::text)
                || CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                      'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                      'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                      'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                    'to', 'queued'))))
+                      'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                      'task_key', upd.task_key))
                   ELSE '{}'::jsonb END
           FROM upd
     ), starts AS (
@@ -2068,18 +2062,17 @@ BEGIN
           FROM upd
     ), ev AS (
         -- One row per task claimed. A task whose job this claim's call made of a narrow start (v_created,
-        -- jobs.narrow) carries its job's creation too, as the creation row it would otherwise have
-        -- written holds it ("created", with its own time and source): one row from start to claim.
+        -- jobs.narrow) carries its job's creation too ("created": its time, source and the task's key; the
+        -- rest of a one-task job's creation row follows from them, events.timeline.unfold): one row from
+        -- start to claim.
         INSERT INTO accs_event (ts, job_id, task_id, attempt, source, level, type, message, data)
         SELECT v_stamp, upd.job_id, upd.id, upd.attempt, p_source, 'info', 'status',
                CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN 'job created waiting, task queued → starting'
                     ELSE 'task queued → starting' END,
                jsonb_build_object('from', 'queued', 'to', 'starting', 'agent', p_agent::text)
                || CASE WHEN upd.job_id = ANY(v_created::uuid[]) THEN jsonb_build_object('created', jsonb_build_object(
-                      'from', 'created', 'to', 'waiting', 'approval', 'not_required', 'ts', upd.created_at,
-                      'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
-                      'tasks', jsonb_build_array(jsonb_build_object('id', upd.id::text, 'task_key', upd.task_key,
-                                                                    'to', 'queued'))))
+                      'ts', upd.created_at, 'source', (SELECT 'api:' || j.source FROM accs_job j WHERE j.id = upd.job_id),
+                      'task_key', upd.task_key))
                   ELSE '{}'::jsonb END
           FROM upd
     )
