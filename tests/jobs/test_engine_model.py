@@ -41,6 +41,7 @@ without the example database: the test's call takes about 15 s on two idle cores
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,11 +53,13 @@ from django.db import connection
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from accs_site.conf import reload
 from events.artifacts import record_artifact
 from events.models import Event
 from events.timeline import unfold
 from jobs import api, pulse, transitions
 from jobs.claim import NodeLimits, ServiceSpec, claim_many, service_spec
+from jobs.narrow import widen, widen_aged
 from jobs.outcomes import Outcome, ReportResult
 from jobs.retention import prune_finished_jobs
 from jobs.states import JOB_ADMITTED, TASK_HELD, job_may, sql_in, task_may
@@ -72,10 +75,10 @@ AGENT_NAMES = ("agent-a", "agent-b", "agent-c")
 LEASE = 60.0  # seconds: every claim's lease (no service asks for its own)
 SLOTS = 3  # each agent runs at most this many tasks at once
 SOURCE = "agent:model"
-KINDS = ("plain", "capped", "keyed", "pair", "chain")
+KINDS = ("plain", "capped", "keyed", "pair", "chain", "narrow", "narrow-capped")
 # Per example, the engine's state starts empty (definitions and tenants stay); children first.
 RESET_TABLES = ("accs_attempt", "accs_artifact", "accs_job_step", "accs_task", "accs_job", "accs_event", "accs_outage",
-                "accs_cluster_pulse", "accs_object_deletion", "accs_rate_start")
+                "accs_cluster_pulse", "accs_object_deletion", "accs_rate_start", "accs_start")
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,22 @@ def site(make_service, default_tenant, retention_defaults) -> Site:
         "keyed": lambda key: api.start_service("m-keyed", params={"customer": key}),
         "pair": lambda key: api.start_workflow("m-pair", tenant=tenant if key == "a" else None),
         "chain": lambda key: api.start_workflow("m-chain"),
+        # Narrow starts (jobs.narrow): one row each, widened by a claim, the builder or a read by id.
+        "narrow": lambda key: _narrow(lambda: api.start_service("m-plain")),
+        "narrow-capped": lambda key: _narrow(lambda: api.start_service("m-capped")),
     }
     return Site(specs=[service_spec(s) for s in services], starts=starts)
+
+
+def _narrow(start: Callable[[], Any]) -> Any:
+    """Run ``start`` with narrow starts turned on (the site setting), and off again after it."""
+    os.environ["ACC_NARROW_STARTS"] = "1"
+    reload()
+    try:
+        return start()
+    finally:
+        del os.environ["ACC_NARROW_STARTS"]
+        reload()
 
 
 def _close_connection() -> None:
@@ -174,6 +191,11 @@ def _rows(sql: str, params: Any = None) -> list[tuple]:
         return cur.fetchall()
 
 
+def _work_queued() -> bool:
+    """Whether a claim could find work: a queued task, or a narrow start it would widen."""
+    return bool(_rows("SELECT 1 FROM accs_task WHERE status = 'queued' UNION ALL SELECT 1 FROM accs_start LIMIT 1"))
+
+
 def _task_row(task_id: UUID) -> tuple | None:
     rows = _rows("SELECT status, attempt, claimed_by, lease_expires_at, heartbeat_at, error_code, results,"
                  " finished_at, max_attempts FROM accs_task WHERE id = %s", [task_id])
@@ -213,6 +235,7 @@ class EngineMachine(RuleBasedStateMachine):
                 cur.execute(f"DELETE FROM {table}")
         self.agents = {name: Agent(name) for name in AGENT_NAMES}
         self.jobs: list[UUID] = []
+        self.narrow: set[UUID] = set()  # the jobs started as narrow starts
         self.accepted: dict[tuple[UUID, int], frozenset[str]] = {}  # (task, attempt) → attempt statuses allowed
         self.stale: list[Stale] = []
         self.cut_off: set[UUID] = set()  # tasks whose lease ended in a recorded outage, not yet rescued
@@ -229,23 +252,49 @@ class EngineMachine(RuleBasedStateMachine):
     def start(self, starts: list[tuple[str, str]]) -> None:
         for kind, key in starts:
             self.jobs.append(self.site.starts[kind](key).id)
+            if kind.startswith("narrow"):
+                self.narrow.add(self.jobs[-1])
+
+    @rule(kinds=st.lists(st.sampled_from(["narrow", "narrow-capped"]), min_size=1, max_size=4))
+    def start_narrow(self, kinds: list[str]) -> None:
+        """Narrow starts as often as all the other kinds together: their widening races every other step."""
+        self.start([(kind, "a") for kind in kinds])
 
     @precondition(lambda self: bool(_rows("SELECT 1 FROM accs_job WHERE status = 'queued' LIMIT 1")))
     @rule()
     def admit(self) -> None:
         transitions.start_due_jobs()
 
+    @precondition(lambda self: bool(_rows("SELECT 1 FROM accs_start LIMIT 1")))
+    @rule(data=st.data(), by_id=st.booleans())
+    def widen_starts(self, data: st.DataObject, by_id: bool) -> None:
+        """The builder's widening of starts no claim took, or a read by id (the API, an operator's page)."""
+        if by_id:
+            widen([data.draw(st.sampled_from(self.jobs))])
+        else:
+            widen_aged(after_seconds=0, limit=data.draw(st.integers(1, 3)))
+
     # ------------------------------------------------------------------ agents
     def _holding(self) -> list[str]:
         return [a.name for a in self.agents.values() if a.held]
 
-    @precondition(lambda self: any(len(a.held) < SLOTS for a in self.agents.values())
-                  and bool(_rows("SELECT 1 FROM accs_task WHERE status = 'queued' LIMIT 1")))
+    @precondition(lambda self: any(len(a.held) < SLOTS for a in self.agents.values()) and _work_queued())
     @rule(data=st.data())
     def claim(self, data: st.DataObject) -> None:
+        """An agent of every service: it claims through the keyed claim."""
+        self._claim(data, self.site.specs)
+
+    @precondition(lambda self: any(len(a.held) < SLOTS for a in self.agents.values()) and _work_queued())
+    @rule(data=st.data())
+    def claim_unkeyed(self, data: st.DataObject) -> None:
+        """An agent of the services without a per-key limit: it claims through the plain claim, whose rows
+        carry the creation of the narrow starts it widens and takes."""
+        self._claim(data, [s for s in self.site.specs if not s.keyed])
+
+    def _claim(self, data: st.DataObject, specs: list[ServiceSpec]) -> None:
         agent = self.agents[data.draw(st.sampled_from([n for n, a in self.agents.items() if len(a.held) < SLOTS]))]
         name, free = agent.name, SLOTS - len(agent.held)
-        claimed = agent.call(claim_many, self.site.specs, agent.limits, agent_id=agent.agent_id, free_slots=free,
+        claimed = agent.call(claim_many, specs, agent.limits, agent_id=agent.agent_id, free_slots=free,
                              lease_seconds=LEASE)
         for task in claimed:
             others = [a.name for a in self.agents.values() if task.id in a.held]
@@ -418,6 +467,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not {t for t in live if not _rows("SELECT 1 FROM accs_task WHERE id = %s", [t])}, (
             f"retention deleted tasks that agents run (jobs {pruned})")
         self.jobs = [j for j in self.jobs if j not in pruned]
+        self.narrow -= pruned
 
     # ------------------------------------------------------------------ the operator
     @precondition(lambda self: bool(self.jobs))
@@ -482,6 +532,21 @@ class EngineMachine(RuleBasedStateMachine):
                 row = _task_row(task_id)
                 assert row is not None and row[0] in TASK_HELD and (row[1], row[2]) == (attempt, agent.agent_id), (
                     f"{agent.name} renews attempt {attempt} of {task_id}, but the database says {row and row[:3]}")
+
+    @invariant()
+    def every_start_is_one_job_or_one_narrow_start(self) -> None:
+        if not self.jobs:
+            return
+        ids = sorted(self.jobs, key=str)
+        jobs = {r[0] for r in _rows("SELECT id FROM accs_job WHERE id = ANY(%s)", [ids])}
+        starts = {r[0] for r in _rows("SELECT id FROM accs_start WHERE id = ANY(%s)", [ids])}
+        assert not jobs & starts, f"starts that are also jobs: {jobs & starts}"
+        assert jobs | starts == set(ids), f"starts lost: {set(ids) - jobs - starts}"
+        widened = _rows("SELECT j.id, count(t.id) FROM accs_job j LEFT JOIN accs_task t ON t.job_id = j.id"
+                        " WHERE j.id = ANY(%s) GROUP BY j.id HAVING count(t.id) <> 1",
+                        [sorted(self.narrow & jobs, key=str)])
+        assert not widened, f"narrow starts widened into jobs without exactly one task: {widened}"
+        assert not starts - self.narrow, f"wide starts written as narrow ones: {starts - self.narrow}"
 
     @invariant()
     def no_job_is_left_unfinished_when_its_tasks_are(self) -> None:
