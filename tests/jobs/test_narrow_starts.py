@@ -192,6 +192,28 @@ def test_the_builder_widens_the_starts_no_claim_took(narrow, make_service, monke
     assert set(Task.objects.values_list("status", flat=True)) == {TaskStatus.QUEUED}
 
 
+def _race(racers: list) -> list[BaseException]:
+    """Run each racer on a thread (so a database connection) of its own, released at once; return their errors."""
+    barrier = threading.Barrier(len(racers))
+    errors: list[BaseException] = []
+
+    def run(racer) -> None:
+        try:
+            barrier.wait()
+            racer()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(racer,)) for racer in racers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 @pytest.mark.django_db(transaction=True)
 def test_racing_claimers_builder_and_readers_make_each_start_its_job_once(narrow, make_service, default_tenant):
     """Four claimers, the builder's widening and a reader by id, each on its own connection, released at
@@ -199,54 +221,29 @@ def test_racing_claimers_builder_and_readers_make_each_start_its_job_once(narrow
     svc = make_service("narrow-race")
     ids = [api.start_service(svc, params={"i": i}).id for i in range(240)]
     assert Start.objects.count() == 240
-    barrier = threading.Barrier(6)
     claimed: list = []
-    errors: list[BaseException] = []
 
     def claimer(n: int) -> None:
-        try:
-            barrier.wait()
-            while True:
-                got = claim_for(svc, 7, limits=ROOMY, agent=f"agent-{n}")
-                if not got:
-                    if not Start.objects.exists():
-                        return
-                    continue
-                claimed.extend(t.id for t in got)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-        finally:
-            connections.close_all()
+        # Until nothing is left to claim: no start, and no queued task (another racer may widen the last
+        # starts after this claim looked).
+        while True:
+            got = claim_for(svc, 7, limits=ROOMY, agent=f"agent-{n}")
+            claimed.extend(t.id for t in got)
+            if not got and not Start.objects.exists() and not Task.objects.filter(status=TaskStatus.QUEUED).exists():
+                return
 
     def builder() -> None:
         from jobs.narrow import widen_aged
 
-        try:
-            barrier.wait()
-            while Start.objects.exists():
-                widen_aged(after_seconds=0, limit=5)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-        finally:
-            connections.close_all()
+        while Start.objects.exists():
+            widen_aged(after_seconds=0, limit=5)
 
     def reader() -> None:
-        try:
-            barrier.wait()
-            for jid in ids[::-7]:
-                widen([jid])
-                assert Job.objects.filter(pk=jid).exists()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-        finally:
-            connections.close_all()
+        for jid in ids[::-7]:
+            widen([jid])
+            assert Job.objects.filter(pk=jid).exists()
 
-    threads = [threading.Thread(target=claimer, args=(n,)) for n in range(4)]
-    threads += [threading.Thread(target=builder), threading.Thread(target=reader)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _race([lambda n=n: claimer(n) for n in range(4)] + [builder, reader])
     assert not errors, errors
     assert sorted(Job.objects.values_list("id", flat=True)) == sorted(ids)
     assert Task.objects.count() == 240 and Start.objects.count() == 0
