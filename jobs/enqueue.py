@@ -53,6 +53,7 @@ from jobs.instantiate import (
     steps_for,
 )
 from jobs.models import JOB_ACTIVE, ApprovalState, Job, JobSource, JobStatus, TaskStatus
+from jobs.narrow import CREATIONS_SQL, WIDEN_FUNCTION, WIDENED
 from jobs.notify import builder_channel, not_yet_notified, notify, service_channel
 from jobs.sql import bind_params, query_function_sql
 from tenants.models import DEFAULT_TENANT_SLUG, Tenant
@@ -785,6 +786,124 @@ def _built_job(plan: _Plan, values: dict[str, Any]) -> Job:
     job._state.fields_cache.update(tenant=plan.tenant, workflow=plan.workflow, service=plan.service)
     job.was_created = True
     return job
+
+
+# --------------------------------------------------------------------------------------------
+# Widening narrow starts (jobs.narrow): the job rows they become are inserted here too
+# --------------------------------------------------------------------------------------------
+
+# The job row of a widened start: the columns of every job insert (jobs.enqueue.JOB_COLUMNS), read
+# from the start and its service.
+_JOB_FIELD_SQL = {
+    "id": "g.id", "tenant": "g.tenant_id", "wf": "NULL::uuid", "svc": "g.service_id", "prio": "g.job_priority",
+    "opts": "'{}'::jsonb", "sp": "jsonb_build_object(g.svc_key, g.params)", "sched": "g.created_at",
+    "src": "g.source", "sref": "g.source_ref", "ext": "NULL::text", "dk": "NULL::text", "corr": "g.correlation_id",
+    "appr": "'not_required'", "cby": "g.created_by_id", "barred": "NULL::int[]",
+}
+
+
+def widen_sql() -> str:
+    """Return the statement that widens the starts in ``v_ids``, which the statement before it locked.
+
+    What each start becomes is what jobs.enqueue's one-statement start writes for a one-task service
+    job: the job already admitted (waiting, its task named current), its task queued with the
+    service's attempts, timeout and exclusivity as they are now, its one step row, and its compact
+    creation event (stamped at the start's creation, as the job and task are).
+    """
+    return """WITH gone AS (
+    DELETE FROM accs_start s WHERE s.id = ANY(v_ids)
+    RETURNING s.id, s.task_id, s.tenant_id, s.service_id, s.priority, s.job_priority, s.order_seq, s.params,
+              s.source, s.source_ref, s.correlation_id, s.created_by_id, s.created_at
+), g AS (
+    SELECT gone.*, sv.key::text AS svc_key, sv.exclusive_per_host, sv.max_attempts, sv.timeout_seconds
+      FROM gone JOIN accs_service sv ON sv.id = gone.service_id
+), j AS (
+""" + insert_job_sql(lambda name: _JOB_FIELD_SQL[name], order_seq="g.order_seq", status="'waiting'",
+                     current_task_key="g.svc_key", started_at="g.created_at", created_at="g.created_at") + """
+      FROM g
+    RETURNING id
+), t AS (
+    INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status,
+                           depends_on, attempt, max_attempts, next_attempt_at, priority, order_seq, timeout_seconds,
+                           params, assigned_node, claimed_by, node, error_code, error_message, created_at, updated_at)
+    SELECT g.task_id, j.id, g.tenant_id, g.svc_key, g.svc_key, g.service_id, NULL, g.exclusive_per_host, 'queued',
+           '{}', 0, g.max_attempts, g.created_at, g.priority, g.order_seq, g.timeout_seconds, g.params,
+           '', '', '', '', '', g.created_at, now()
+      FROM g JOIN j ON j.id = g.id
+), st AS (
+    INSERT INTO accs_job_step (job_id, step_key, position, total, done, error, skipped, canceled, blocked,
+                               released, poisoned, on_failure, always, max_items)
+    SELECT j.id, g.svc_key, 0, 1, 0, 0, 0, 0, 0, false, false, 'fail_job', false, NULL
+      FROM g JOIN j ON j.id = g.id
+)
+""" + WIDENED
+
+
+def widen_function_sql() -> str:
+    """Return the CREATE FUNCTION statement of :data:`WIDEN_FUNCTION`.
+
+    ``accs_widen_starts(ids, services, per_queue, before, limit)`` widens, by the first argument
+    given: the starts ``ids`` (waiting for a start another transaction is widening: it is a job once
+    that commits), the first ``per_queue`` starts of each of ``services`` per tenant in the claim's
+    order, or up to ``limit`` starts created before ``before``. Those two pass over a start another
+    transaction holds. It answers how many starts it widened. A migration holds a copy; a test
+    compares the database's function with this text.
+    """
+    widen = widen_sql().replace(WIDENED, WIDENED.replace(" FROM g", " INTO v_widened FROM g"))
+    return f"""CREATE OR REPLACE FUNCTION {WIDEN_FUNCTION}(
+    p_ids uuid[], p_svc_ids bigint[], p_per_queue int, p_before timestamptz, p_limit int, p_events boolean)
+RETURNS uuid[]
+LANGUAGE plpgsql VOLATILE
+-- One plan per server connection (see jobs.claim's claim function); every statement reads rows by
+-- the ids and index order it is given.
+SET plan_cache_mode = force_generic_plan
+SET jit = off
+AS $widen$
+DECLARE
+    v_ids uuid[];
+    v_widened uuid[];
+BEGIN
+    IF p_ids IS NOT NULL THEN
+        -- Locked in id order, waited for: one lock order for every widening that waits.
+        v_ids := ARRAY(SELECT s.id FROM accs_start s WHERE s.id = ANY(p_ids) ORDER BY s.id FOR UPDATE);
+    ELSIF p_svc_ids IS NOT NULL THEN
+        -- Each service's tenants with starts, by a skip scan of start_claim_idx (one descent per
+        -- tenant), then each tenant's first starts in the claim's order (priority, then order).
+        v_ids := ARRAY(
+            WITH RECURSIVE heads AS (
+                SELECT q.id AS service_id,
+                       (SELECT s.tenant_id FROM accs_start s WHERE s.service_id = q.id
+                         ORDER BY s.service_id, s.tenant_id LIMIT 1) AS tenant_id
+                  FROM unnest(p_svc_ids) AS q(id)
+                UNION ALL
+                SELECT h.service_id,
+                       (SELECT s.tenant_id FROM accs_start s WHERE s.service_id = h.service_id
+                           AND s.tenant_id > h.tenant_id ORDER BY s.service_id, s.tenant_id LIMIT 1)
+                  FROM heads h WHERE h.tenant_id IS NOT NULL
+            )
+            SELECT x.id FROM heads h CROSS JOIN LATERAL (
+                SELECT s.id FROM accs_start s
+                 WHERE s.service_id = h.service_id AND s.tenant_id = h.tenant_id
+                 ORDER BY s.priority DESC, s.order_seq, s.id
+                 LIMIT p_per_queue
+                   FOR UPDATE SKIP LOCKED) x
+             WHERE h.tenant_id IS NOT NULL);
+    ELSE
+        -- The oldest first, by the time-ordered ids of the primary key.
+        v_ids := ARRAY(SELECT s.id FROM accs_start s WHERE s.created_at < p_before ORDER BY s.id
+                        LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    END IF;
+    IF cardinality(v_ids) = 0 THEN
+        RETURN '{{}}';
+    END IF;
+{widen};
+    IF p_events THEN
+{textwrap.indent(CREATIONS_SQL.format(jobs="v_widened").strip(), "        ")};
+    END IF;
+    RETURN v_widened;
+END
+$widen$"""
+
 
 
 # --------------------------------------------------------------------------------------------

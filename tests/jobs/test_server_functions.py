@@ -26,11 +26,17 @@ from jobs.claim import (
     plain_claim_function_sql,
     service_spec,
 )
-from jobs.enqueue import NARROW_START_FUNCTION, START_FUNCTION, narrow_start_function_sql, start_function_sql
+from jobs.enqueue import (
+    NARROW_START_FUNCTION,
+    START_FUNCTION,
+    narrow_start_function_sql,
+    start_function_sql,
+    widen_function_sql,
+)
 from jobs.finalize import FINALIZE_FUNCTION, finalize_function_sql
 from jobs.inputs import JSONPATH_FUNCTION, STEP_INPUTS_FUNCTION, jsonpath_function_sql, step_inputs_function_sql
 from jobs.models import Task
-from jobs.narrow import WIDEN_FUNCTION, widen_function_sql
+from jobs.narrow import WIDEN_FUNCTION
 from jobs.reports import REPORT_FUNCTION, report_function_sql
 from tests.engine_helpers import NODE, claim_for, run_ok
 from workflows.api import create_workflow
