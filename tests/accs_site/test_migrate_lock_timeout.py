@@ -75,6 +75,22 @@ def _migrate(env: dict[str, str], *args: str, out: Path | None = None) -> subpro
                             text=True)
 
 
+@pytest.fixture
+def no_autovacuum_of_accs_task(db_url: str):
+    """No autovacuum of accs_task while the test runs, and none running when it starts.
+
+    An autovacuum worker holds the lock an index build takes first (SHARE UPDATE EXCLUSIVE) and is
+    told to give way only after deadlock_timeout (1 s), longer than the test's lock timeout (0.3 s):
+    the build would time out before it recorded its index, not in the wait the test is about. Turning
+    autovacuum off for the table takes that lock too, so it also waits out (or cancels) one running.
+    """
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE accs_task SET (autovacuum_enabled = false)")
+    yield
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE accs_task RESET (autovacuum_enabled)")
+
+
 def _holding_a_claim_lock(db_url: str) -> psycopg.Connection:
     """A connection in an open transaction holding ROW EXCLUSIVE on accs_task, as an agent mid-report."""
     conn = psycopg.connect(db_url, application_name="old-agent")
@@ -161,7 +177,7 @@ def test_migrate_gives_up_after_its_tries_with_one_line_and_nothing_of_the_migra
 
 @pytest.mark.django_db(transaction=True)
 def test_an_index_build_that_timed_out_leaves_an_invalid_index_the_next_try_drops_and_builds_again(
-        probe_env, db_url):
+        probe_env, db_url, no_autovacuum_of_accs_task):
     assert _migrate(probe_env, "0001").wait(timeout=120) == 0
     holder = _holding_a_claim_lock(db_url)
     try:

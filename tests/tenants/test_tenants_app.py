@@ -139,7 +139,8 @@ def test_the_engines_foreign_keys_still_point_at_the_tenant_table():
         cur.execute("SELECT conrelid::regclass::text FROM pg_constraint"
                     " WHERE contype = 'f' AND confrelid = 'accs_tenant'::regclass ORDER BY 1")
         referencing = [row[0] for row in cur.fetchall()]
-    assert referencing == ["accs_event_receipt", "accs_job", "accs_task", "accs_tenant_membership", "accs_trigger"]
+    assert referencing == ["accs_event_receipt", "accs_job", "accs_start", "accs_task", "accs_tenant_membership",
+                           "accs_trigger"]
 
 
 # --------------------------------------------------------------------------------------------
