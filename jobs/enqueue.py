@@ -805,10 +805,11 @@ _JOB_FIELD_SQL = {
 def widen_sql() -> str:
     """Return the statement that widens the starts in ``v_ids``, which the statement before it locked.
 
-    What each start becomes is what jobs.enqueue's one-statement start writes for a one-task service
-    job: the job already admitted (waiting, its task named current), its task queued with the
-    service's attempts, timeout and exclusivity as they are now, its one step row, and its compact
-    creation event (stamped at the start's creation, as the job and task are).
+    What each start becomes is what the one-statement start writes for a one-task service job: the
+    job already admitted (waiting, its task named current, stamped at the start's creation), and its
+    task queued with the service's attempts, timeout and exclusivity as they are now, and its one
+    step row. Its creation event is written after it (jobs.narrow.CREATIONS_SQL), or carried by the
+    claim's row of its task. The statement answers the ids of the jobs it made.
     """
     return """WITH gone AS (
     DELETE FROM accs_start s WHERE s.id = ANY(v_ids)
@@ -842,12 +843,13 @@ def widen_sql() -> str:
 def widen_function_sql() -> str:
     """Return the CREATE FUNCTION statement of :data:`WIDEN_FUNCTION`.
 
-    ``accs_widen_starts(ids, services, per_queue, before, limit)`` widens, by the first argument
-    given: the starts ``ids`` (waiting for a start another transaction is widening: it is a job once
-    that commits), the first ``per_queue`` starts of each of ``services`` per tenant in the claim's
-    order, or up to ``limit`` starts created before ``before``. Those two pass over a start another
-    transaction holds. It answers how many starts it widened. A migration holds a copy; a test
-    compares the database's function with this text.
+    ``accs_widen_starts(ids, services, per_queue, before, limit, events)`` widens, by the first
+    argument given: the starts ``ids`` (waiting for a start another transaction is widening: it is a
+    job once that commits), the first ``per_queue`` starts of each of ``services`` per tenant in the
+    claim's order, or up to ``limit`` starts created before ``before``. Those two pass over a start
+    another transaction holds. With ``events`` it writes the jobs' creation rows (the plain claim
+    passes false: its rows carry them). It answers the ids of the jobs it made. A migration holds a
+    copy; a test compares the database's function with this text.
     """
     widen = widen_sql().replace(WIDENED, WIDENED.replace(" FROM g", " INTO v_widened FROM g"))
     return f"""CREATE OR REPLACE FUNCTION {WIDEN_FUNCTION}(
@@ -903,7 +905,6 @@ BEGIN
     RETURN v_widened;
 END
 $widen$"""
-
 
 
 # --------------------------------------------------------------------------------------------
