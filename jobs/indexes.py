@@ -108,6 +108,12 @@ READERS: dict[str, dict[str, str]] = {
         "limit_key_head_rate_until_idx": "the keyed claim function's clearing of rate blocks that ran out "
                                          "(jobs.claim.keyed_claim_function_sql)",
     },
+    "accs_start": {
+        "accs_start_pkey": "a narrow start widened by id (jobs.narrow.widen: reads and verbs by job id) and by "
+                           "age, oldest first (jobs.narrow.widen_aged, the builder)",
+        "start_claim_idx": "the claim's widening of each service's and tenant's first starts (accs_widen_starts, "
+                           "its skip scan of the tenants)",
+    },
     "accs_rate_start": {
         "accs_rate_start_pkey": "the row's identity (the ORM); no query reads it by id",
         "rate_start_service_at_idx": "jobs.claim.STARTED_SQL: a rate-limited service's starts in its period",

@@ -76,6 +76,10 @@ WITH a AS (
     UNION ALL
     SELECT t.tenant_id, t.service_id, t.status, t.attempt, t.next_attempt_at
       FROM accs_task t WHERE t.status IN ('starting', 'running') AND {tenants}
+    UNION ALL
+    -- Narrow starts not widened yet (jobs.narrow): each is a queued task, claimable since it started.
+    SELECT t.tenant_id, t.service_id, 'queued', 0, t.created_at
+      FROM accs_start t WHERE {tenants}
 )
 SELECT a.tenant_id, a.service_id, CASE WHEN a.status = 'scheduled' THEN 'queued' ELSE a.status END, count(*),
        count(*) FILTER (WHERE a.status IN ('queued', 'scheduled') AND a.attempt > 0),
@@ -96,9 +100,11 @@ SELECT t.tenant_id, t.service_id, count(*)
 ADMITTED_JOBS_SQL = """
 -- Jobs whose tasks exist: waiting (none of their tasks starting or running) or running.
 -- job_workflow_admitted_idx holds exactly those jobs.
+-- A narrow start not widened yet (jobs.narrow) is a waiting job.
 SELECT j.tenant_id, count(*) FILTER (WHERE j.status = 'waiting'), count(*) FILTER (WHERE j.status = 'running')
-  FROM accs_job j
- WHERE j.status IN ('waiting', 'running') AND {tenants}
+  FROM (SELECT j.tenant_id, j.status FROM accs_job j WHERE j.status IN ('waiting', 'running') AND {tenants}
+        UNION ALL
+        SELECT j.tenant_id, 'waiting' FROM accs_start j WHERE {tenants}) j
  GROUP BY 1
 """
 
@@ -541,6 +547,10 @@ WITH q AS (
     UNION ALL
     SELECT t.tenant_id, t.service_id, t.host_id
       FROM accs_task t WHERE t.status = 'scheduled' AND {tenants}
+    UNION ALL
+    -- Narrow starts not widened yet (jobs.narrow): queued tasks bound to no host (a start's id is its job's).
+    SELECT t.tenant_id, t.service_id, NULL::bigint
+      FROM (SELECT s.id AS job_id, s.tenant_id, s.service_id FROM accs_start s) t WHERE {tenants}
 )
 SELECT q.tenant_id, q.service_id, count(*), count(*) FILTER (WHERE h.status = 'error'),
        (array_agg(DISTINCT h.name) FILTER (WHERE h.status = 'error'))[1:5]

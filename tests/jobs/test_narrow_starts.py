@@ -345,3 +345,22 @@ def test_a_bulk_start_writes_what_one_start_at_a_time_writes(narrow, make_servic
         assert bulk[0] == "ok" and all(row[0] == "wide" for row in bulk[1])
     else:
         assert bulk == one_by_one
+
+
+def test_the_dashboard_metrics_and_stuck_reasons_count_a_start_before_it_is_widened(narrow, make_service):
+    """A narrow start is a waiting job with a queued task for every count operators read, before any
+    claim or builder widened it: the queue cards and `/metrics` (ops.overview.queue_depth) and the
+    "why isn't it moving" reasons (no agent serves the service), for the site and for its job."""
+    from ops.overview import queue_depth, stuck_reasons
+
+    svc = make_service("narrow-counted")
+    job = api.start_service(svc, params={})
+    assert Start.objects.filter(pk=job.id).exists()
+    tenants, services = queue_depth()
+    [card] = [t for t in tenants if t.tenant == "default"]
+    [row] = [r for r in services if r.service == svc.key]
+    assert (card.queued, card.jobs_waiting, row.queued) == (1, 1, 1)
+    assert card.oldest_queued_age is not None
+    for reasons in (stuck_reasons(nodes=[], conditions=[]), stuck_reasons(nodes=[], conditions=[], job_id=job.id)):
+        assert [(r.service, r.count) for r in reasons] == [(svc.key, 1)], reasons
+    assert Start.objects.filter(pk=job.id).exists()  # reading widened nothing
