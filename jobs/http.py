@@ -443,7 +443,9 @@ def create_job(request: HttpRequest, body: JobIn):
     except api.NotFound as exc:
         # A body naming an unknown workflow/service is an invalid request, not a missing resource.
         raise DefinitionError([Problem("workflow" if body.workflow else "service", str(exc))]) from None
-    job = Job.objects.select_related(*JOB_RELATED).get(pk=started.pk)
+    # A new job is answered as the start wrote it (every start path returns the job as stored; a narrow
+    # start, jobs.narrow, has no job row yet to read); a repeated external_id's job is read.
+    job = started if started.was_created else Job.objects.select_related(*JOB_RELATED).get(pk=started.pk)
     if not started.was_created:
         differ = differences(job, spec)
         if differ:

@@ -118,6 +118,31 @@ def test_webhook_enqueue_is_201_then_200_for_the_same_external_id(world):
     assert (job["tenant"], job["source"], job["priority"], job["service"]) == ("acme", "webhook", 5, "sync")
 
 
+def test_a_narrow_start_is_answered_as_created_then_read_and_acted_on_as_a_queued_job(world, monkeypatch):
+    """With narrow starts on (jobs.narrow) the created job has no row until widened: the answer is built
+    from the start, and the detail, attempts and cancel of it find it as the queued job it is."""
+    from accs_site.conf import reload
+    from jobs.models import Start
+
+    monkeypatch.setenv("ACC_NARROW_STARTS", "1")
+    reload()
+    try:
+        created = post(world["alice"], "/api/v1/jobs", {"service": "sync", "params": {"path": "/n"}, "priority": 3})
+    finally:
+        monkeypatch.delenv("ACC_NARROW_STARTS")
+        reload()
+    assert created.status_code == 201, created.content
+    job = created.json()
+    assert Start.objects.filter(pk=job["id"]).exists()
+    assert (job["status"], job["tenant"], job["service"], job["priority"], job["source"]) == (
+        "waiting", "acme", "sync", 3, "webhook")
+    detail = world["alice"].get(f"/api/v1/jobs/{job['id']}").json()
+    assert {k: detail[k] for k in ("id", "status", "order_seq", "created_at")} == {
+        k: job[k] for k in ("id", "status", "order_seq", "created_at")}
+    assert [(t["task_key"], t["status"]) for t in detail["tasks"]] == [("sync", "queued")]
+    assert post(world["alice"], f"/api/v1/jobs/{job['id']}/cancel").json()["job"]["status"] == "canceled"
+
+
 def test_dedupe_conflict_is_409_naming_the_holder(world):
     first = post(world["alice"], "/api/v1/jobs", {"service": "sync", "dedupe_key": "daily"}).json()
     response = post(world["alice"], "/api/v1/jobs", {"service": "sync", "dedupe_key": "daily"})
