@@ -605,11 +605,13 @@ def start_function_sql() -> str:
 
 # A start on the narrow path (jobs.narrow): one row of accs_start and the agents' wake-up, nothing
 # else. The row takes its place in the global order (order_seq) and its creation time now, as a
-# job row would; widening gives both to the job, task and event it becomes.
-NARROW_START_SQL = """
-WITH s AS (
+# job row would; widening gives both to the job, task and event it becomes. Its columns are the ones
+# the batch insert below writes too.
+_INSERT_START = """
     INSERT INTO accs_start (id, task_id, tenant_id, service_id, priority, job_priority, params, source, source_ref,
-                            correlation_id, created_by_id, created_at)
+                            correlation_id, created_by_id, created_at)"""
+NARROW_START_SQL = """
+WITH s AS (""" + _INSERT_START + """
     VALUES (%(id)s, %(task_id)s, %(tenant)s, %(svc)s, %(priority)s, %(job_priority)s, %(params)s, %(src)s,
             %(sref)s, %(corr)s, %(cby)s, now())
     RETURNING order_seq, created_at
@@ -630,9 +632,7 @@ NARROW_START_CALL_SQL = (f"SELECT * FROM {NARROW_START_FUNCTION}("
 # Many narrow starts in one statement (start_many): one JSON document carries the rows, each takes its
 # place in the global order in the order given.
 INSERT_NARROW_SQL = """
-WITH s AS (
-    INSERT INTO accs_start (id, task_id, tenant_id, service_id, priority, job_priority, params, source, source_ref,
-                            correlation_id, created_by_id, created_at)
+WITH s AS (""" + _INSERT_START + """
     SELECT r.id, r.task_id, r.tenant, r.svc, r.priority, r.job_priority, r.params, r.src, r.sref, r.corr, r.cby, now()
       FROM ROWS FROM (jsonb_to_recordset(%(rows)s::jsonb) AS (
            id uuid, task_id uuid, tenant uuid, svc bigint, priority int, job_priority int, params jsonb, src text,
@@ -703,7 +703,7 @@ def _narrow_row(plan: _Plan) -> dict[str, Any]:
 
 def _start_narrow(plan: _Plan) -> Job:
     """Start a job on the narrow path: one row of accs_start, in the caller's transaction."""
-    spec, service = plan.spec, plan.service
+    service = plan.service
     assert service is not None
     call = _narrow_row(plan)
     call["channels"] = not_yet_notified([service_channel(service.key)])
@@ -714,17 +714,8 @@ def _start_narrow(plan: _Plan) -> Job:
         row = cur.fetchone()
     assert row is not None, "the narrow start's insert answers its row"
     order_seq, created_at = row[:2]
-    values = {
-        "id": jid, "tenant_id": plan.tenant.id, "workflow_id": None, "service_id": service.id,
-        "status": JobStatus.WAITING, "progress": 0.0, "current_task_key": service.key, "priority": plan.priority,
-        "order_seq": order_seq, "options": {}, "step_params": plan.step_params, "scheduled_at": created_at,
-        "error_code": "", "error_message": "", "source": spec.source, "source_ref": spec.source_ref,
-        "external_id": None, "dedupe_key": None, "correlation_id": spec.correlation_id,
-        "approval_state": ApprovalState.NOT_REQUIRED, "approved_by": "", "approved_at": None, "created_by_id": cby,
-        "created_at": created_at, "started_at": created_at, "finished_at": None, "updated_at": created_at,
-        "approval_barred": None,
-    }
-    return _built_job(plan, values)
+    return _built_job(plan, jid=jid, order_seq=order_seq, created_at=created_at, scheduled_at=created_at,
+                      current_task_key=service.key, created_by=cby, barred=None)
 
 
 @functools.cache
@@ -762,26 +753,31 @@ def _start_now(plan: _Plan) -> Job | None:
     if inserted is None:
         return None
     jid, order_seq, created_at, scheduled_at = inserted[:4]
+    return _built_job(plan, jid=jid, order_seq=order_seq, created_at=created_at, scheduled_at=scheduled_at,
+                      current_task_key=min(tasks, key=lambda r: r["position"])["task_key"],
+                      created_by=fields["cby"], barred=fields["barred"])
+
+
+def _built_job(plan: _Plan, *, jid: UUID, order_seq: int, created_at: datetime, scheduled_at: datetime,
+               current_task_key: str, created_by: int | None, barred: list[int] | None) -> Job:
+    """Return a job a start wrote already admitted (``waiting``), read from nothing.
+
+    The values the statement answered (its id, place in the global order and times) and the rest from
+    the plan. Built as a row read from the database is (positional values, no keyword or relation
+    handling: half the cost of the keyword constructor), with its tenant, workflow and service attached.
+    """
+    spec = plan.spec
     values = {
         "id": jid, "tenant_id": plan.tenant.id, "workflow_id": plan.workflow.id if plan.workflow else None,
         "service_id": plan.service.id if plan.service else None, "status": JobStatus.WAITING, "progress": 0.0,
-        "current_task_key": min(tasks, key=lambda r: r["position"])["task_key"], "priority": plan.priority,
-        "order_seq": order_seq, "options": spec.options or {}, "step_params": plan.step_params,
-        "scheduled_at": scheduled_at, "error_code": "", "error_message": "", "source": spec.source,
-        "source_ref": spec.source_ref, "external_id": spec.external_id, "dedupe_key": spec.dedupe_key,
-        "correlation_id": spec.correlation_id, "approval_state": ApprovalState.NOT_REQUIRED, "approved_by": "",
-        "approved_at": None, "created_by_id": fields["cby"], "created_at": created_at, "started_at": created_at,
-        "finished_at": None, "updated_at": created_at, "approval_barred": fields["barred"],
+        "current_task_key": current_task_key, "priority": plan.priority, "order_seq": order_seq,
+        "options": spec.options or {}, "step_params": plan.step_params, "scheduled_at": scheduled_at,
+        "error_code": "", "error_message": "", "source": spec.source, "source_ref": spec.source_ref,
+        "external_id": spec.external_id, "dedupe_key": spec.dedupe_key, "correlation_id": spec.correlation_id,
+        "approval_state": ApprovalState.NOT_REQUIRED, "approved_by": "", "approved_at": None,
+        "created_by_id": created_by, "created_at": created_at, "started_at": created_at, "finished_at": None,
+        "updated_at": created_at, "approval_barred": barred,
     }
-    return _built_job(plan, values)
-
-
-def _built_job(plan: _Plan, values: dict[str, Any]) -> Job:
-    """Return the new job as the start wrote it, read from nothing.
-
-    Built as a row read from the database is (positional values, no keyword or relation handling:
-    half the cost of the keyword constructor), with its tenant, workflow and service attached.
-    """
     job = Job.from_db("default", _job_attnames(), [values[name] for name in _job_attnames()])
     job._state.fields_cache.update(tenant=plan.tenant, workflow=plan.workflow, service=plan.service)
     job.was_created = True
