@@ -762,6 +762,10 @@ SET jit = off
 -- claim on a 500-host node) instead of task_claim_host_idx (one descent, in claim order). The
 -- sorts no index can give (a few rows) are still made.
 SET enable_sort = off
+-- No sequential scans, as the report's and the finalization's functions: a plan made while the task table
+-- was nearly empty read the whole table for the node's held tasks, the services' held counts and the due
+-- retries, at every claim, for as long as the connection lived (the tables grew under it).
+SET enable_seqscan = off
 AS $claim$
 #variable_conflict use_column
 DECLARE
@@ -1000,10 +1004,11 @@ RETURNS TABLE (id uuid, job_id uuid, task_key text, attempt int, params jsonb, t
 LANGUAGE plpgsql VOLATILE
 -- Planned once per server connection, never compiled, and no sort where an index gives the order
 -- (stale statistics cannot turn a head's probe into a sort of the backlog): as the plain claim
--- function (jobs.claim).
+-- function (jobs.claim); no sequential scans either.
 SET plan_cache_mode = force_generic_plan
 SET jit = off
 SET enable_sort = off
+SET enable_seqscan = off
 AS $claim$
 #variable_conflict use_column
 DECLARE

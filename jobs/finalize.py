@@ -82,7 +82,11 @@ UPDATE accs_job_step s
                      THEN (SELECT {GATHERED_OUTPUT} FROM accs_task p
                             WHERE p.job_id = s.job_id AND p.step_key = s.step_key) END
  WHERE s.job_id = ANY(%(jobs)s::uuid[]) AND NOT s.released AND {finished("s")} = s.total
-   AND s.job_id IN (SELECT id FROM accs_job WHERE id = ANY(%(jobs)s::uuid[]) AND status IN {sql_in(JOB_ADMITTED)})
+   -- (The jobs read by id alone, then their status: OFFSET 0 keeps the status out of the read, where a plan
+   -- made while few jobs were admitted read every admitted job through job_workflow_admitted_idx.)
+   AND s.job_id = ANY(ARRAY(SELECT j.id FROM (SELECT id, status FROM accs_job WHERE id = ANY(%(jobs)s::uuid[])
+                                               OFFSET 0) j
+                             WHERE j.status IN {sql_in(JOB_ADMITTED)}))
 RETURNING s.job_id, s.step_key
 """
 
@@ -90,8 +94,10 @@ RETURNING s.job_id, s.step_key
 # roots, tasks with no dependency at all) whose every dependency is done, or, for an "always" step's
 # tasks, final whatever its outcome (its own step row says which).
 PROMOTABLE = f"""w.status = 'waiting'
-       AND (w.id IN (SELECT t.id FROM accs_task t JOIN r ON t.job_id = r.job_id
-                      WHERE t.status = 'waiting' AND r.step_key = ANY(t.depends_on))
+       -- (The jobs named first, so the waiting tasks are read by job, task_job_open_idx, and not every
+       -- waiting task of every job: the alternatives below each name one of these jobs.)
+       AND w.job_id = ANY(ARRAY(SELECT r.job_id FROM r) || %(roots)s::uuid[])
+       AND (EXISTS (SELECT 1 FROM r WHERE r.job_id = w.job_id AND r.step_key = ANY(w.depends_on))
             OR (w.job_id = ANY(%(roots)s::uuid[]) AND cardinality(w.depends_on) = 0))
        AND NOT EXISTS (SELECT 1 FROM accs_job_step d WHERE d.job_id = w.job_id AND d.step_key = ANY(w.depends_on)
                           AND CASE WHEN {is_always("w")} THEN {finished("d")} ELSE d.done END < d.total)"""
@@ -107,7 +113,10 @@ c AS (
     SELECT w.id, w.job_id, cond.expr,
            CASE WHEN {JSONPATH_FUNCTION}(cond.expr) IS NULL THEN 'condition is not a valid jsonpath'
                 ELSE 'condition did not hold' END AS why
-      FROM accs_task w JOIN accs_job j ON j.id = w.job_id
+      FROM accs_task w
+     -- (The task's job by one probe of its primary key, LIMIT 1 keeping it a probe: joined, a plan made
+     -- while the job table was nearly empty read all of it, and drove the tasks from it.)
+     CROSS JOIN LATERAL (SELECT j.workflow_id FROM accs_job j WHERE j.id = w.job_id LIMIT 1) j
      CROSS JOIN LATERAL (SELECT {step_field("w", "j", "when")} #>> '{{}}' AS expr) cond
      WHERE {PROMOTABLE}
        AND cond.expr IS NOT NULL
@@ -116,7 +125,7 @@ c AS (
 ), sk AS (
     UPDATE accs_task t SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
            error_message = left(c.why || ': ' || c.expr, 2000)
-      FROM c WHERE t.id = c.id
+      FROM c WHERE t.id = ANY(ARRAY(SELECT c.id FROM c)) AND t.id = c.id
     RETURNING t.id, t.job_id, c.expr, c.why
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
@@ -159,8 +168,11 @@ WITH r AS (SELECT * FROM unnest(%(job_ids)s::uuid[], %(steps)s::text[]) AS r(job
 f AS (
     SELECT w.id, w.job_id, w.step_key, fo.over, coalesce(js.max_items, {DEFAULT_MAX_FAN_OUT_ITEMS}) AS max_items,
            jsonb_path_query_first({parent_outputs("w")}, {JSONPATH_FUNCTION}(fo.over), '{{}}'::jsonb, true) AS list
-      FROM accs_task w JOIN accs_job j ON j.id = w.job_id
-      JOIN accs_job_step js ON js.job_id = w.job_id AND js.step_key = w.step_key
+      FROM accs_task w
+     -- (The task's job and step row by one probe each, as the condition's skip reads its job.)
+     CROSS JOIN LATERAL (SELECT j.workflow_id FROM accs_job j WHERE j.id = w.job_id LIMIT 1) j
+     CROSS JOIN LATERAL (SELECT js.max_items FROM accs_job_step js
+                          WHERE js.job_id = w.job_id AND js.step_key = w.step_key LIMIT 1) js
      CROSS JOIN LATERAL (SELECT {step_field("w", "j", "fan_out")} ->> 'over' AS over) fo
      WHERE {PROMOTABLE}
        AND w.task_key = w.step_key AND fo.over IS NOT NULL
@@ -185,7 +197,9 @@ f AS (
                                 WHEN v.n = 0 THEN left('fan_out over an empty list: ' || v.over, 2000)
                                 ELSE t.error_message END,
            updated_at = %(now)s
-      FROM v WHERE t.id = v.id
+      -- (The tasks by primary key, as every update here: joined alone to the few rows of v, a plan made while
+      -- the table was small read the whole primary key, at every call, however few v held.)
+      FROM v WHERE t.id = ANY(ARRAY(SELECT v.id FROM v)) AND t.id = v.id
     RETURNING t.id, t.job_id, t.step_key, t.status, t.error_message, v.n, v.over
 ), more AS (
     INSERT INTO accs_task (id, job_id, tenant_id, task_key, step_key, service_id, host_id, exclusive, status,
@@ -194,24 +208,27 @@ f AS (
     SELECT {item_task_id("w", "i")}, w.job_id, w.tenant_id, w.step_key || '[' || i || ']', w.step_key,
            w.service_id, w.host_id, w.exclusive, 'waiting', w.depends_on, 0, w.max_attempts, %(now)s, w.priority,
            w.order_seq, w.timeout_seconds, w.params, w.assigned_node, '', '', '', '', %(now)s, %(now)s
-      FROM v JOIN accs_task w ON w.id = v.id CROSS JOIN LATERAL generate_series(1, v.n - 1) AS i
+      FROM v JOIN accs_task w ON w.id = v.id AND w.id = ANY(ARRAY(SELECT v.id FROM v))
+     CROSS JOIN LATERAL generate_series(1, v.n - 1) AS i
      WHERE v.failure IS NULL AND v.n > 1
      ORDER BY w.id, i
 ), grow AS (
     UPDATE accs_job_step s SET total = s.total + v.n - 1
       FROM v WHERE s.job_id = v.job_id AND s.step_key = v.step_key AND v.failure IS NULL AND v.n > 1
-), halt AS (
+), rest AS (
     -- A failed fan-out of an on_failure "fail_job" step fails its job as a failed task does (jobs.failure):
-    -- the job's other unstarted tasks are skipped, except those of "always" steps.
+    -- the job's other unstarted tasks are skipped (halt), except those of "always" steps. (Read by job,
+    -- task_job_open_idx: "IN (...)" let a plan read every unstarted task of every job.)
+    SELECT u.id, u.status AS was FROM accs_task u
+     WHERE u.job_id = ANY(ARRAY(SELECT v.job_id FROM v JOIN accs_job_step js ON js.job_id = v.job_id
+                                                      AND js.step_key = v.step_key
+                               WHERE v.failure IS NOT NULL AND js.on_failure = 'fail_job'))
+       AND u.status IN {sql_in(TASK_UNSTARTED)} AND NOT {is_always("u")}
+       AND u.id NOT IN (SELECT id FROM v)
+), halt AS (
     UPDATE accs_task o SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
            error_message = '{JOB_FAILED_REASON}'
-      FROM (SELECT u.id, u.status AS was FROM accs_task u
-             WHERE u.job_id IN (SELECT v.job_id FROM v JOIN accs_job_step js ON js.job_id = v.job_id
-                                                        AND js.step_key = v.step_key
-                                 WHERE v.failure IS NOT NULL AND js.on_failure = 'fail_job')
-               AND u.status IN {sql_in(TASK_UNSTARTED)} AND NOT {is_always("u")}
-               AND u.id NOT IN (SELECT id FROM v)) x
-     WHERE o.id = x.id
+      FROM rest x WHERE o.id = ANY(ARRAY(SELECT x.id FROM rest x)) AND o.id = x.id
     RETURNING o.id, o.job_id, x.was
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
@@ -360,6 +377,9 @@ WITH agg AS (
                      CASE WHEN agg.blocked > 0 THEN agg.blocked || ' of ' || agg.total
                           || ' task(s) blocked on their host' END) AS partly
       FROM agg JOIN accs_job j ON j.id = agg.job_id
+     -- (The jobs by primary key: joined alone, a generic plan made while the table was small read the
+     -- whole primary key at every call.)
+     WHERE j.id = ANY(%(jobs)s::uuid[])
 ), upd AS (
     UPDATE accs_job j
        SET progress = v.finished::float / greatest(v.total, 1),
@@ -375,7 +395,11 @@ WITH agg AS (
                                        WHEN 'partial' THEN v.partly
                                        ELSE j.error_message END,
            updated_at = %(now)s
-      FROM verdict v WHERE j.id = v.job_id
+      -- (Each job by its primary key, one probe per verdict: written as a range, the condition cannot be
+      -- hashed or merged, so no plan can read the whole primary key to join it, as one made while the
+      -- table was nearly empty did at every call; "= ANY" beside the join let a plan read every named
+      -- job for each verdict instead.)
+      FROM verdict v WHERE j.id >= v.job_id AND j.id <= v.job_id
     RETURNING j.id
 ), jm AS (
     -- The jobs' moves: those the caller made before this statement (a task's start moving its job from

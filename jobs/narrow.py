@@ -48,7 +48,9 @@ SELECT j.created_at, j.id, 'api:' || j.source, 'info', 'status', 'job created wa
                           'tasks', jsonb_build_array(jsonb_build_object('id', t.id::text, 'task_key', t.task_key,
                                                                         'to', 'queued')))
   FROM accs_job j JOIN accs_task t ON t.job_id = j.id
- WHERE j.id = ANY({jobs}) AND t.attempt = 0
+ -- (The tasks by their jobs too: joined alone, a plan made while the task table was nearly empty read
+ -- all of task_job_key_unique for them, at every claim that widened a start it did not take.)
+ WHERE j.id = ANY({jobs}) AND t.job_id = ANY({jobs}) AND t.attempt = 0
  ORDER BY j.id"""
 
 

@@ -50,7 +50,8 @@ MARK_RUNNING_SQL = f"""
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[], %(pids)s::int[]) AS v(id, attempt, pid)),
 run AS (
     UPDATE accs_task t SET status = 'running', started_at = %(now)s, updated_at = %(now)s
-      FROM v WHERE t.id = v.id AND t.attempt = v.attempt AND t.status = 'starting' AND t.claimed_by = %(agent)s
+      FROM v WHERE t.id = ANY(%(ids)s::uuid[]) AND t.id = v.id AND t.attempt = v.attempt AND t.status = 'starting'
+       AND t.claimed_by = %(agent)s
     RETURNING t.id, t.job_id, t.attempt, v.pid
 ),
 att AS (
@@ -68,12 +69,19 @@ JOBS_RUNNING_SQL = f"""
 -- reads "job waiting → running", then "task starting → running".
 WITH v AS (SELECT * FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS v(id, attempt)),
 up AS (
-    -- By the ids of the reported tasks' jobs: with "id IN (...)" a generic plan made from statistics that
-    -- said few jobs wait (a burst that had ended) walked every waiting job instead, at every report.
+    -- By the ids of the reported tasks' jobs, and their status read after them (OFFSET 0): with
+    -- "id IN (...)", or the status beside the ids, a generic plan made from statistics that said few jobs
+    -- wait (a burst that had ended) walked every waiting job instead, at every report. The caller holds
+    -- the jobs' locks, so the status read is the one updated.
     UPDATE accs_job SET status = 'running', updated_at = %(now)s
-     WHERE id = ANY(ARRAY(SELECT t.job_id FROM accs_task t JOIN v ON v.id = t.id AND v.attempt = t.attempt
-                           WHERE t.status = 'starting' AND t.claimed_by = %(agent)s))
-       AND status = 'waiting'
+     WHERE id = ANY(ARRAY(SELECT j.id
+                            FROM (SELECT j.id, j.status FROM accs_job j
+                                   WHERE j.id = ANY(ARRAY(SELECT t.job_id FROM accs_task t
+                                                            JOIN v ON v.id = t.id AND v.attempt = t.attempt
+                                                           WHERE t.id = ANY(%(ids)s::uuid[])
+                                                             AND t.status = 'starting' AND t.claimed_by = %(agent)s))
+                                  OFFSET 0) j
+                           WHERE j.status = 'waiting'))
     RETURNING id
 )
 SELECT {JOB_STARTED_MOVE} FROM up
@@ -146,7 +154,10 @@ done AS (
     UPDATE accs_task t SET status = 'done', results = v.results::jsonb, progress = 1, finished_at = %(now)s,
            started_at = coalesce(t.started_at, %(now)s), updated_at = %(now)s
       FROM v JOIN accs_task was ON was.id = v.id
-     WHERE t.id = v.id AND t.attempt = v.attempt AND t.status IN (%(from_status)s, 'running')
+     -- (By primary key, as the claim's update: a join alone let a generic plan made while the table was
+     -- small merge the reported tasks with the whole primary key.)
+     WHERE t.id = ANY(%(ids)s::uuid[]) AND was.id = ANY(%(ids)s::uuid[])
+       AND t.id = v.id AND t.attempt = v.attempt AND t.status IN (%(from_status)s, 'running')
     RETURNING t.id, t.job_id, t.attempt, v.code, v.out, v.err, v.pid, was.status AS was
 ),
 att AS (
@@ -230,7 +241,10 @@ DECLARE
     v_job_moves jsonb := '[]';
 BEGIN
     -- The lock order (jobs.locks): the jobs of the reported tasks, then the tasks, each sorted by id.
-    PERFORM 1 FROM accs_job WHERE id IN (SELECT t.job_id FROM accs_task t WHERE t.id = ANY(p_ids || p_start_ids))
+    -- (Each statement reads its rows by their ids, "= ANY(ARRAY(...))": a join or "IN (...)" let a plan made
+    -- while the table was small read the whole primary key instead, at every report.)
+    PERFORM 1 FROM accs_job
+     WHERE id = ANY(ARRAY(SELECT t.job_id FROM accs_task t WHERE t.id = ANY(p_ids || p_start_ids)))
      ORDER BY id FOR NO KEY UPDATE;
     PERFORM 1 FROM accs_task WHERE id = ANY(p_ids || p_start_ids) ORDER BY id FOR UPDATE;
     -- Then the held counts of their keys, sorted: up to two statements below end tasks.
@@ -513,7 +527,8 @@ PROMOTE_DUE_SQL = """WITH due AS (
      ORDER BY next_attempt_at LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), up AS (
-    UPDATE accs_task t SET status = 'queued', updated_at = now() FROM due WHERE t.id = due.id
+    -- (By primary key: joined to due, a plan made while the table was nearly empty read all of it.)
+    UPDATE accs_task t SET status = 'queued', updated_at = now() WHERE t.id = ANY(ARRAY(SELECT id FROM due))
     RETURNING t.id, t.job_id, t.attempt, t.service_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, attempt, source, level, type, message, data)
