@@ -228,12 +228,15 @@ f AS (
 ), halt AS (
     UPDATE accs_task o SET status = 'skipped', finished_at = %(now)s, updated_at = %(now)s,
            error_message = '{JOB_FAILED_REASON}'
-      FROM rest x WHERE o.id = ANY(ARRAY(SELECT x.id FROM rest x)) AND o.id = x.id
-    RETURNING o.id, o.job_id, x.was
+     -- (By primary key alone, as the claim's update; each task's status before comes from rest. Joined to
+     -- rest, a plan could read every named task once per task of rest: a failed job's thousands.)
+     WHERE o.id = ANY(ARRAY(SELECT x.id FROM rest x))
+    RETURNING o.id, o.job_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT job_id, id, %(source)s, 'warn', 'status', 'task ' || was || ' → skipped ({JOB_FAILED_REASON})',
-           jsonb_build_object('from', was, 'to', 'skipped', 'reason', '{JOB_FAILED_REASON}') FROM halt
+    SELECT h.job_id, h.id, %(source)s, 'warn', 'status', 'task ' || x.was || ' → skipped ({JOB_FAILED_REASON})',
+           jsonb_build_object('from', x.was, 'to', 'skipped', 'reason', '{JOB_FAILED_REASON}')
+      FROM halt h JOIN rest x ON x.id = h.id
     UNION ALL
     SELECT job_id, id, %(source)s, CASE status WHEN 'error' THEN 'error' ELSE 'info' END, 'status',
            CASE status WHEN 'waiting' THEN 'step ' || step_key || ' fanned out over ' || over || ': ' || n || ' task(s)'

@@ -225,12 +225,15 @@ f AS (
 ), halt AS (
     UPDATE accs_task o SET status = 'skipped', finished_at = p_now, updated_at = p_now,
            error_message = 'job failed'
-      FROM rest x WHERE o.id = ANY(ARRAY(SELECT x.id FROM rest x)) AND o.id = x.id
-    RETURNING o.id, o.job_id, x.was
+     -- (By primary key alone, as the claim's update; each task's status before comes from rest. Joined to
+     -- rest, a plan could read every named task once per task of rest: a failed job's thousands.)
+     WHERE o.id = ANY(ARRAY(SELECT x.id FROM rest x))
+    RETURNING o.id, o.job_id
 ), ev AS (
     INSERT INTO accs_event (job_id, task_id, source, level, type, message, data)
-    SELECT job_id, id, p_source, 'warn', 'status', 'task ' || was || ' → skipped (job failed)',
-           jsonb_build_object('from', was, 'to', 'skipped', 'reason', 'job failed') FROM halt
+    SELECT h.job_id, h.id, p_source, 'warn', 'status', 'task ' || x.was || ' → skipped (job failed)',
+           jsonb_build_object('from', x.was, 'to', 'skipped', 'reason', 'job failed')
+      FROM halt h JOIN rest x ON x.id = h.id
     UNION ALL
     SELECT job_id, id, p_source, CASE status WHEN 'error' THEN 'error' ELSE 'info' END, 'status',
            CASE status WHEN 'waiting' THEN 'step ' || step_key || ' fanned out over ' || over || ': ' || n || ' task(s)'
